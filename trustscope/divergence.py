@@ -6,6 +6,16 @@ safe for probabilities from 1e-12 up to 1 - 1e-7: the complements ``1 - p`` are 
 never by subtraction, and clamped at ``EPS`` before a logarithm.
 
 KL is always ``KL(mu || pi)``, the direction the paper uses. Memory is O(N * K): nothing here sees the vocabulary.
+
+Precision and the bf16 band. Every divergence and ratio is computed in float32 (float64 inputs in float64), so a
+bf16 input differs from its float32 source only by its own rounding: a logprob ``x`` rounded to bf16 moves by at
+most ``|x| * 2**-8`` (half an ulp of an 8-bit significand). A keep-mask computed from bf16 logprobs therefore equals
+the float32 mask on every token except those inside the *bf16 band*: tokens whose float32 decision quantity
+(``D - delta``, ``r - (1 + eps)``, ``pi - mu``) would change sign if every input logprob moved by up to
+``BF16_BAND_RTOL * |x|`` in its worst direction. ``BF16_BAND_RTOL = 2**-7`` is twice the rounding bound, leaving
+room for the second-order terms. In words: a bf16 mask only disagrees with the fp32 one for tokens within about
+``2**-7 * (p_pi |log p_pi| + p_mu |log p_mu|)`` (at most 0.003) of a TV threshold, and within a relative
+``2**-7 * (|log pi| + |log mu|)`` of a ratio bound. ``tests/test_losses.py`` checks this band.
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from torch import Tensor
 
 EPS = 1e-12
 """Floor for probabilities that enter a logarithm (the 'other' bucket, ``1 - p``)."""
+
+BF16_BAND_RTOL = 2.0**-7
+"""Relative move of each input logprob that defines the bf16 tolerance band at a mask threshold (module docstring)."""
 
 MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped here before ``exp``, as in the authors' code (``exp(20)`` is about 4.9e8)."""
@@ -40,12 +53,25 @@ def log1mexp(logp: Tensor) -> Tensor:
     return torch.log((-torch.expm1(as_compute(logp))).clamp_min(EPS))
 
 
+def abs_diff_exp(a: Tensor, b: Tensor) -> Tensor:
+    """``|exp(a) - exp(b)|`` without cancellation: ``exp(max) * (1 - exp(-|a - b|))``. ``(...)`` -> ``(...)``.
+
+    Plain subtraction loses every digit when both probabilities are close to 1 (1 - 1e-4 against 1 - 1e-7 in
+    float32); this form keeps the relative error at a few ulps.
+    """
+    a, b = as_compute(a), as_compute(b)
+    hi = torch.maximum(a, b)
+    gap = (a - b).abs()
+    out = torch.exp(hi) * -torch.expm1(-gap)
+    return torch.where(gap == 0, torch.zeros_like(out), out)  # also covers a = b = -inf
+
+
 def binary_tv(mu_logprob: Tensor, pi_logprob: Tensor) -> Tensor:
     """Binary TV: the vocabulary collapsed to {sampled token, rest}, which gives ``|pi - mu|``.
 
     ``mu_logprob``, ``pi_logprob``: ``(...)``. Returns ``(...)`` in [0, 1].
     """
-    return (torch.exp(as_compute(pi_logprob)) - torch.exp(as_compute(mu_logprob))).abs()
+    return abs_diff_exp(pi_logprob, mu_logprob)
 
 
 def binary_kl(mu_logprob: Tensor, pi_logprob: Tensor) -> Tensor:
@@ -81,12 +107,18 @@ def topk_tv(mu_topk_logprobs: Tensor, pi_topk_logprobs: Tensor) -> Tensor:
 
     ``0.5 * (sum_i |P_i - Q_i| + |P_rest - Q_rest|)`` with P = mu, Q = pi at the same ids.
     ``mu_topk_logprobs``, ``pi_topk_logprobs``: ``(..., K)``, aligned by token id. Returns ``(...)`` in [0, 1].
-    K = 1 (the sampled token alone) equals :func:`binary_tv`.
+    K = 1 (the sampled token alone) equals :func:`binary_tv`. ``|P_rest - Q_rest|`` is taken as
+    ``|sum_i Q_i - sum_i P_i|`` from the two log-sums (each sum capped at 1), which equals the clamped form up to
+    ``EPS`` and keeps its digits when both buckets are close to 1.
     """
     _check_topk(mu_topk_logprobs, pi_topk_logprobs)
-    p, p_rest = _with_other_bucket(mu_topk_logprobs)
-    q, q_rest = _with_other_bucket(pi_topk_logprobs)
-    return (0.5 * ((p - q).abs().sum(-1) + (p_rest - q_rest).abs())).clamp(0.0, 1.0)
+    mu_lp, pi_lp = as_compute(mu_topk_logprobs), as_compute(pi_topk_logprobs)
+    listed = abs_diff_exp(mu_lp, pi_lp).sum(-1)  # (...)
+    # |P_rest - Q_rest| = |sum Q_i - sum P_i|: from the two log-sums, accurate even when both rests are near 1.
+    mu_sum = torch.logsumexp(mu_lp, dim=-1).clamp(max=0.0)  # (...)
+    pi_sum = torch.logsumexp(pi_lp, dim=-1).clamp(max=0.0)  # (...)
+    rest = abs_diff_exp(mu_sum, pi_sum)
+    return (0.5 * (listed + rest)).clamp(0.0, 1.0)
 
 
 def topk_kl(mu_topk_logprobs: Tensor, pi_topk_logprobs: Tensor) -> Tensor:
@@ -99,7 +131,8 @@ def topk_kl(mu_topk_logprobs: Tensor, pi_topk_logprobs: Tensor) -> Tensor:
     mu_lp, pi_lp = as_compute(mu_topk_logprobs), as_compute(pi_topk_logprobs)
     p, p_rest = _with_other_bucket(mu_lp)
     _, q_rest = _with_other_bucket(pi_lp)
-    kl = (p * (mu_lp - pi_lp)).sum(-1) + p_rest * (torch.log(p_rest) - torch.log(q_rest))
+    terms = torch.where(p > 0, p * (mu_lp - pi_lp), torch.zeros_like(p))  # (..., K): 0 log 0 = 0 for padded ids
+    kl = terms.sum(-1) + p_rest * (torch.log(p_rest) - torch.log(q_rest))
     return kl.clamp_min(0.0)
 
 
@@ -121,6 +154,13 @@ def force_sampled_into_topk(
             f"sampled_ids must have shape {tuple(topk_ids.shape[:-1])} (topk_ids without K), "
             f"got {tuple(sampled_ids.shape)}"
         )
+    if sampled_logprobs.shape != sampled_ids.shape:
+        raise ValueError(
+            f"sampled_logprobs must have the shape of sampled_ids {tuple(sampled_ids.shape)}, "
+            f"got {tuple(sampled_logprobs.shape)}"
+        )
+    if topk_ids.ndim == 0 or topk_ids.shape[-1] < 1:
+        raise ValueError(f"topk_ids needs K >= 1, got shape {tuple(topk_ids.shape)}")
     present = (topk_ids == sampled_ids.unsqueeze(-1)).any(-1)  # (...)
     ids, lps = topk_ids.clone(), topk_logprobs.clone()
     ids[..., -1] = torch.where(present, ids[..., -1], sampled_ids.to(ids.dtype))

@@ -13,6 +13,11 @@ registers exactly like the built-ins::
     def my_rule(batch: PolicyBatch, delta: float) -> LossOutput: ...
 
 Per-token math is kept apart from aggregation: :func:`aggregate` reduces ``(B, T)`` losses with a named mode.
+
+Precision: masks, weights and the loss are computed in float32 whatever the input dtype (float64 stays float64), so
+a bf16 ``pi_logprob`` gives a float32 loss. Masks from bf16 inputs equal the float32 masks except on tokens within
+the bf16 band at a threshold, defined in :mod:`trustscope.divergence` (``BF16_BAND_RTOL``).
+Padding (``mask`` False) may hold any value, even inf or NaN: it never reaches the loss, its gradient or a metric.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ class LossRule:
                 f"loss rule {self.name!r} got unknown parameter(s) {sorted(unknown)}; "
                 f"its parameters are {sorted(self.defaults)}"
             )
-        for name in self.needs:
+        for name in sorted(self.needs):
             if getattr(batch, name) is None:
                 raise ValueError(f"loss rule {self.name!r} needs PolicyBatch.{name}, which is None")
         merged = {**self.defaults, **params}
@@ -114,6 +119,9 @@ def register_loss(name: str, *, needs: tuple[str, ...] = (), **defaults: Any) ->
         if missing:
             raise ValueError(f"loss rule {name!r}: no default for parameter(s) {sorted(missing)}")
         _validate_params(name, defaults)
+        fields = set(PolicyBatch.__dataclass_fields__)
+        if not set(needs) <= fields:
+            raise ValueError(f"loss rule {name!r}: needs={needs!r} names no PolicyBatch field(s); fields are {sorted(fields)}")
         doc = inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
         _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), doc)
         return fn
@@ -190,10 +198,10 @@ def _check_batch(batch: PolicyBatch) -> None:
         t = getattr(batch, name)
         if t is None:
             continue
-        valid = t.detach()[mask]
-        if torch.isnan(valid).any():
-            n = int(torch.isnan(valid).sum())
-            raise ValueError(f"PolicyBatch.{name} holds {n} NaN value(s) on unmasked tokens")
+        nan = torch.isnan(t.detach())  # (B, T) or (B, T, K)
+        nan = (nan if nan.ndim == mask.ndim else nan.any(-1)) & mask  # (B, T)
+        if nan.any():
+            raise ValueError(f"PolicyBatch.{name} holds NaN on {int(nan.sum())} unmasked token(s)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,24 +233,29 @@ def dppo_keep(div: Tensor, pi_logprob: Tensor, anchor_logprob: Tensor, adv: Tens
 
 
 def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor) -> LossOutput:
-    """The shared loss form ``-A * sg(w) * M * log pi`` with the standard metrics."""
-    valid = batch.mask.bool()
-    keep = keep & valid
-    pi_lp = batch.pi_logprob
-    loss = -batch.advantages.to(pi_lp.dtype) * w.to(pi_lp.dtype) * keep.to(pi_lp.dtype) * pi_lp
+    """The shared loss form ``-A * sg(w) * M * log pi`` with the standard metrics.
+
+    ``keep`` and ``w``: ``(B, T)``. Blocked and padded tokens get an exact zero loss and an exact zero gradient, even
+    where their inputs are inf or NaN.
+    """
+    keep = keep & batch.mask.bool()  # (B, T)
+    pi_lp = D.as_compute(batch.pi_logprob)  # (B, T), differentiable
+    coef = -D.as_compute(batch.advantages).detach() * w.detach().to(pi_lp.dtype)  # (B, T) = -A * sg(w)
+    coef = torch.where(keep, coef, torch.zeros_like(coef))
+    loss = torch.where(keep, coef * pi_lp, torch.zeros_like(pi_lp))
     return LossOutput(loss=loss, keep=keep, metrics=trust_region_metrics(batch, keep, w))
 
 
 def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
-    m = m.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1.0)
+    x = torch.where(m, x, torch.zeros_like(x))
+    return x.sum() / m.sum().clamp_min(1).to(x.dtype)
 
 
 def trust_region_metrics(batch: PolicyBatch, keep: Tensor, w: Tensor) -> dict[str, Tensor]:
     """Blocked fraction overall and by advantage sign, mismatch |pi - mu|, k3 KL, IS weight statistics."""
     with torch.no_grad():
         valid = batch.mask.bool()
-        blocked = (valid & ~keep).float()
+        blocked = (valid & ~keep).float()  # (B, T)
         adv = batch.advantages
         pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
         lr = D.log_ratio(pi_lp, mu_lp)
@@ -253,7 +266,8 @@ def trust_region_metrics(batch: PolicyBatch, keep: Tensor, w: Tensor) -> dict[st
             "policy/mismatch_abs_mean": _masked_mean(D.binary_tv(mu_lp, pi_lp), valid),
             "policy/k3_kl": _masked_mean(D.k3_kl(mu_lp, pi_lp), valid),
             "policy/is_weight_mean": _masked_mean(w.float(), valid),
-            "policy/log_ratio_abs_max": (lr.abs() * valid).max() if valid.any() else lr.new_zeros(()),
+            "policy/log_ratio_abs_max": torch.where(valid, lr.abs(), torch.zeros_like(lr)).max()
+            if valid.any() else lr.new_zeros(()),
         }
     return out
 
@@ -311,18 +325,19 @@ def cispo(batch: PolicyBatch, is_cap: float) -> LossOutput:
 def _ppo(batch: PolicyBatch, anchor: Tensor, eps_low: float, eps_high: float, is_cap: float,
          dual_clip: float | None = None) -> LossOutput:
     pi_lp = batch.pi_logprob.detach()
-    keep = ppo_keep(D.ratio(pi_lp, anchor), batch.advantages, eps_low, eps_high)
-    w = is_weight(pi_lp, batch.mu_logprob, is_cap)
+    r = D.ratio(pi_lp, anchor)  # (B, T)
+    keep = ppo_keep(r, batch.advantages, eps_low, eps_high)
     if dual_clip is not None:
-        w = torch.where(batch.advantages < 0, w.clamp(max=dual_clip), w)
-    return policy_loss(batch, keep, w)
+        keep = keep & ~((batch.advantages < 0) & (r > dual_clip))
+    return policy_loss(batch, keep, is_weight(pi_lp, batch.mu_logprob, is_cap))
 
 
 @register_loss("ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=None, is_cap=NO_CAP)
 def ppo_clip(batch: PolicyBatch, eps_low: float, eps_high: float, dual_clip: float | None, is_cap: float) -> LossOutput:
     """PPO / GRPO ratio clip on r = pi/mu (defaults: Clip-Higher, eps 0.2 / 0.28).
 
-    ``dual_clip`` (c > 1) caps the weight of negative-advantage tokens at c, as dual-clip PPO does.
+    ``dual_clip`` (c > 1): dual-clip PPO also blocks negative-advantage tokens with r > c (its objective is the
+    constant c * A there, so they carry no gradient). None turns it off.
     """
     return _ppo(batch, batch.mu_logprob.detach(), eps_low, eps_high, is_cap, dual_clip)
 
@@ -390,30 +405,46 @@ def minimal_negative_mask(batch: PolicyBatch, delta: float) -> LossOutput:
 # aggregation
 
 
+def _where(loss: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask > 0, loss, torch.zeros_like(loss))
+
+
 def _agg_token_mean(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
-    """Mean over all valid tokens of the batch. Long sequences carry more weight (one vote per token)."""
-    return (loss * mask).sum() / mask.sum().clamp_min(1.0)
+    """Mean over all valid tokens of the batch.
+
+    Length bias: long sequences carry more weight (one vote per token), and each token's weight depends on the
+    batch's total token count.
+    """
+    return _where(loss, mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def _agg_seq_mean_token_mean(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
-    """Mean over sequences of each sequence's token mean. Tokens of short sequences weigh more (GRPO's bias)."""
-    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+    """Mean over sequences (those with at least one valid token) of each sequence's token mean.
+
+    Length bias: tokens of short sequences weigh more (GRPO's bias): short right answers are pushed up hard,
+    long wrong ones are pushed down softly.
+    """
+    per_seq = _where(loss, mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
     has_tokens = (mask.sum(-1) > 0).to(loss.dtype)
     return (per_seq * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
 
 
 def _agg_seq_mean_token_sum(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
-    """Mean over sequences of each sequence's token sum. The loss scale grows with response length."""
-    return (loss * mask).sum(-1).mean()
+    """Mean over all B sequences of each sequence's token sum.
+
+    Length bias: none between tokens, but the loss scale (and the gradient) grows with response length.
+    """
+    return _where(loss, mask).sum(-1).mean()
 
 
 def _agg_seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
-    """Token sum over the batch / (B * max_len) (Dr. GRPO): a constant normaliser, no length bias.
+    """Token sum over the batch / (B * max_len) (Dr. GRPO), the paper's recipe.
 
-    ``max_len`` defaults to T, the padded response length.
+    Length bias: none; the normaliser is a constant, so every token weighs the same whatever its sequence's
+    length. ``max_len`` defaults to T, the padded response length.
     """
     b, t = loss.shape
-    return (loss * mask).sum() / (b * (max_len or t))
+    return _where(loss, mask).sum() / (b * (max_len or t))
 
 
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int | None], Tensor]] = {

@@ -1,0 +1,456 @@
+"""trustscope.losses: every rule against the paper's examples, a slow float64 reference, gradients, bf16, errors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from trustscope import divergence as D
+from trustscope import losses as L
+from trustscope.losses import LossOutput, PolicyBatch, get_loss, list_losses, register_loss
+
+RULES = [
+    "ppo_clip", "grpo", "pg_is", "cispo", "minirl", "minirl_tis", "dppo_binary_tv", "dppo_binary_kl",
+    "dppo_topk_tv", "dppo_topk_kl", "dppo_decoupled", "ppo_lowprob_relax", "minimal_negative_mask",
+]
+
+
+def batch_of(pi: list[float], mu: list[float], adv: list[float], *, old: list[float] | None = None,
+             dtype: torch.dtype = torch.float64, grad: bool = False) -> PolicyBatch:
+    """One sequence of tokens given by probabilities; top-K = the sampled token alone (K = 1)."""
+
+    def t(p: list[float]) -> torch.Tensor:
+        return torch.tensor([[math.log(x) for x in p]], dtype=torch.float64).to(dtype)
+
+    pi_lp = t(pi).requires_grad_(grad)
+    return PolicyBatch(
+        pi_logprob=pi_lp, mu_logprob=t(mu), advantages=torch.tensor([adv], dtype=dtype),
+        mask=torch.ones(1, len(pi), dtype=torch.bool), old_logprob=t(old) if old else t(mu),
+        mu_topk_logprobs=t(mu)[..., None], pi_topk_logprobs=pi_lp.detach()[..., None],
+    )
+
+
+# --- the paper's worked examples -----------------------------------------------------------------------------------
+
+
+def test_paper_defaults():
+    assert set(RULES) <= set(list_losses())
+    assert get_loss("dppo_binary_tv").defaults["delta"] == 0.15
+    assert get_loss("dppo_topk_tv").defaults["delta"] == 0.15
+    assert get_loss("dppo_binary_kl").defaults["delta"] == 0.05
+    assert get_loss("dppo_topk_kl").defaults["delta"] == 0.05
+    assert get_loss("ppo_clip").defaults["eps_low"] == 0.2
+    assert get_loss("ppo_clip").defaults["eps_high"] == 0.28
+    assert get_loss("grpo").defaults["eps_high"] == 0.2
+    assert get_loss("ppo_lowprob_relax").defaults["alpha_low"] == 0.1
+    assert get_loss("minimal_negative_mask").defaults["delta"] == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rare_token_pushed_up(dtype):
+    b = batch_of([1e-2], [1e-4], [1.0], dtype=dtype)
+    assert not get_loss("ppo_clip")(b).keep.item()
+    assert not get_loss("grpo")(b).keep.item()
+    for name in ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl"):
+        assert get_loss(name)(b).keep.item(), name
+    assert get_loss("ppo_lowprob_relax")(b).keep.item()  # mu < alpha: the clip is lifted
+    assert D.binary_tv(b.mu_logprob, b.pi_logprob).item() == pytest.approx(0.0099, abs=1e-6)
+    assert D.binary_kl(b.mu_logprob, b.pi_logprob).item() == pytest.approx(0.0095, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_token_pushed_down(dtype):
+    b = batch_of([0.80], [0.99], [-1.0], dtype=dtype)
+    assert get_loss("ppo_clip")(b).keep.item()
+    for name in ("dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl"):
+        assert not get_loss(name)(b).keep.item(), name
+    assert D.binary_tv(b.mu_logprob, b.pi_logprob).item() == pytest.approx(0.19, abs=1e-6)
+    assert D.binary_kl(b.mu_logprob, b.pi_logprob).item() == pytest.approx(0.181, abs=5e-4)
+
+
+def test_dppo_blocks_only_the_harmful_direction():
+    # Same large TV, but pi moved against the advantage's push: the update heals the move, DPPO keeps it.
+    assert get_loss("dppo_binary_tv")(batch_of([0.80], [0.99], [1.0])).keep.item()
+    assert get_loss("dppo_binary_tv")(batch_of([0.99], [0.80], [-1.0])).keep.item()
+    assert not get_loss("dppo_binary_tv")(batch_of([0.99], [0.80], [1.0])).keep.item()
+
+
+def test_zero_advantage_takes_negative_branch():
+    assert not get_loss("dppo_binary_tv")(batch_of([0.5], [0.9], [0.0])).keep.item()
+    assert get_loss("dppo_binary_tv")(batch_of([0.9], [0.5], [0.0])).keep.item()
+    out = get_loss("pg_is")(batch_of([0.5], [0.9], [0.0], grad=True))
+    assert out.loss.item() == 0.0
+
+
+def test_thresholds_are_strict():
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    up = torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64)
+    down = torch.tensor([-1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
+    div = torch.tensor([0.15, 0.15, 0.150001, 0.150001], dtype=torch.float64)
+    assert L.dppo_keep(div, up, down, adv, 0.15).tolist() == [True, True, False, False]
+    r = torch.tensor([1.28, 0.8, 1.2800001, 0.7999999], dtype=torch.float64)
+    assert L.ppo_keep(r, adv, 0.2, 0.28).tolist() == [True, True, False, False]
+    # Mask-delta is inclusive: mu - pi >= delta (PAPER.md).
+    assert not get_loss("minimal_negative_mask")(batch_of([0.25], [0.75], [-1.0])).keep.item()
+    assert get_loss("minimal_negative_mask")(batch_of([0.25], [0.75], [1.0])).keep.item()
+
+
+def test_dual_clip_blocks_large_ratio_negative_tokens():
+    b = batch_of([0.5, 0.5, 0.5], [0.1, 0.1, 0.4], [-1.0, 1.0, -1.0])  # r = 5, 5, 1.25
+    rule = get_loss("ppo_clip")
+    assert rule(b).keep.tolist() == [[True, False, True]]
+    assert rule(b, dual_clip=3.0).keep.tolist() == [[False, False, True]]
+
+
+def test_decoupled_rules_anchor_on_old_logprob():
+    # mu = pi (no mismatch) but pi_old far: only the pi_old-anchored masks react.
+    b = batch_of([0.5], [0.5], [1.0], old=[0.05])
+    assert get_loss("dppo_binary_kl")(b).keep.item()
+    assert not get_loss("dppo_decoupled")(b).keep.item()
+    assert get_loss("ppo_clip")(b).keep.item()
+    assert not get_loss("minirl")(b).keep.item()
+
+
+def test_dppo_with_ratio_distance_is_ppo():
+    """DPPO's mask with D = |r - 1| and delta = eps is PPO's mask (where A != 0)."""
+    name = "test_dppo_ratio_distance"
+
+    @register_loss(name, delta=0.2)
+    def dppo_ratio(batch: PolicyBatch, delta: float) -> LossOutput:
+        """DPPO gated on |r - 1|."""
+        r = D.ratio(batch.pi_logprob.detach(), batch.mu_logprob)
+        keep = L.dppo_keep((r - 1).abs(), batch.pi_logprob.detach(), batch.mu_logprob, batch.advantages, delta)
+        return L.policy_loss(batch, keep, L.is_weight(batch.pi_logprob, batch.mu_logprob))
+
+    try:
+        assert name in list_losses()
+        assert get_loss(name).doc == "DPPO gated on |r - 1|."
+        g = torch.Generator().manual_seed(3)
+        b = random_batch(g, 2000)
+        ours = get_loss(name)(b)
+        ppo = get_loss("grpo")(b)
+        nz = b.advantages != 0
+        assert torch.equal(ours.keep[nz], ppo.keep[nz])
+        assert (~ppo.keep).sum() > 50 and ppo.keep.sum() > 50
+        torch.testing.assert_close(ours.loss, ppo.loss)
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss(name, delta=0.1)(dppo_ratio)
+    finally:
+        L._REGISTRY.pop(name, None)
+
+
+# --- gradients -----------------------------------------------------------------------------------------------------
+
+
+def random_batch(g: torch.Generator, n: int, *, v: int = 8, k: int = 3, dtype: torch.dtype = torch.float64,
+                 scale: float = 1.5, pad: bool = False) -> PolicyBatch:
+    """``n`` tokens from random mu / pi / pi_old over a ``v``-token vocabulary; top-K over mu with a forced in."""
+    mu_logits = 2 * torch.randn(n, v, generator=g, dtype=torch.float64)
+    spread = scale * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    pi_logits = mu_logits + spread * torch.randn(n, v, generator=g, dtype=torch.float64)
+    old_logits = mu_logits + 0.5 * spread * torch.randn(n, v, generator=g, dtype=torch.float64)
+    mu_all, pi_all, old_all = (torch.log_softmax(x, -1) for x in (mu_logits, pi_logits, old_logits))
+    a = torch.multinomial(mu_all.exp(), 1, generator=g).squeeze(-1)  # (n,)
+    ids = torch.argsort(mu_all, -1, descending=True)[:, :k]  # (n, K)
+    ids, _ = D.force_sampled_into_topk(ids, mu_all.gather(-1, ids), a, mu_all.gather(-1, a[:, None])[:, 0])
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[torch.rand(n, generator=g) < 0.1] = 0.0
+    mask = torch.ones(n, dtype=torch.bool)
+    if pad:
+        mask[torch.rand(n, generator=g) < 0.2] = False
+
+    def shape(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(n // 100 if n % 100 == 0 else 1, -1, *x.shape[1:]).to(dtype)
+
+    return PolicyBatch(
+        pi_logprob=shape(pi_all.gather(-1, a[:, None])[:, 0]),
+        mu_logprob=shape(mu_all.gather(-1, a[:, None])[:, 0]),
+        advantages=shape(adv), mask=shape(mask).bool(),
+        old_logprob=shape(old_all.gather(-1, a[:, None])[:, 0]),
+        mu_topk_logprobs=shape(mu_all.gather(-1, ids)), pi_topk_logprobs=shape(pi_all.gather(-1, ids)),
+    )
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_gradient_is_closed_form_and_zero_when_blocked(name):
+    g = torch.Generator().manual_seed(11)
+    b = random_batch(g, 600, pad=True)
+    pi_lp = b.pi_logprob.clone().requires_grad_(True)
+    b = PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp})
+    rule = get_loss(name)
+    out = rule(b)
+    out.loss.sum().backward()
+    grad = pi_lp.grad
+    blocked = ~out.keep
+    assert blocked.any() or name in ("pg_is", "cispo")
+    assert (grad[blocked] == 0).all()
+    assert (out.loss[blocked] == 0).all()
+    cap = rule.defaults.get("is_cap", math.inf)
+    w = torch.exp((b.pi_logprob.detach() - b.mu_logprob).clamp(max=20)).clamp(max=cap)
+    expected = torch.where(out.keep, -b.advantages * w, torch.zeros_like(w))
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
+    for key in ("policy/blocked_frac", "policy/blocked_frac_pos", "policy/blocked_frac_neg",
+                "policy/mismatch_abs_mean", "policy/k3_kl"):
+        assert torch.isfinite(out.metrics[key]), key
+        assert not out.metrics[key].requires_grad
+
+
+def test_gradient_through_logits():
+    """pi_logprob gathered from logits: d loss / d logits = -A w M (onehot(a) - softmax)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)  # (B, T, V)
+    a = torch.randint(0, 7, (2, 5), generator=g)  # (B, T)
+    pi_lp = torch.log_softmax(logits, -1).gather(-1, a[..., None])[..., 0]  # (B, T)
+    mu_lp = pi_lp.detach() + 0.8 * torch.randn(2, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    b = PolicyBatch(pi_logprob=pi_lp, mu_logprob=mu_lp, advantages=adv, mask=torch.ones(2, 5, dtype=torch.bool))
+    out = get_loss("dppo_binary_tv")(b, delta=0.05)
+    out.loss.sum().backward()
+    w = torch.exp((pi_lp.detach() - mu_lp).clamp(max=20))
+    coef = (-adv * w * out.keep)[..., None]
+    onehot = torch.nn.functional.one_hot(a, 7).double()
+    expected = coef * (onehot - torch.softmax(logits.detach(), -1))
+    torch.testing.assert_close(logits.grad, expected)
+    assert (~out.keep).any() and out.keep.any()
+
+
+def test_padding_with_garbage_is_ignored():
+    g = torch.Generator().manual_seed(2)
+    b = random_batch(g, 400, pad=True, dtype=torch.float32)
+    pad = ~b.mask
+    garbage = PolicyBatch(**{
+        **b.__dict__,
+        "pi_logprob": torch.where(pad, torch.tensor(-math.inf), b.pi_logprob).requires_grad_(True),
+        "mu_logprob": torch.where(pad, torch.tensor(math.nan), b.mu_logprob),
+        "advantages": torch.where(pad, torch.tensor(math.inf), b.advantages),
+    })
+    for name in RULES:
+        clean, dirty = get_loss(name)(b), get_loss(name)(garbage)
+        assert torch.equal(clean.keep, dirty.keep), name
+        torch.testing.assert_close(clean.loss, dirty.loss)
+        for key, value in clean.metrics.items():
+            torch.testing.assert_close(value, dirty.metrics[key], msg=f"{name} {key}")
+    get_loss("dppo_binary_kl")(garbage).loss.sum().backward()
+    assert torch.isfinite(garbage.pi_logprob.grad).all()
+    assert (garbage.pi_logprob.grad[pad] == 0).all()
+
+
+def test_metrics_values():
+    b = batch_of([1e-2, 0.80, 0.5, 0.5], [1e-4, 0.99, 0.5, 0.5], [1.0, -1.0, 1.0, 0.0])
+    m = get_loss("ppo_clip")(b).metrics
+    assert m["policy/blocked_frac"].item() == pytest.approx(0.25)
+    assert m["policy/blocked_frac_pos"].item() == pytest.approx(0.5)
+    assert m["policy/blocked_frac_neg"].item() == pytest.approx(0.0)
+    assert m["policy/mismatch_abs_mean"].item() == pytest.approx((0.0099 + 0.19) / 4)
+    k3 = [(r - 1) - math.log(r) for r in (100.0, 0.8 / 0.99, 1.0, 1.0)]
+    assert m["policy/k3_kl"].item() == pytest.approx(sum(k3) / 4)
+    m = get_loss("dppo_binary_tv")(b).metrics
+    assert m["policy/blocked_frac_neg"].item() == pytest.approx(0.5)
+
+
+# --- bf16 ------------------------------------------------------------------------------------------------------------
+
+
+def _margins(name: str, x: dict[str, torch.Tensor], adv: torch.Tensor) -> list[torch.Tensor]:
+    """Signed decision quantities of a rule's mask; the mask is a function of their signs."""
+    pi, mu = x["pi_logprob"], x["mu_logprob"]
+    if name == "ppo_clip":
+        r = torch.exp(pi - mu)
+        return [torch.where(adv > 0, r - 1.28, r - 0.8)]
+    div = {
+        "dppo_binary_tv": lambda: D.binary_tv(mu, pi) - 0.15,
+        "dppo_binary_kl": lambda: D.binary_kl(mu, pi) - 0.05,
+        "dppo_topk_tv": lambda: D.topk_tv(x["mu_topk_logprobs"], x["pi_topk_logprobs"]) - 0.15,
+        "dppo_topk_kl": lambda: D.topk_kl(x["mu_topk_logprobs"], x["pi_topk_logprobs"]) - 0.05,
+    }[name]()
+    return [div, pi - mu]
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl"])
+def test_bf16_masks_match_fp32_outside_the_band(name):
+    g = torch.Generator().manual_seed(7)
+    b32 = random_batch(g, 20000, dtype=torch.float32, scale=1.0)
+    fields = ("pi_logprob", "mu_logprob", "mu_topk_logprobs", "pi_topk_logprobs")
+    b16 = PolicyBatch(**{**b32.__dict__, **{f: getattr(b32, f).bfloat16() for f in fields}})
+    keep32, keep16 = get_loss(name)(b32).keep, get_loss(name)(b16).keep
+    # The band: a first-order worst case of every input logprob moving by BF16_BAND_RTOL * |x|.
+    x = {f: getattr(b32, f).clone().requires_grad_(True) for f in fields}
+    bands, margins = [], _margins(name, x, b32.advantages)
+    for margin in margins:
+        grads = torch.autograd.grad(margin.sum(), list(x.values()), allow_unused=True, retain_graph=True)
+        reach = torch.zeros_like(margin)
+        for f, gr in zip(fields, grads, strict=True):
+            if gr is not None:
+                term = (gr * x[f].detach()).abs() * D.BF16_BAND_RTOL
+                reach = reach + (term.sum(-1) if term.ndim == 3 else term)
+        bands.append(margin.detach().abs() <= reach)
+    in_band = bands[0]
+    if len(bands) == 2:  # DPPO: the direction pi vs mu only matters where D may exceed delta
+        in_band = in_band | (bands[1] & (margins[0].detach() > 0))
+    differ = keep32 != keep16
+    assert not (differ & ~in_band).any(), f"{int((differ & ~in_band).sum())} bf16 mask flips outside the band"
+    assert in_band.float().mean() < 0.08  # the band is narrow (1-6% of tokens here): the check has teeth
+    assert (~keep32).sum() > 100
+
+
+# --- the slow reference --------------------------------------------------------------------------------------------
+
+
+def _ref_binary_kl(mu: float, pi: float) -> float:
+    rest_mu, rest_pi = max(1 - mu, 1e-12), max(1 - pi, 1e-12)
+    return mu * math.log(mu / pi) + rest_mu * math.log(rest_mu / rest_pi)
+
+
+def _ref_topk(mu_k: list[float], pi_k: list[float]) -> tuple[float, float]:
+    p = [math.exp(v) for v in mu_k]
+    q = [math.exp(v) for v in pi_k]
+    p_rest, q_rest = max(1 - sum(p), 1e-12), max(1 - sum(q), 1e-12)
+    tv = 0.5 * (sum(abs(a - b) for a, b in zip(p, q, strict=True)) + abs(p_rest - q_rest))
+    kl = sum(a * math.log(a / b) for a, b in zip(p, q, strict=True)) + p_rest * math.log(p_rest / q_rest)
+    return tv, kl
+
+
+def reference_rule(name: str, pi_lp: float, mu_lp: float, old_lp: float, adv: float,
+                   mu_k: list[float], pi_k: list[float]) -> tuple[bool, float, list[float]]:
+    """PAPER.md in plain float64 Python for one token: (keep, loss, decision margins)."""
+    pi, mu = math.exp(pi_lp), math.exp(mu_lp)
+    cap = {"cispo": 2.0, "minirl_tis": 2.0}.get(name, math.inf)
+    w = min(math.exp(min(pi_lp - mu_lp, 20.0)), cap)
+    margins: list[float] = []
+    keep = True
+
+    def ppo(anchor_lp: float, eps_low: float, eps_high: float, alpha: float = 0.0) -> bool:
+        r = math.exp(min(pi_lp - anchor_lp, 20.0))
+        margins.extend([r - (1 + eps_high), r - (1 - eps_low), mu - alpha])
+        if adv > 0 and r > 1 + eps_high and mu >= alpha:
+            return False
+        return not (adv < 0 and r < 1 - eps_low and mu >= alpha)
+
+    def dppo(div: float, delta: float, anchor_lp: float) -> bool:
+        margins.extend([div - delta, pi_lp - anchor_lp])
+        if div <= delta:
+            return True
+        if adv > 0:
+            return not pi_lp > anchor_lp
+        return not pi_lp < anchor_lp
+
+    if name == "ppo_clip":
+        keep = ppo(mu_lp, 0.2, 0.28)
+    elif name == "grpo":
+        keep = ppo(mu_lp, 0.2, 0.2)
+    elif name in ("minirl", "minirl_tis"):
+        keep = ppo(old_lp, 0.2, 0.28)
+    elif name == "ppo_lowprob_relax":
+        keep = ppo(mu_lp, 0.2, 0.28, alpha=0.1)
+    elif name == "dppo_binary_tv":
+        keep = dppo(abs(pi - mu), 0.15, mu_lp)
+    elif name == "dppo_binary_kl":
+        keep = dppo(_ref_binary_kl(mu, pi), 0.05, mu_lp)
+    elif name == "dppo_topk_tv":
+        keep = dppo(_ref_topk(mu_k, pi_k)[0], 0.15, mu_lp)
+    elif name == "dppo_topk_kl":
+        keep = dppo(_ref_topk(mu_k, pi_k)[1], 0.05, mu_lp)
+    elif name == "dppo_decoupled":
+        old = math.exp(old_lp)
+        keep = dppo(_ref_binary_kl(old, pi), 0.05, old_lp)
+    elif name == "minimal_negative_mask":
+        margins.append((mu - pi) - 0.5)
+        keep = not (adv < 0 and mu - pi >= 0.5)
+    loss = -adv * w * pi_lp if keep else 0.0
+    return keep, loss, margins
+
+
+FP32_BAND = 1e-4
+"""fp32 masks are held to the reference except on tokens with a decision margin within this of zero."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rules_match_slow_reference(dtype):
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    b = random_batch(g, 3000, dtype=dtype, scale=2.0)
+    flat = {f: getattr(b, f).double().reshape(3000, *getattr(b, f).shape[2:]).tolist()
+            for f in ("pi_logprob", "mu_logprob", "old_logprob", "advantages", "mu_topk_logprobs",
+                      "pi_topk_logprobs")}
+    excluded = 0
+    for name in RULES:
+        out = get_loss(name)(b)
+        keep = out.keep.reshape(-1).tolist()
+        loss = out.loss.detach().double().reshape(-1).tolist()
+        n_blocked = 0
+        for i in range(3000):
+            ref_keep, ref_loss, margins = reference_rule(
+                name, flat["pi_logprob"][i], flat["mu_logprob"][i], flat["old_logprob"][i],
+                flat["advantages"][i], flat["mu_topk_logprobs"][i], flat["pi_topk_logprobs"][i],
+            )
+            n_blocked += not ref_keep
+            if dtype == torch.float32 and any(abs(m) <= FP32_BAND for m in margins):
+                excluded += 1
+                continue
+            assert keep[i] == ref_keep, (name, i, margins)
+            rel = 1e-9 if dtype == torch.float64 else 1e-4
+            assert loss[i] == pytest.approx(ref_loss, rel=rel, abs=1e-300), (name, i)
+        if name not in ("pg_is", "cispo"):
+            assert 10 < n_blocked < 2900, (name, n_blocked)  # both branches exercised
+    assert excluded < 0.01 * 3000 * len(RULES)
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_rule_lists_valid_names():
+    with pytest.raises(KeyError, match=r"unknown loss rule 'dppo'.*dppo_binary_tv.*ppo_clip"):
+        get_loss("dppo")
+
+
+@pytest.mark.parametrize(("name", "params", "pattern"), [
+    ("dppo_binary_tv", {"delta": -0.1}, r"delta=-0.1 must be >= 0"),
+    ("dppo_binary_kl", {"delta": math.nan}, r"delta=nan must be a number"),
+    ("ppo_clip", {"eps_low": 1.0}, r"eps_low=1.0 must be in \[0, 1\)"),
+    ("ppo_clip", {"eps_high": -0.5}, r"eps_high=-0.5 must be >= 0"),
+    ("ppo_clip", {"dual_clip": 0.5}, r"dual_clip=0.5 must be > 1"),
+    ("cispo", {"is_cap": 0}, r"is_cap=0 must be > 0"),
+    ("ppo_lowprob_relax", {"alpha_low": 1.5}, r"alpha_low=1.5 must be a probability"),
+    ("dppo_binary_tv", {"divergence": "full_tv"}, r"divergence='full_tv' is not one of"),
+    ("dppo_binary_tv", {"eps": 0.2}, r"unknown parameter\(s\) \['eps'\]"),
+])
+def test_bad_parameters_name_argument_and_value(name, params, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        get_loss(name)(batch_of([0.5], [0.5], [1.0]), **params)
+
+
+def test_bad_batches_name_field():
+    b = batch_of([0.5, 0.4], [0.5, 0.4], [1.0, -1.0])
+    rule = get_loss("dppo_topk_tv")
+    with pytest.raises(ValueError, match=r"PolicyBatch.mu_logprob has shape \(1, 3\)"):
+        rule(PolicyBatch(**{**b.__dict__, "mu_logprob": torch.zeros(1, 3)}))
+    with pytest.raises(ValueError, match=r"PolicyBatch\.advantages holds NaN on 1 unmasked token"):
+        rule(PolicyBatch(**{**b.__dict__, "advantages": torch.tensor([[1.0, math.nan]])}))
+    with pytest.raises(ValueError, match=r"PolicyBatch\.pi_topk_logprobs holds NaN on 1 unmasked token"):
+        rule(PolicyBatch(**{**b.__dict__, "pi_topk_logprobs": torch.tensor([[[math.nan], [-1.0]]])}))
+    with pytest.raises(ValueError, match="K=0"):
+        rule(PolicyBatch(**{**b.__dict__, "mu_topk_logprobs": torch.zeros(1, 2, 0),
+                            "pi_topk_logprobs": torch.zeros(1, 2, 0)}))
+    with pytest.raises(ValueError, match="must have the same K"):
+        rule(PolicyBatch(**{**b.__dict__, "mu_topk_logprobs": torch.zeros(1, 2, 3)}))
+    with pytest.raises(ValueError, match=r"needs PolicyBatch\.mu_topk_logprobs"):
+        rule(PolicyBatch(**{**b.__dict__, "mu_topk_logprobs": None}))
+    with pytest.raises(ValueError, match=r"needs PolicyBatch\.old_logprob"):
+        get_loss("minirl")(PolicyBatch(**{**b.__dict__, "old_logprob": None}))
+
+
+def test_register_rejects_incomplete_rules():
+    def rule(batch: PolicyBatch, delta: float, beta: float) -> LossOutput:
+        raise AssertionError
+
+    with pytest.raises(ValueError, match=r"no default for parameter\(s\) \['beta'\]"):
+        register_loss("test_incomplete", delta=0.1)(rule)
+    with pytest.raises(ValueError, match=r"needs=.*'topk'"):
+        register_loss("test_bad_needs", needs=("topk",), delta=0.1, beta=1.0)(rule)
+    with pytest.raises(ValueError, match="delta=-1"):
+        register_loss("test_bad_default", delta=-1, beta=1.0)(rule)
+    assert not {"test_incomplete", "test_bad_needs", "test_bad_default"} & set(list_losses())
