@@ -1,0 +1,199 @@
+"""Write throughput and size of TokenLogger against raw pyarrow writing the same columns, in one process.
+
+    .venv/bin/python bench/bench_logger.py                 # 10M token rows, K = 20
+    .venv/bin/python bench/bench_logger.py --rows 1000000 --repeat 3  # a quick run
+
+Reports rows/s and bytes/row for: raw pyarrow (zstd, no dictionary on float columns: the baseline), TokenLogger
+with its defaults, and TokenLogger with ``topk_precision="float16"``; the logger/raw ratio; and what float16 top-K
+costs in TV/KL recomputed from the stored lists (the ``topk_tv``/``topk_kl`` columns are computed before rounding).
+The synthetic data imitate a rollout: top-K ids Zipf-distributed over a 152k vocabulary, sorted top-K logprobs,
+pi within ~1e-3 of mu. Bytes/row depend on the data; the ratios are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from trustscope import divergence
+from trustscope import schema as S
+from trustscope.logger import TokenLogger
+
+V = 152_064
+
+
+def make_step(rng: np.random.Generator, B: int, T: int, K: int) -> dict[str, np.ndarray]:
+    """One padded step of rollout-like data, every position real. Shapes (B, T) and (B, T, K)."""
+    logits = rng.standard_normal((B, T, K)).astype(np.float32) * 2.0 + np.linspace(4, 0, K, dtype=np.float32)
+    logits = -np.sort(-logits, axis=-1)  # (B, T, K) descending
+    tail = rng.uniform(0.0, 0.3, (B, T, 1)).astype(np.float32)  # probability mass outside the top-K
+    topk = np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * (1 - tail))  # (B, T, K)
+    ids = np.minimum(rng.zipf(1.3, (B, T, K)), V) - 1  # (B, T, K)
+    pi_topk = np.minimum(topk + rng.normal(0, 1e-3, topk.shape).astype(np.float32), 0)  # (B, T, K)
+    mu_t, pi_t = torch.from_numpy(topk), torch.from_numpy(pi_topk)
+    return {
+        "token_id": ids[..., 0].astype(np.int32),
+        "mu_logprob": topk[..., 0],
+        "old_logprob": topk[..., 0],
+        "pi_logprob": pi_topk[..., 0],
+        "advantage": np.repeat(rng.standard_normal((B, 1)).astype(np.float32), T, axis=1),
+        "entropy": rng.exponential(1.0, (B, T)).astype(np.float32),
+        "mu_topk_ids": ids.astype(np.int32),
+        "mu_topk_logprobs": topk,
+        "pi_topk_logprobs": pi_topk,
+        "topk_tv": divergence.topk_tv(mu_t, pi_t).numpy(),
+        "topk_kl": divergence.topk_kl(mu_t, pi_t).numpy(),
+        "kept": np.ones((B, T), dtype=bool),
+    }
+
+
+def raw_table(step: int, data: dict[str, np.ndarray], run_id: str) -> pa.Table:
+    """The same rows as TokenLogger writes, built directly with pyarrow."""
+    B, T, K = data["mu_topk_ids"].shape
+    n = B * T
+    cols: dict[str, pa.Array] = {
+        "run_id": pa.repeat(pa.scalar(run_id), n),
+        "step": pa.array(np.full(n, step, np.int64)),
+        "rank": pa.array(np.zeros(n, np.int32)),
+        "sample_id": pa.array(np.repeat(np.arange(B, dtype=np.int64), T)),
+        "prompt_id": pa.array(np.repeat(np.arange(B, dtype=np.int64) // 16, T)),
+        "pos": pa.array(np.tile(np.arange(T, dtype=np.int32), B)),
+    }
+    offsets = pa.array(np.arange(0, (n + 1) * K, K, dtype=np.int32))
+    for f in S.TOKENS:
+        if f.name in cols:
+            continue
+        if f.name == "loss_rule":
+            cols[f.name] = pa.repeat(pa.scalar("dppo_binary_tv"), n)
+        elif pa.types.is_list(f.type):
+            cols[f.name] = pa.ListArray.from_arrays(offsets, pa.array(data[f.name].reshape(-1)), type=f.type)
+        else:
+            cols[f.name] = pa.array(data[f.name].reshape(-1))
+    return pa.table(cols, schema=S.TOKENS)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.parquet"))
+
+
+def bench_raw(out: Path, steps: list[dict], n_steps: int, rows_per_file: int) -> tuple[float, int]:
+    floats = ["mu_logprob", "old_logprob", "pi_logprob", "advantage", "entropy", "mu_topk_logprobs",
+              "pi_topk_logprobs", "topk_tv", "topk_kl"]
+    no_dict_floats = [n for n in S.TOKENS.names if n not in floats]
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
+    writer, rows, files = None, 0, 0
+    for step in range(n_steps):
+        table = raw_table(step, steps[step % len(steps)], "raw")
+        if writer is None:
+            writer = pq.ParquetWriter(out / f"{files:05d}.parquet", S.TOKENS, compression="zstd",
+                                      use_dictionary=no_dict_floats)
+        writer.write_table(table)
+        rows += table.num_rows
+        if rows >= rows_per_file:
+            writer.close()
+            writer, rows, files = None, 0, files + 1
+    if writer is not None:
+        writer.close()
+    return time.perf_counter() - t0, dir_bytes(out)
+
+
+def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int, **kw) -> tuple[float, int]:
+    B, T, _ = steps[0]["mu_topk_ids"].shape
+    mask = np.ones((B, T), dtype=bool)
+    samples = {"sample_id": np.arange(B), "prompt_id": np.arange(B) // 16}
+    t0 = time.perf_counter()
+    with TokenLogger(out, "bench", loss_rule="dppo_binary_tv", flush_rows=rows_per_file, **kw) as logger:
+        for step in range(n_steps):
+            logger.log_step(step, tokens=steps[step % len(steps)], mask=mask, samples=samples)
+    return time.perf_counter() - t0, dir_bytes(out / "bench" / "tokens")
+
+
+def float16_cost(steps: list[dict]) -> dict[str, float]:
+    """Error of top-K TV/KL recomputed from float16-rounded lists against the float32 values."""
+    mu = torch.from_numpy(np.concatenate([s["mu_topk_logprobs"].reshape(-1, s["mu_topk_logprobs"].shape[-1])
+                                          for s in steps]))
+    pi = torch.from_numpy(np.concatenate([s["pi_topk_logprobs"].reshape(-1, s["pi_topk_logprobs"].shape[-1])
+                                          for s in steps]))
+    mu16, pi16 = mu.half().float(), pi.half().float()
+    out = {}
+    for name, fn in (("tv", divergence.topk_tv), ("kl", divergence.topk_kl)):
+        exact, rounded = fn(mu, pi), fn(mu16, pi16)
+        err = (rounded - exact).abs()
+        out[f"{name}_mean"] = exact.mean().item()
+        out[f"{name}_abs_err_mean"] = err.mean().item()
+        out[f"{name}_abs_err_p99"] = err.quantile(0.99).item() if err.numel() <= 16_000_000 else float("nan")
+        out[f"{name}_abs_err_max"] = err.max().item()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000_000, help="token rows per variant")
+    ap.add_argument("--batch", type=int, default=64, help="B: sequences per step")
+    ap.add_argument("--seq", type=int, default=1024, help="T: tokens per sequence")
+    ap.add_argument("--topk", type=int, default=20, help="K")
+    ap.add_argument("--rows-per-file", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per variant, in rotating order; best is kept")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    args = ap.parse_args()
+
+    rng = np.random.default_rng(0)
+    steps = [make_step(rng, args.batch, args.seq, args.topk) for _ in range(4)]
+    rows_per_step = args.batch * args.seq
+    n_steps = max(1, round(args.rows / rows_per_step))
+    rows = n_steps * rows_per_step
+    scratch = Path(tempfile.mkdtemp(dir=args.dir))
+    print(f"{rows:,} token rows, K = {args.topk}, {n_steps} steps of B = {args.batch}, T = {args.seq}")
+    try:
+        variants = [
+            ("raw pyarrow", lambda d: bench_raw(d, steps, n_steps, args.rows_per_file)),
+            ("TokenLogger", lambda d: bench_logger(d, steps, n_steps, args.rows_per_file)),
+            ("TokenLogger float16 top-K",
+             lambda d: bench_logger(d, steps, n_steps, args.rows_per_file, topk_precision="float16")),
+        ]
+        best: dict[str, tuple[float, int, float]] = {}
+        for rep in range(args.repeat):
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]  # rotate: fair under load
+            for name, fn in order:
+                out = scratch / f"{name.replace(' ', '_')}-{rep}"
+                cpu0 = time.process_time()
+                seconds, size = fn(out)
+                cpu = time.process_time() - cpu0
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"  run {rep}: {name:28s} {rows / seconds / 1e6:6.3f} M rows/s ({seconds:.1f} s wall, "
+                      f"{cpu:.1f} s CPU)", flush=True)
+                if name not in best or seconds < best[name][0]:
+                    best[name] = (seconds, size, best.get(name, (0, 0, cpu))[2])
+                best[name] = (*best[name][:2], min(best[name][2], cpu))
+        results = {}
+        print(f"best of {args.repeat} (CPU: all threads of this process):")
+        for name, (seconds, size, cpu) in best.items():
+            results[name] = (rows / seconds, size / rows, rows / cpu)
+            print(f"{name:28s} {rows / seconds / 1e6:6.3f} M rows/s  {size / rows:7.1f} bytes/row  "
+                  f"{rows / cpu / 1e6:6.3f} M rows per CPU-second")
+        base_speed, base_size, base_cpu = results["raw pyarrow"]
+        for name in ("TokenLogger", "TokenLogger float16 top-K"):
+            speed, size, cpu = results[name]
+            print(f"{name:28s} throughput x{speed / base_speed:.2f} of raw pyarrow (per CPU-second "
+                  f"x{cpu / base_cpu:.2f}), size x{size / base_size:.2f}")
+        cost = float16_cost(steps)
+        print("float16 top-K: TV/KL recomputed from the stored lists vs float32 "
+              f"(mean TV {cost['tv_mean']:.2e}, mean KL {cost['kl_mean']:.2e})")
+        for name in ("tv", "kl"):
+            print(f"  {name}: abs error mean {cost[f'{name}_abs_err_mean']:.2e}, p99 {cost[f'{name}_abs_err_p99']:.2e}, "
+                  f"max {cost[f'{name}_abs_err_max']:.2e}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

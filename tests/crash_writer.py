@@ -1,0 +1,46 @@
+"""Subprocess for tests/test_crash_safety.py: logs steps in a loop until it is killed.
+
+Usage: python tests/crash_writer.py LOGDIR RUN_ID FIRST_STEP. Prints ``ready`` once the logger is open and
+``flushed <step> <torch imported 0/1>`` after every flush. Even steps are flushed, odd ones stay buffered.
+"""
+
+import sys
+
+import numpy as np
+
+from trustscope.logger import TokenLogger
+
+B, T, K = 8, 16, 5
+
+
+def main() -> None:
+    logdir, run_id, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = np.random.default_rng(first)
+    logger = TokenLogger(logdir, run_id, resume=True, flush_seconds=3600, vocab=[str(i) for i in range(100)])
+    print("ready", flush=True)
+    step = first
+    while True:
+        topk = -np.sort(rng.random((B, T, K), dtype=np.float32) * 5, axis=-1)  # (B, T, K)
+        logger.log_step(
+            step,
+            tokens={
+                "token_id": rng.integers(0, 100, (B, T)),
+                "mu_logprob": topk[..., 0],
+                "pi_logprob": topk[..., 0],
+                "advantage": rng.normal(size=B),
+                "mu_topk_ids": rng.integers(0, 100, (B, T, K)),
+                "mu_topk_logprobs": topk,
+                "topk_tv": np.zeros((B, T)),
+            },
+            mask=np.ones((B, T), dtype=bool),
+            samples={"sample_id": np.arange(B), "prompt_id": np.arange(B) // 4, "reward": rng.random(B)},
+            scalars={"loss": float(step)},
+        )
+        if step % 2 == 0:
+            logger.flush()
+            print(f"flushed {step} {int('torch' in sys.modules)}", flush=True)
+        step += 1
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""Arrow schemas of the log tables, the on-disk layout, and validation with clear errors.
+
+Layout of one run (``<logdir>/<run_id>/``)::
+
+    run.json                      manifest: run id, SCHEMA_VERSION, config, model, sampling, tokenizer, status
+    vocab.parquet                 token_id -> text
+    tokens/*.parquet              one row per logged response token
+    samples/*.parquet             one row per response
+    steps/*.parquet               long-form scalars (name, value) per step
+    ranks/rank<r>.json            status of every rank other than 0 (rank 0's is in run.json)
+
+Readers glob ``*.parquet``; files are written under a temporary name (``.<name>.tmp``, which that glob does not
+match) and renamed, so a reader never sees half a file. Each rank writes its own files.
+
+Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
+token key. ``pos`` is the position in the response (0 = first generated token).
+
+Nullable columns (``nullable=True`` below) may hold nulls; every other column must not. Every file carries
+``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+"""Version of the tables below; written into every run manifest and every file. Bump on any change."""
+
+TABLES = ("tokens", "samples", "steps")
+"""Tables written as a directory of Parquet files per run (``vocab`` is one file)."""
+
+MANIFEST = "run.json"
+VOCAB_FILE = "vocab.parquet"
+RANKS_DIR = "ranks"
+TMP_PREFIX = "."
+TMP_SUFFIX = ".tmp"
+
+LOGPROB_TOLERANCE = 1e-5
+"""Log-probabilities up to this much above 0 (float rounding of log 1) are accepted and clamped to 0."""
+
+STATUSES = ("running", "finished", "crashed")
+
+TOKENS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("prompt_id", pa.int64(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("mu_logprob", pa.float32(), nullable=False),
+        pa.field("old_logprob", pa.float32(), nullable=True),
+        pa.field("pi_logprob", pa.float32(), nullable=False),
+        pa.field("advantage", pa.float32(), nullable=False),
+        pa.field("entropy", pa.float32(), nullable=True),
+        # Null when the run logs no top-K (TokenLogger(log_topk=False)); the manifest says so.
+        pa.field("mu_topk_ids", pa.list_(pa.field("element", pa.int32(), nullable=False)), nullable=True),
+        pa.field("mu_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
+        pa.field("pi_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
+        pa.field("topk_tv", pa.float32(), nullable=True),
+        pa.field("topk_kl", pa.float32(), nullable=True),
+        pa.field("kept", pa.bool_(), nullable=False),
+        pa.field("loss_rule", pa.string(), nullable=False),
+    ]
+)
+"""One row per logged response token."""
+
+SAMPLES = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("prompt_id", pa.int64(), nullable=False),
+        pa.field("prompt", pa.string(), nullable=True),
+        pa.field("response", pa.string(), nullable=True),
+        pa.field("reward", pa.float32(), nullable=True),
+        pa.field("advantage", pa.float32(), nullable=True),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=True),
+    ]
+)
+"""One row per response (every response of the step, also when only a fraction of its tokens is logged)."""
+
+STEPS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("name", pa.string(), nullable=False),
+        pa.field("value", pa.float64(), nullable=True),
+    ]
+)
+"""Long-form scalars: reward, loss, lr, timings, grad norm, ... (NaN and inf are kept: a NaN loss is news)."""
+
+VOCAB = pa.schema(
+    [
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("text", pa.string(), nullable=True),
+    ]
+)
+"""Token id -> decoded text, so statistics can name tokens."""
+
+SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS, "samples": SAMPLES, "steps": STEPS, "vocab": VOCAB}
+
+KEYS: dict[str, tuple[str, ...]] = {
+    "tokens": ("run_id", "step", "sample_id", "pos"),
+    "samples": ("run_id", "step", "sample_id"),
+    "steps": ("run_id", "step", "rank", "name"),
+    "vocab": ("token_id",),
+}
+"""Columns that together are unique in each table (over all files and ranks of a run)."""
+
+LOGPROB_COLUMNS = ("mu_logprob", "old_logprob", "pi_logprob")
+TOPK_LOGPROB_COLUMNS = ("mu_topk_logprobs", "pi_topk_logprobs")
+TOPK_COLUMNS = ("mu_topk_ids", *TOPK_LOGPROB_COLUMNS)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """Parquet settings of one table, chosen by measurement (see ``docs/perf_logging.md``).
+
+    Dictionary encoding only where it pays (run_id, loss_rule, names: a handful of distinct strings).
+    BYTE_STREAM_SPLIT on every float column of ``tokens``, list values included (keyed by their leaf path
+    ``<name>.list.element``): zstd then sees the exponent bytes apart from the noisy low mantissa bytes.
+    Measured on rollout-like K = 20 rows: 190 -> 172 bytes/row at float32 top-K, and no slower. Integer columns
+    stay PLAIN: BYTE_STREAM_SPLIT on them would save another 4 % but needs newer readers (parquet-java 1.14+).
+    """
+
+    dictionary: tuple[str, ...]
+    byte_stream_split: tuple[str, ...]
+    compression: str = "zstd"
+    compression_level: int = 1
+
+    def writer_kwargs(self) -> dict:
+        return {
+            "compression": self.compression,
+            "compression_level": self.compression_level,
+            "use_dictionary": list(self.dictionary),
+            "use_byte_stream_split": list(self.byte_stream_split),
+            "write_statistics": True,
+        }
+
+
+def _leaf(name: str) -> str:
+    """Parquet's path of the values of list column ``name`` (what per-column encodings are keyed by)."""
+    return f"{name}.list.element"
+
+
+WRITE_OPTIONS: dict[str, WriteOptions] = {
+    "tokens": WriteOptions(
+        dictionary=("run_id", "loss_rule"),
+        byte_stream_split=(
+            "mu_logprob", "old_logprob", "pi_logprob", "advantage", "entropy", "topk_tv", "topk_kl",
+            _leaf("mu_topk_logprobs"), _leaf("pi_topk_logprobs"),
+        ),
+    ),
+    "samples": WriteOptions(dictionary=("run_id", "finish_reason"), byte_stream_split=("reward", "advantage")),
+    "steps": WriteOptions(dictionary=("run_id", "name"), byte_stream_split=()),
+    "vocab": WriteOptions(dictionary=(), byte_stream_split=()),
+}
+
+
+def with_metadata(table: str, schema: pa.Schema | None = None) -> pa.Schema:
+    """The schema of ``table`` with trustscope's metadata (table name, schema version) attached."""
+    schema = SCHEMAS[table] if schema is None else schema
+    return schema.with_metadata({"trustscope.table": table, "trustscope.schema_version": str(SCHEMA_VERSION)})
+
+
+def is_data_file(path: Path) -> bool:
+    """True for a finished Parquet file a reader should see (never a temporary one)."""
+    return path.suffix == ".parquet" and not path.name.startswith(TMP_PREFIX)
+
+
+def tmp_path(path: Path) -> Path:
+    """The temporary name ``path`` is written under before the rename; it never matches ``*.parquet``."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}{TMP_SUFFIX}")
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+
+class SchemaError(ValueError):
+    """A value, column or file that breaks the log schema. The message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem found by :func:`validate_logdir`: the file it is in and what is wrong."""
+
+    path: Path
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def schema_problems(table: str, schema: pa.Schema) -> list[str]:
+    """Differences between ``schema`` and table ``table``'s schema: missing, extra, mistyped columns."""
+    expected = SCHEMAS[table]
+    problems = []
+    for field in expected:
+        idx = schema.get_field_index(field.name)
+        if idx < 0:
+            problems.append(f"column {field.name!r} is missing (expected {field.type})")
+            continue
+        got = schema.field(idx).type
+        if pa.types.is_dictionary(got):
+            got = got.value_type
+        if not got.equals(field.type, check_metadata=False) and not _same_list_type(got, field.type):
+            problems.append(f"column {field.name!r} has type {got}, expected {field.type}")
+    for name in schema.names:
+        if expected.get_field_index(name) < 0:
+            problems.append(f"unknown column {name!r} (table {table!r} has {expected.names})")
+    if schema.metadata is not None:
+        version = schema.metadata.get(b"trustscope.schema_version")
+        if version is not None and version.decode() != str(SCHEMA_VERSION):
+            problems.append(f"schema_version {version.decode()!r} in file metadata, expected {SCHEMA_VERSION}")
+    return problems
+
+
+def _same_list_type(a: pa.DataType, b: pa.DataType) -> bool:
+    return (
+        (pa.types.is_list(a) or pa.types.is_large_list(a))
+        and pa.types.is_list(b)
+        and a.value_type.equals(b.value_type)
+    )
+
+
+def value_problems(table: str, data: pa.Table) -> list[str]:
+    """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists."""
+    schema = SCHEMAS[table]
+    problems = []
+    for field in schema:
+        if field.name in data.column_names and not field.nullable and data.column(field.name).null_count:
+            problems.append(f"column {field.name!r} has {data.column(field.name).null_count} null(s)")
+    if table != "tokens":
+        return problems
+    for name in LOGPROB_COLUMNS:
+        if name in data.column_names:
+            problems += _logprob_problems(name, data.column(name))
+    for name in TOPK_LOGPROB_COLUMNS:
+        if name in data.column_names:
+            problems += _logprob_problems(name, pc.list_flatten(data.column(name)))
+    lengths = {
+        name: pc.list_value_length(data.column(name)) for name in TOPK_COLUMNS if name in data.column_names
+    }
+    if lengths:
+        ref_name, ref = next(iter(lengths.items()))
+        for name, other in lengths.items():
+            both = pc.and_(pc.is_valid(ref), pc.is_valid(other))
+            differ = pc.sum(pc.cast(pc.and_(both, pc.not_equal(ref, other)), pa.int64())).as_py() or 0
+            if differ:
+                problems.append(f"{name} and {ref_name} lists differ in length on {differ} row(s)")
+        ks = pc.unique(pc.drop_null(ref)).to_pylist()
+        if len(ks) > 1:
+            problems.append(f"{ref_name} has lists of several lengths {sorted(ks)[:10]}: K must be fixed")
+    if "entropy" in data.column_names:
+        bad = _count(pc.or_(pc.invert(pc.is_finite(data.column("entropy"))), pc.less(data.column("entropy"), 0)))
+        if bad:
+            problems.append(f"column 'entropy' has {bad} negative or non-finite value(s)")
+    return problems
+
+
+def _count(mask: pa.ChunkedArray | pa.Array) -> int:
+    return int(pc.sum(pc.cast(pc.fill_null(mask, False), pa.int64())).as_py() or 0)
+
+
+def _logprob_problems(name: str, col: pa.ChunkedArray | pa.Array) -> list[str]:
+    problems = []
+    nonfinite = _count(pc.invert(pc.is_finite(col)))
+    if nonfinite:
+        problems.append(f"column {name!r} has {nonfinite} NaN or infinite value(s)")
+    positive = _count(pc.greater(col, LOGPROB_TOLERANCE))
+    if positive:
+        problems.append(f"column {name!r} has {positive} positive value(s) (max {pc.max(col).as_py()})")
+    return problems
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """The parsed ``run.json`` of ``run_dir``; raises :class:`SchemaError` naming the file when unreadable."""
+    path = Path(run_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SchemaError(f"{path}: no run manifest") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise SchemaError(f"{path}: unreadable run manifest ({err})") from None
+    if not isinstance(manifest, dict):
+        raise SchemaError(f"{path}: run manifest is {type(manifest).__name__}, expected a JSON object")
+    return manifest
+
+
+def manifest_problems(manifest: dict, run_dir: Path) -> list[str]:
+    """What is wrong with a parsed manifest: missing keys, a foreign schema version, an unknown status."""
+    problems = []
+    for key in ("run_id", "schema_version", "status"):
+        if key not in manifest:
+            problems.append(f"manifest has no {key!r}")
+    if manifest.get("run_id") not in (None, run_dir.name):
+        problems.append(f"manifest run_id {manifest['run_id']!r} differs from the directory name {run_dir.name!r}")
+    if "schema_version" in manifest and manifest["schema_version"] != SCHEMA_VERSION:
+        problems.append(f"schema_version {manifest['schema_version']!r}, this trustscope reads {SCHEMA_VERSION}")
+    if "status" in manifest and manifest["status"] not in STATUSES:
+        problems.append(f"status {manifest['status']!r} is not one of {STATUSES}")
+    return problems
+
+
+def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str]:
+    """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id."""
+    try:
+        data = pq.read_table(path)
+    except Exception as err:  # any reader error means the file is not usable Parquet
+        return [f"not readable as Parquet ({type(err).__name__}: {err})"]
+    problems = schema_problems(table, data.schema)
+    present = [f.name for f in SCHEMAS[table] if f.name in data.column_names]
+    problems += value_problems(table, data.select(present))
+    if run_id is not None and "run_id" in data.column_names:
+        others = [v for v in pc.unique(data.column("run_id")).to_pylist() if v != run_id]
+        if others:
+            problems.append(f"run_id {others[0]!r} in a file of run {run_id!r}")
+    return problems
+
+
+def _key_problems(table: str, files: list[Path]) -> list[str]:
+    """Duplicate keys over all readable files of one table of one run."""
+    cols = list(KEYS[table])
+    parts = []
+    for path in files:
+        try:
+            part = pq.read_table(path, columns=cols)
+        except Exception:  # reported by validate_file already
+            continue
+        parts.append(part.select(cols))
+    if not parts:
+        return []
+    try:
+        keys = pa.concat_tables(parts, promote_options="permissive")
+    except pa.ArrowInvalid:
+        return []
+    counts = keys.group_by(cols).aggregate([([], "count_all")])
+    dup = counts.filter(pc.greater(counts.column("count_all"), 1))
+    if dup.num_rows == 0:
+        return []
+    first = {c: dup.column(c)[0].as_py() for c in cols}
+    return [f"{dup.num_rows} duplicate key(s) {tuple(cols)}, e.g. {first}"]
+
+
+def validate_run(run_dir: Path) -> list[Problem]:
+    """Every problem of one run directory, each with the file it is in."""
+    run_dir = Path(run_dir)
+    problems: list[Problem] = []
+    manifest_path = run_dir / MANIFEST
+    try:
+        manifest = read_manifest(run_dir)
+        problems += [Problem(manifest_path, m) for m in manifest_problems(manifest, run_dir)]
+    except SchemaError as err:
+        problems.append(Problem(manifest_path, str(err).removeprefix(f"{manifest_path}: ")))
+    for path in sorted((run_dir / RANKS_DIR).glob("rank*.json")):
+        try:
+            rank_manifest = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            problems.append(Problem(path, f"unreadable rank manifest ({err})"))
+            continue
+        status = rank_manifest.get("status") if isinstance(rank_manifest, dict) else None
+        if status not in STATUSES:
+            problems.append(Problem(path, f"status {status!r} is not one of {STATUSES}"))
+    run_id = run_dir.name
+    for table in TABLES:
+        table_dir = run_dir / table
+        if not table_dir.is_dir():
+            continue
+        files = sorted(p for p in table_dir.iterdir() if is_data_file(p))
+        for path in files:
+            problems += [Problem(path, m) for m in validate_file(path, table, run_id)]
+        problems += [Problem(table_dir, m) for m in _key_problems(table, files)]
+    vocab = run_dir / VOCAB_FILE
+    if vocab.exists():
+        problems += [Problem(vocab, m) for m in validate_file(vocab, "vocab")]
+        problems += [Problem(vocab, m) for m in _key_problems("vocab", [vocab])]
+    return problems
+
+
+def run_dirs(logdir: Path) -> list[Path]:
+    """Run directories under ``logdir``: ``logdir`` itself when it is a run, else its children with a manifest."""
+    logdir = Path(logdir)
+    if (logdir / MANIFEST).exists():
+        return [logdir]
+    return sorted(p for p in logdir.iterdir() if p.is_dir() and _looks_like_run(p))
+
+
+def _looks_like_run(path: Path) -> bool:
+    return (path / MANIFEST).exists() or any((path / t).is_dir() for t in TABLES)
+
+
+def validate_logdir(logdir: Path) -> list[Problem]:
+    """Every problem of every run under ``logdir`` (a log directory or one run directory)."""
+    logdir = Path(logdir)
+    if not logdir.is_dir():
+        return [Problem(logdir, "not a directory")]
+    runs = run_dirs(logdir)
+    if not runs:
+        return [Problem(logdir, "no run found (expected <run_id>/run.json)")]
+    problems: list[Problem] = []
+    for run in runs:
+        problems += validate_run(run)
+    return problems
