@@ -10,3 +10,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- Toy model shared by the engine, trainer and logging tests (owned by trustscope/train/toy.py) ---------------
+# `toy_model_dir`: the default warm-started toy model (tiny Qwen2 + character tokenizer, solves ~50% of "add1" at
+# temperature 1). Built once per machine (~30 s on 2 cores) and cached under $TRUSTSCOPE_CACHE (default
+# ~/.cache/trustscope); later sessions find it at once. Load it with vLLM, transformers or trustscope.engines.
+import pytest
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir():
+    from trustscope.train.toy import build_toy_model
+
+    return build_toy_model()

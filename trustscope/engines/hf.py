@@ -1,0 +1,171 @@
+"""transformers ``generate`` behind the rollout-engine interface: the reference engine, and the one to use where
+vLLM is not installed.
+
+mu is the distribution the sampler drew from: ``log_softmax`` of the processed scores (after temperature and
+top-p), the same convention as the vLLM engine's ``processed_logprobs``. HF's default ``top_k=50`` is switched off
+(``top_k=0``): a silent top-50 truncation would make mu differ from the trainer's full softmax.
+Rows of one call are sampled from torch's global generator inside ``torch.random.fork_rng``, seeded per call, so
+the trainer's RNG stream is untouched and a call is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from trustscope.engines.base import (
+    Engine,
+    Rollout,
+    RolloutTensors,
+    check_sampling_args,
+    finalize_topk,
+    warn_if_biased,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class HFEngine(Engine):
+    """A private copy of the model in ``dtype`` sampled with ``model.generate``.
+
+    ``num_threads``: torch threads during CPU rollouts (default 1: on a busy 2-core machine two threads stall on
+    OpenMP barriers, measured 10x slower; None leaves the process setting). ``device``: where the copy lives
+    (default: cuda when available, else cpu).
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        *,
+        num_threads: int | None = 1,
+        device: str | None = None,
+    ) -> None:
+        super().__init__(model_dir, dtype, seed)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.num_threads = num_threads if self.device.type == "cpu" else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    @contextlib.contextmanager
+    def _threads(self):
+        previous = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != previous:
+                torch.set_num_threads(previous)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        max_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        topk: int = 20,
+        seed: int | None = None,
+    ) -> Rollout:
+        """Sample with ``model.generate``; see :meth:`Engine.generate`."""
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size)
+        warn_if_biased(temperature, top_p)
+        call_seed = self.next_seed(seed)
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
+        p = enc["input_ids"].shape[1]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self._threads(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(call_seed)
+            out = self.model.generate(
+                **enc, do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0,
+                max_new_tokens=max_tokens, num_return_sequences=n, output_scores=True, return_dict_in_generate=True,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
+            )
+        gen = out.sequences[:, p:]  # (B, T), B = len(prompts) * n, grouped by prompt
+        sampled_steps, ids_steps, lps_steps = [], [], []
+        for t, scores in enumerate(out.scores):  # one (B, V) step at a time: never a (B, T, V) copy
+            step_lp = scores.float().log_softmax(-1)  # (B, V) of the sampled distribution
+            sampled_steps.append(step_lp.gather(-1, gen[:, t, None])[:, 0])
+            lps_t, ids_t = step_lp.topk(topk, dim=-1)  # (B, K), sorted descending
+            ids_steps.append(ids_t)
+            lps_steps.append(lps_t)
+        sampled_lp = torch.stack(sampled_steps, 1)  # (B, T)
+        topk_ids, topk_lps = torch.stack(ids_steps, 1), torch.stack(lps_steps, 1)  # (B, T, K)
+        topk_ids, topk_lps = finalize_topk(topk_ids, topk_lps, gen, sampled_lp)
+        is_eos = torch.isin(gen, torch.tensor(self.eos_ids, device=gen.device))  # (B, T)
+        has_eos = is_eos.any(-1)  # (B,)
+        lengths = torch.where(has_eos, is_eos.float().argmax(-1) + 1, torch.full_like(has_eos, gen.shape[1], dtype=torch.long))
+        gen, sampled_lp, topk_ids, topk_lps = gen.cpu(), sampled_lp.cpu(), topk_ids.cpu(), topk_lps.cpu()
+        prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu(), strict=True)]
+
+        response_ids, mu, tk_ids, tk_lps = [], [], [], []
+        for b in range(gen.shape[0]):
+            t = int(lengths[b])
+            response_ids.append(gen[b, :t].tolist())
+            mu.append(sampled_lp[b, :t].tolist())
+            tk_ids.append(topk_ids[b, :t].tolist())
+            tk_lps.append(topk_lps[b, :t].tolist())
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
+        return Rollout(
+            prompts=list(prompts), n=n, topk=topk, prompt_index=[b // n for b in range(gen.shape[0])],
+            prompt_ids=[prompt_ids[b // n] for b in range(gen.shape[0])], response_ids=response_ids,
+            mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
+            finish_reasons=["stop" if bool(e) else "length" for e in has_eos],
+            texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+            sampling=self.sampling_info() | {"seed": call_seed},
+        )
+
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Copy ``model``'s weights into the engine's copy (cast to the engine's dtype)."""
+        self.model.load_state_dict(model.state_dict())
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, RolloutTensors]:
+        """Teacher-forced logprobs of a rollout's tokens under this engine's model (one forward pass).
+
+        Returns ``(logprob (B, T), topk_logprobs (B, T, K) at the rollout's mu top-K ids, tensors)``, both
+        float32 and zero beyond each response (``tensors.mask``), with logits divided by ``temperature``.
+        """
+        tensors = rollout.to_tensors(pad_id=self.tokenizer.pad_token_id)
+        p, t = tensors.prompt_len, tensors.response_ids.shape[1]
+        with self._threads():
+            logits = self.model(
+                input_ids=tensors.input_ids.to(self.device),
+                attention_mask=tensors.attention_mask.to(self.device),
+                position_ids=tensors.position_ids.to(self.device),
+            ).logits[:, p - 1 : p + t - 1]  # (B, T, V)
+        logprobs = (logits.float() / temperature).log_softmax(-1).cpu()  # (B, T, V)
+        mask = tensors.mask
+        lp = logprobs.gather(-1, tensors.response_ids[..., None])[..., 0] * mask  # (B, T)
+        topk = logprobs.gather(-1, tensors.mu_topk_ids) * mask[..., None]  # (B, T, K)
+        return lp, topk, tensors
+
+    def sampling_info(self) -> dict[str, Any]:
+        import transformers
+
+        return super().sampling_info() | {"transformers_version": transformers.__version__, "device": str(self.device)}
+
+    def close(self) -> None:
+        self.__dict__.pop("model", None)

@@ -1,0 +1,187 @@
+"""Verifiable tasks: problems with a known answer and a strict reward, found by name or dotted import path.
+
+A task is a :class:`Task`: a deterministic problem set, a held-out split, and a reward function. Rewards are plain
+callables ``reward(response, answer, finish_reason) -> float`` usable outside the trainer.
+
+Built-in tasks (arithmetic, several difficulties)::
+
+    add1     a+b=   a, b in 0..9            (100 problems)
+    add2     a+b=   a, b in 0..99           (10,000 problems)
+    sub2     a-b=   a, b in 0..99, answers may be negative (10,000 problems)
+    addsub2  add2 and sub2 together          (20,000 problems)
+    arith    add1, add2 and sub2 mixed, each drawn equally often in training
+
+The response must be the answer's digits (with a leading '-' when negative) followed by EOS: ``"12+7="`` ->
+``"19"`` + EOS scores 1; ``" 19"``, ``"019"``, ``"19."`` or ``"19"`` cut off by the length limit score 0.
+A user's task is any :class:`Task` (or a zero-argument callable returning one) importable by dotted path, e.g.
+``get_task("mypkg.tasks:parity")`` or ``get_task("mypkg.tasks.parity")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+RewardFn = Callable[[str, str, str], float]
+"""``reward(response, answer, finish_reason) -> float``; ``response`` is the decoded text without the EOS token,
+``finish_reason`` is "stop" when the response ended with EOS and "length" when it hit the token limit."""
+
+SPLITS = ("train", "eval")
+
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+def exact_number_reward(response: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 when ``response`` is exactly the integer ``answer`` (canonical form, nothing around it) and the response
+    ended with EOS; 0.0 otherwise."""
+    if finish_reason != "stop" or _NUMBER.fullmatch(response) is None:
+        return 0.0
+    return 1.0 if response == answer else 0.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer; ``task`` names the task it came from (for per-task accuracy)."""
+
+    prompt: str
+    answer: str
+    task: str
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """A verifiable task: a deterministic problem set split into train and held-out eval problems.
+
+    ``make_problems`` returns the full problem set in a fixed order; ``eval_size`` problems are held out, chosen by
+    a seeded shuffle, so ``split("train", seed)`` and ``split("eval", seed)`` are disjoint and reproducible.
+    A mixture task (``components``) draws each component equally often in training and evaluates on the union of
+    the components' eval splits.
+    """
+
+    name: str
+    description: str
+    reward: RewardFn = exact_number_reward
+    make_problems: Callable[[], list[Problem]] | None = None
+    eval_size: int = 0
+    components: tuple[Task, ...] = ()
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.make_problems is None) == (not self.components):
+            raise ValueError(f"task {self.name!r}: give exactly one of make_problems or components")
+
+    @cached_property
+    def problems(self) -> tuple[Problem, ...]:
+        """The full problem set, in a fixed order (a mixture: its components' sets, one after another)."""
+        if self.components:
+            return tuple(p for c in self.components for p in c.problems)
+        return tuple(self.make_problems())
+
+    def split(self, which: str, seed: int = 0) -> list[Problem]:
+        """The ``"train"`` or ``"eval"`` problems for ``seed``: disjoint, deterministic.
+
+        For a mixture, the train list repeats shorter components' train problems so that every component appears
+        equally often; sampling uniformly from it draws each component with equal probability.
+        """
+        if which not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}, got {which!r}")
+        key = (which, seed)
+        if key not in self._cache:
+            self._cache[key] = self._split(which, seed)
+        return list(self._cache[key])
+
+    def _split(self, which: str, seed: int) -> list[Problem]:
+        if self.components:
+            parts = [c.split(which, seed) for c in self.components]
+            if which == "eval":
+                return [p for part in parts for p in part]
+            longest = max(len(part) for part in parts)
+            return [part[i % len(part)] for part in parts for i in range(longest)]
+        order = list(range(len(self.problems)))
+        random.Random(f"{self.name}:{seed}").shuffle(order)
+        if not 0 < self.eval_size < len(order):
+            raise ValueError(f"task {self.name!r}: eval_size must be in (0, {len(order)}), got {self.eval_size}")
+        picked = sorted(order[: self.eval_size]) if which == "eval" else sorted(order[self.eval_size :])
+        return [self.problems[i] for i in picked]
+
+    def accuracy(self, per_problem: Sequence[float], problems: Sequence[Problem]) -> float:
+        """Mean of ``per_problem`` scores; a mixture averages per component first, so each counts equally."""
+        if len(per_problem) != len(problems) or not problems:
+            raise ValueError(f"need one score per problem, got {len(per_problem)} scores for {len(problems)} problems")
+        groups: dict[str, list[float]] = {}
+        for s, p in zip(per_problem, problems, strict=True):
+            groups.setdefault(p.task if self.components else self.name, []).append(float(s))
+        return sum(sum(g) / len(g) for g in groups.values()) / len(groups)
+
+    def sample(self, rng: random.Random, count: int, which: str = "train", seed: int = 0) -> list[Problem]:
+        """``count`` problems drawn uniformly with replacement from ``split(which, seed)`` using ``rng``."""
+        pool = self.split(which, seed)
+        return [pool[rng.randrange(len(pool))] for _ in range(count)]
+
+    def score(self, problems: Sequence[Problem], responses: Sequence[str], finish_reasons: Sequence[str]) -> list[float]:
+        """Rewards of ``responses`` to ``problems`` (aligned lists)."""
+        if not len(problems) == len(responses) == len(finish_reasons):
+            raise ValueError(
+                f"problems, responses and finish_reasons must have the same length, got "
+                f"{len(problems)}, {len(responses)}, {len(finish_reasons)}"
+            )
+        return [float(self.reward(r, p.answer, f)) for p, r, f in zip(problems, responses, finish_reasons, strict=True)]
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Add ``task`` to the registry under ``task.name`` (a name can be registered once)."""
+    if task.name in _TASKS:
+        raise ValueError(f"task {task.name!r} is already registered")
+    _TASKS[task.name] = task
+    return task
+
+
+def list_tasks() -> list[str]:
+    """Names of the registered tasks."""
+    return sorted(_TASKS)
+
+
+def get_task(name: str) -> Task:
+    """A registered task by name, or a :class:`Task` (or zero-argument factory of one) by dotted import path
+    (``"pkg.module:attr"`` or ``"pkg.module.attr"``)."""
+    if name in _TASKS:
+        return _TASKS[name]
+    if "." not in name and ":" not in name:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {list_tasks()} (or give a dotted import path)")
+    module_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"task {name!r}: cannot import {attr!r} from {module_name!r} ({e})") from e
+    if not isinstance(obj, Task) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Task):
+        raise ValueError(f"task {name!r} resolved to {type(obj).__name__}, expected a trustscope Task")
+    return obj
+
+
+def _binary(name: str, op: str, lo: int, hi: int) -> Callable[[], list[Problem]]:
+    fn = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}[op]
+
+    def make() -> list[Problem]:
+        return [Problem(f"{a}{op}{b}=", str(fn(a, b)), name) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+
+    return make
+
+
+ADD1 = register_task(Task("add1", "a+b= with one-digit a, b", make_problems=_binary("add1", "+", 0, 9), eval_size=20))
+ADD2 = register_task(
+    Task("add2", "a+b= with a, b in 0..99", make_problems=_binary("add2", "+", 0, 99), eval_size=500)
+)
+SUB2 = register_task(
+    Task("sub2", "a-b= with a, b in 0..99 (negative answers)", make_problems=_binary("sub2", "-", 0, 99), eval_size=500)
+)
+ADDSUB2 = register_task(Task("addsub2", "add2 and sub2 mixed", components=(ADD2, SUB2)))
+ARITH = register_task(Task("arith", "add1, add2 and sub2, drawn equally often", components=(ADD1, ADD2, SUB2)))
