@@ -1,0 +1,58 @@
+"""The data contracts of trustscope/sql/contracts.yml hold on a synthetic log and on sample_logs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from trustscope import db as tsdb
+from trustscope.losses import list_losses
+from trustscope.synthetic import SyntheticConfig, generate_run
+
+SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
+
+
+@pytest.fixture(scope="module")
+def synthetic_db(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("contracts")
+    cfg = SyntheticConfig(tokens=8_000, steps=3, ranks=2, rows_per_file=1_500, edge_cases=True)
+    generate_run(logdir, "run_a", cfg)
+    generate_run(logdir, "run_b", SyntheticConfig(**{**cfg.__dict__, "seed": 1, "loss_rule": "grpo"}))
+    conn = tsdb.connect(logdir, cache_dir=tmp_path_factory.mktemp("cache"))
+    yield conn
+    conn.close()
+
+
+def test_every_view_with_a_contract_exists_and_every_view_has_one():
+    contracts = tsdb.load_contracts()
+    assert set(contracts) <= set(tsdb.VIEWS)
+    public = {"tokens", "samples", "steps", "runs", "vocab", "token_metrics", "rule_blocks", "step_summary",
+              "clipped_tokens", "ratio_vs_divergence"}
+    assert public <= set(contracts)
+    assert contracts["tokens"]["accepted"]["loss_rule"] == list_losses()
+
+
+def test_rule_blocks_has_a_column_per_registered_rule():
+    contracts = tsdb.load_contracts()
+    assert set(contracts["rule_blocks"]["not_null"]) == {f"blocks_{r}" for r in list_losses()}
+
+
+def test_contracts_hold_on_a_synthetic_log(synthetic_db):
+    assert tsdb.check_contracts(synthetic_db) == []
+
+
+def test_contract_checks_catch_broken_data():
+    spec = {"unique": ["k"], "not_null": ["v"], "accepted": {"s": ["a", "b"]}, "between": {"v": [0, 1]}}
+    data = pa.table({"k": [1, 1, None], "v": [0.5, None, 2.0], "s": ["a", "c", "b"]})
+    problems = tsdb._table_problems("t", spec, data)
+    joined = "\n".join(problems)
+    assert "t.k: 1 null" in joined and "t.v: 1 null" in joined
+    assert "duplicate key" in joined and "['c']" in joined and "outside [0, 1]" in joined
+
+
+@pytest.mark.skipif(not SAMPLE_LOGS.is_dir() or not any(SAMPLE_LOGS.iterdir()), reason="sample_logs/ is empty")
+def test_contracts_hold_on_sample_logs(tmp_path):
+    with tsdb.connect(SAMPLE_LOGS, cache_dir=tmp_path) as conn:
+        assert tsdb.check_contracts(conn) == []

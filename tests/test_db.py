@@ -1,0 +1,168 @@
+"""trustscope.db: views over one or many runs, live runs, kept per-file aggregates, named analyses."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from trustscope import db as tsdb
+from trustscope.losses import get_loss, list_losses
+from trustscope.synthetic import SyntheticConfig, generate_run
+
+CFG = SyntheticConfig(tokens=6_000, steps=3, rows_per_file=1_000, edge_cases=True, seed=3)
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("db")
+    generate_run(root / "logs", "run_a", CFG)
+    generate_run(root / "logs", "run_b", SyntheticConfig(**{**CFG.__dict__, "seed": 4, "loss_rule": "grpo"}))
+    return root / "logs"
+
+
+@pytest.fixture(scope="module")
+def db(logdir, tmp_path_factory):
+    conn = tsdb.connect(logdir, cache_dir=tmp_path_factory.mktemp("cache"))
+    yield conn
+    conn.close()
+
+
+def _tokens(logdir, run="run_a"):
+    return pq.read_table(logdir / run / "tokens").to_pandas()
+
+
+def test_every_view_answers(db):
+    for view in tsdb.VIEWS:
+        res = db.sql(f"select count(*) as n from {view}")
+        assert res.table.column("n")[0].as_py() > 0, view
+
+
+def test_connect_to_one_run_or_a_list(logdir, tmp_path):
+    with tsdb.connect(logdir / "run_b", cache_dir=tmp_path) as one:
+        assert one.runs().run_id.tolist() == ["run_b"]
+    with tsdb.connect([logdir / "run_a", logdir / "run_b"], cache_dir=tmp_path) as both:
+        assert both.runs().run_id.tolist() == ["run_a", "run_b"]
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        tsdb.connect(tmp_path / "nowhere")
+
+
+def test_rule_defaults_are_bound_from_the_registry(db):
+    cur = db.cursor()
+    try:
+        for rule in list_losses():
+            for key, value in get_loss(rule).defaults.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    got = cur.sql("select rule_param($r, $k)", params={"r": rule, "k": key}).fetchall()
+                    assert got[0][0] == pytest.approx(value), (rule, key)
+    finally:
+        cur.close()
+
+
+def test_step_summary_matches_a_numpy_reference(db, logdir):
+    tokens = _tokens(logdir)
+    summary = db.step_summary("run_a").set_index("step")
+    assert list(summary.index) == [0, 1, 2]
+    for step, rows in tokens.groupby("step"):
+        mu, pi = np.exp(rows.mu_logprob.astype(float)), np.exp(rows.pi_logprob.astype(float))
+        adv = rows.advantage.to_numpy()
+        got = summary.loc[step]
+        assert got.n_tokens == len(rows)
+        assert got.mismatch_mean == pytest.approx(np.abs(pi - mu).mean(), rel=1e-9)
+        assert got.mismatch_max == pytest.approx(np.abs(pi - mu).max(), rel=1e-9)
+        assert got.prob_diff_min == pytest.approx((pi - mu).min(), rel=1e-9)
+        assert got.n_bad_negative == ((adv < 0) & (mu - pi >= 0.5)).sum()
+        assert got.trainer_blocked_frac == pytest.approx(1 - rows.kept.mean())
+        assert got.blocked_frac__pg_is == 0.0
+        assert got.topk_tv_mean == pytest.approx(rows.topk_tv.astype(float).mean(), rel=1e-6)
+    # the cached summary equals one computed from scratch
+    fresh = tsdb.connect(logdir, cache=False)
+    try:
+        pd_fresh = fresh.step_summary("run_a").set_index("step")
+        np.testing.assert_allclose(pd_fresh.mismatch_mean, summary.mismatch_mean)
+        np.testing.assert_allclose(pd_fresh.blocked_frac__grpo, summary.blocked_frac__grpo)
+    finally:
+        fresh.close()
+
+
+def test_named_analyses_return_their_documented_columns(db):
+    bf = db.blocked_fractions("run_a", rules=["ppo_clip", "dppo_binary_tv"])
+    assert list(bf.columns) == ["run_id", "step", "rule", "advantage_side", "blocked_frac"]
+    assert set(bf.rule) == {"ppo_clip", "dppo_binary_tv"} and set(bf.advantage_side) == {
+        "all", "positive", "non_positive"}
+    bad = db.bad_negative_updates()
+    assert list(bad.columns) == ["run_id", "step", "n_tokens", "n_negative", "n_bad_negative",
+                                 "bad_negative_rate", "reward_mean", "reward_std", "reward_change"]
+    clipped = db.clipped_tokens("run_a", rules="ppo_clip", top=5)
+    assert list(clipped.columns) == ["run_id", "rule", "rank", "token_id", "token_text", "n_blocked",
+                                     "n_occurrences", "block_rate", "block_share", "mu_prob_mean", "mu_bucket",
+                                     "entropy_mean"]
+    assert clipped["rank"].tolist() == [1, 2, 3, 4, 5] and clipped.n_blocked.is_monotonic_decreasing
+    hist = db.ratio_vs_divergence("run_a", divergences="binary_tv")
+    assert set(hist.divergence) == {"binary_tv"} and (hist.ratio_lo < hist.ratio_hi).all()
+    assert hist.n.sum() == db.step_summary("run_a").n_tokens.sum()
+    toks = db.sample_tokens("run_a", 1, 0)
+    assert toks.pos.tolist() == list(range(len(toks))) and "blocks_dppo_binary_tv" in toks
+    assert toks.token_text.notna().all()
+    assert len(db.samples("run_b", steps=2, limit=3)) == 3
+
+
+def test_clipped_token_counts_match_rule_blocks(db):
+    clipped = db.clipped_tokens("run_b", rules="grpo", top=3)
+    for row in clipped.itertuples():
+        n = db.sql(f"select count(*) as n from rule_blocks where run_id = 'run_b' and token_id = {int(row.token_id)}"
+                   " and blocks_grpo").table.column("n")[0].as_py()
+        assert n == row.n_blocked
+
+
+def test_bad_negative_updates_any_delta(db, logdir):
+    tokens = _tokens(logdir, "run_b")
+    got = db.bad_negative_updates("run_b", delta=0.2).set_index("step")
+    for step, rows in tokens.groupby("step"):
+        mu, pi = np.exp(rows.mu_logprob.astype(float)), np.exp(rows.pi_logprob.astype(float))
+        assert got.loc[step].n_bad_negative == ((rows.advantage < 0) & (mu - pi >= 0.2)).sum()
+    with pytest.raises(ValueError, match="delta"):
+        db.bad_negative_updates(delta=-1)
+
+
+def test_live_run_sees_whole_files_only_and_new_files(tmp_path):
+    logdir = tmp_path / "logs"
+    generate_run(logdir, "live", SyntheticConfig(tokens=3_000, steps=3, rows_per_file=500, edge_cases=False))
+    files = sorted((logdir / "live" / "tokens").glob("*.parquet"))
+    held = tmp_path / "held"
+    held.mkdir()
+    for f in files[len(files) // 2:]:
+        shutil.move(f, held / f.name)
+    conn = tsdb.connect(logdir, cache_dir=tmp_path / "cache")
+    try:
+        before = conn.step_summary().n_tokens.sum()
+        # a half-written file under the logger's temporary name is not seen
+        (logdir / "live" / "tokens" / ".partial.parquet.tmp").write_bytes(b"PAR1 half a file")
+        assert conn.step_summary().n_tokens.sum() == before
+        moved = 0
+        for f in held.iterdir():
+            shutil.move(f, logdir / "live" / "tokens" / f.name)
+            moved += 1
+        computed = conn.partials_computed
+        after = conn.step_summary().n_tokens.sum()
+        assert conn.partials_computed - computed == moved  # only the new files are aggregated
+        assert after == sum(pq.read_metadata(f).num_rows for f in files) > before
+        # a run that appears after connect is picked up too
+        generate_run(logdir, "late", SyntheticConfig(tokens=1_000, steps=1, edge_cases=False))
+        assert set(conn.step_summary().run_id) == {"live", "late"}
+    finally:
+        conn.close()
+
+
+def test_kept_aggregates_are_reused_across_processes(logdir, tmp_path):
+    with tsdb.connect(logdir, cache_dir=tmp_path) as first:
+        expected = first.step_summary()
+    stored = list((tmp_path / "step_partials").glob("*.parquet"))
+    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    with tsdb.connect(logdir, cache_dir=tmp_path) as second:
+        np.testing.assert_allclose(second.step_summary().mismatch_mean, expected.mismatch_mean)
+        assert second.partials_computed == 0
+        second.step_summary()
+        assert second.partials_computed == 0

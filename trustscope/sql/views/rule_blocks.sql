@@ -1,0 +1,69 @@
+-- the counterfactual: for every registered rule at its default parameters (bound from trustscope.losses), would
+-- it block this token? one boolean column blocks_<rule> per rule; pg_is and cispo have no mask and never block.
+-- the rule macros (ppo_clip_blocks, dppo_blocks, ...) say the same from logprobs; here the shared mask macros
+-- take the ratio and divergences token_metrics_core already computed. rule_param() is a constant per query,
+-- so each dppo rule computes only the divergence it gates on.
+with metrics as (
+    select
+        run_id, step, rank, sample_id, prompt_id, pos, token_id,
+        mu_logprob, old_logprob, pi_logprob, mu_prob, old_prob, pi_prob,
+        ratio, ratio(pi_logprob, old_logprob) as old_ratio, binary_tv, binary_kl, topk_tv, topk_kl,
+        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file
+    from token_metrics_core
+),
+
+final as (
+    select
+        run_id, step, rank, sample_id, prompt_id, pos, token_id,
+        mu_prob, pi_prob, ratio, binary_tv, binary_kl, topk_tv, topk_kl,
+        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file,
+        false as blocks_pg_is,
+        false as blocks_cispo,
+        ppo_mask_blocks(
+            ratio, advantage, rule_param('ppo_clip', 'eps_low'), rule_param('ppo_clip', 'eps_high')
+        ) as blocks_ppo_clip,
+        ppo_mask_blocks(
+            ratio, advantage, rule_param('grpo', 'eps_low'), rule_param('grpo', 'eps_high')
+        ) as blocks_grpo,
+        coalesce(ppo_mask_blocks(
+            old_ratio, advantage, rule_param('minirl', 'eps_low'), rule_param('minirl', 'eps_high')
+        ), false) as blocks_minirl,
+        coalesce(ppo_mask_blocks(
+            old_ratio, advantage, rule_param('minirl_tis', 'eps_low'), rule_param('minirl_tis', 'eps_high')
+        ), false) as blocks_minirl_tis,
+        coalesce(dppo_mask_blocks(
+            divergence_by_name(rule_param('dppo_binary_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+            pi_logprob, mu_logprob, advantage, rule_param('dppo_binary_tv', 'delta')
+        ), false) as blocks_dppo_binary_tv,
+        coalesce(dppo_mask_blocks(
+            divergence_by_name(rule_param('dppo_binary_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+            pi_logprob, mu_logprob, advantage, rule_param('dppo_binary_kl', 'delta')
+        ), false) as blocks_dppo_binary_kl,
+        coalesce(dppo_mask_blocks(
+            divergence_by_name(rule_param('dppo_topk_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+            pi_logprob, mu_logprob, advantage, rule_param('dppo_topk_tv', 'delta')
+        ), false) as blocks_dppo_topk_tv,
+        coalesce(dppo_mask_blocks(
+            divergence_by_name(rule_param('dppo_topk_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+            pi_logprob, mu_logprob, advantage, rule_param('dppo_topk_kl', 'delta')
+        ), false) as blocks_dppo_topk_kl,
+        coalesce(dppo_mask_blocks(
+            divergence_by_name(
+                rule_param('dppo_decoupled', 'divergence'),
+                abs(pi_prob - old_prob), binary_kl_probs(old_prob, pi_prob, old_logprob, pi_logprob), null, null
+            ),
+            pi_logprob, old_logprob, advantage, rule_param('dppo_decoupled', 'delta')
+        ), false) as blocks_dppo_decoupled,
+        (
+            advantage > 0 and ratio > 1 + rule_param('ppo_lowprob_relax', 'eps_high')
+            and mu_prob >= rule_param('ppo_lowprob_relax', 'alpha_high')
+        ) or (
+            advantage < 0 and ratio < 1 - rule_param('ppo_lowprob_relax', 'eps_low')
+            and mu_prob >= rule_param('ppo_lowprob_relax', 'alpha_low')
+        ) as blocks_ppo_lowprob_relax,
+        advantage < 0 and mu_prob - pi_prob >= rule_param('minimal_negative_mask', 'delta')
+            as blocks_minimal_negative_mask
+    from metrics
+)
+
+select * from final

@@ -1,0 +1,42 @@
+-- per-token metrics without the token text (what the aggregates read): probabilities, ratio, log ratio, binary
+-- and top-k tv/kl (top-k from the scalar columns stored at capture time), buckets and advantage sign.
+with source as (
+    select
+        run_id, step, rank, sample_id, prompt_id, pos, token_id,
+        mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule, source_file
+    from tokens
+),
+
+probabilities as (
+    select
+        *,
+        exp(mu_logprob::double) as mu_prob,
+        exp(old_logprob::double) as old_prob,
+        exp(pi_logprob::double) as pi_prob
+    from source
+),
+
+final as (
+    select
+        run_id, step, rank, sample_id, prompt_id, pos, token_id,
+        mu_logprob, old_logprob, pi_logprob,
+        mu_prob, old_prob, pi_prob,
+        pi_prob - mu_prob as prob_diff,
+        pi_logprob::double - mu_logprob::double as log_ratio,
+        ratio(pi_logprob, mu_logprob) as ratio,
+        binary_tv(mu_logprob, pi_logprob) as binary_tv,
+        binary_kl_probs(mu_prob, pi_prob, mu_logprob, pi_logprob) as binary_kl,
+        topk_tv::double as topk_tv,
+        topk_kl::double as topk_kl,
+        advantage,
+        advantage_sign(advantage) as advantage_sign,
+        entropy,
+        mu_bucket(mu_prob) as mu_bucket,
+        entropy_bucket(entropy) as entropy_bucket,
+        kept,
+        loss_rule,
+        source_file
+    from probabilities
+)
+
+select * from final
