@@ -84,9 +84,11 @@ def test_padded_round_trip(tmp_path):
 
     from trustscope import divergence
 
-    mu, pi = torch.from_numpy(tokens["mu_topk_logprobs"][b, t]), torch.from_numpy(tokens["pi_topk_logprobs"][b, t])
-    np.testing.assert_allclose(got["topk_tv"].to_numpy(), divergence.topk_tv(mu, pi).numpy(), rtol=1e-6)
-    np.testing.assert_allclose(got["topk_kl"].to_numpy(), divergence.topk_kl(mu, pi).numpy(), rtol=1e-6)
+    # computed in float64, stored in float32
+    mu = torch.from_numpy(tokens["mu_topk_logprobs"][b, t]).double()
+    pi = torch.from_numpy(tokens["pi_topk_logprobs"][b, t]).double()
+    np.testing.assert_allclose(got["topk_tv"].to_numpy(), divergence.topk_tv(mu, pi).float().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got["topk_kl"].to_numpy(), divergence.topk_kl(mu, pi).float().numpy(), rtol=1e-6)
 
     smp = read(run, "samples")
     assert smp["length"].to_pylist() == mask.sum(1).tolist()

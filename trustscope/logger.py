@@ -1097,15 +1097,20 @@ def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def topk_divergences(mu_topk_logprobs: np.ndarray, pi_topk_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Top-K TV and KL ``(N,)`` float32 from ``(N, K)`` logprob arrays, by :mod:`trustscope.divergence`."""
+    """Top-K TV and KL ``(N,)`` float32 from ``(N, K)`` logprob arrays, by :mod:`trustscope.divergence`.
+
+    Computed in float64: in float32 the 'other' bucket ``1 - sum P`` is lost below about 1e-3, and its log-ratio
+    term of the KL with it.
+    """
     import torch
 
     from trustscope import divergence
 
-    mu, pi = torch.from_numpy(np.ascontiguousarray(mu_topk_logprobs)), torch.from_numpy(
-        np.ascontiguousarray(pi_topk_logprobs))
+    mu = torch.from_numpy(np.asarray(mu_topk_logprobs, dtype=np.float64))
+    pi = torch.from_numpy(np.asarray(pi_topk_logprobs, dtype=np.float64))
     with torch.no_grad():
-        return divergence.topk_tv(mu, pi).numpy(), divergence.topk_kl(mu, pi).numpy()
+        tv, kl = divergence.topk_tv(mu, pi), divergence.topk_kl(mu, pi)
+    return tv.numpy().astype(np.float32), kl.numpy().astype(np.float32)
 
 
 def _n_samples(samples: Mapping[str, Any] | None) -> int:
