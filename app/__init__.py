@@ -1,0 +1,1 @@
+"""The trustscope dashboard (Streamlit): ``trustscope dashboard [LOGDIR]`` or ``streamlit run app/main.py``."""

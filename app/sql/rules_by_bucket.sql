@@ -1,0 +1,35 @@
+-- what every rule would block on the same tokens of run $run_id, steps $first_step..$last_step, by mu bucket and
+-- advantage side (a > 0 against a <= 0, as dppo splits them).
+with window_blocks as (
+    select
+        mu_bucket,
+        case when advantage > 0 then 'A>0' else 'A<=0' end as adv_sign,
+        columns('^blocks_.*$')
+    from rule_blocks
+    where run_id = $run_id and step between $first_step and $last_step
+),
+
+fractions as (
+    select mu_bucket, adv_sign, count(*) as n_tokens, avg(columns('^blocks_.*$')::double)
+    from window_blocks
+    group by mu_bucket, adv_sign
+),
+
+long as (
+    unpivot fractions
+    on columns('^blocks_.*$')
+    into name rule_column value blocked_frac
+),
+
+final as (
+    select
+        regexp_extract(rule_column, '^blocks_(.*)$', 1) as rule,
+        mu_bucket,
+        adv_sign,
+        n_tokens,
+        blocked_frac
+    from long
+    order by rule, mu_bucket, adv_sign
+)
+
+select * from final

@@ -1,0 +1,36 @@
+"""Live: a run still being written refreshes on its own; new Parquet files invalidate the cached results."""
+
+from datetime import datetime
+
+import pandas as pd
+import streamlit as st
+
+from app import charts, data
+
+st.title("Live")
+every = st.select_slider("Refresh every", options=[2, 5, 10, 30, 60], value=5, format_func=lambda s: f"{s} s",
+                         key="live_every")
+
+
+@st.fragment(run_every=every)
+def live_view() -> None:
+    with data.friendly_errors():
+        runs = data.runs()
+        if runs.empty:
+            st.info("Waiting for the first step to land in this log directory...")
+            return
+        latest = runs.sort_values("updated_at", ascending=False)["run_id"].iloc[0]
+        ids = runs["run_id"].tolist()
+        run = st.selectbox("Run", ids, index=ids.index(latest), key="live_run")
+        row = runs.set_index("run_id").loc[run]
+        cols = st.columns(4)
+        cols[0].metric("Last step", int(row["last_step"]))
+        cols[1].metric("Response tokens", f"{int(row['n_response_tokens']):,}")
+        cols[2].metric("Mean reward", "-" if pd.isna(row["mean_reward"]) else f"{row['mean_reward']:.3f}")
+        cols[3].metric("Status", str(row["status"]))
+        st.plotly_chart(charts.metrics_over_steps(data.step_metrics([run]), list(data.METRIC_TITLES),
+                                                  data.METRIC_TITLES), key="live_chart")
+        st.caption(f"Refreshed {datetime.now():%H:%M:%S}; {data.file_count()} files in the log directory.")
+
+
+live_view()

@@ -1,0 +1,259 @@
+"""Every dashboard page under Streamlit's AppTest: key elements render and no exception escapes.
+
+Runs over ``sample_logs/`` when it holds runs, else over a small synthetic log. Broken log directories (empty,
+still being written, corrupt) must show a message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from app.launch import LOGDIR_ENV
+from trustscope import schema
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = ROOT / "app" / "main.py"
+SAMPLE_LOGS = ROOT / "sample_logs"
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> Path:
+    """sample_logs/ when it holds runs, else a small synthetic log of two runs."""
+    if schema.run_dirs(SAMPLE_LOGS):
+        return SAMPLE_LOGS
+    from trustscope.synthetic import SyntheticConfig, generate_logdir
+
+    return generate_logdir(tmp_path_factory.mktemp("logs"), runs=2, config=SyntheticConfig(tokens=6_000, steps=4))
+
+
+def _open(monkeypatch, logdir: Path, page: str | None = None) -> AppTest:
+    monkeypatch.setenv(LOGDIR_ENV, str(logdir))
+    at = AppTest.from_file(str(MAIN), default_timeout=TIMEOUT)
+    at.run()
+    if page is not None:
+        at.switch_page(f"views/{page}.py")
+        at.run()
+    return at
+
+
+def _ok(at: AppTest, title: str) -> None:
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert [t.value for t in at.title] == [title]
+
+
+def _charts(at: AppTest) -> list:
+    return list(at.get("plotly_chart"))
+
+
+def test_runs_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir)
+    _ok(at, "Runs")
+    table = at.dataframe[0].value
+    assert {"run_id", "status", "loss_rule", "n_steps"} <= set(table.columns) and len(table) >= 1
+    assert len(_charts(at)) == 2
+    assert at.multiselect(key="runs_picker").value == table.drop_duplicates("loss_rule")["run_id"].tolist()[:4]
+    assert f"`{logdir.resolve()}`" in at.sidebar.caption[0].value
+
+
+def test_runs_page_one_metric(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir)
+    at.multiselect(key="metrics_picker").set_value(["mismatch"]).run()
+    _ok(at, "Runs")
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert fig["layout"]["yaxis"]["title"]["text"] == "mismatch mean |pi - mu|"
+    assert all(len(trace["y"]) > 0 for trace in fig["data"])
+
+
+def test_live_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "live")
+    _ok(at, "Live")
+    labels = [m.label for m in at.metric]
+    assert labels == ["Last step", "Response tokens", "Mean reward", "Status"]
+    assert len(_charts(at)) == 1
+    assert any("Refreshed" in c.value for c in at.caption)
+
+
+def test_live_page_picks_up_new_files(monkeypatch, tmp_path):
+    from trustscope.synthetic import SyntheticConfig, generate_run
+
+    generate_run(tmp_path, "first", SyntheticConfig(tokens=400, steps=2, edge_cases=False))
+    at = _open(monkeypatch, tmp_path, "live")
+    _ok(at, "Live")
+    assert at.selectbox(key="live_run").value == "first" and at.metric[0].value == "1"
+    generate_run(tmp_path, "second", SyntheticConfig(tokens=600, steps=3, edge_cases=False, seed=1))
+    at.run()
+    _ok(at, "Live")
+    assert at.selectbox(key="live_run").options == ["first", "second"]
+    assert at.selectbox(key="live_run").value == "first"  # the run being watched stays picked
+    at.selectbox(key="live_run").set_value("second").run()
+    _ok(at, "Live")
+    assert at.metric[0].value == "2"
+
+
+def test_bad_updates_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "bad_updates")
+    _ok(at, "Bad negative updates")
+    assert [m.label for m in at.metric][:2] == ["Bad updates (all steps)", "Worst step"]
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert [t["name"] for t in fig["data"]] == ["bad negative updates", "reward fluctuation"]
+    assert {"step", "bad_rate", "reward_fluctuation"} <= set(at.dataframe[0].value.columns)
+
+
+def test_ratio_divergence_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "ratio_divergence")
+    _ok(at, "Ratio vs divergence")
+    figure2, histogram, spread = (json.loads(c.proto.spec) for c in _charts(at))
+    names = [t["name"] for t in figure2["data"]]
+    assert names == sorted(names) and len(names) >= 2  # one pair of traces per mu bucket, in bucket order
+    assert figure2["layout"]["xaxis"]["type"] == "log"
+    assert sum(len(t["x"]) for t in histogram["data"]) > 0
+    assert [t["name"] for t in spread["data"]] == ["|ratio - 1|", "binary TV"]
+    at.radio(key="divergence").set_value("topk_tv").run()
+    _ok(at, "Ratio vs divergence")
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert fig["layout"]["yaxis2"]["title"]["text"] == "top-K TV"
+
+
+def test_rules_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "rules")
+    _ok(at, "Rules side by side")
+    picked = at.multiselect(key="rules_picker").value
+    assert picked and set(picked) <= {"ppo_clip", "grpo", "dppo_binary_tv", "dppo_topk_tv", "ppo_lowprob_relax",
+                                      "minimal_negative_mask"}
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert {t["name"] for t in fig["data"]} == set(picked)
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<=0"]
+    table = at.dataframe[0].value
+    assert {"mu_bucket", "adv_sign", *picked} == set(table.columns)
+    at.multiselect(key="rules_picker").set_value(["grpo"]).run()
+    _ok(at, "Rules side by side")
+    assert {t["name"] for t in json.loads(_charts(at)[0].proto.spec)["data"]} == {"grpo"}
+
+
+def test_clipped_tokens_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "clipped_tokens")
+    _ok(at, "Clipped tokens")
+    at.selectbox(key="clip_rule").set_value("grpo").run()
+    _ok(at, "Clipped tokens")
+    table = at.dataframe[0].value
+    assert {"text", "n_blocked", "mean_mu", "mean_entropy"} <= set(table.columns)
+    assert 1 <= len(table) <= 20 and table["n_blocked"].is_monotonic_decreasing
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert fig["layout"]["xaxis"]["title"]["text"] == "tokens blocked by grpo"
+
+
+def test_token_explorer_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "token_explorer")
+    _ok(at, "Token explorer")
+    body = at.get("html")[0].proto.body
+    assert body.count('class="tok"') >= 1 and "&lt;- sampled" in body and "&#x27;" in body
+    at.radio(key="explorer_colour").set_value("blocked").run()
+    _ok(at, "Token explorer")
+    assert any(c.value.startswith("Red: the trainer's own rule blocked") for c in at.main.caption)
+
+
+def test_sql_console_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "sql_console")
+    _ok(at, "SQL console")
+    assert len(at.dataframe[0].value) >= 1
+    assert len(at.get("download_button")) == 1
+    at.text_area(key="sql_text").set_value("select count(*) as n from tokens").run()
+    at.button(key="sql_run").click().run()
+    _ok(at, "SQL console")
+    assert int(at.dataframe[0].value["n"].iloc[0]) > 0
+
+
+def test_sql_console_refuses_writes_with_a_message(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "sql_console")
+    at.text_area(key="sql_text").set_value("copy tokens to '/tmp/out.csv'").run()
+    at.button(key="sql_run").click().run()
+    assert not at.exception
+    assert "refused" in at.error[0].value
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _partial_run(root: Path) -> Path:
+    run = root / "run-live"
+    (run / "tokens").mkdir(parents=True)
+    (run / schema.MANIFEST).write_text(json.dumps({"run_id": "run-live", "schema_version": schema.SCHEMA_VERSION,
+                                                   "status": "running"}))
+    (run / "tokens" / ".rank000-000000.parquet.tmp").write_bytes(b"PAR1 half a file")
+    return root
+
+
+def _corrupt_tokens(root: Path, logdir: Path) -> Path:
+    from trustscope.synthetic import SyntheticConfig, generate_run
+
+    generate_run(root, "broken", SyntheticConfig(tokens=500, steps=2, edge_cases=False))
+    (root / "broken" / "tokens" / "rank000-999999.parquet").write_bytes(b"this is not parquet")
+    return root
+
+
+def _corrupt_manifest(root: Path, logdir: Path) -> Path:
+    run = root / "bad-manifest"
+    (run / "steps").mkdir(parents=True)
+    (run / schema.MANIFEST).write_text("{not json")
+    return root
+
+
+@pytest.mark.parametrize("page", ["runs", "sql_console"])
+def test_empty_logdir_shows_a_message(monkeypatch, tmp_path, page):
+    at = _open(monkeypatch, tmp_path, None if page == "runs" else page)
+    assert not at.exception
+    assert "holds no runs yet" in at.warning[0].value
+
+
+def test_missing_logdir_shows_a_message(monkeypatch, tmp_path):
+    at = _open(monkeypatch, tmp_path / "nowhere")
+    assert not at.exception
+    assert "does not exist" in at.warning[0].value
+
+
+@pytest.mark.parametrize("page", ["runs", "live", "token_explorer"])
+def test_partial_logdir_waits_for_the_first_step(monkeypatch, tmp_path, page):
+    at = _open(monkeypatch, _partial_run(tmp_path), None if page == "runs" else page)
+    assert not at.exception and not at.error
+    assert any("first step" in i.value for i in at.info)
+
+
+@pytest.mark.parametrize("make", [_corrupt_tokens, _corrupt_manifest], ids=["tokens", "manifest"])
+@pytest.mark.parametrize("page", ["runs", "rules"])
+def test_corrupt_logdir_shows_an_error_not_a_traceback(monkeypatch, tmp_path, logdir, make, page):
+    at = _open(monkeypatch, make(tmp_path, logdir), None if page == "runs" else page)
+    assert not at.exception
+    assert len(at.error) == 1
+    message = at.error[0].value
+    assert "Could not read the logs" in message and "trustscope validate" in message
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def test_dashboard_command_refuses_a_missing_logdir(tmp_path):
+    from typer.testing import CliRunner
+
+    from trustscope.cli import app
+
+    result = CliRunner().invoke(app, ["dashboard", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output and "nowhere" in result.output
+
+
+def test_dashboard_command_line_binds_localhost_and_passes_the_logdir(tmp_path):
+    from app.launch import MAIN, default_logdir, streamlit_command
+
+    cmd = streamlit_command(tmp_path, port=8765)
+    assert cmd[1:5] == ["-m", "streamlit", "run", str(MAIN)]
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--server.port") + 1] == "8765"
+    assert cmd[-3:] == ["--", "--logdir", str(tmp_path)]
+    assert streamlit_command(tmp_path, host="0.0.0.0")[cmd.index("--server.address") + 1] == "0.0.0.0"
+    assert default_logdir() == SAMPLE_LOGS
