@@ -166,3 +166,32 @@ def test_kept_aggregates_are_reused_across_processes(logdir, tmp_path):
         assert second.partials_computed == 0
         second.step_summary()
         assert second.partials_computed == 0
+
+
+def test_missing_values_stay_missing_in_the_macros(db):
+    """A null logprob or top-K list gives a null metric, never the clamp bound (least/greatest skip nulls)."""
+    row = db.sql(
+        "select ratio(null, -1.0) as r, topk_tv(null, [-1.0]) as tv, topk_kl([-1.0], null) as kl, "
+        "binary_kl_probs(0.5, null, -0.69, null) as bkl, log_bin(null, -3, 3, 10) as b"
+    ).to_pandas().iloc[0]
+    assert row.isna().all(), row.to_dict()
+
+
+def test_decoupled_rules_never_block_tokens_without_pi_old(tmp_path):
+    """A run that never recomputed pi_old: the rules anchored on it have nothing to block."""
+    from trustscope.logger import TokenLogger
+
+    rng = np.random.default_rng(0)
+    b, t = 8, 6
+    mu = np.log(rng.uniform(1e-4, 1.0, (b, t)))
+    pi = np.log(rng.uniform(1e-4, 1.0, (b, t)))  # far from mu: a ratio anchored anywhere would block many
+    with TokenLogger(tmp_path, "no-old") as logger:
+        logger.log_step(0, tokens={"token_id": rng.integers(0, 50, (b, t)), "mu_logprob": mu, "pi_logprob": pi,
+                                   "advantage": np.repeat([1.0, -1.0], b // 2)},
+                        mask=np.ones((b, t), bool), samples={"prompt_id": np.arange(b) // 4})
+    with tsdb.connect(tmp_path) as fresh:
+        counts = fresh.sql(
+            "select count(*) as n, count(*) filter (where blocks_minirl or blocks_minirl_tis "
+            "or blocks_dppo_decoupled) as blocked, count(*) filter (where blocks_ppo_clip) as ppo from rule_blocks"
+        ).to_pandas().iloc[0]
+    assert counts["n"] == b * t and counts["ppo"] > 0 and counts["blocked"] == 0

@@ -1,7 +1,7 @@
 -- top-k tv over mu's top-k ids plus the 'other' bucket (divergence.topk_tv):
--- 0.5 * (sum_i |p_i - q_i| + |p_rest - q_rest|), in [0, 1]. the lists are aligned by token id.
+-- 0.5 * (sum_i |p_i - q_i| + |p_rest - q_rest|), in [0, 1]. the lists are aligned by token id; null gives null.
 create or replace macro topk_tv(mu_topk_logprobs, pi_topk_logprobs) as
-    least(greatest(
+    clamp_max(clamp_min(
         0.5 * (
             list_sum(list_transform(
                 mu_topk_logprobs, lambda x, i: abs(exp(x::double) - exp(pi_topk_logprobs[i]::double))
