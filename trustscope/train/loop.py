@@ -1,0 +1,476 @@
+"""The integrated trainer: GRPO-style RL with any registered trust-region rule, logging itself as it goes.
+
+Run it::
+
+    trustscope train                                  # DPPO binary TV on the toy world (tiny Qwen2, addition)
+    trustscope train --loss cispo --engine-dtype bfloat16 --steps 100
+    trustscope train --config run.toml --lr 1e-6      # a file, then overrides of any TrainConfig field
+    trustscope train --run-id my-run --resume         # continue a run from its newest checkpoint, same log
+    trustscope train --model Qwen/Qwen3-1.7B-Base --task add2 --max-tokens 64 --lr 1e-6   # a real model, GPU
+    trustscope train --list-options                   # every field, its default and its meaning
+
+On a GPU the trainer and vLLM find the device themselves; vLLM's context defaults to 128 tokens, so a real model
+needs ``--engine-options '{"max_model_len": 1024}'`` or so. From Python: ``train(TrainConfig(loss="dppo_topk_tv"))``.
+The run lives in ``<logdir>/<run_id>/``: the log (``run.json``, ``tokens/``, ``samples/``, ``steps/``, read by
+``trustscope dashboard``) and ``checkpoints/``.
+
+One step, top to bottom: rollouts from the engine (mu's logprob and top-K at every sampled token) -> rewards ->
+group advantages -> optional pi_old recompute -> mini-batch updates with the rule ``get_loss(cfg.loss)`` and
+``aggregate(..., cfg.aggregation)``, gradient clipping, a learning-rate schedule -> weight sync into the engine ->
+tokens, samples and scalars into the TokenLogger -> periodic evaluation on held-out problems -> checkpoints.
+
+Mismatch knobs: ``engine_dtype`` (bf16 rollouts against an fp32 trainer), ``policy_lag`` (step s trains on
+rollouts sampled with the weights of step s - lag, as in asynchronous RL), ``sync_every`` (the engine's weights
+are refreshed only every k steps) and ``recompute_old``.
+
+Where it departs from the paper's recipe (verl, DAPO data, 16 responses per prompt, lr 1e-6):
+- Scale: a tiny model and one-digit addition by default, so the defaults (lr 2e-4, 8 responses per prompt, 8
+  new tokens) are the toy world's, not the paper's.
+- Evaluation decodes greedily with the trainer's own weights (transformers ``generate``), not with the engine,
+  so it measures the policy being trained even when the engine lags behind.
+- pi_old, when recomputed, uses the trainer's weights at the start of the step; with ``policy_lag > 0`` these
+  are newer than the rollout's (the decoupled-PPO "proximal" policy), as in asynchronous trainers.
+- With ``epochs > 1`` the log keeps pi, the mask and the entropy of each token's last update.
+- No KL penalty to a reference model and no entropy bonus (the paper uses neither).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trustscope.capture import Capture, capture
+from trustscope.divergence import binary_tv
+from trustscope.engines import Rollout, make_engine
+from trustscope.logger import NullLogger, TokenLogger
+from trustscope.losses import PolicyBatch, aggregate, get_loss
+from trustscope.train.config import TrainConfig
+from trustscope.train.tasks import Problem, Task, get_task
+
+CHECKPOINTS = "checkpoints"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Batch:
+    """One step's rollouts: the problems (one per group), the engine's samples and their rewards."""
+
+    weights_step: int  # the trainer step whose weights the engine sampled with (older when lagging)
+    problems: list[Problem]  # (prompts_per_step,)
+    rollout: Rollout  # B = prompts_per_step * group_size samples, grouped by problem
+    rewards: torch.Tensor  # (B,) float32
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """A 31-bit seed for one purpose (``salt``) at one step: no RNG state to checkpoint, resumes are exact."""
+    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] >> 1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, optionally over the group's std. ``(B,)`` -> ``(B,)``."""
+    r = rewards.view(-1, group_size)  # (B / G, G)
+    adv = r - r.mean(-1, keepdim=True)
+    if std_normalize:
+        adv = adv / (r.std(-1, keepdim=True) + 1e-6)
+    return adv.reshape(-1)
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of ``cfg.lr`` at a step: linear warm-up, then constant, linear or cosine decay to 0."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return f
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollouts
+
+
+def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int) -> Batch:
+    """Sample the rollouts of step ``step`` while the trainer is at step ``now``: ``prompts_per_step`` problems,
+    ``group_size`` responses each. The engine holds the weights of the last sync, step ``now - now % sync_every``."""
+    problems = task.sample(random.Random(step_seed(cfg.seed, step, 1)), cfg.prompts_per_step, "train")
+    rollout = engine.generate([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
+                              seed=step_seed(cfg.seed, step, 2))
+    per_sample = [problems[i] for i in rollout.prompt_index]
+    rewards = task.score(per_sample, rollout.texts, rollout.finish_reasons)
+    return Batch(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
+
+
+def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int, pending: deque[Batch]) -> Iterator[Batch]:
+    """Yield the batch of each step from ``step`` on. ``pending`` holds batches sampled ahead: with
+    ``policy_lag = k`` the batch of step s was sampled k steps earlier, with the weights the engine had then
+    (asynchronous RL's staleness; the first k steps train on the initial weights' rollouts)."""
+    while True:
+        while len(pending) <= cfg.policy_lag:
+            pending.append(sample_batch(engine, task, cfg, step + len(pending), now=step))
+        yield pending.popleft()
+        step += 1
+
+
+def policy_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], response_ids: torch.Tensor,
+                   topk_ids: torch.Tensor | None, rows: torch.Tensor, temperature: float) -> Capture:
+    """pi at the sampled tokens (differentiable), at mu's top-K ids, and its entropy, for batch rows ``rows``.
+
+    ``inputs`` hold prompt (left-padded) + response (right-padded) of width P + T; only the last T + 1 logit
+    columns are computed, the first of which predicts response token 0. Logits are divided by the sampling
+    temperature, because mu is the tempered distribution the engine drew from.
+    """
+    t = response_ids.shape[1]
+    logits = model(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                   position_ids=inputs["position_ids"][rows], logits_to_keep=t + 1).logits  # (b, T + 1, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return capture(logits, response_ids[rows], response_start=1,
+                   mu_topk_ids=None if topk_ids is None else topk_ids[rows])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluation and checkpoints
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
+    """Greedy accuracy of the trainer's current weights on the first ``eval_problems`` held-out problems."""
+    problems = task.split("eval")[: cfg.eval_problems]
+    was_training = model.training
+    model.eval()
+    rewards: list[float] = []
+    for i in range(0, len(problems), 64):
+        chunk = problems[i : i + 64]
+        enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left").to(device)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=cfg.max_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        gen = out[:, enc["input_ids"].shape[1] :]  # (b, T)
+        texts, finish = [], []
+        for row in gen.tolist():
+            stop = tokenizer.eos_token_id in row
+            ids = row[: row.index(tokenizer.eos_token_id)] if stop else row
+            texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+            finish.append("stop" if stop else "length")
+        rewards += task.score(chunk, texts, finish)
+    model.train(was_training)
+    return {"eval/reward": float(np.mean(rewards)) if rewards else float("nan"), "eval/problems": len(rewards)}
+
+
+def save_checkpoint(cfg: TrainConfig, step: int, model: torch.nn.Module, tokenizer: Any, optimizer: Any,
+                    scheduler: Any, pending: deque[Batch], engine_state: dict[str, torch.Tensor] | None) -> Path:
+    """Write ``checkpoints/step_<step>/``: a loadable HF model dir plus the trainer state; keep the newest few."""
+    root = cfg.run_dir / CHECKPOINTS
+    final = root / f"step_{step:06d}"
+    tmp = root / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "pending": list(pending), "engine_state": engine_state, "config": cfg.to_dict()}, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(root.glob("step_*"))[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest ``checkpoints/step_*`` of a run, or None."""
+    found = sorted((run_dir / CHECKPOINTS).glob("step_*"))
+    return found[-1] if found else None
+
+
+def drop_log_after(run_dir: Path, step: int) -> int:
+    """Remove log files written after checkpoint ``step`` (a crashed continuation); return how many.
+
+    The trainer flushes the logger at every checkpoint, so each file holds steps either all <= or all > it.
+    """
+    import pyarrow.parquet as pq
+
+    removed = 0
+    for path in sorted(run_dir.glob("*/*.parquet")):
+        if path.parent.name not in ("tokens", "samples", "steps"):
+            continue
+        steps = pq.read_table(path, columns=["step"]).column("step")
+        if len(steps) and min(steps.to_pylist()) > step:
+            path.unlink()
+            removed += 1
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but torch sees no GPU; set device=cpu or device=auto")
+    return torch.device(name)
+
+
+def resolve_model(cfg: TrainConfig) -> Path | str:
+    """The model directory: the toy world (built and cached on first use) or ``cfg.model`` as given."""
+    if cfg.model == "toy":
+        from trustscope.train.toy import build_toy_model
+
+        return build_toy_model(task=cfg.task)
+    return cfg.model
+
+
+def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    """Train as ``cfg`` says; call ``on_step(step, scalars)`` after every step; return the last step's scalars."""
+    # ---- setup -------------------------------------------------------------------------------------------------
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    rule = get_loss(cfg.loss)
+    task = get_task(cfg.task)
+    model_dir = resolve_model(cfg)
+    start_step, pending, engine_state = 0, deque(), None
+    ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume else None
+    if not cfg.resume and (cfg.run_dir / "run.json").exists():
+        raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue it, "
+                              f"or another run_id")
+    if cfg.resume and ckpt is None:
+        raise FileNotFoundError(f"resume=true but {cfg.run_dir / CHECKPOINTS} holds no checkpoint; set save_every > 0 "
+                                f"in the first run, or resume=false")
+    weights_dir = ckpt or model_dir
+    tokenizer = AutoTokenizer.from_pretrained(weights_dir)
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=DTYPES[cfg.trainer_dtype]).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, pending, engine_state = state["step"] + 1, deque(state["pending"]), state["engine_state"]
+        drop_log_after(cfg.run_dir, state["step"])
+    keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights
+    engine_copy = engine_state if engine_state is not None else (_snapshot(model) if keep_engine_copy else None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    scalars: dict[str, float] = {}
+
+    with contextlib.ExitStack() as running:  # closes the logger (finished or crashed) and the engine
+        engine = running.enter_context(make_engine(cfg.engine, str(weights_dir), dtype=cfg.engine_dtype,
+                                                   seed=cfg.seed, **cfg.engine_options))
+        if engine_state is not None:  # the engine was lagging behind the trainer when the checkpoint was taken
+            engine.update_weights(_with_weights(weights_dir, cfg, engine_state))
+        logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model))
+        stream = rollout_stream(engine, task, cfg, start_step, pending)
+
+        # ---- steps ---------------------------------------------------------------------------------------------
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            batch = next(stream)
+            t_rollout = time.perf_counter() - t0
+            ro = batch.rollout.to_tensors(pad_id)
+            mask = ro.mask.to(device)  # (B, T)
+            b = mask.shape[0]
+            adv_seq = group_advantages(batch.rewards, cfg.group_size, cfg.std_normalize).to(device)  # (B,)
+            adv = adv_seq[:, None].expand_as(mask).float()  # (B, T)
+            inputs = dict(input_ids=ro.input_ids.to(device), attention_mask=ro.attention_mask.to(device),
+                          position_ids=ro.position_ids.to(device))  # (B, P + T) each
+            response_ids = ro.response_ids.to(device)  # (B, T)
+            mu_lp, mu_topk_lp = ro.mu_logprob.to(device), ro.mu_topk_logprobs.to(device)  # (B, T), (B, T, K)
+            topk_ids = ro.mu_topk_ids.to(device)  # (B, T, K)
+
+            old_lp = None
+            if cfg.recompute_old:
+                with torch.no_grad():
+                    rows = torch.arange(b, device=device)
+                    old_lp = policy_forward(model, inputs, response_ids, None, rows, cfg.temperature).logprob
+
+            # mini-batch updates; the log keeps each token's pi / mask / entropy from its last update
+            pi_lp = torch.zeros_like(mu_lp)  # (B, T)
+            pi_topk_lp = torch.zeros_like(mu_topk_lp)  # (B, T, K)
+            entropy = torch.zeros_like(mu_lp)  # (B, T)
+            kept = torch.zeros_like(mask)  # (B, T)
+            sums: dict[str, float] = {}
+            losses, grad_norms, updates = [], [], 0
+            t1 = time.perf_counter()
+            for epoch in range(cfg.epochs):
+                order = torch.randperm(b, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 3 + epoch)))
+                for idx in order.to(device).chunk(cfg.mini_batches):
+                    cap = policy_forward(model, inputs, response_ids, topk_ids, idx, cfg.temperature)
+                    pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=mu_lp[idx], advantages=adv[idx], mask=mask[idx],
+                                     old_logprob=None if old_lp is None else old_lp[idx],
+                                     mu_topk_logprobs=mu_topk_lp[idx], pi_topk_logprobs=cap.topk_logprobs)
+                    out = rule(pb, **cfg.loss_params)
+                    loss = aggregate(out.loss, mask[idx], cfg.aggregation, max_len=cfg.max_tokens)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.grad_clip > 0:
+                        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+                    optimizer.step()
+                    updates += 1
+                    losses.append(float(loss.detach()))
+                    for name, value in out.metrics.items():
+                        sums[name] = sums.get(name, 0.0) + float(value)
+                    pi_lp[idx] = cap.logprob.detach()
+                    pi_topk_lp[idx] = cap.topk_logprobs.detach()
+                    entropy[idx] = cap.entropy.detach()
+                    kept[idx] = out.keep
+            scheduler.step()
+            t_train = time.perf_counter() - t1
+
+            t2 = time.perf_counter()
+            synced = (step + 1) % cfg.sync_every == 0
+            if synced:
+                engine.update_weights(model)
+                engine_copy = _snapshot(model) if keep_engine_copy else None
+            t_sync = time.perf_counter() - t2
+            step_time = time.perf_counter() - t0
+
+            last = step + 1 == cfg.steps
+            evals = {}
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
+                t3 = time.perf_counter()
+                evals = {**evaluate(model, tokenizer, task, cfg, device), "time/eval_s": time.perf_counter() - t3}
+
+            # ---- log ---------------------------------------------------------------------------------------
+            n_tokens = int(mask.sum())
+            scalars = {
+                "reward/mean": float(batch.rewards.mean()),
+                "reward/std": float(batch.rewards.std()),
+                "loss": float(np.mean(losses)),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+                "updates": updates,
+                "policy_lag": step - batch.weights_step,
+                "response/length_mean": n_tokens / b,
+                "response/stop_frac": float(np.mean([f == "stop" for f in batch.rollout.finish_reasons])),
+                "entropy/mean": float((entropy * mask).sum() / max(1, n_tokens)),
+                "tokens": n_tokens,
+                "time/rollout_s": t_rollout,
+                "time/train_s": t_train,
+                "time/sync_s": t_sync,
+                "time/step_s": step_time,
+                "throughput/tokens_per_s": n_tokens / step_time,
+                **{name: total / updates for name, total in sums.items()},
+                **evals,
+            }
+            if old_lp is not None:
+                scalars["mismatch/old_abs_mean"] = float((binary_tv(mu_lp, old_lp) * mask).sum() / max(1, n_tokens))
+            logger.log_step(
+                step,
+                tokens={"token_id": ro.response_ids, "mu_logprob": mu_lp, "pi_logprob": pi_lp, "advantage": adv,
+                        "entropy": entropy, "mu_topk_ids": topk_ids, "mu_topk_logprobs": mu_topk_lp,
+                        "pi_topk_logprobs": pi_topk_lp, "kept": kept,
+                        **({} if old_lp is None else {"old_logprob": old_lp})},
+                mask=mask,
+                samples={"sample_id": np.arange(b), "prompt_id": np.asarray(batch.rollout.prompt_index),
+                         "prompt": [batch.problems[i].prompt for i in batch.rollout.prompt_index],
+                         "response": batch.rollout.texts, "reward": batch.rewards, "advantage": adv_seq,
+                         "finish_reason": batch.rollout.finish_reasons},
+                scalars=scalars,
+            )
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
+                logger.flush()
+                save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, pending,
+                                None if synced else engine_copy)
+            if on_step is not None:
+                on_step(step, scalars)
+    return scalars
+
+
+def _with_weights(model_dir: Path | str, cfg: TrainConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU copy of the model with the weights ``state`` (to hand a lagging engine its weights on resume)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[cfg.trainer_dtype])
+    model.load_state_dict(state)
+    return model
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the model's weights."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer: Any, model: torch.nn.Module) -> Any:
+    """The run's TokenLogger (or the no-op logger), with the config, model and sampler in the manifest."""
+    if not cfg.log_tokens:
+        return NullLogger()
+    sampling = {**engine.sampling_info(), "temperature": cfg.temperature, "top_p": cfg.top_p, "topk_logprobs": cfg.topk}
+    model_info = {"name": cfg.model, "path": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
+                  "dtype": cfg.trainer_dtype, "architecture": type(model).__name__}
+    os.makedirs(cfg.logdir, exist_ok=True)
+    return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=cfg.to_dict(), model=model_info, sampling=sampling,
+                       tokenizer={"name": getattr(tokenizer, "name_or_path", ""), "vocab_size": len(tokenizer)},
+                       vocab=tokenizer, loss_rule=cfg.loss, resume=cfg.resume, token_fraction=cfg.log_token_fraction,
+                       log_topk=cfg.log_topk, topk_precision=cfg.log_topk_precision)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line's face
+
+
+def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
+    """:func:`train` under a live rich progress bar (step, reward, mismatch |pi - mu|, blocked fraction, tokens/s)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the engine's per-sync log lines off the bar
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    console = Console(stderr=True)
+    console.print(f"[bold]trustscope train[/bold] run [cyan]{cfg.run_id}[/cyan] -> {cfg.run_dir}  "
+                  f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, lag {cfg.policy_lag})")
+    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=cfg.steps, completed=0, stats="starting (engine, toy world) ...")
+
+        def on_step(step: int, s: dict[str, float]) -> None:
+            stats = (f"reward {s['reward/mean']:.3f}  |pi-mu| {s.get('policy/mismatch_abs_mean', float('nan')):.4f}  "
+                     f"blocked {s.get('policy/blocked_frac', float('nan')):.2%}  "
+                     f"{s['throughput/tokens_per_s']:.0f} tok/s")
+            if "eval/reward" in s:
+                stats += f"  eval {s['eval/reward']:.3f}"
+            bar.update(task, completed=step + 1, stats=stats)
+
+        result = train(cfg, on_step=on_step)
+    console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")
+    return result
+
+
+def print_options() -> None:
+    """Print every TrainConfig field as a command-line option with its default and its docstring."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from trustscope.train.config import field_docs
+
+    table = Table("option", "default", "meaning", show_lines=False)
+    defaults = TrainConfig(run_id="x").to_dict()
+    for name, doc in field_docs().items():
+        default = "" if name == "run_id" else defaults[name]
+        table.add_row(f"--{name.replace('_', '-')}", repr(default), doc)
+    Console().print(table)
