@@ -75,7 +75,7 @@ def test_parse_overrides_bool_forms():
         ({"loss": "ppo"}, "loss='ppo': set loss to a registered rule.*valid names: cispo"),
         ({"loss": "minirl"}, "recompute_old=False: loss 'minirl' is anchored on pi_old: set recompute_old=true"),
         ({"loss_params": {"delta": -1}}, "loss_params=.*delta=-1 must be >= 0"),
-        ({"loss_params": {"eps": 0.2}}, r"\['eps'\] are not parameters of 'dppo_binary_tv'"),
+        ({"loss_params": {"eps": 0.2}}, r"'dppo_binary_tv' got unknown parameter\(s\) \['eps'\]; its parameters are"),
         ({"engine": "sglang"}, "engine='sglang': set engine to one of vllm, hf"),
         ({"engine_dtype": "fp8"}, "engine_dtype='fp8': set engine_dtype to one of float32, bfloat16"),
         ({"group_size": 1}, "group_size=1: set group_size >= 2"),

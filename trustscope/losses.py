@@ -85,18 +85,23 @@ class LossRule:
     needs: frozenset[str]
     doc: str
 
-    def __call__(self, batch: PolicyBatch, **params: Any) -> LossOutput:
+    def resolve(self, **params: Any) -> dict[str, Any]:
+        """The defaults overridden by ``params``, validated: errors name the parameter and its value."""
         unknown = set(params) - set(self.defaults)
         if unknown:
             raise TypeError(
                 f"loss rule {self.name!r} got unknown parameter(s) {sorted(unknown)}; "
                 f"its parameters are {sorted(self.defaults)}"
             )
+        merged = {**self.defaults, **params}
+        _validate_params(self.name, merged)
+        return merged
+
+    def __call__(self, batch: PolicyBatch, **params: Any) -> LossOutput:
+        merged = self.resolve(**params)
         for name in sorted(self.needs):
             if getattr(batch, name) is None:
                 raise ValueError(f"loss rule {self.name!r} needs PolicyBatch.{name}, which is None")
-        merged = {**self.defaults, **params}
-        _validate_params(self.name, merged)
         _check_batch(batch)
         return self.fn(batch, **merged)
 
@@ -104,11 +109,13 @@ class LossRule:
 _REGISTRY: dict[str, LossRule] = {}
 
 
-def register_loss(name: str, *, needs: tuple[str, ...] = (), **defaults: Any) -> Callable[[RuleFn], RuleFn]:
+def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = None,
+                  **defaults: Any) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as rule ``name`` with default parameters ``defaults``.
 
     The same function may be registered under several names with other defaults (a preset). ``needs`` names the
-    optional ``PolicyBatch`` fields the rule reads.
+    optional ``PolicyBatch`` fields the rule reads; ``doc`` is the one-line summary (default: the docstring's first
+    paragraph), for presets whose defaults make them a different rule.
     """
 
     def decorator(fn: RuleFn) -> RuleFn:
@@ -122,8 +129,8 @@ def register_loss(name: str, *, needs: tuple[str, ...] = (), **defaults: Any) ->
         fields = set(PolicyBatch.__dataclass_fields__)
         if not set(needs) <= fields:
             raise ValueError(f"loss rule {name!r}: needs={needs!r} names no PolicyBatch field(s); fields are {sorted(fields)}")
-        doc = inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
-        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), doc)
+        summary = doc or inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
+        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), summary)
         return fn
 
     return decorator
@@ -342,7 +349,8 @@ def ppo_clip(batch: PolicyBatch, eps_low: float, eps_high: float, dual_clip: flo
     return _ppo(batch, batch.mu_logprob.detach(), eps_low, eps_high, is_cap, dual_clip)
 
 
-register_loss("grpo", eps_low=EPS_LOW, eps_high=EPS_LOW, dual_clip=None, is_cap=NO_CAP)(ppo_clip)
+register_loss("grpo", doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).",
+              eps_low=EPS_LOW, eps_high=EPS_LOW, dual_clip=None, is_cap=NO_CAP)(ppo_clip)
 
 
 @register_loss("minirl", needs=("old_logprob",), eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=NO_CAP)
@@ -351,7 +359,8 @@ def minirl(batch: PolicyBatch, eps_low: float, eps_high: float, is_cap: float) -
     return _ppo(batch, batch.old_logprob.detach(), eps_low, eps_high, is_cap)
 
 
-register_loss("minirl_tis", needs=("old_logprob",), eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=TIS_CAP)(minirl)
+register_loss("minirl_tis", needs=("old_logprob",), doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.",
+              eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=TIS_CAP)(minirl)
 
 
 def _dppo(batch: PolicyBatch, divergence: str, delta: float, anchor: Tensor) -> LossOutput:
@@ -360,7 +369,7 @@ def _dppo(batch: PolicyBatch, divergence: str, delta: float, anchor: Tensor) -> 
     return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("dppo_binary_tv", divergence="binary_tv", delta=DELTA_TV)
+@register_loss("dppo_binary_tv", doc="DPPO gated on binary TV |pi - mu| > delta.", divergence="binary_tv", delta=DELTA_TV)
 def dppo(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
     """DPPO: block a token only when D(mu, pi) > delta and pi moved past mu the way A pushes."""
     if divergence.startswith("topk") and (batch.mu_topk_logprobs is None or batch.pi_topk_logprobs is None):
@@ -368,9 +377,12 @@ def dppo(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
     return _dppo(batch, divergence, delta, batch.mu_logprob.detach())
 
 
-register_loss("dppo_binary_kl", divergence="binary_kl", delta=DELTA_KL)(dppo)
-register_loss("dppo_topk_tv", needs=("mu_topk_logprobs", "pi_topk_logprobs"), divergence="topk_tv", delta=DELTA_TV)(dppo)
-register_loss("dppo_topk_kl", needs=("mu_topk_logprobs", "pi_topk_logprobs"), divergence="topk_kl", delta=DELTA_KL)(dppo)
+register_loss("dppo_binary_kl", doc="DPPO gated on binary KL(mu || pi) > delta.",
+              divergence="binary_kl", delta=DELTA_KL)(dppo)
+register_loss("dppo_topk_tv", needs=("mu_topk_logprobs", "pi_topk_logprobs"), doc="DPPO gated on top-K TV > delta.",
+              divergence="topk_tv", delta=DELTA_TV)(dppo)
+register_loss("dppo_topk_kl", needs=("mu_topk_logprobs", "pi_topk_logprobs"), doc="DPPO gated on top-K KL > delta.",
+              divergence="topk_kl", delta=DELTA_KL)(dppo)
 
 
 @register_loss("dppo_decoupled", needs=("old_logprob",), divergence="binary_kl", delta=DELTA_KL)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trustscope.losses import AGGREGATIONS, _validate_params, get_loss
+from trustscope.losses import AGGREGATIONS, get_loss
 from trustscope.train.tasks import get_task
 
 ENGINES = ("vllm", "hf")
@@ -240,14 +240,9 @@ def _validate(c: TrainConfig) -> None:
         rule = get_loss(c.loss)
     except KeyError as e:
         raise _fail("loss", c.loss, f"set loss to a registered rule; {e.args[0]}") from None
-    unknown = set(c.loss_params) - set(rule.defaults)
-    if unknown:
-        raise _fail("loss_params", c.loss_params,
-                    f"{sorted(unknown)} are not parameters of {c.loss!r}; its parameters are "
-                    f"{sorted(rule.defaults)}")
     try:
-        _validate_params(c.loss, {**rule.defaults, **c.loss_params})
-    except ValueError as e:
+        rule.resolve(**c.loss_params)
+    except (TypeError, ValueError) as e:
         raise _fail("loss_params", c.loss_params, str(e)) from None
     if "old_logprob" in rule.needs and not c.recompute_old:
         raise _fail("recompute_old", c.recompute_old,
