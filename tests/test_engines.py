@@ -1,6 +1,6 @@
 """Rollout engines on the toy model: vLLM agrees with transformers, top-K lists are well formed, weights sync.
 
-The bf16 figures (printed with ``-s``) are recorded in docs/perf_engines.md.
+The bf16 figures (printed with ``-s``) are recorded in docs/performance.md.
 """
 
 from __future__ import annotations

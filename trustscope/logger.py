@@ -85,7 +85,7 @@ fsync=True)``:
 - ``log_topk=False``: leave the top-K list columns out (null); ``topk_tv`` / ``topk_kl`` are still computed.
 - ``topk_precision="float16"``: round top-K logprobs to float16's 10-bit mantissa (still stored as float32, so the
   schema does not change), which makes them compress much better; ``topk_tv``/``topk_kl`` are computed before the
-  rounding. The precision it costs is in ``docs/perf_logging.md``.
+  rounding. The precision it costs is in ``docs/performance.md``.
 
 Files are ``<table>/r<rank>-s<first step>-<last step>-<session>-<seq>.parquet``, row groups of ``row_group_size``
 rows (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``.

@@ -125,7 +125,7 @@ TOPK_COLUMNS = ("mu_topk_ids", *TOPK_LOGPROB_COLUMNS)
 
 @dataclass(frozen=True)
 class WriteOptions:
-    """Parquet settings of one table, chosen by measurement (see ``docs/perf_logging.md``).
+    """Parquet settings of one table, chosen by measurement (see ``docs/performance.md``).
 
     Dictionary encoding only where it pays (run_id, loss_rule, names: a handful of distinct strings).
     BYTE_STREAM_SPLIT on every float column of ``tokens``, list values included (keyed by their leaf path

@@ -143,7 +143,7 @@ class TrainConfig:
     log_topk: bool = True
     """Log the top-K list columns (mu's ids and logprobs, pi's at the same ids); top-K TV/KL are kept either way."""
     log_topk_precision: str = "float32"
-    """``float16`` rounds the logged top-K logprobs to half precision (smaller files; see docs/perf_logging.md)."""
+    """``float16`` rounds the logged top-K logprobs to half precision (smaller files; see docs/performance.md)."""
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

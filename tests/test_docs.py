@@ -1,0 +1,54 @@
+"""The docs are part of the product: the README's commands run in CI, and every public name is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = README + "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+
+
+def setup_commands() -> list[str]:
+    """The commands of the first fenced block in the README, comments stripped."""
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", README, re.S)
+    assert block, "README.md has no fenced code block"
+    lines = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
+    return [line for line in lines if line]
+
+
+def test_readme_starts_with_exactly_two_setup_commands():
+    before_block = README.split("```", 1)[0]
+    assert "## " not in before_block.split("\n", 1)[1], "the set-up block must come before any section"
+    assert len(setup_commands()) == 2
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = setup_commands()[1]
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci_lines
+
+
+def test_every_loss_rule_is_documented():
+    from trustscope.losses import list_losses
+
+    missing = [name for name in list_losses() if f"`{name}`" not in DOCS]
+    assert not missing, f"loss rules missing from README.md/docs: {missing}"
+
+
+def test_every_cli_command_is_documented():
+    from trustscope.cli import app
+
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    missing = [n for n in names if f"trustscope {n}" not in README]
+    assert not missing, f"CLI commands missing from README.md: {missing}"
+
+
+@pytest.mark.parametrize("kind", ["views", "macros"])
+def test_every_sql_object_is_documented(kind):
+    names = sorted(p.stem for p in (ROOT / "trustscope" / "sql" / kind).glob("*.sql"))
+    missing = [n for n in names if f"`{n}`" not in DOCS and f"`{n}(" not in DOCS]
+    assert not missing, f"SQL {kind} missing from README.md/docs: {missing}"
