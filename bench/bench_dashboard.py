@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--big-tokens", type=int, default=10_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    os.environ["TRUSTSCOPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
+    os.environ["TRUSTSCOPE_CACHE"] = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
 
     logdir = args.logdir
     if not (logdir.is_dir() and schema.run_dirs(logdir)):

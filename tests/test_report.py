@@ -27,7 +27,7 @@ def logdir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRUSTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
 
 
 def test_sql_table_csv_json_parquet(logdir, tmp_path):

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from trustscope import paths
 from trustscope.engines import make_engine
 from trustscope.train import toy
 from trustscope.train.tasks import get_task
@@ -44,15 +45,16 @@ def test_cache_key():
 
 
 def test_cache_root_env(monkeypatch, tmp_path):
-    monkeypatch.setenv(toy.CACHE_ENV, str(tmp_path))
-    assert toy.cache_root() == tmp_path
-    monkeypatch.delenv(toy.CACHE_ENV)
-    assert toy.cache_root().parts[-2:] == (".cache", "trustscope")
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+    assert paths.cache_root() == tmp_path
+    monkeypatch.delenv(paths.CACHE_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert paths.cache_root().parts[-2:] == (".cache", "trustscope")
 
 
 @pytest.mark.slow
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    monkeypatch.setenv(toy.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     small = {"target_accuracy": 0.02, "eval_every": 5, "hidden_size": 64, "num_attention_heads": 2}
     path = toy.build_toy_model(**small)
     assert path.parent == tmp_path / "toy"

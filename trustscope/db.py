@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from trustscope import schema
 from trustscope.losses import get_loss, list_losses
+from trustscope.paths import cache_root
 
 SQL_DIR = Path(__file__).parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
@@ -79,11 +80,8 @@ def _strip_comments(sql: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    """``$TRUSTSCOPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/trustscope``, else ``~/.cache/trustscope``."""
-    if os.environ.get("TRUSTSCOPE_CACHE_DIR"):
-        return Path(os.environ["TRUSTSCOPE_CACHE_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "trustscope"
+    """The kept aggregates' folder: ``queries/`` under :func:`trustscope.paths.cache_root`."""
+    return cache_root() / "queries"
 
 
 _SQL_FINGERPRINT = hashlib.sha256(

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -32,9 +31,9 @@ from typing import Any
 
 import torch
 
+from trustscope.paths import cache_root
 from trustscope.train.tasks import Problem, get_task
 
-CACHE_ENV = "TRUSTSCOPE_CACHE"
 """Environment variable overriding the cache root (default ``~/.cache/trustscope``)."""
 
 TOY_VERSION = "1"
@@ -94,11 +93,6 @@ class ToyConfig:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "num_threads"}
         blob = json.dumps(fields, sort_keys=True) + TOY_VERSION + Path(__file__).read_text()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """``$TRUSTSCOPE_CACHE`` or ``~/.cache/trustscope``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trustscope")
 
 
 def toy_tokenizer():
