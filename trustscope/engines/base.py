@@ -203,7 +203,6 @@ class Engine(ABC):
         """The seed of one generate call: ``seed`` as given, else the next one from the engine's own stream."""
         return int(self._seed_rng.integers(0, 2**31 - 1)) if seed is None else int(seed)
 
-    @abstractmethod
     def generate(
         self,
         prompts: list[str],
@@ -217,7 +216,18 @@ class Engine(ABC):
         """Sample ``n`` responses per prompt; return them with mu's logprobs and top-K (see :class:`Rollout`).
 
         Reproducible for a given ``seed``; ``seed=None`` draws the next seed from the engine's seeded stream.
+        Arguments are checked here, once for every engine; a biased sampler (``top_p < 1``, ``temperature != 1``)
+        is warned about.
         """
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size)
+        warn_if_biased(temperature, top_p)
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
+        return self._sample(list(prompts), n, max_tokens, temperature, top_p, topk, self.next_seed(seed))
+
+    @abstractmethod
+    def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
+                seed: int) -> Rollout:
+        """The engine's own sampling, on checked arguments and a resolved seed."""
 
     @abstractmethod
     def update_weights(self, model: torch.nn.Module) -> None:

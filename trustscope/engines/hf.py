@@ -19,9 +19,7 @@ from trustscope.engines.base import (
     Engine,
     Rollout,
     RolloutTensors,
-    check_sampling_args,
     finalize_topk,
-    warn_if_biased,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -78,25 +76,14 @@ class HFEngine(Engine):
                 torch.set_num_threads(previous)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        max_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        topk: int = 20,
-        seed: int | None = None,
-    ) -> Rollout:
+    def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
+                seed: int) -> Rollout:
         """Sample with ``model.generate``; see :meth:`Engine.generate`."""
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size)
-        warn_if_biased(temperature, top_p)
-        call_seed = self.next_seed(seed)
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
         p = enc["input_ids"].shape[1]
         devices = [self.device] if self.device.type == "cuda" else []
         with self._threads(), torch.random.fork_rng(devices=devices):
-            torch.manual_seed(call_seed)
+            torch.manual_seed(seed)
             out = self.model.generate(
                 **enc, do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0,
                 max_new_tokens=max_tokens, num_return_sequences=n, output_scores=True, return_dict_in_generate=True,
@@ -126,14 +113,13 @@ class HFEngine(Engine):
             mu.append(sampled_lp[b, :t].tolist())
             tk_ids.append(topk_ids[b, :t].tolist())
             tk_lps.append(topk_lps[b, :t].tolist())
-        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
         return Rollout(
             prompts=list(prompts), n=n, topk=topk, prompt_index=[b // n for b in range(gen.shape[0])],
             prompt_ids=[prompt_ids[b // n] for b in range(gen.shape[0])], response_ids=response_ids,
             mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
             finish_reasons=["stop" if bool(e) else "length" for e in has_eos],
             texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
-            sampling=self.sampling_info() | {"seed": call_seed},
+            sampling=self.sampling_info() | {"seed": seed},
         )
 
     @torch.no_grad()

@@ -35,10 +35,8 @@ import torch
 from trustscope.engines.base import (
     Engine,
     Rollout,
-    check_sampling_args,
     finalize_topk,
     request_seeds,
-    warn_if_biased,
 )
 
 _ORIGINAL_SET_NUM_THREADS = torch.set_num_threads
@@ -187,28 +185,17 @@ class VLLMEngine(Engine):
         _OPEN_ENGINES.add(id(self))
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        max_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        topk: int = 20,
-        seed: int | None = None,
-    ) -> Rollout:
+    def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
+                seed: int) -> Rollout:
         """Sample with vLLM; see :meth:`Engine.generate`. ``topk`` may not exceed ``max_logprobs``."""
         from vllm import SamplingParams
 
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size)
         if topk > self.max_logprobs:
             raise ValueError(f"topk={topk} exceeds max_logprobs={self.max_logprobs}; start the engine with more")
-        warn_if_biased(temperature, top_p)
-        call_seed = self.next_seed(seed)
         params = [
             SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0, seed=s,
                            logprobs=topk, detokenize=False, flat_logprobs=True)
-            for s in request_seeds(call_seed, len(prompts))
+            for s in request_seeds(seed, len(prompts))
         ]
         with _rng_preserved(), _torch_threads(self.num_threads):
             outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
@@ -231,12 +218,11 @@ class VLLMEngine(Engine):
                 mu.append(entry_lps[:, 0].tolist())
                 tk_ids.append(ids_k.tolist())
                 tk_lps.append(lps_k.tolist())
-        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
         return Rollout(
             prompts=list(prompts), n=n, topk=topk, prompt_index=prompt_index, prompt_ids=prompt_ids,
             response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
             finish_reasons=finish, texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
-            sampling=self.sampling_info() | {"seed": call_seed},
+            sampling=self.sampling_info() | {"seed": seed},
         )
 
     def update_weights(self, model: torch.nn.Module) -> None:
