@@ -24,8 +24,9 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$key" ]]; then
     echo "setup: installing trustscope[$extras] into .venv (first run takes about two minutes)" >&2
-    .venv/bin/pip install --quiet --upgrade pip
-    .venv/bin/pip install --quiet -e ".[$extras]"
+    # (pip's notes about local find-links folders that do not hold a package are dropped)
+    .venv/bin/pip install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
+    .venv/bin/pip install --quiet -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
     # pip takes CUDA builds of these from PyPI; beside the CPU torch they fail at import and
     # transformers imports them whenever they are installed. Text models need none of them.
     if [[ $engine == cpu ]]; then
