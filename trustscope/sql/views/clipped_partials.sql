@@ -5,17 +5,29 @@ with blocks as (
     from rule_blocks
 ),
 
+patterns as (
+    -- few distinct block patterns per token id: sum each once, then split the sums by rule
+    select
+        run_id, source_file, token_id, columns('^blocks_.*$'),
+        count(*) as n,
+        sum(mu_prob) as sum_mu_prob,
+        sum(entropy) as sum_entropy,
+        count(entropy) as n_entropy
+    from blocks
+    group by all
+),
+
 final as (
     select
         run_id,
         source_file,
         token_id,
-        count(*) as n_occurrences,
-        count_if(columns('^blocks_(.*)$')) as 'n_blocked__\1',
-        sum(case when columns('^blocks_(.*)$') then mu_prob end) as 'sum_mu_prob__\1',
-        sum(case when columns('^blocks_(.*)$') then entropy end) as 'sum_entropy__\1',
-        count(case when columns('^blocks_(.*)$') then entropy end) as 'n_entropy__\1'
-    from blocks
+        sum(n)::bigint as n_occurrences,
+        coalesce(sum(case when columns('^blocks_(.*)$') then n end), 0)::hugeint as 'n_blocked__\1',
+        sum(case when columns('^blocks_(.*)$') then sum_mu_prob end) as 'sum_mu_prob__\1',
+        sum(case when columns('^blocks_(.*)$') then sum_entropy end) as 'sum_entropy__\1',
+        coalesce(sum(case when columns('^blocks_(.*)$') then n_entropy end), 0)::bigint as 'n_entropy__\1'
+    from patterns
     group by run_id, source_file, token_id
 )
 
