@@ -1,8 +1,8 @@
 -- the counterfactual: for every registered rule at its default parameters (bound from trustscope.losses), would
 -- it block this token? one boolean column blocks_<rule> per rule; pg_is and cispo have no mask and never block.
--- the rule macros (ppo_clip_blocks, dppo_blocks, ...) say the same from logprobs; here the shared mask macros
--- take the ratio and divergences token_metrics_core already computed. rule_param() is a constant per query,
--- so each dppo rule computes only the divergence it gates on.
+-- each rule's predicate is its macro (dppo_blocks, ppo_lowprob_relax_blocks, ...); the ppo and minirl masks take
+-- the ratios computed once here, and dppo_blocks the divergences token_metrics_core already computed.
+-- rule_param() is a constant per query, so each dppo rule computes only the divergence it gates on.
 with metrics as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
@@ -31,22 +31,22 @@ final as (
         coalesce(ppo_mask_blocks(
             old_ratio, advantage, rule_param('minirl_tis', 'eps_low'), rule_param('minirl_tis', 'eps_high')
         ), false) as blocks_minirl_tis,
-        coalesce(dppo_mask_blocks(
-            divergence_by_name(rule_param('dppo_binary_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+        dppo_blocks(
+            rule_param('dppo_binary_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl,
             pi_logprob, mu_logprob, advantage, rule_param('dppo_binary_tv', 'delta')
-        ), false) as blocks_dppo_binary_tv,
-        coalesce(dppo_mask_blocks(
-            divergence_by_name(rule_param('dppo_binary_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+        ) as blocks_dppo_binary_tv,
+        dppo_blocks(
+            rule_param('dppo_binary_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl,
             pi_logprob, mu_logprob, advantage, rule_param('dppo_binary_kl', 'delta')
-        ), false) as blocks_dppo_binary_kl,
-        coalesce(dppo_mask_blocks(
-            divergence_by_name(rule_param('dppo_topk_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+        ) as blocks_dppo_binary_kl,
+        dppo_blocks(
+            rule_param('dppo_topk_tv', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl,
             pi_logprob, mu_logprob, advantage, rule_param('dppo_topk_tv', 'delta')
-        ), false) as blocks_dppo_topk_tv,
-        coalesce(dppo_mask_blocks(
-            divergence_by_name(rule_param('dppo_topk_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl),
+        ) as blocks_dppo_topk_tv,
+        dppo_blocks(
+            rule_param('dppo_topk_kl', 'divergence'), binary_tv, binary_kl, topk_tv, topk_kl,
             pi_logprob, mu_logprob, advantage, rule_param('dppo_topk_kl', 'delta')
-        ), false) as blocks_dppo_topk_kl,
+        ) as blocks_dppo_topk_kl,
         coalesce(dppo_mask_blocks(
             divergence_by_name(
                 rule_param('dppo_decoupled', 'divergence'),
@@ -54,15 +54,14 @@ final as (
             ),
             pi_logprob, old_logprob, advantage, rule_param('dppo_decoupled', 'delta')
         ), false) as blocks_dppo_decoupled,
-        (
-            advantage > 0 and ratio > 1 + rule_param('ppo_lowprob_relax', 'eps_high')
-            and mu_prob >= rule_param('ppo_lowprob_relax', 'alpha_high')
-        ) or (
-            advantage < 0 and ratio < 1 - rule_param('ppo_lowprob_relax', 'eps_low')
-            and mu_prob >= rule_param('ppo_lowprob_relax', 'alpha_low')
+        ppo_lowprob_relax_blocks(
+            pi_logprob, mu_logprob, advantage,
+            rule_param('ppo_lowprob_relax', 'eps_low'), rule_param('ppo_lowprob_relax', 'eps_high'),
+            rule_param('ppo_lowprob_relax', 'alpha_low'), rule_param('ppo_lowprob_relax', 'alpha_high')
         ) as blocks_ppo_lowprob_relax,
-        advantage < 0 and mu_prob - pi_prob >= rule_param('minimal_negative_mask', 'delta')
-            as blocks_minimal_negative_mask
+        minimal_negative_mask_blocks(
+            pi_logprob, mu_logprob, advantage, rule_param('minimal_negative_mask', 'delta')
+        ) as blocks_minimal_negative_mask
     from metrics
 )
 
