@@ -70,13 +70,20 @@ Errors of the writer thread (disk full, ...) are raised by the next ``log_step``
 warned about (``strict=False``).
 
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
-vocab=None, loss_rule="none", rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
+vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
 topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
 fsync=True)``:
 
 - ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
   or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
   the vocab, other ranks ``ranks/rank<r>.json``.
+- ``loss_rule``: the rule the trainer applied (a name from :func:`trustscope.losses.list_losses` or the
+  framework's own, e.g. ``"trl:grpo"``); recorded in ``run.json`` and on every token row.
+- ``mu_source``: where ``mu_logprob`` comes from: ``"engine"`` (the inference engine's log-probs),
+  ``"trainer_recompute"`` (the framework kept none, so mu is the trainer's own recompute and mismatch reads ~0),
+  or ``"imported"`` (read from another framework's dump). Recorded in ``run.json``.
+- ``source``: which framework wrote the run, e.g. ``{"framework": "trl", "version": "1.16.0"}``; default
+  trustscope itself. Recorded in ``run.json``.
 - ``vocab``: token texts indexed by id (``list[str]``), or a ``dict[int, str]``, or a Hugging Face tokenizer.
 - ``resume``: continue an existing run (new files only, nothing overwritten). Without it an existing run id is an
   error.
@@ -137,6 +144,10 @@ class LogDirError(OSError):
 
 
 # Columns the caller may pass; the rest are filled in by the logger.
+# Where mu_logprob came from: the inference engine's own log-probs (the real behaviour policy), or, for
+# frameworks that keep none, the trainer's recompute (then mu == pi_old and no mismatch can be measured).
+MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
+
 TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
 SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank"))
 PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
@@ -503,6 +514,8 @@ class TokenLogger:
         tokenizer: Mapping[str, Any] | str | None = None,
         vocab: Any = None,
         loss_rule: str = "none",
+        mu_source: str = "engine",
+        source: Mapping[str, Any] | None = None,
         rank: int | None = None,
         resume: bool = False,
         strict: bool = True,
@@ -525,6 +538,8 @@ class TokenLogger:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not isinstance(loss_rule, str) or not loss_rule:
             raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
+        if mu_source not in MU_SOURCES:
+            raise ValueError(f"mu_source must be one of {sorted(MU_SOURCES)}, got {mu_source!r}")
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= _RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -534,6 +549,8 @@ class TokenLogger:
         self.run_dir = self.logdir / self.run_id
         self.strict = strict
         self.loss_rule = loss_rule
+        self.mu_source = mu_source
+        self.source = {"framework": "trustscope", "version": __version__} if source is None else dict(source)
         self.token_fraction = float(token_fraction)
         self.log_topk = log_topk
         self.topk_precision = topk_precision
@@ -635,6 +652,7 @@ class TokenLogger:
             "error": None,
         }
         if self.rank == 0:
+            manifest.update(loss_rule=self.loss_rule, mu_source=self.mu_source, source=_jsonable(self.source))
             manifest.update(config=_jsonable(config), model=_jsonable(model), sampling=_jsonable(sampling),
                             tokenizer=_jsonable(tokenizer))
         manifest.update(logging=logging_info, last_step=self._disk_last_step, rows=dict.fromkeys(S.TABLES, 0),
