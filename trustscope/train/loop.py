@@ -423,7 +423,7 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
     os.makedirs(cfg.logdir, exist_ok=True)
     return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=cfg.to_dict(), model=model_info, sampling=sampling,
                        tokenizer={"name": getattr(tokenizer, "name_or_path", ""), "vocab_size": len(tokenizer)},
-                       vocab=tokenizer, loss_rule=cfg.loss, resume=cfg.resume, token_fraction=cfg.log_token_fraction,
+                       vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, resume=cfg.resume, token_fraction=cfg.log_token_fraction,
                        log_topk=cfg.log_topk, topk_precision=cfg.log_topk_precision)
 
 
