@@ -128,7 +128,7 @@ def test_rules_page(monkeypatch, logdir):
                                       "minimal_negative_mask"}
     fig = json.loads(_charts(at)[0].proto.spec)
     assert {t["name"] for t in fig["data"]} == set(picked)
-    assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<=0"]
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<0"]
     table = at.dataframe[0].value
     assert {"mu_bucket", "adv_sign", *picked} == set(table.columns)
     at.multiselect(key="rules_picker").set_value(["grpo"]).run()

@@ -18,7 +18,6 @@ from :mod:`trustscope.losses`, analysis settings) are bound through DuckDB varia
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -340,16 +339,19 @@ class LogDB:
         return self._manifests[run][1]
 
     def _run_rule_sets(self) -> dict[Path, tuple[str, dict[str, dict[str, Any]]]]:
-        """Per run directory: (run_id, every rule's parameters), the run's own rule with the parameters it trained
-        with. A rule that is not registered, or parameters the rule rejects, leave the defaults (see
-        :meth:`run_rules`)."""
+        """Per run directory: (run_id, every rule's parameters): the run's own rule with the parameters it trained
+        with (its defaults where run.json records none, whatever the caller chose for counterfactuals), every other
+        rule with :attr:`rule_params`. Parameters the rule rejects leave its defaults (see :meth:`run_rules`)."""
         out = {}
         for run in self.runs_dirs:
             run_id, rule, params = self._run_rule(run)
             rules = self.rule_params
-            if rule in self.rule_params and params:
-                with contextlib.suppress(TypeError, ValueError):
-                    rules = {**rules, rule: _bindable(get_loss(rule).resolve(**params))}
+            if rule in self.rule_params:
+                try:
+                    own = get_loss(rule).resolve(**params)
+                except (TypeError, ValueError):
+                    own = get_loss(rule).defaults
+                rules = {**rules, rule: _bindable(own)}
             out[run] = (run_id, rules)
         return out
 
@@ -381,7 +383,7 @@ class LogDB:
             try:
                 bound, source = get_loss(rule).resolve(**params), "run" if params else "defaults"
             except (TypeError, ValueError) as err:
-                bound, source = self.rule_params[rule], str(err)
+                bound, source = get_loss(rule).defaults, str(err)
             rows.append({"run_id": run_id, "loss_rule": rule, "parameters": json.dumps(bound, default=str),
                          "source": source})
         return pd.DataFrame(rows, columns=["run_id", "loss_rule", "parameters", "source"])
