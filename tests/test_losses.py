@@ -598,6 +598,10 @@ def test_rules_load_by_dotted_path(tmp_path, monkeypatch):
         assert get_loss("ts_user_rules:plain").name == "user_plain"  # by the function's attribute name
         assert get_loss("ts_user_rules.user_plain").name == "user_plain"
         assert {"user_tight_tv", "user_plain"} <= set(list_losses())
+        from trustscope.train.config import TrainConfig
+
+        cfg = TrainConfig(loss="ts_user_rules:user_plain", loss_params={"delta": 0.1})  # the trainer's --loss
+        assert cfg.run_id.startswith("user_plain-s0-")
         with pytest.raises(KeyError, match="registers no rule named 'nope'"):
             get_loss("ts_user_rules:nope")
         with pytest.raises(KeyError, match="cannot import module 'ts_no_such_module'"):

@@ -12,8 +12,13 @@ costs the same at 100M tokens as at 1M; the token-level views stay for drill-dow
 
 The database is locked down before any user SQL runs: only the log directories are readable, nothing else on
 disk or the network is, no extension can load, and the configuration is locked. User SQL must be a single
-SELECT; its rows are capped and it is interrupted after a timeout. Parameters (file lists, the rules' defaults
-from :mod:`trustscope.losses`, analysis settings) are bound through DuckDB variables, never formatted into SQL.
+SELECT; its rows are capped and it is interrupted after a timeout. Parameters (file lists, the rules' parameters:
+each run's own rule at the parameters in its run.json, every other rule at the defaults of :mod:`trustscope.losses`
+or the caller's choice, analysis settings) are bound through DuckDB variables, never formatted into SQL.
+
+The rule catalogue drives the SQL: ``rule_blocks`` gets one generated ``blocks_<rule>`` column per registered rule
+with a SQL mask family (:func:`rule_columns_sql`: identifiers only), and every per-rule aggregate reads those
+columns, so a rule of an existing family needs no SQL.
 """
 
 from __future__ import annotations
@@ -553,15 +558,18 @@ class LogDB:
         Columns: run_id, step, n_tokens, n_samples, reward_mean, reward_std, length_mean, mismatch_mean
         (mean |pi - mu|), mismatch_max, prob_diff_max / prob_diff_min (signed pi - mu), binary_kl_mean/_max,
         topk_tv_mean/_max, topk_kl_mean/_max, ratio_min/_max, entropy_mean, n_positive, n_negative,
-        n_zero_advantage, n_bad_negative, bad_negative_rate, trainer_blocked_frac, and per registered rule R:
-        blocked_frac__R, blocked_frac_pos__R (A > 0), blocked_frac_nonpos__R (A <= 0).
+        n_zero_advantage, n_bad_negative, bad_negative_rate, n_nonzero_advantage, n_trainer_blocked,
+        trainer_blocked_frac, and per rule R: n_blocked__R and blocked_frac__R (over the tokens with A != 0, which
+        carry gradient), n_blocked_pos__R / blocked_frac_pos__R (A > 0), n_blocked_neg__R / blocked_frac_neg__R
+        (A < 0).
         """
         return self._frame("step_summary", where={"run_id": run_ids}, refresh=True)
 
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
-        """Long form of the blocked fractions: run_id, step, rule, advantage_side ('all', 'positive',
-        'non_positive'), blocked_frac. Every registered rule at its default parameters, on the same tokens."""
+        """Long form of the blocked counts: run_id, step, rule, advantage_side ('all': A != 0, 'positive',
+        'negative'), n_blocked, n_tokens, blocked_frac. Every rule on the same tokens (a run's own rule at its
+        parameters, the others at their defaults or the caller's choice)."""
         return self._frame("blocked_fractions", where={"run_id": run_ids, "rule": rules}, refresh=True)
 
     def bad_negative_updates(self, run_ids: Sequence[str] | str | None = None,
@@ -582,7 +590,8 @@ class LogDB:
 
     def clipped_tokens(self, run_ids: Sequence[str] | str | None = None, rules: Sequence[str] | str | None = None,
                        top: int = 30) -> pd.DataFrame:
-        """Token texts ranked by how often each rule blocks them (the ``top`` first per run and rule).
+        """Token texts ranked by how often each rule blocks them (the ``top`` first per run and rule), counted over
+        the tokens that carry gradient (A != 0).
 
         Columns: run_id, rule, rank, token_id, token_text, n_blocked, n_occurrences, block_rate, block_share,
         mu_prob_mean, mu_bucket, entropy_mean.
