@@ -531,21 +531,27 @@ def test_geo_mask_drops_whole_responses_outside_the_band():
 
 
 def test_cppo_position_weights_and_prefix_budget():
-    # binary TV D = 0.14, 0.16, 0.18; weights over 3 positions with w_min = 0.8: 1, 0.9, 0.8.
-    # w D = 0.14, 0.144, 0.144: all within delta = 0.15 (DPPO blocks the last two).
-    # running weighted mean: 0.14, 0.142, 0.14267.
+    # binary TV D = 0.14, 0.16, 0.18 over L = 3 positions; w_min = 0.8: w = 1, 0.9, 0.8 and Z = w D = 0.14, 0.144,
+    # 0.144, all within delta = 0.15 (DPPO blocks the last two). Prefix sums: W = 0, 1, 1.9; S = 0, 0.14, 0.284.
+    # P90(D) = 0.176, so the budget b = clamp(0.176, delta_b, 2 delta_b) and c = min(0.15, 0.15 + b W - S).
     pi, mu = [[0.64, 0.66, 0.68]], [[0.5, 0.5, 0.5]]
     rule = get_loss("cppo")
     assert get_loss("dppo_binary_tv")(seq_batch(pi, mu, [1.0])).keep.tolist() == [[True, False, False]]
-    assert rule(seq_batch(pi, mu, [1.0]), budget=1.0).keep.tolist() == [[True, True, True]]
-    assert rule(seq_batch(pi, mu, [1.0]), budget=0.141).keep.tolist() == [[True, False, False]]
-    assert rule(seq_batch(pi, mu, [1.0]), budget=0.1425).keep.tolist() == [[True, True, False]]
-    assert rule(seq_batch(pi, mu, [1.0]), budget=1.0, w_min=1.0).keep.tolist() == [[True, False, False]]
+    # delta_b = 0.02 (the default): b = 0.04, c = 0.15, 0.05, -0.058
+    assert rule(seq_batch(pi, mu, [1.0])).keep.tolist() == [[True, False, False]]
+    # delta_b = 0.1: b = 0.176, c = 0.15, 0.15, 0.15: the position weights keep all three
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.1).keep.tolist() == [[True, True, True]]
+    # delta_b = 0.07: b = 0.14, c = 0.15, 0.15, 0.132: the prefix has spent its budget by the last token
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.07).keep.tolist() == [[True, True, False]]
+    # no position weighting: DPPO's token threshold again
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.1, w_min=1.0).keep.tolist() == [[True, False, False]]
+    # a one-token response has weight w_min: Z = 0.8 * 0.18 = 0.144 <= 0.15
+    assert rule(seq_batch([[0.68]], [[0.5]], [1.0]), delta_b=0.1).keep.tolist() == [[True]]
     # pi moved against the push (A < 0, pi > mu): never blocked, whatever the budget.
-    assert rule(seq_batch(pi, mu, [-1.0]), budget=0.0).keep.all()
+    assert rule(seq_batch(pi, mu, [-1.0]), delta_b=0.0).keep.all()
     # Padding does not count as a position: the same tokens in a longer padded batch give the same mask.
     padded = seq_batch([[0.64, 0.66, 0.68], [0.5] * 5], [[0.5, 0.5, 0.5], [0.5] * 5], [1.0, 1.0])
-    assert rule(padded, budget=0.1425).keep[0, :3].tolist() == [True, True, False]
+    assert rule(padded, delta_b=0.07).keep[0, :3].tolist() == [True, True, False]
 
 
 def test_drpo_weight_is_smooth_and_blocked_means_a_cancelled_push():

@@ -27,7 +27,7 @@ KEY = ["run_id", "step", "sample_id", "pos"]
 SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
 OWN_PARAMS = {
     "run_ppo": ("ppo_clip", {"eps_low": 0.1, "eps_high": 0.1, "dual_clip": 1.5}),
-    "run_cppo": ("cppo", {"delta": 0.05, "budget": 0.02, "w_min": 0.5}),
+    "run_cppo": ("cppo", {"delta": 0.05, "delta_b": 0.01, "w_min": 0.5}),
 }
 """Synthetic runs that trained with non-default parameters, recorded in their run.json like the trainer's."""
 

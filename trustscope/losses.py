@@ -142,7 +142,7 @@ RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"))
 SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
 SEQ_GEO_BAND = SqlMask("seq_geo_band", ("log_ratio",), ("low", "high"), sequence=True)
 CPPO_PREFIX = SqlMask("cppo", ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "pi_logprob", "mu_logprob", "advantage"),
-                      ("divergence", "delta", "w_min", "budget"), sequence=True)
+                      ("divergence", "delta", "w_min", "delta_b"), sequence=True)
 DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",))
 
 
@@ -270,7 +270,7 @@ def _validate_params(rule: str, params: dict[str, Any]) -> None:
 
     for arg, value in params.items():
         if arg in ("delta", "eps_high", "is_cap", "dual_clip", "alpha_low", "alpha_high", "low", "high", "w_min",
-                   "budget") and value is not None:
+                   "delta_b") and value is not None:
             if not isinstance(value, int | float) or math.isnan(value):
                 raise bad(arg, "must be a number")
         if arg == "delta" and value < 0:
@@ -293,8 +293,8 @@ def _validate_params(rule: str, params: dict[str, Any]) -> None:
             raise bad(arg, f"must be > low={params['low']!r}")
         if arg == "w_min" and not 0 < value <= 1:
             raise bad(arg, "must be in (0, 1]: the last position's weight")
-        if arg == "budget" and value < 0:
-            raise bad(arg, "must be >= 0")
+        if arg == "delta_b" and value < 0:
+            raise bad(arg, "must be >= 0 (the prefix budget's floor)")
 
 
 def _check_batch(batch: PolicyBatch) -> None:
@@ -620,41 +620,49 @@ def geo_mask(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     return policy_loss(batch, (g >= low) & (g <= high), is_weight(pi_lp, mu_lp))
 
 
-@register_loss("cppo", sql=CPPO_PREFIX, divergence="binary_tv", delta=DELTA_TV, w_min=0.8, budget=0.05)
-def cppo(batch: PolicyBatch, divergence: str, delta: float, w_min: float, budget: float) -> LossOutput:
+@register_loss("cppo", sql=CPPO_PREFIX, divergence="binary_tv", delta=DELTA_TV, w_min=0.8, delta_b=0.02)
+def cppo(batch: PolicyBatch, divergence: str, delta: float, w_min: float, delta_b: float) -> LossOutput:
     """CPPO: DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
 
     Source: Mao, Zhou, Tao et al., Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning (CPPO,
-    arXiv 2606.10968), section 3 and the project page: the weight w_t decays linearly from 1 at the first
-    response token to ``w_min`` (0.8) at the last, so the token threshold D_t <= delta / w_t is strict early and
-    relaxed late; the prefix budget bounds the running weighted mean (1/(t+1)) sum_{s<=t} w_s D_s by ``budget``.
-    A token is blocked when pi moved the way A pushes (DPPO's direction test) and either bound is broken.
-    The ``budget`` default (0.05 of binary TV) is this project's choice, not a value read off the paper.
+    arXiv 2606.10968), mask Eq. 8-11 and the dynamic budget Eq. 22; reference implementation: Tencent-Hunyuan UniRL
+    ``unirl/algorithms/cppo.py``, ``_cppo_mask`` (as its ``CPPO/README.md`` states it). For a response of L
+    tokens, position s = 0 .. L-1: w_s = w_min + (1 - w_min) (L - 1 - s) / max(L - 1, 1), Z_s = w_s D_s, prefix
+    sums S = sum_{j<s} Z_j and W = sum_{j<s} w_j, the response's budget b = clamp(P90(D), delta_b, 2 delta_b),
+    threshold c_s = min(delta, delta + b W - S). A token is blocked when pi moved the way A pushes (DPPO's
+    direction test, A = 0 in the negative branch) and Z_s > c_s. Defaults: the paper's dense-model delta 0.15,
+    w_min 0.8, delta_b 0.02.
     """
     _require_topk(batch, divergence)
     valid = batch.mask.bool()
     mu_lp, pi_lp = batch.mu_logprob.detach(), batch.pi_logprob.detach()
     div = _DIVERGENCES[divergence](batch, mu_lp)  # (B, T)
-    div = torch.where(valid, div, torch.zeros_like(div))
-    t = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
-    last = (valid.sum(-1, keepdim=True) - 1).clamp_min(1).to(div.dtype)  # (B, 1) L - 1
-    w = 1 - (1 - w_min) * t / last  # (B, T)
-    prefix = torch.cumsum(w * div, -1) / (t + 1)  # (B, T) running weighted mean
-    over = (w * div > delta) | (prefix > budget)
+    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
+    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
+    w = torch.where(valid, w_min + (1 - w_min) * (last - pos) / last.clamp_min(1), 0.0)  # (B, T)
+    z = torch.where(valid, w * div, 0.0)  # (B, T)
+    spent = torch.cumsum(z, -1) - z  # (B, T) S: weighted divergence of the prefix before the token
+    weight = torch.cumsum(w, -1) - w  # (B, T) W
+    p90 = torch.nanquantile(torch.where(valid, div, math.nan), 0.9, dim=-1, keepdim=True)  # (B, 1)
+    budget = p90.clamp(min=delta_b, max=2 * delta_b)
+    threshold = torch.minimum(torch.full_like(z, delta), delta + budget * weight - spent)
     adv = batch.advantages
     harmful = ((adv > 0) & (pi_lp > mu_lp)) | ((adv <= 0) & (pi_lp < mu_lp))
-    return policy_loss(batch, ~(over & harmful), is_weight(pi_lp, mu_lp))
+    return policy_loss(batch, ~(harmful & (z > threshold)), is_weight(pi_lp, mu_lp))
 
 
 @register_loss("drpo", sql=DRPO_PENALTY, delta=DELTA_TV)
 def drpo(batch: PolicyBatch, delta: float) -> LossOutput:
     """DRPO: DPPO's binary-TV geometry as a smooth advantage-weighted penalty, not a hard mask.
 
-    Source: Yao, Zhou, Qi et al., Rethinking the Divergence Regularization in LLM RL (DRPO, arXiv 2606.09821):
-    the surrogate r * A minus an advantage-weighted quadratic penalty on pi - mu. Its gradient is the policy
-    gradient scaled by g = 1 - sign(A) (pi - mu) / delta: g = 1 on the anchor, 0 on the DPPO boundary in the
-    harmful direction, negative (corrective) beyond it, above 1 when pi moved back toward mu; bounded by 1 +- 1/delta
-    since |pi - mu| <= 1 (sign(A) = -1 for A <= 0). Implemented as w = (pi/mu) * g on every valid token.
+    Source: Yao, Zhou, Qi et al., Rethinking the Divergence Regularization in LLM RL (DRPO, arXiv 2606.09821),
+    objective Eq. 8 and weight Table 1: L = r A - |A| mu (r - 1)^2 / (2 delta); reference implementation:
+    Tencent-Hunyuan UniRL ``unirl/algorithms/drpo.py``, ``_drpo_loss``. Its gradient is the policy gradient scaled
+    by g = 1 - sign(A) (pi - mu) / delta: g = 1 on the anchor, 0 on the DPPO boundary in the harmful direction,
+    negative (corrective) beyond it, above 1 when pi moved back toward mu; bounded by 1 +- 1/delta since
+    |pi - mu| <= 1 (sign(A) = -1 for A <= 0). Implemented as w = (pi/mu) * g on every valid token. The default
+    delta is DPPO's binary-TV threshold, the geometry DRPO keeps (UniRL's 4B recipe sets its epsilon to 12.5,
+    where g stays within 1 +- 0.08 and nothing ever counts as blocked).
 
     No hard mask gates the loss. What "blocked" means for DRPO, here and in the SQL views: the penalty has
     cancelled or reversed the push, g <= 0, i.e. A > 0 with pi - mu >= delta or A <= 0 with mu - pi >= delta.
