@@ -200,11 +200,11 @@ def test_generated_rule_columns_bind_every_value():
     """The generated SQL holds identifiers only: no literal number or string, every parameter a bound field."""
     sql = tsdb.rule_columns_sql()
     assert "'" not in sql
-    assert not re.search(r"(?<![a-z_\"])\d", sql), sql
+    assert not re.search(r"(?<![a-z0-9_\"])\d", sql), sql  # digits only inside identifiers
     for rule in tsdb.sql_rules():
         assert f'as "blocks_{rule.name}"' in sql
         for param in filter(None, rule.sql.params):
-            assert f'rule_params."{rule.name}"."{param}"' in sql
+            assert f'rule_values()."{rule.name}"."{param}"[rule_set]' in sql
 
 
 def test_a_rule_from_a_dotted_path_appears_everywhere(tmp_path, monkeypatch):

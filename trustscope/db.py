@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trustscope import schema
-from trustscope.losses import SEQUENCE_KEYS, LossRule, get_loss, list_losses
+from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.paths import cache_root
 
 SQL_DIR = Path(__file__).parent / "sql"
@@ -181,13 +181,15 @@ def _quote(identifier: str) -> str:
 
 def rule_columns_sql() -> str:
     """The generated ``blocks_<rule>`` columns of ``rule_blocks``: one family macro call per rule. Only
-    identifiers are generated (validated, quoted); every parameter is read from the bound ``rule_params``."""
+    identifiers are generated (validated, quoted); every parameter is read from the bound ``rule_values()``, a
+    list per (rule, parameter) indexed by the token's ``rule_set`` (1: the defaults or the caller's choice; a run's
+    own set: its own rule at the parameters it trained with)."""
     lines = []
     for rule in sql_rules():
         mask = rule.sql
-        args = [_quote(k) for k in SEQUENCE_KEYS] if mask.sequence else []
-        args += ["null" if c is None else _quote(c) for c in mask.columns]
-        args += ["null" if p is None else f"rule_params.{_quote(rule.name)}.{_quote(p)}" for p in mask.params]
+        args = ["null" if c is None else _quote(c) for c in mask.columns]
+        args += ["null" if p is None else f"rule_values().{_quote(rule.name)}.{_quote(p)}[rule_set]"
+                 for p in mask.params]
         call = f"{mask.family}_blocks({', '.join(args)})"
         lines.append(f",\n        coalesce({call}, false) as {_quote('blocks_' + rule.name)}")
     return "".join(lines)
@@ -324,9 +326,14 @@ class LogDB:
         unknown = set(analysis) - set(ANALYSIS_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown analysis parameter(s) {sorted(unknown)}; known: {sorted(ANALYSIS_DEFAULTS)}")
-        rule_sets = [{"run_id": "", "rules": self.rule_params}]
-        rule_sets += [{"run_id": run_id, "rules": rules} for run_id, rules in self._run_rule_sets().values()]
-        return {"rules": self.rule_params, "rule_sets": rule_sets, "analysis": {**ANALYSIS_DEFAULTS, **analysis}}
+        sets = [self.rule_params, *(rules for _, rules in self._run_rule_sets().values())]
+        run_sets = [{"run_id": "", "rule_set": 1}]  # the defaults; a run whose rule set is its own follows
+        run_sets += [{"run_id": run_id, "rule_set": i} for i, (run_id, _) in
+                     enumerate(self._run_rule_sets().values(), start=2)]
+        values = {rule: {param: [s[rule][param] for s in sets] for param in self.rule_params[rule]}
+                  for rule in self.rule_params}
+        return {"rules": self.rule_params, "rule_values": values, "run_sets": run_sets,
+                "analysis": {**ANALYSIS_DEFAULTS, **analysis}}
 
     def _run_rule(self, run: Path) -> tuple[str | None, dict[str, Any]]:
         """The rule and parameters run ``run`` trained with (see :func:`run_rule`), re-read when run.json changes."""
@@ -464,9 +471,8 @@ class LogDB:
     def _disk_path(self, view: str, file: Path, stat_key: tuple[int, int]) -> Path:
         """Where the partial aggregates of ``view`` over ``file`` are kept on disk: keyed by the view's SQL (and
         everything it reads), the bound parameters, the file's path, size and modification time."""
-        run_sets = self._run_rule_sets()
-        own = run_sets.get(file.parent.parent)
-        params = {**self._params(), "rule_sets": own}
+        own = self._run_rule_sets().get(file.parent.parent)
+        params = {"rules": self.rule_params, "analysis": self._params()["analysis"], "own": own}
         key = hashlib.sha256(
             json.dumps([self._fingerprint, params, view, str(file), stat_key], default=str).encode()
         ).hexdigest()[:32]

@@ -89,12 +89,13 @@ RuleFn = Callable[..., LossOutput]
 
 SQL_COLUMNS = frozenset({
     "ratio", "old_ratio", "log_ratio", "mu_prob", "pi_prob", "old_prob", "mu_logprob", "pi_logprob", "old_logprob",
-    "binary_tv", "binary_kl", "topk_tv", "topk_kl", "old_binary_tv", "old_binary_kl", "advantage",
+    "binary_tv", "binary_kl", "topk_tv", "topk_kl", "old_binary_tv", "old_binary_kl", "advantage", "pos",
+    "seq_log_ratio", "seq_len", "seq_p90_binary_tv", "prefix_binary_tv", "prefix_pos_binary_tv",
 })
-"""Per-token columns the SQL view ``rule_blocks`` hands to the mask macros (``old_*``: anchored on pi_old)."""
-
-SEQUENCE_KEYS = ("run_id", "step", "rank", "sample_id", "pos")
-"""What a sequence-level mask macro receives first: the response's window key and the token's position."""
+"""Columns the SQL view ``rule_blocks`` hands to the mask macros (``old_*``: anchored on pi_old). The ``seq_*`` and
+``prefix_*`` columns are the response's context, computed once over the window ``(run_id, step, rank,
+sample_id)``: the mean log-ratio, the length, the P90 of binary TV, and the sums of binary TV (and of pos times it)
+over the tokens before this one."""
 
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -106,8 +107,8 @@ class SqlMask:
     The family is one macro, ``<family>_blocks`` in ``trustscope/sql/macros/<family>_blocks.sql``, shared by every
     rule of the family. ``trustscope.db`` calls it per rule with ``columns`` (names from :data:`SQL_COLUMNS`, in
     order; None passes SQL null) and then ``params`` (the rule's parameter names, in order, bound per run from the
-    run's manifest or the defaults; None passes null). ``sequence``: the mask reads the whole response; the macro
-    then receives :data:`SEQUENCE_KEYS` first and computes its window over ``(run_id, step, rank, sample_id)``.
+    run's manifest or the defaults; None passes null). ``sequence``: the mask reads the whole response, through
+    the context columns ``rule_blocks`` computes over ``(run_id, step, rank, sample_id)`` windows.
     """
 
     family: str
@@ -139,10 +140,11 @@ LOWPROB_RELAX = SqlMask("lowprob_relax", ("ratio", "mu_prob", "advantage"),
                         ("eps_low", "eps_high", "alpha_low", "alpha_high"))
 NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("delta",))
 RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"))
-SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
-SEQ_GEO_BAND = SqlMask("seq_geo_band", ("log_ratio",), ("low", "high"), sequence=True)
-CPPO_PREFIX = SqlMask("cppo", ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "pi_logprob", "mu_logprob", "advantage"),
-                      ("divergence", "delta", "w_min", "delta_b"), sequence=True)
+SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
+SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True)
+CPPO_PREFIX = SqlMask("cppo", ("pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
+                               "prefix_pos_binary_tv", "pi_logprob", "mu_logprob", "advantage"),
+                      ("delta", "w_min", "delta_b"), sequence=True)
 DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",))
 
 
@@ -620,23 +622,22 @@ def geo_mask(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     return policy_loss(batch, (g >= low) & (g <= high), is_weight(pi_lp, mu_lp))
 
 
-@register_loss("cppo", sql=CPPO_PREFIX, divergence="binary_tv", delta=DELTA_TV, w_min=0.8, delta_b=0.02)
-def cppo(batch: PolicyBatch, divergence: str, delta: float, w_min: float, delta_b: float) -> LossOutput:
+@register_loss("cppo", sql=CPPO_PREFIX, delta=DELTA_TV, w_min=0.8, delta_b=0.02)
+def cppo(batch: PolicyBatch, delta: float, w_min: float, delta_b: float) -> LossOutput:
     """CPPO: DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
 
     Source: Mao, Zhou, Tao et al., Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning (CPPO,
     arXiv 2606.10968), mask Eq. 8-11 and the dynamic budget Eq. 22; reference implementation: Tencent-Hunyuan UniRL
-    ``unirl/algorithms/cppo.py``, ``_cppo_mask`` (as its ``CPPO/README.md`` states it). For a response of L
-    tokens, position s = 0 .. L-1: w_s = w_min + (1 - w_min) (L - 1 - s) / max(L - 1, 1), Z_s = w_s D_s, prefix
+    ``unirl/algorithms/cppo.py``, ``_cppo_mask`` (as its ``CPPO/README.md`` states it), which ships the binary-TV
+    variant, as here: D = |pi - mu|. For a response of L tokens, position s = 0 .. L-1: w_s = w_min + (1 - w_min) (L - 1 - s) / max(L - 1, 1), Z_s = w_s D_s, prefix
     sums S = sum_{j<s} Z_j and W = sum_{j<s} w_j, the response's budget b = clamp(P90(D), delta_b, 2 delta_b),
     threshold c_s = min(delta, delta + b W - S). A token is blocked when pi moved the way A pushes (DPPO's
     direction test, A = 0 in the negative branch) and Z_s > c_s. Defaults: the paper's dense-model delta 0.15,
     w_min 0.8, delta_b 0.02.
     """
-    _require_topk(batch, divergence)
     valid = batch.mask.bool()
     mu_lp, pi_lp = batch.mu_logprob.detach(), batch.pi_logprob.detach()
-    div = _DIVERGENCES[divergence](batch, mu_lp)  # (B, T)
+    div = D.binary_tv(mu_lp, pi_lp)  # (B, T)
     pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
     last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
     w = torch.where(valid, w_min + (1 - w_min) * (last - pos) / last.clamp_min(1), 0.0)  # (B, T)
