@@ -326,10 +326,10 @@ class LogDB:
         unknown = set(analysis) - set(ANALYSIS_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown analysis parameter(s) {sorted(unknown)}; known: {sorted(ANALYSIS_DEFAULTS)}")
-        sets = [self.rule_params, *(rules for _, rules in self._run_rule_sets().values())]
-        run_sets = [{"run_id": "", "rule_set": 1}]  # the defaults; a run whose rule set is its own follows
-        run_sets += [{"run_id": run_id, "rule_set": i} for i, (run_id, _) in
-                     enumerate(self._run_rule_sets().values(), start=2)]
+        runs = list(self._run_rule_sets().values())  # (run_id, its rule set)
+        sets = [self.rule_params, *(rules for _, rules in runs)]
+        run_sets = [{"run_id": "", "rule_set": 1}]  # set 1: the defaults or the caller's choice
+        run_sets += [{"run_id": run_id, "rule_set": i} for i, (run_id, _) in enumerate(runs, start=2)]
         values = {rule: {param: [s[rule][param] for s in sets] for param in self.rule_params[rule]}
                   for rule in self.rule_params}
         return {"rules": self.rule_params, "rule_values": values, "run_sets": run_sets,
