@@ -144,6 +144,31 @@ def report(
         raise typer.Exit(2) from exc
 
 
+@app.command("import")
+def import_(
+    format: str = typer.Argument(..., help="prime-rl, slime, miles or nemo-rl."),
+    src: Path = typer.Argument(..., help="The framework's dump: token_exports/, a --dump-details dir, NeMo-RL's log dir."),
+    logdir: Path = typer.Argument(..., help="Log directory the run is written into."),
+    run_id: str | None = typer.Option(None, help="Run id (default: <framework>-<name of SRC>)."),
+    source_version: str | None = typer.Option(None, help="The framework's version, recorded in run.json (the files "
+                                                         "record none)."),
+    allow_pickle: bool = typer.Option(False, help="slime/miles: unpickle .pt files that hold more than tensors and "
+                                                  "plain values (only for files you trust)."),
+) -> None:
+    """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file)."""
+    from trustscope.importers import FORMATS, ImportFormatError, import_run
+
+    if format not in FORMATS:
+        typer.echo(f"trustscope import: unknown format {format!r}; known: {', '.join(FORMATS)}", err=True)
+        raise typer.Exit(2)
+    try:
+        run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, allow_pickle=allow_pickle)
+    except (ImportFormatError, OSError, ValueError) as exc:  # OSError: the run exists, the disk is full, ...
+        typer.echo(f"trustscope import: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"imported {src} as {run_dir}")
+
+
 def main() -> None:
     app()
 
