@@ -1,0 +1,57 @@
+"""``trustscope import FORMAT SRC LOGDIR``: each format end to end through the CLI, then validate and report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_importers_nemo_rl import write_log_dir
+from test_importers_prime_rl import write_export
+from test_importers_slime import write_dump
+from typer.testing import CliRunner
+
+from trustscope.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("fmt, write", [
+    ("prime-rl", lambda p: write_export(p, steps=2)),
+    ("miles", lambda p: write_dump(p, steps=2, tp=1, pp=1)),
+    ("slime", lambda p: write_dump(p, steps=2, kind="slime")),
+    ("nemo-rl", lambda p: write_log_dir(p, steps=2)),
+])
+def test_import_then_validate_and_report(tmp_path, fmt, write):
+    write(tmp_path / "src")
+    result = runner.invoke(app, ["import", fmt, str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r",
+                                 "--source-version", "9.9"])
+    assert result.exit_code == 0, result.output
+    assert "imported" in result.output
+    manifest = json.loads((tmp_path / "logs/r/run.json").read_text())
+    assert manifest["source"]["framework"] == fmt and manifest["source"]["version"] == "9.9"
+    assert manifest["status"] == "finished" and manifest["mu_source"] == "imported"
+    result = runner.invoke(app, ["validate", str(tmp_path / "logs")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["report", str(tmp_path / "logs")])
+    assert result.exit_code == 0, result.output
+    assert "what every rule would" in result.output and "dppo_binary_tv" in result.output
+
+
+def test_bad_input_exits_1_naming_file_and_line(tmp_path):
+    write_export(tmp_path / "src", steps=1)
+    path = tmp_path / "src/token_exports/step_0/rank_1.jsonl"
+    path.write_bytes(path.read_bytes()[:-10])
+    result = runner.invoke(app, ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs")])
+    assert result.exit_code == 1
+    assert f"{path}:" in result.stderr and "truncated" in result.stderr
+    assert not (tmp_path / "logs").exists() or list((tmp_path / "logs").iterdir()) == []
+
+
+def test_unknown_format_and_existing_run(tmp_path):
+    result = runner.invoke(app, ["import", "openrlhf", str(tmp_path), str(tmp_path / "logs")])
+    assert result.exit_code == 2 and "known: prime-rl, slime, miles, nemo-rl" in result.stderr
+    write_export(tmp_path / "src", steps=1)
+    args = ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r"]
+    assert runner.invoke(app, args).exit_code == 0
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "already exists" in result.stderr
