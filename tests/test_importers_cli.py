@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from test_importers_nemo_rl import write_log_dir
@@ -55,3 +56,22 @@ def test_unknown_format_and_existing_run(tmp_path):
     assert runner.invoke(app, args).exit_code == 0
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "already exists" in result.stderr
+
+
+def test_dashboard_runs_page_shows_imported_runs(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+    from trustscope.importers import import_run
+
+    write_export(tmp_path / "prime", steps=2)
+    write_dump(tmp_path / "miles", steps=2, tp=1, pp=1)
+    write_log_dir(tmp_path / "nemo", steps=2)
+    for fmt, src in (("prime-rl", "prime"), ("miles", "miles"), ("nemo-rl", "nemo")):
+        import_run(fmt, tmp_path / src, tmp_path / "logs", run_id=src)
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path / "logs"))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "main.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert sorted(at.dataframe[0].value["run_id"]) == ["miles", "nemo", "prime"]
