@@ -109,9 +109,10 @@ def floats(values: Any, where: str, name: str) -> np.ndarray:
 
 def ints(values: Any, where: str, name: str) -> np.ndarray:
     """A JSON list of integers as int64 ``(T,)``."""
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    arr = np.array(values) if isinstance(values, list) else None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind != "i"):  # bools, floats, nulls, text
         raise ImportFormatError(f"{where}: {name!r} must be a list of integers")
-    return np.array(values, dtype=np.int64)
+    return arr.astype(np.int64, copy=False)
 
 
 def check_logprobs(seq: Sequence) -> None:

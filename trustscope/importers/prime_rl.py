@@ -109,11 +109,12 @@ def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
     """A JSON list of booleans as ``(T,)`` bool; None when the writer exported none (a list of nulls)."""
     if not isinstance(values, list):
         raise ImportFormatError(f"{where}: {name!r} must be a list, got {type(values).__name__}")
-    if all(v is None for v in values):
+    if values.count(None) == len(values):
         return None
-    if not all(isinstance(v, bool) for v in values):
+    arr = np.array(values)
+    if arr.dtype != np.bool_ or arr.ndim != 1:
         raise ImportFormatError(f"{where}: {name!r} must hold only booleans (or only nulls)")
-    return np.array(values, dtype=bool)
+    return arr
 
 
 def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Sequence | None:
