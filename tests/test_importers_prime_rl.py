@@ -172,9 +172,53 @@ class PrimeRLExporter:
         (self.root / f"step_{step}" / "STABLE").touch()
 
 
+def _node(parent: int | None, role: str, text: str, ids: list[int], sampled: bool, mu: list[float]) -> dict:
+    """A ``MessageNode`` as ``model_dump(mode="json", exclude_none=True)`` writes it."""
+    node = {"message": {"role": role, "content": text}, "sampled": sampled, "timestamp": 1.7e9, "token_ids": ids,
+            "mask": [sampled] * len(ids), "is_content": [], "logprobs": mu if sampled else []}
+    if parent is not None:
+        node["parent"] = parent
+    return node
+
+
+def episode_record(r: Rollout, i: int, step: int, group: str) -> dict:
+    """``verifiers.v1.Episode.to_record()`` of one single-agent rollout (a tool turn when ``r.trained`` has one)."""
+    c, mu = r.completion, r.mu
+    nodes = [_node(None, "user", f"question {group}", r.prompt, False, [])]
+    if all(r.trained):
+        nodes.append(_node(0, "assistant", f"answer {i}", c, True, mu))
+    else:
+        nodes += [_node(0, "assistant", f"call {i}", c[:2], True, mu[:2]),
+                  _node(1, "tool", f"result {i}", c[2:4], False, []),
+                  _node(2, "assistant", f"answer {i}", c[4:], True, mu[4:])]
+    task = {"type": "Task", "data": {"question": group}, "key": group, "hash": group}
+    trace = {"version": 1, "id": f"t{step}-{i}", "verifiers": {"version": "0.3.1.dev59", "commit": "abc"},
+             "task": task, "agent": {"config": {}, "name": "agent", "trainable": True}, "tools": [], "nodes": nodes,
+             "calls": [], "request_rewrites": [], "response_rewrites": [],
+             "rewards": {"correct": {"score": r.reward, "weight": 1.0}}, "metrics": {}, "info": {},
+             "extra_usage": [], "is_completed": True, "ok": True, "stop_condition": "completed", "errors": [],
+             "timing": {"start": 1.7e9}}
+    return {"id": f"e{step}-{i}", "env": {"id": r.env, "name": r.env}, "task": task, "group": {"id": group},
+            "run": {"type": "train", "id": "run", "work": {"type": "train", "step": step}}, "ok": True,
+            "errors": [], "traces": [trace]}
+
+
+def write_traces(out: Path, step: int, rollouts: list[Rollout], tag: str) -> None:
+    """Append the episodes to ``rollouts/step_N/train/effective/traces.jsonl`` as ``FileMonitor.log_episodes``
+    does (orjson's compact JSON, one episode per line)."""
+    path = out / "rollouts" / f"step_{step}" / "train" / "effective" / "traces.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for i, r in enumerate(rollouts):
+            group = f"{tag}-{i // 4}"
+            f.write(json.dumps(episode_record(r, i, step, group), separators=(",", ":"), ensure_ascii=False) + "\n")
+
+
 def write_export(out: Path, steps: int = 2, ranks: int = 2, per_rank: int = 8, layout: str = "weight-stream",
-                 seed: int = 0, unscored: bool = True, stable: bool = True) -> dict[tuple[int, int], list[Rollout]]:
-    """A small multi-step, multi-rank export; returns the rollouts of each (step, rank) for the checks."""
+                 seed: int = 0, unscored: bool = True, stable: bool = True,
+                 traces: bool = False) -> dict[tuple[int, int], list[Rollout]]:
+    """A small multi-step, multi-rank export (with the orchestrator's trace streams and metrics.jsonl when
+    ``traces``); returns the rollouts of each (step, rank) for the checks."""
     rng = np.random.default_rng(seed)
     written = {}
     exporters = [PrimeRLExporter(out, r, layout) for r in range(ranks)]
@@ -187,6 +231,11 @@ def write_export(out: Path, steps: int = 2, ranks: int = 2, per_rank: int = 8, l
             for micro, part in enumerate((rollouts[:half], rollouts[half:])):
                 exp.export(step, micro, *pack(part, pad_to=sum(len(r.prompt) + len(r.completion) for r in part) + 7))
             written[(step, rank)] = rollouts
+            if traces:
+                write_traces(out, step, rollouts, f"s{step}r{rank}")
+        if traces:
+            with (out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "time": 1.7e9, "reward/mean": 0.5 + step, "loss": 0.1}) + "\n")
         if stable:
             for exp in exporters:
                 exp.mark_stable(step)
@@ -300,3 +349,33 @@ def test_existing_run_is_not_touched(tmp_path):
         import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p")
     assert sorted(p.name for p in (tmp_path / "logs/p/tokens").iterdir()) == before
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["p"]
+
+
+def test_trace_streams_and_metrics_fill_samples_and_steps(tmp_path):
+    written = write_export(tmp_path / "run", traces=True)
+    run_dir = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="p")
+    assert validate_logdir(run_dir) == []
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert "verifiers 0.3.1.dev59" in manifest["source"]["format"]
+    assert "32 of 32 sequences matched" in manifest["config"]["import"]["columns"]["samples"]
+    samples = pq.read_table(run_dir / "samples").to_pandas().sort_values(["step", "rank", "sample_id"])
+    r = written[(1, 1)][5]
+    row = samples[(samples.step == 1) & (samples["rank"] == 1)].iloc[5]
+    assert row.reward == r.reward and row.prompt == "question s1r1-1" and row.finish_reason == "completed"
+    assert row.response == ("answer 5" if all(r.trained) else "call 5\nanswer 5")
+    assert (samples.groupby(["step", "prompt_id"]).size() == 4).all()
+    steps = pq.read_table(run_dir / "steps").to_pandas()
+    got = sorted(zip(steps.step, steps.name, steps.value, strict=True))
+    assert got == [(0, "loss", 0.1), (0, "reward/mean", 0.5), (1, "loss", 0.1), (1, "reward/mean", 1.5)]
+
+
+def test_trace_streams_of_two_versions_are_refused(tmp_path):
+    write_export(tmp_path / "run", steps=1, traces=True)
+    path = tmp_path / "run/rollouts/step_0/train/effective/traces.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["traces"][0]["verifiers"]["version"] = "0.2.0"
+    lines[3] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    _import_fails(tmp_path / "run", tmp_path / "logs", r"traces\.jsonl:4: written by verifiers 0\.2\.0, but "
+                                                       r".*traces\.jsonl:1 by 0\.3\.1\.dev59")

@@ -61,6 +61,7 @@ class Sequence:
     response: str | None = None
     reward: float | None = None
     finish_reason: str | None = None
+    full_ids: tuple[int, ...] | None = None  # the source's whole token sequence, to join other streams by
 
 
 @dataclass

@@ -28,12 +28,30 @@ policy before the update: no separate ``old_logprob`` exists and none is importe
 loss, ``null`` under other losses, then every token reads kept); rows only where ``loss_mask`` is true and (in
 the weight-stream layout) the rl weight is not 0 (tokens trained by cross-entropy alone have no sampling
 log-prob). ``prompt_id`` groups the sequences of a step with the same prompt token ids. The samples table gets
-the sampled sequences without text (the export decodes nothing); ``reward`` only in the training-mode layout.
+the sampled sequences; the export decodes nothing, so text comes from the trace streams below (``reward`` is also
+in the training-mode layout).
+
+When ``SRC`` is the run directory (``output_dir / run.name``, shared by trainer and orchestrator), two more files
+are read:
+
+- the orchestrator's trace streams ``rollouts/step_<N>/train/{all,effective}/traces.jsonl``: writer
+  ``src/prime_rl/monitors/file.py`` ``FileMonitor.log_episodes``, one ``orjson`` line per episode,
+  ``verifiers.v1.Episode.to_record()`` (PrimeIntellect-ai/verifiers ``verifiers/v1/episode.py``; the trace record of
+  ``verifiers/v1/trace.py``, ``version`` 1, with its message graph of ``verifiers/v1/graph.py`` ``MessageNode``:
+  ``parent``, ``message``, ``sampled``, ``token_ids``, ``mask``, ``logprobs``, ``advantages``). Each root-to-leaf
+  branch's concatenated ``token_ids`` is exactly the packed sample the trainer exported, so branches are joined
+  to export sequences by token ids, giving the prompt text (the messages before the first sampled one), the
+  response text (the sampled messages), the reward (the sum of ``score * weight`` of ``rewards``),
+  ``finish_reason`` (``stop_condition``) and the GRPO group (``group.id``, as ``prompt_id``). A trace of another
+  record version, or traces of two verifiers versions, are refused.
+- ``metrics.jsonl`` (``FileMonitor.log_metrics``: ``{"step", "time", **metrics}`` per line, non-finite values
+  already dropped by the writer): every number becomes a scalar of the steps table.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +108,109 @@ def export_files(src: Path) -> list[tuple[int, int, Path]]:
                 raise ImportFormatError(f"{path.parent}: no STABLE marker while other steps have one: the step was "
                                         f"not finished by every rank (still running, or the trainer died)")
     return sorted(found)
+
+
+TRACE_VERSION = 1  # verifiers.v1.trace.TRACE_VERSION
+_TRACE_FILE = re.compile(r"^step_(\d+)/train/(all|effective)/traces\.jsonl$")
+
+
+@dataclass
+class _Branch:
+    """What the trace stream says of one trained sequence."""
+
+    prompt: str | None
+    response: str | None
+    reward: float | None
+    finish_reason: str | None
+    group: str | None
+
+
+def _text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _branches(trace: dict, where: str) -> list[tuple[tuple[int, ...], list[dict]]]:
+    """``(token ids, nodes)`` of each root-to-leaf path of a trace's message graph."""
+    nodes = trace.get("nodes")
+    if not isinstance(nodes, list):
+        raise ImportFormatError(f"{where}: trace 'nodes' must be a list")
+    parents = set()
+    for i, node in enumerate(nodes):
+        parent = node.get("parent") if isinstance(node, dict) else "bad"
+        if parent is not None and not (isinstance(parent, int) and 0 <= parent < i):
+            raise ImportFormatError(f"{where}: node {i} has parent {parent!r}; parents come before their children")
+        parents.add(parent)
+    out = []
+    for leaf in (i for i in range(len(nodes)) if i not in parents):
+        path, nid = [], leaf
+        while nid is not None:
+            path.append(nodes[nid])
+            nid = nodes[nid].get("parent")
+        path.reverse()
+        ids: list[int] = []
+        for node in path:
+            ids.extend(node.get("token_ids") or [])
+        out.append((tuple(ids), path))
+    return out
+
+
+def _trace_branch(episode: dict, trace: dict, path: list[dict]) -> _Branch:
+    first = next((i for i, n in enumerate(path) if n.get("sampled")), len(path))
+    rewards = [r for r in (trace.get("rewards") or {}).values() if isinstance(r, dict)]
+    group = episode.get("group")
+    return _Branch(
+        prompt="\n".join(_text(n.get("message")) for n in path[:first]) or None,
+        response="\n".join(_text(n.get("message")) for n in path[first:] if n.get("sampled")) or None,
+        reward=sum(float(r["score"]) * float(r.get("weight", 1.0)) for r in rewards) if rewards else None,
+        finish_reason=trace.get("stop_condition"),
+        group=str(group["id"]) if isinstance(group, dict) and "id" in group else None,
+    )
+
+
+def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | None, int]:
+    """Branches of every train trace stream under ``run_dir/rollouts``, keyed by their token ids; the verifiers
+    version that wrote them; the number of files read."""
+    root = run_dir / "rollouts"
+    files = sorted(p for p in root.rglob("traces.jsonl") if _TRACE_FILE.match(p.relative_to(root).as_posix()))
+    index: dict[tuple[int, ...], _Branch] = {}
+    seen_version: tuple[str, str] | None = None
+    for path in files:
+        for line, episode in json_lines(path):
+            where = f"{path}:{line}"
+            traces = episode.get("traces") if isinstance(episode, dict) else None
+            if not isinstance(traces, list):
+                raise ImportFormatError(f"{where}: an episode record needs a 'traces' list")
+            for trace in traces:
+                if not isinstance(trace, dict) or trace.get("version") != TRACE_VERSION:
+                    got = trace.get("version") if isinstance(trace, dict) else trace
+                    raise ImportFormatError(f"{where}: trace record version {got!r}, this importer reads "
+                                            f"{TRACE_VERSION}")
+                version = str((trace.get("verifiers") or {}).get("version"))
+                if seen_version is None:
+                    seen_version = (version, where)
+                elif version != seen_version[0]:
+                    raise ImportFormatError(f"{where}: written by verifiers {version}, but {seen_version[1]} by "
+                                            f"{seen_version[0]}: trace streams of two versions are mixed")
+                for ids, path_nodes in _branches(trace, where):
+                    index.setdefault(ids, _trace_branch(episode, trace, path_nodes))
+    return index, seen_version[0] if seen_version else None, len(files)
+
+
+def step_scalars(path: Path) -> dict[int, dict[str, float]]:
+    """``{step: {name: value}}`` from prime-rl's ``metrics.jsonl`` (numbers only; later lines win)."""
+    out: dict[int, dict[str, float]] = {}
+    for line, row in json_lines(path):
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ImportFormatError(f"{path}:{line}: a metrics row needs an integer 'step'")
+        values = {k: float(v) for k, v in row.items() if k not in ("step", "time")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.setdefault(row["step"], {}).update(values)
+    return out
 
 
 def _layout(record: Any, where: str) -> str:
@@ -155,6 +276,7 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
         kept=None if is_masked is None else ~is_masked[span],
         prompt_key=tuple(token_ids[:first].tolist()),
         reward=reward,
+        full_ids=tuple(token_ids.tolist()),
     )
 
 
@@ -193,6 +315,27 @@ def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRu
     assert layout_seen is not None  # at least one non-empty file was read
     layout = layout_seen[0]
     notes = dict(NOTES)
+    fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout"
+    n_files = len(files)
+    traces, verifiers_version, n_trace_files = trace_index(src) if (src / "rollouts").is_dir() else ({}, None, 0)
+    if n_trace_files:
+        matched = 0
+        for seq in sequences:
+            branch = traces.get(seq.full_ids)
+            if branch is None:
+                continue
+            matched += 1
+            seq.prompt, seq.response, seq.finish_reason = branch.prompt, branch.response, branch.finish_reason
+            seq.reward = branch.reward if branch.reward is not None else seq.reward
+            if branch.group is not None:
+                seq.prompt_key = ("group", branch.group)
+        notes["samples"] = (f"prompt, response, reward, finish_reason and group from rollouts/step_*/train/*/"
+                            f"traces.jsonl, joined by token ids: {matched} of {len(sequences)} sequences matched")
+        fmt += f"; trace streams (trace version {TRACE_VERSION}, verifiers {verifiers_version})"
+        n_files += n_trace_files
+    scalars = step_scalars(src / "metrics.jsonl") if (src / "metrics.jsonl").is_file() else {}
+    if scalars:
+        n_files += 1
     if not any_mask:
         notes["kept"] = "all kept: the export carries no is_masked (the loss was not prime-rl's default)"
     if skipped_sft:
@@ -200,7 +343,6 @@ def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRu
     return ImportedRun(
         framework="prime-rl",
         version=version or f"unknown (token_export schema_version {SCHEMA_VERSION}, {layout} layout)",
-        format=f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout",
-        src=src, loss_rule="prime-rl:default" if any_mask else "prime-rl", notes=notes,
-        sequences=sequences, files=len(files),
+        format=fmt, src=src, loss_rule="prime-rl:default" if any_mask else "prime-rl", notes=notes,
+        sequences=sequences, scalars=scalars, files=n_files,
     )
