@@ -321,7 +321,9 @@ def test_mixed_versions_are_refused(tmp_path):
     (lambda r: r.update(schema_version=2), r"schema_version 2"),
     (lambda r: r.update(entropy=r["entropy"][:-1]), r"'entropy' has length"),
     (lambda r: r.update(step=7), r"record says step 7"),
-    (lambda r: r.update(inference_logprobs=[0.5] * len(r["token_ids"])), r"mu_logprob 0.5 .* is positive"),
+    (lambda r: r.update(inference_logprobs=[0.5] * len(r["token_ids"])), r"mu_logprob 0.5 .* a log-probability"),
+    (lambda r: r.update(entropy=[-1.0] * len(r["token_ids"])), r"entropy -1.0 .* an entropy is >= 0"),
+    (lambda r: r.update(token_ids=[-3] * len(r["token_ids"])), r"token_id -3 at response position 0"),
     (lambda r: r.update(token_ids=["a"] * len(r["token_ids"])), r"'token_ids' must be a list of integers"),
 ])
 def test_wrong_record_names_file_and_line(tmp_path, edit, match):

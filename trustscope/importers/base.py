@@ -127,17 +127,22 @@ def ints(values: Any, where: str, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def check_logprobs(seq: Sequence) -> None:
-    """Reject positive log-probs on trained positions: no writer produces them, so the file is not what it claims."""
-    for name in ("mu_logprob", "pi_logprob", "old_logprob"):
+def check_values(seq: Sequence) -> None:
+    """Reject values no writer produces on trained positions (positive log-probs, negative entropy, token ids
+    outside int32), naming the sequence's file and line, before anything is written."""
+    limits = (("mu_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
+              ("pi_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
+              ("old_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
+              ("entropy", -LOGPROB_TOLERANCE, np.inf, "an entropy is >= 0"),
+              ("token_id", 0, 2**31 - 1, "token ids are in [0, 2^31)"))
+    for name, low, high, why in limits:
         arr = getattr(seq, name)
         if arr is None:
             continue
-        bad = seq.mask & (arr > LOGPROB_TOLERANCE)
+        bad = seq.mask & ((arr < low) | (arr > high))
         if bad.any():
             pos = int(np.flatnonzero(bad)[0])
-            raise ImportFormatError(f"{seq.where}: {name} {float(arr[pos])} at response position {pos} is positive; "
-                                    f"a log-probability is <= 0")
+            raise ImportFormatError(f"{seq.where}: {name} {arr[pos].item()} at response position {pos}: {why}")
 
 
 def _scored(seq: Sequence) -> np.ndarray:
@@ -213,7 +218,7 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None) -
     the temporary directory is removed and the error re-raised.
     """
     for seq in run.sequences:
-        check_logprobs(seq)
+        check_values(seq)
     logdir = Path(logdir)
     run_id = run_id or f"{run.framework}-{run.src.resolve().name}"
     target = logdir / run_id
