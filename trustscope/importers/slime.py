@@ -210,6 +210,9 @@ def _train_rows_per_rank(files: list[tuple[int, Path]], rid: int, allow_pickle: 
     where_sample: dict[int, list[tuple[int, Path, dict, dict, int]]] = {}
     for rank, path, pack, data in packs:
         for row, index in enumerate(data["sample_indices"]):
+            if index is None:
+                raise ImportFormatError(f"{path}[rollout_data]['sample_indices'][{row}]: None; the samples carry "
+                                        f"no Sample.index to join the rollout dump by")
             where_sample.setdefault(int(index), []).append((rank, path, pack, data, row))
     rows: dict[int, dict[str, Any]] = {}
     for index, locations in where_sample.items():
@@ -273,8 +276,11 @@ def _train_rows_single(files: list[tuple[int, Path]], rid: int, rollout_samples:
                 raise ImportFormatError(f"{where}: rollout_position {position} outside the rollout dump's "
                                         f"{len(rollout_samples)} samples")
             index = int(rollout_samples[int(position)].get("index", position))
+        elif sample.get("sample_index") is not None:
+            index = int(sample["sample_index"])
         else:
-            index = int(_get(sample, "sample_index", where))
+            raise ImportFormatError(f"{where}: neither rollout_position nor sample_index; the sample cannot be "
+                                    f"joined to the rollout dump")
         resp = int(_get(sample, "response_lengths", where))
         entry: dict[str, Any] = {"rank": int(sample.get("data_parallel_rank", 0)), "where": where,
                                  "tokens": _array(_get(sample, "tokens", where), f"{where}['tokens']", np.int64),
