@@ -275,7 +275,8 @@ def _train_rows_single(files: list[tuple[int, Path]], rid: int, rollout_samples:
             if not 0 <= int(position) < len(rollout_samples):
                 raise ImportFormatError(f"{where}: rollout_position {position} outside the rollout dump's "
                                         f"{len(rollout_samples)} samples")
-            index = int(rollout_samples[int(position)].get("index", position))
+            own = rollout_samples[int(position)].get("index")  # read() keys samples without one by position
+            index = int(own) if own is not None else int(position)
         elif sample.get("sample_index") is not None:
             index = int(sample["sample_index"])
         else:
