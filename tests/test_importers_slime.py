@@ -280,3 +280,21 @@ def test_pickled_objects_need_allow_pickle(tmp_path):
     torch.save(pack, path)
     _fails("miles", tmp_path / "dump", tmp_path / "logs", r"0\.pt: holds objects beyond tensors .* allow_pickle")
     assert validate_logdir(import_run("miles", tmp_path / "dump", tmp_path / "logs", allow_pickle=True)) == []
+
+
+def test_per_rank_dump_without_cp_rank_recovers_the_layout(tmp_path):
+    written = write_dump(tmp_path / "dump", record_cp=False)  # TP 2 x CP 2 x DP 2 x PP 2, no cp_rank recorded
+    run_dir = import_run("slime", tmp_path / "dump", tmp_path / "logs")
+    assert validate_logdir(run_dir) == []
+    assert "without cp_rank" in json.loads((run_dir / "run.json").read_text())["source"]["format"]
+    _check_values(run_dir, written)
+
+
+def test_unplaceable_legacy_slices_are_refused(tmp_path):
+    write_dump(tmp_path / "dump", steps=1, tp=1, pp=1, record_cp=False)
+    path = tmp_path / "dump/train_data/0_1.pt"  # dp 0, cp 1
+    pack = torch.load(path)
+    pack["rollout_data"]["rollout_log_probs"][0] = pack["rollout_data"]["rollout_log_probs"][0][:-1]
+    torch.save(pack, path)
+    _fails("slime", tmp_path / "dump", tmp_path / "logs", r"sample_index 0: rollout_log_probs slices of widths "
+                                                         r"\[\d+, \d+\] are not the context-parallel zigzag")

@@ -18,7 +18,9 @@ Writers read:
   ``miles/backends/training_utils/cp_utils.py`` ``get_logits_and_tokens_offset_with_cp``: the sequence is cut in
   ``2 * cp_size`` chunks, rank r holds chunks r and ``2 * cp_size - 1 - r``); tensor-parallel peers write copies,
   and pipeline stages other than the last hold no trainer fields. The importer puts the slices back together
-  (every CP rank must be present) as ``miles/dashboard/dump_reader.py`` does.
+  (every CP rank must be present) as ``miles/dashboard/dump_reader.py`` does; files without ``cp_rank`` get their
+  layout recovered the way that reader does it (distinct ``rollout_log_probs`` slices in global-rank order are CP
+  ranks 0, 1, ..., checked against the zigzag's widths).
 - Train side, slime since #2266 (``slime/observability/train_data_utils.py`` ``save_debug_train_data``):
   ``train_data/<id>.pt`` = ``{"format_version": 2, "rollout_id", "rank", "samples", "dp_shards",
   ["raw_reward"]}``, CP fields already restored to full response length, one dict per sample with
@@ -184,6 +186,38 @@ def _reward(sample: dict, raw_reward: Any, position: int) -> float | None:
     return None
 
 
+def _legacy_cp_layout(locations: list[tuple[int, Path, dict, dict, int]], total: int, resp: int,
+                      where: str) -> tuple[int, dict[int, int]]:
+    """``(cp_size, {id(pack): cp_rank})`` for per-rank files written before ``cp_rank`` was recorded.
+
+    As ``miles/dashboard/dump_reader.py`` recovers it: ``rollout_log_probs`` (on every rank) is the probe; files
+    holding equal slices are tensor-parallel peers, distinct slices in global-rank order are CP ranks 0, 1, ...
+    (Megatron orders ranks tp-cp-dp-pp), and their widths must be exactly the zigzag's, or the layout is refused.
+    """
+    groups: list[np.ndarray] = []
+    cp_of: dict[int, int] = {}
+    for _, path, pack, data, row in sorted(locations, key=lambda loc: loc[0]):
+        probe = data.get("rollout_log_probs")
+        if probe is None:
+            raise ImportFormatError(f"{path}[rollout_data]['rollout_log_probs']: missing; without cp_rank in the "
+                                    f"files it is needed to tell the context-parallel slices apart")
+        value = _array(probe[row], f"{path}[rollout_log_probs][{row}]", np.float32)
+        match = next((i for i, g in enumerate(groups) if len(g) == len(value) and np.array_equal(g, value)), None)
+        if match is None:
+            match = len(groups)
+            groups.append(value)
+        cp_of[id(pack)] = match
+    cp_size = len(groups)
+    widths = [len(g) for g in groups]
+    want = [sum(e - s for s, e in cp_slices(total, resp, r, cp_size)) for r in range(cp_size)] if cp_size > 1 \
+        else [resp]
+    if widths != want:
+        raise ImportFormatError(f"{where}: rollout_log_probs slices of widths {widths} are not the context-parallel "
+                                f"zigzag of a {total}-token sequence ({want} for cp_size {cp_size}), and the files "
+                                f"(written before cp_rank was recorded) do not say which rank holds which")
+    return cp_size, cp_of
+
+
 def _train_rows_per_rank(files: list[tuple[int, Path]], rid: int, allow_pickle: bool
                          ) -> tuple[dict[int, dict[str, Any]], Any, str]:
     """``{sample_index: {field: full-length values, "rank": r, "where": ...}}`` from the per-rank files of one
@@ -227,33 +261,35 @@ def _train_rows_per_rank(files: list[tuple[int, Path]], rid: int, allow_pickle: 
                                  "total_length": total, "response_length": resp}
         if data.get("loss_masks") is not None:
             entry["loss_mask"] = _array(data["loss_masks"][row], f"{path}[loss_masks][{row}]", np.float32)
+        if has_cp_rank:
+            sample_cp, cp_of = cp_size, {id(l_pack): int(l_pack["cp_rank"]) for _, _, l_pack, _, _ in locations}
+        else:
+            sample_cp, cp_of = _legacy_cp_layout(locations, total, resp, f"{path.parent}/{rid}_*.pt "
+                                                                          f"sample_index {index}")
+        max_seq = data.get("max_seq_lens")
+        max_seq_len = int(max_seq[row]) if pack.get("qkv_format") == "bshd" and max_seq is not None else None
+        if sample_cp > 1 and pack.get("qkv_format") == "bshd" and max_seq_len is None:
+            raise ImportFormatError(f"{path}[rollout_data]['max_seq_lens']: missing, needed to place the bshd "
+                                    f"context-parallel slices")
         for field in CP_FIELDS:
             chunks: dict[int, np.ndarray] = {}
             for _, l_path, l_pack, l_data, l_row in locations:
                 if l_data.get(field) is None:
                     continue  # pipeline stages before the last compute no trainer fields
-                cp_rank = int(l_pack["cp_rank"]) if has_cp_rank else 0
-                chunks.setdefault(cp_rank, _array(l_data[field][l_row], f"{l_path}[{field}][{l_row}]", np.float32))
+                # setdefault: tensor-parallel peers hold copies of the same slice
+                chunks.setdefault(cp_of[id(l_pack)],
+                                  _array(l_data[field][l_row], f"{l_path}[{field}][{l_row}]", np.float32))
             if not chunks:
                 continue
             key = f"{path.parent}/{rid}_*.pt[{field}] sample_index {index}"
-            if cp_size == 1 or not has_cp_rank:
-                value = next(iter(chunks.values()))
-                if len(value) != resp:
-                    raise ImportFormatError(f"{key}: {len(value)} value(s) for a {resp}-token response; without "
-                                            f"cp_rank in the files (written before miles recorded it) the "
-                                            f"context-parallel slices cannot be placed")
-            else:
-                max_seq = data.get("max_seq_lens")
-                max_seq_len = int(max_seq[row]) if pack.get("qkv_format") == "bshd" and max_seq is not None else None
-                if pack.get("qkv_format") == "bshd" and max_seq_len is None:
-                    raise ImportFormatError(f"{path}[rollout_data]['max_seq_lens']: missing, needed to place the "
-                                            f"bshd context-parallel slices")
-                value = assemble_cp(chunks, total, resp, cp_size, key, max_seq_len)
+            value = (next(iter(chunks.values())) if sample_cp == 1
+                     else assemble_cp(chunks, total, resp, sample_cp, key, max_seq_len))
+            if len(value) != resp:
+                raise ImportFormatError(f"{key}: {len(value)} value(s) for a {resp}-token response")
             entry[field] = value
         rows[index] = entry
     layout = (f"per-rank train dump, cp_rank recorded (cp_size {cp_size})" if has_cp_rank
-              else "per-rank train dump without cp_rank")
+              else "per-rank train dump without cp_rank (CP layout recovered from the slices)")
     return rows, raw_reward, layout
 
 
