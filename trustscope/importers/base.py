@@ -3,8 +3,8 @@
 Every importer reads its framework's files completely into :class:`ImportedRun` (one :class:`Sequence` per
 response, scalars per step) and raises :class:`ImportFormatError` naming the file and line (or tensor key) at the
 first thing that does not match the writer's format. Only then does :func:`write_run` write, through
-:class:`~trustscope.logger.TokenLogger`'s public API, into a hidden temporary log directory beside the target, and
-rename the finished run directory into place. A failure at any point removes the temporary directory, so the
+:class:`~trustscope.logger.TokenLogger`'s public API, into a hidden temporary directory inside the log directory,
+and rename the finished run directory into place. A failure at any point removes the temporary directory, so the
 target log directory never holds a partial import.
 
 Unscored tokens (a NaN or null log-prob, entropy or advantage on a trained position: the frameworks write those
@@ -62,7 +62,7 @@ class Sequence:
     response: str | None = None
     reward: float | None = None
     finish_reason: str | None = None
-    full_ids: tuple[int, ...] | None = None  # the source's whole token sequence, to join other streams by
+    full_ids: np.ndarray | None = None  # (L,) the source's whole token sequence, to join other streams by
 
 
 @dataclass

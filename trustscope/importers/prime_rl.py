@@ -276,7 +276,7 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
         kept=None if is_masked is None else ~is_masked[span],
         prompt_key=tuple(token_ids[:first].tolist()),
         reward=reward,
-        full_ids=tuple(token_ids.tolist()),
+        full_ids=token_ids,
     )
 
 
@@ -321,7 +321,7 @@ def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRu
     if n_trace_files:
         matched = 0
         for seq in sequences:
-            branch = traces.get(seq.full_ids)
+            branch = traces.get(tuple(seq.full_ids.tolist()))
             if branch is None:
                 continue
             matched += 1
