@@ -19,8 +19,9 @@ Mapping: rows are the ``token_loss_mask`` positions within ``input_lengths``, ``
 trainer log-prob in the file, the policy *before* the update (pi_old), so ratio rules replay on pi_old / mu (the
 training-inference mismatch). A run with ``force_on_policy_ratio`` writes zeros there instead and is refused.
 ``advantage`` = ``advantages``; no entropy; ``kept`` = ``sample_loss_mask`` (0 zeroes a whole sample's loss; the
-clip mask is not logged). Samples: ``prompt_id`` groups equal prompt token ids; ``response`` = the last message's
-``content``, ``prompt`` = the earlier messages joined by newlines; ``reward`` = ``rewards``.
+clip mask is not logged). Samples: ``sample_id`` = ``idx``, ``prompt_id`` groups equal prompt token ids,
+``response`` = the last message's ``content``, ``prompt`` = the earlier messages joined by newlines, ``reward`` =
+``rewards``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def _one(record: dict, key: str, where: str) -> Any:
     return value[0]
 
 
+def _index(record: dict, where: str) -> int:
+    """The line's ``idx`` (its position in the step's batch, added by the writer): the sample id."""
+    idx = record["idx"]
+    if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+        raise ImportFormatError(f"{where}: idx {idx!r} is not a sample position")
+    return idx
+
+
 def _sequence(record: Any, step: int, where: str) -> Sequence:
     if not isinstance(record, dict):
         raise ImportFormatError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
@@ -109,7 +118,7 @@ def _sequence(record: Any, step: int, where: str) -> Sequence:
     messages = [str(c) for c in content] if isinstance(content, list) else [str(content)]
     prev = floats(cols["prev_logprobs"], where, "prev_logprobs")[span]
     return Sequence(
-        step=step, rank=0, where=where, token_id=token_ids[span],
+        step=step, rank=0, where=where, token_id=token_ids[span], sample_id=_index(record, where),
         mu_logprob=floats(cols["generation_logprobs"], where, "generation_logprobs")[span],
         pi_logprob=prev, old_logprob=prev,
         advantage=floats(cols["advantages"], where, "advantages")[span],
