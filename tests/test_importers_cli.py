@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from test_importers_nemo_rl import write_log_dir
 from test_importers_prime_rl import write_export
@@ -75,3 +76,29 @@ def test_dashboard_runs_page_shows_imported_runs(tmp_path, monkeypatch):
     assert not at.exception, [e.message for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert sorted(at.dataframe[0].value["run_id"]) == ["miles", "nemo", "prime"]
+
+
+def test_tokenizer_names_tokens_and_bounds_ids(tmp_path):
+    from trustscope.train.toy import toy_tokenizer
+
+    tok = toy_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    write_log_dir(tmp_path / "nemo", steps=1)  # token ids < 40 <= the toy vocabulary
+    args = ["import", "nemo-rl", str(tmp_path / "nemo"), str(tmp_path / "logs"), "--tokenizer", str(tmp_path / "tok")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    vocab = pq.read_table(tmp_path / "logs/nemo-rl-nemo/vocab.parquet").to_pandas()
+    assert len(vocab) == len(tok) and vocab.text[5] == tok.decode([5])
+    assert runner.invoke(app, ["validate", str(tmp_path / "logs")]).exit_code == 0
+    write_export(tmp_path / "prime", steps=1)
+    big = tmp_path / "prime/token_exports/step_0/rank_0.jsonl"
+    lines = big.read_text().splitlines()
+    record = json.loads(lines[0])
+    first = record["loss_mask"].index(True)
+    record["token_ids"][first] = len(tok) + 3
+    lines[0] = json.dumps(record)
+    big.write_text("\n".join(lines) + "\n")
+    args = ["import", "prime-rl", str(tmp_path / "prime"), str(tmp_path / "logs2"), "--tokenizer", str(tmp_path / "tok")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert f"{big}:1: token_id {len(tok) + 3} at response position 0: the tokenizer has {len(tok)} tokens" in result.stderr

@@ -154,6 +154,8 @@ def import_(
                                                          "record none)."),
     allow_pickle: bool = typer.Option(False, help="slime/miles: unpickle .pt files that hold more than tensors and "
                                                   "plain values (only for files you trust)."),
+    tokenizer: Path | None = typer.Option(None, help="The run's Hugging Face tokenizer directory (local), so "
+                                                     "statistics name tokens."),
 ) -> None:
     """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file)."""
     from trustscope.importers import FORMATS, ImportFormatError, import_run
@@ -162,7 +164,8 @@ def import_(
         typer.echo(f"trustscope import: unknown format {format!r}; known: {', '.join(FORMATS)}", err=True)
         raise typer.Exit(2)
     try:
-        run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, allow_pickle=allow_pickle)
+        run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                             allow_pickle=allow_pickle)
     except (ImportFormatError, OSError, ValueError) as exc:  # OSError: the run exists, the disk is full, ...
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(1) from exc

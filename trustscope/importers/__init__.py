@@ -42,9 +42,19 @@ def read_source(fmt: str, src: str | Path, *, version: str | None = None, **opti
 
 
 def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
-               version: str | None = None, **options: Any) -> Path:
+               version: str | None = None, tokenizer: str | Path | None = None, **options: Any) -> Path:
     """Import ``src`` (format ``fmt``) as one run under ``logdir``; returns the run directory.
 
-    Nothing is written unless every file parses and checks; the run appears by one rename at the end.
+    ``tokenizer``: a local Hugging Face tokenizer directory (the run's own), loaded without network access, whose
+    token texts become the run's vocab table. Nothing is written unless every file parses and checks; the run
+    appears by one rename at the end.
     """
-    return write_run(read_source(fmt, src, version=version, **options), logdir, run_id)
+    vocab = None
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            vocab = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {err}") from None
+    return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab)

@@ -127,14 +127,15 @@ def ints(values: Any, where: str, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def check_values(seq: Sequence) -> None:
+def check_values(seq: Sequence, vocab_size: int | None = None) -> None:
     """Reject values no writer produces on trained positions (positive log-probs, negative entropy, token ids
-    outside int32), naming the sequence's file and line, before anything is written."""
+    outside int32 or the tokenizer's vocabulary), naming the sequence's file and line, before anything is written."""
+    ids = ("token_id", 0, 2**31 - 1, "token ids are in [0, 2^31)") if vocab_size is None else \
+        ("token_id", 0, vocab_size - 1, f"the tokenizer has {vocab_size} tokens (is it the run's tokenizer?)")
     limits = (("mu_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
               ("pi_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
               ("old_logprob", -np.inf, LOGPROB_TOLERANCE, "a log-probability is <= 0"),
-              ("entropy", -LOGPROB_TOLERANCE, np.inf, "an entropy is >= 0"),
-              ("token_id", 0, 2**31 - 1, "token ids are in [0, 2^31)"))
+              ("entropy", -LOGPROB_TOLERANCE, np.inf, "an entropy is >= 0"), ids)
     for name, low, high, why in limits:
         arr = getattr(seq, name)
         if arr is None:
@@ -210,15 +211,17 @@ def _ids(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
     return own, prompt_ids
 
 
-def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None) -> Path:
+def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None) -> Path:
     """Write ``run`` as ``<logdir>/<run_id>`` through :class:`TokenLogger`; returns the run directory.
 
-    Each source rank is written by its own logger (rank 0 always exists: it writes ``run.json``). The run is built
-    in ``<logdir>/.import-<run_id>-<random>/`` and renamed into place when every logger has closed; on any error
-    the temporary directory is removed and the error re-raised.
+    ``vocab`` (a tokenizer or a list of token texts, as ``TokenLogger`` takes it) writes the run's vocab table, so
+    statistics name tokens. Each source rank is written by its own logger (rank 0 always exists: it writes
+    ``run.json``). The run is built in ``<logdir>/.import-<run_id>-<random>/`` and renamed into place when every
+    logger has closed; on any error the temporary directory is removed and the error re-raised.
     """
+    vocab_size = None if vocab is None else len(vocab)
     for seq in run.sequences:
-        check_values(seq)
+        check_values(seq, vocab_size)
     logdir = Path(logdir)
     run_id = run_id or f"{run.framework}-{run.src.resolve().name}"
     target = logdir / run_id
@@ -237,7 +240,7 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None) -
     loggers: dict[int, TokenLogger] = {}
     try:
         for rank in ranks:  # rank 0 first: it writes run.json
-            loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=run.loss_rule,
+            loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=run.loss_rule, vocab=vocab,
                                         mu_source="imported", source=source, rank=rank, flush_seconds=3600.0)
         for step in sorted(set(by_step) | set(run.scalars)):
             seqs = sorted(by_step.get(step, []), key=lambda s: s.rank)
