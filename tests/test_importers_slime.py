@@ -298,3 +298,14 @@ def test_unplaceable_legacy_slices_are_refused(tmp_path):
     torch.save(pack, path)
     _fails("slime", tmp_path / "dump", tmp_path / "logs", r"sample_index 0: rollout_log_probs slices of widths "
                                                          r"\[\d+, \d+\] are not the context-parallel zigzag")
+
+
+def test_train_and_rollout_dumps_that_do_not_pair_are_refused(tmp_path):
+    write_dump(tmp_path / "dump", steps=1, kind="slime")
+    path = tmp_path / "dump/train_data/0.pt"
+    pack = torch.load(path)
+    sample = pack["samples"][3]  # its copy of the engine's log-probs no longer matches the rollout dump's
+    sample["rollout_log_probs"] = sample["rollout_log_probs"] - 0.5
+    torch.save(pack, path)
+    _fails("slime", tmp_path / "dump", tmp_path / "logs", r"0\.pt\[samples\]\[3\]: rollout_log_probs\[0\] = .* "
+                                                         r"but .*rollout_data/0\.pt\[samples\]\[3\] has .* do not pair")

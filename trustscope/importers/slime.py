@@ -347,6 +347,16 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
     if mu is None:
         raise ImportFormatError(f"{rollout_where}['rollout_log_probs']: missing on both sides; the engine's "
                                 f"log-probs are needed as mu")
+    train_mu = train.get("rollout_log_probs")
+    if train_mu is not None and len(train_mu) == len(mu) == resp:
+        # both sides carry the engine's log-probs: they must agree, or the join paired the wrong samples
+        # (tolerance for the bf16 copy of --true-on-policy-mode)
+        scored = np.isfinite(mu) & np.isfinite(train_mu)
+        off = scored & ~np.isclose(train_mu, mu, rtol=1e-2, atol=1e-2)
+        if off.any():
+            p = int(np.flatnonzero(off)[0])
+            raise ImportFormatError(f"{where}: rollout_log_probs[{p}] = {float(train_mu[p])} but {rollout_where} "
+                                    f"has {float(mu[p])}: the train and rollout dumps do not pair")
     if "log_probs" not in train:
         raise ImportFormatError(f"{where}['log_probs']: missing: the dump has no trainer log-prob "
                                 f"(the run used rollout log-probs without computing its own)")
