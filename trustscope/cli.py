@@ -172,6 +172,38 @@ def import_(
     typer.echo(f"imported {src} as {run_dir}")
 
 
+@app.command()
+def doctor(
+    logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it."),
+    run: list[str] | None = typer.Option(None, "--run", help="Check only this run (repeatable)."),
+) -> None:
+    """Contract checks on any log, native or imported: mu/pi alignment, placeholder log-probs, mu's top-K, processed
+    vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails."""
+    from trustscope.doctor import doctor_logdir, failed, format_finding
+
+    if not logdir.is_dir():
+        typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
+        raise typer.Exit(2)
+    try:
+        findings = doctor_logdir(logdir, run or None)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        typer.echo(f"trustscope doctor: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
+        raise typer.Exit(2) from exc
+    if not findings:
+        typer.echo(f"trustscope doctor: no runs in {logdir}", err=True)
+        raise typer.Exit(2)
+    for run_id, run_findings in findings.items():
+        typer.echo(f"run {run_id}")
+        for finding in run_findings:
+            typer.echo("\n".join(format_finding(finding)))
+    n_failed = failed(findings)
+    verdicts = [f.verdict for fs in findings.values() for f in fs]
+    typer.echo(f"{len(findings)} run(s): " + ", ".join(f"{verdicts.count(v)} {v}" for v in
+                                                       ("ok", "warn", "fail", "skipped")))
+    if n_failed:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 
