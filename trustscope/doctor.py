@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,9 +217,9 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     if not processing:
         return Finding(name, "skipped", "sampling at temperature 1 without top-p/top-k: processed and raw "
                        "log-probs agree; " + measured, evidence)
-    predicted = "mu above pi" + (f", top-K slope 1 / {temperature:g} = {1 / temperature:.4g}"
+    predicted = "mu above pi" + (f" and a top-K slope of 1 / {temperature:g} = {1 / temperature:.4g}"
                                  if temperature != 1 else "")
-    summary = f"{measured}; {', '.join(processing)} predict {predicted} if mu is processed and pi raw"
+    summary = f"{measured}; at {', '.join(processing)}, a processed mu against a raw pi would read {predicted}"
     # The slope is immune to pi's drift and to the mismatch; the mean gap is not (E[log mu - log pi] is KL(mu || pi)
     # >= 0 whatever the cause), so a gap against a pi that has moved since the rollout only warns.
     sharpened = temperature != 1 and slope is not None and abs(slope - 1 / temperature) < abs(slope - 1)
@@ -372,12 +372,14 @@ def run_manifests(db: LogDB) -> dict[str, dict[str, Any]]:
             for row in runs.itertuples()}
 
 
-def doctor_panel(db: LogDB, run_id: str) -> pd.DataFrame:
-    """The checks of one run as rows for the dashboard: check, verdict, summary, cause, examples (JSON text)."""
-    rows = [{"check": f.check, "verdict": f.verdict, "summary": f.summary, "cause": f.cause,
+def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str) -> pd.DataFrame:
+    """The checks of one run (or several) as rows for the dashboard: run_id, check, verdict, summary, cause and
+    examples (JSON text). ``db`` is an open :class:`LogDB` or a log directory opened for the occasion."""
+    found = diagnose(db, run_ids) if isinstance(db, LogDB) else doctor_logdir(db, run_ids)
+    rows = [{"run_id": run_id, "check": f.check, "verdict": f.verdict, "summary": f.summary, "cause": f.cause,
              "examples": json.dumps(f.examples, default=_json_default) if f.examples else ""}
-            for f in diagnose(db, run_id)[run_id]]
-    return pd.DataFrame(rows, columns=["check", "verdict", "summary", "cause", "examples"])
+            for run_id, fs in found.items() for f in fs]
+    return pd.DataFrame(rows, columns=["run_id", "check", "verdict", "summary", "cause", "examples"])
 
 
 def doctor_logdir(logdir: str | Path, run_ids: Iterable[str] | str | None = None) -> dict[str, list[Finding]]:

@@ -1,0 +1,335 @@
+"""``trustscope doctor``: every check on a log built to fail it and on a clean one, the CLI's exit codes, the
+dashboard's Doctor section.
+
+Logs are written through the real :class:`trustscope.logger.TokenLogger` from a small model of an engine and a
+trainer: each position has logits over V ids; the engine samples from softmax(logits / T) and reports that
+distribution's log-probs and top-K (the sampled id forced into the K-th slot), the trainer's pi is the softmax of
+slightly perturbed logits at its own temperature. A test changes one thing the way a broken integration would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from trustscope import doctor as D
+from trustscope.cli import app
+from trustscope.db import connect
+from trustscope.logger import TokenLogger
+
+B, T, K, V = 16, 12, 4, 64
+STEPS = 2
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperature: float | None = None,
+              force_sampled: bool = True) -> dict[str, np.ndarray]:
+    """One step's token columns ``(B, T)`` / ``(B, T, K)``: engine at ``temperature``, trainer at
+    ``pi_temperature`` (default the same)."""
+    logits = rng.normal(0, 2.0, size=(B, T, V))  # (B, T, V)
+    q = _log_softmax(logits / temperature)  # (B, T, V) engine log-probs
+    p = _log_softmax((logits + rng.normal(0, 0.05, size=logits.shape)) / (pi_temperature or temperature))
+    cdf = np.exp(q).cumsum(axis=-1)
+    token = np.minimum((rng.uniform(size=(B, T, 1)) > cdf).sum(axis=-1), V - 1)  # (B, T)
+    ids = np.argsort(-q, axis=-1)[..., :K]  # (B, T, K)
+    if force_sampled:
+        absent = ~(ids == token[..., None]).any(axis=-1)
+        ids[..., K - 1] = np.where(absent, token, ids[..., K - 1])
+    take = np.take_along_axis
+    return {
+        "token_id": token.astype(np.int32),
+        "mu_logprob": take(q, token[..., None], -1)[..., 0].astype(np.float32),
+        "pi_logprob": take(p, token[..., None], -1)[..., 0].astype(np.float32),
+        "old_logprob": take(p, token[..., None], -1)[..., 0].astype(np.float32),
+        "advantage": np.repeat(rng.choice([-1.0, 1.0], size=(B, 1)), T, axis=1).astype(np.float32),
+        "mu_topk_ids": ids.astype(np.int32),
+        "mu_topk_logprobs": take(q, ids, -1).astype(np.float32),
+        "pi_topk_logprobs": take(p, ids, -1).astype(np.float32),
+        "kept": np.ones((B, T), dtype=bool),
+    }
+
+
+def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
+              ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
+              **step_options) -> Path:
+    """A log of ``STEPS`` steps per rank; ``breaks(step_columns)`` edits each step's columns in place."""
+    rng = np.random.default_rng(seed)
+    sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
+    loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
+                           loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False) for r in range(ranks)]
+    for step in range(STEPS):
+        for r, logger in enumerate(loggers):
+            cols = make_step(rng, **step_options)
+            if breaks is not None:
+                breaks(cols)
+            sample_id = np.arange(B) + (r * B if sample_offsets else 0)
+            logger.log_step(step, tokens={k: v for k, v in cols.items() if k not in drop},
+                            mask=np.ones((B, T), dtype=bool),
+                            samples={"sample_id": sample_id, "prompt_id": sample_id // 4,
+                                     "reward": np.zeros(B, np.float32)})
+    for logger in loggers:
+        logger.close()
+    return root / run_id
+
+
+def findings(root: Path) -> dict[str, D.Finding]:
+    with connect(root, cache=False) as db:
+        (run_findings,) = D.diagnose(db).values()
+    return {f.check: f for f in run_findings}
+
+
+# ------------------------------------------------------------------------------------------------ clean logs
+
+
+def test_clean_log_passes_every_check(tmp_path):
+    write_log(tmp_path, temperature=0.7, ranks=2)
+    got = findings(tmp_path)
+    assert list(got) == list(D.CHECKS)
+    assert {name: f.verdict for name, f in got.items()} == dict.fromkeys(D.CHECKS, "ok"), got
+
+
+def test_clean_log_at_temperature_one_skips_what_cannot_apply(tmp_path):
+    write_log(tmp_path)
+    got = findings(tmp_path)
+    assert got["processed_logprobs"].verdict == "skipped"
+    assert "temperature 1" in got["processed_logprobs"].summary
+    assert got["rank_collisions"].verdict == "skipped"
+    assert all(f.verdict == "ok" for name, f in got.items() if name not in ("processed_logprobs", "rank_collisions"))
+
+
+def test_log_without_topk_skips_the_topk_checks_with_a_reason(tmp_path):
+    write_log(tmp_path, drop=("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
+    got = findings(tmp_path)
+    for name in ("topk_sampled", "topk_mass", "topk_duplicates"):
+        assert got[name].verdict == "skipped" and "no top-K" in got[name].summary
+
+
+# ------------------------------------------------------------------------------------------------ broken logs
+
+
+def _pi_one_position_late(cols):
+    cols["pi_logprob"][:, 1:] = cols["pi_logprob"][:, :-1].copy()
+
+
+def _mu_one_position_late(cols):
+    cols["mu_logprob"][:, 1:] = cols["mu_logprob"][:, :-1].copy()
+
+
+@pytest.mark.parametrize(("breaks", "direction"), [(_pi_one_position_late, "later"),
+                                                   (_mu_one_position_late, "earlier")])
+def test_alignment_fails_when_mu_and_pi_are_off_by_one(tmp_path, breaks, direction):
+    write_log(tmp_path, breaks=breaks)
+    f = findings(tmp_path)["alignment"]
+    assert f.verdict == "fail"
+    assert f"one position {direction}" in f.cause
+    assert f.evidence[f"diff_pi_{direction}"] < D.ALIGN_FACTOR * f.evidence["diff_logged"]
+    assert {"step", "sample_id", "pos"} <= set(f.examples[0])
+
+
+def _padding_tail(kept: bool):
+    def breaks(cols):
+        # The last 3 positions of every other response are padding: id 0, the engine's filler log-prob 0.
+        cols["token_id"][::2, -3:] = 0
+        cols["mu_logprob"][::2, -3:] = 0.0
+        cols["pi_logprob"][::2, -3:] = -12.0
+        cols["kept"][::2, -3:] = kept
+    return breaks
+
+
+@pytest.mark.parametrize(("kept", "verdict"), [(True, "fail"), (False, "warn")])
+def test_placeholders_flag_padding_that_leaked_in(tmp_path, kept, verdict):
+    write_log(tmp_path, breaks=_padding_tail(kept))
+    f = findings(tmp_path)["placeholders"]
+    assert f.verdict == verdict
+    n = STEPS * (B // 2) * 3
+    assert f.evidence["n_flagged"] == n
+    assert f.evidence["n_flagged_kept"] == (n if kept else 0)
+    assert f.evidence["n_flagged_at_end"] == STEPS * (B // 2)
+    assert f.evidence["n_mu_placeholder"] == n
+    assert all(ex["mu_logprob"] == 0.0 and ex["pos"] >= T - 3 for ex in f.examples)
+    assert "padding" in f.cause
+
+
+def test_placeholders_flag_minus_inf_stand_ins(tmp_path):
+    def breaks(cols):
+        cols["mu_logprob"][0, 5] = -1e4
+    write_log(tmp_path, breaks=breaks)
+    f = findings(tmp_path)["placeholders"]
+    assert f.verdict == "fail" and f.evidence["n_flagged"] == STEPS
+    assert f.examples[0]["pos"] == 5 and f.examples[0]["sample_id"] == 0
+
+
+def test_topk_sampled_fails_when_the_sampled_token_is_not_forced_in(tmp_path):
+    write_log(tmp_path, force_sampled=False)
+    f = findings(tmp_path)["topk_sampled"]
+    assert f.verdict == "fail" and f.evidence["n_missing_sampled"] > 0
+    ex = f.examples[0]
+    assert ex["token_id"] not in ex["mu_topk_ids"]
+
+
+@pytest.mark.parametrize("column", ["mu_topk_logprobs", "pi_topk_logprobs"])
+def test_topk_mass_fails_when_a_list_sums_above_one(tmp_path, column):
+    def breaks(cols):
+        cols[column][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])  # sums to 1.2
+    write_log(tmp_path, breaks=breaks)
+    f = findings(tmp_path)["topk_mass"]
+    assert f.verdict == "fail"
+    side = column.split("_")[0]
+    assert f.evidence[f"n_{side}_over"] == STEPS
+    assert f.evidence[f"{side}_mass_max"] == pytest.approx(1.2, abs=1e-5)
+    assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (3, 4)
+
+
+def test_topk_mass_tolerates_float16_rounding(tmp_path):
+    def breaks(cols):
+        lp = cols["mu_topk_logprobs"]
+        lp[:] = np.log(np.full(lp.shape, 1.0 / K) * (1 + 2e-3))  # 0.2 % over, within the tolerance
+    write_log(tmp_path, breaks=breaks)
+    assert findings(tmp_path)["topk_mass"].verdict == "ok"
+
+
+def test_topk_duplicates_fail_when_an_id_repeats(tmp_path):
+    def breaks(cols):
+        cols["mu_topk_ids"][2, 7, 1] = cols["mu_topk_ids"][2, 7, 0]
+    write_log(tmp_path, breaks=breaks)
+    got = findings(tmp_path)
+    f = got["topk_duplicates"]
+    assert f.verdict == "fail" and f.evidence["n_duplicates"] == STEPS
+    assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (2, 7)
+    assert got["topk_sampled"].verdict == "ok"
+
+
+def test_processed_logprobs_fail_when_mu_is_after_temperature_and_pi_raw(tmp_path):
+    write_log(tmp_path, temperature=0.7, pi_temperature=1.0)
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.verdict == "fail"
+    assert f.evidence["topk_slope"] == pytest.approx(1 / 0.7, rel=0.05)
+    assert f.evidence["mean_log_gap"] > D.BIAS_NATS
+    assert "temperature 0.7" in f.cause
+
+
+def test_processed_logprobs_fail_on_the_mean_gap_against_pi_old_without_topk(tmp_path):
+    write_log(tmp_path, temperature=0.7, pi_temperature=1.0, drop=("mu_topk_ids", "mu_topk_logprobs",
+                                                                    "pi_topk_logprobs"))
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.verdict == "fail" and f.evidence["topk_slope"] is None
+    assert f.evidence["z"] > D.BIAS_Z
+
+
+def test_processed_logprobs_only_warn_on_the_mean_gap_against_a_pi_that_moved(tmp_path):
+    write_log(tmp_path, temperature=0.7, pi_temperature=1.0,
+              drop=("old_logprob", "mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.verdict == "warn" and "pi_old" in f.cause
+
+
+def test_processed_logprobs_fail_under_top_p(tmp_path):
+    def renormalise(cols):
+        cols["mu_logprob"] += np.float32(-np.log(0.8))  # top_p's renormalisation over a nucleus of mass 0.8
+        np.minimum(cols["mu_logprob"], 0.0, out=cols["mu_logprob"])
+    write_log(tmp_path, breaks=renormalise, sampling={"temperature": 1.0, "top_p": 0.9},
+              drop=("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.verdict == "fail" and "top_p 0.9" in f.summary
+
+
+def test_processed_logprobs_skipped_without_sampling_parameters(tmp_path):
+    write_log(tmp_path, sampling={})
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.verdict == "skipped" and "no sampling" in f.summary
+
+
+def test_processed_logprobs_names_a_bad_sampling_value():
+    m = {"n_tokens": 100, "n_ref_old": 0, "mean_log_gap": 0.0, "sd_log_gap": 0.1, "n_topk_rows": 0,
+         "topk_slope": None, "examples": []}
+    with pytest.raises(ValueError, match=r"sampling\.temperature='hot'"):
+        D.judge_processed_logprobs(m, {"temperature": "hot"})
+
+
+def _mu_is_pi(cols):
+    cols["mu_logprob"][:] = cols["pi_logprob"]
+
+
+def test_mu_recompute_fails_when_mu_equals_pi_undeclared(tmp_path):
+    write_log(tmp_path, breaks=_mu_is_pi)
+    f = findings(tmp_path)["mu_recompute"]
+    assert f.verdict == "fail"
+    assert f.evidence["n_same_pi"] == f.evidence["n_informative"] > D.MIN_TOKENS
+    assert "recompute" in f.cause
+
+
+def test_mu_recompute_warns_when_run_json_declares_it(tmp_path):
+    write_log(tmp_path, breaks=_mu_is_pi, mu_source="trainer_recompute")
+    f = findings(tmp_path)["mu_recompute"]
+    assert f.verdict == "warn" and "trainer_recompute" in f.cause
+
+
+def test_rank_collisions_fail_when_ranks_count_from_zero(tmp_path):
+    write_log(tmp_path, ranks=2, sample_offsets=False)
+    f = findings(tmp_path)["rank_collisions"]
+    assert f.verdict == "fail"
+    assert f.evidence["n_token_collisions"] == f.evidence["n_sample_collisions"] == STEPS * B
+    assert f.examples[0]["ranks"] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def test_cli_exit_codes(tmp_path):
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    write_log(clean, temperature=0.7, ranks=2)
+    write_log(broken, breaks=_pi_one_position_late)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["doctor", str(clean)])
+    assert ok.exit_code == 0, ok.output
+    assert "[OK] alignment" in ok.output and "8 ok" in ok.output
+    bad = runner.invoke(app, ["doctor", str(broken)])
+    assert bad.exit_code == 1
+    assert "[FAIL] alignment" in bad.output and "likely cause:" in bad.output and "e.g. step=" in bad.output
+    missing = runner.invoke(app, ["doctor", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2
+    unknown = runner.invoke(app, ["doctor", str(clean), "--run", "nope"])
+    assert unknown.exit_code == 2 and "nope" in unknown.output
+
+
+def test_doctor_panel_rows(tmp_path):
+    write_log(tmp_path, "a", breaks=_mu_is_pi)
+    write_log(tmp_path, "b")
+    with connect(tmp_path, cache=False) as db:
+        panel = D.doctor_panel(db, "a")
+        assert list(panel.columns) == ["run_id", "check", "verdict", "summary", "cause", "examples"]
+        assert panel["check"].tolist() == list(D.CHECKS)
+        row = panel.set_index("check").loc["mu_recompute"]
+        assert row["verdict"] == "fail" and '"step"' in row["examples"]
+    both = D.doctor_panel(tmp_path, ["a", "b"]).set_index(["run_id", "check"])["verdict"]
+    assert (both["a", "mu_recompute"], both["b", "mu_recompute"]) == ("fail", "ok")
+
+
+def test_runs_page_shows_the_doctor_section(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+
+    write_log(tmp_path, "broken", breaks=_pi_one_position_late)
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert "Doctor" in [h.value for h in at.subheader]
+    table = at.dataframe[-1].value  # the last table of the page
+    assert sorted(table["check"]) == sorted(D.CHECKS)
+    assert table.iloc[0][["check", "verdict"]].tolist() == ["alignment", "fail"]  # failures first
+    assert any("1 fail" in c.value for c in at.caption)
+
+
+def test_sample_logs_pass():
+    root = Path(__file__).resolve().parent.parent / "sample_logs"
+    found = D.doctor_logdir(root)
+    assert found and D.failed(found) == 0, {r: [f for f in fs if f.verdict == "fail"] for r, fs in found.items()}
