@@ -30,12 +30,12 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperature: float | None = None,
-              force_sampled: bool = True) -> dict[str, np.ndarray]:
+              force_sampled: bool = True, drift: float = 0.05) -> dict[str, np.ndarray]:
     """One step's token columns ``(B, T)`` / ``(B, T, K)``: engine at ``temperature``, trainer at
-    ``pi_temperature`` (default the same)."""
+    ``pi_temperature`` (default the same) on logits moved by noise of scale ``drift``."""
     logits = rng.normal(0, 2.0, size=(B, T, V))  # (B, T, V)
     q = _log_softmax(logits / temperature)  # (B, T, V) engine log-probs
-    p = _log_softmax((logits + rng.normal(0, 0.05, size=logits.shape)) / (pi_temperature or temperature))
+    p = _log_softmax((logits + rng.normal(0, drift, size=logits.shape)) / (pi_temperature or temperature))
     cdf = np.exp(q).cumsum(axis=-1)
     token = np.minimum((rng.uniform(size=(B, T, 1)) > cdf).sum(axis=-1), V - 1)  # (B, T)
     ids = np.argsort(-q, axis=-1)[..., :K]  # (B, T, K)
@@ -213,6 +213,16 @@ def test_processed_logprobs_fail_when_mu_is_after_temperature_and_pi_raw(tmp_pat
     assert f.evidence["topk_slope"] == pytest.approx(1 / 0.7, rel=0.05)
     assert f.evidence["mean_log_gap"] > D.BIAS_NATS
     assert "temperature 0.7" in f.cause
+
+
+def test_processed_logprobs_ok_when_pi_drifted_at_the_same_temperature(tmp_path):
+    # A pi far from mu raises the mean gap (KL(mu || pi)), but the top-K slope stays at or below 1 (noise in pi
+    # spreads pi's log-probs at mu's top ids), far from 1 / 0.7: not a processing mismatch.
+    write_log(tmp_path, temperature=0.7, drift=0.5, drop=("old_logprob",))
+    f = findings(tmp_path)["processed_logprobs"]
+    assert f.evidence["mean_log_gap"] > D.BIAS_NATS and f.evidence["z"] > D.BIAS_Z
+    assert f.evidence["topk_slope"] < 1.0
+    assert f.verdict == "ok"
 
 
 def test_processed_logprobs_fail_on_the_mean_gap_against_pi_old_without_topk(tmp_path):

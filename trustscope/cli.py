@@ -176,6 +176,7 @@ def import_(
 def doctor(
     logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it."),
     run: list[str] | None = typer.Option(None, "--run", help="Check only this run (repeatable)."),
+    from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
 ) -> None:
     """Contract checks on any log, native or imported: mu/pi alignment, placeholder log-probs, mu's top-K, processed
     vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails."""
@@ -185,7 +186,7 @@ def doctor(
         typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
         raise typer.Exit(2)
     try:
-        findings = doctor_logdir(logdir, run or None)
+        findings = doctor_logdir(logdir, run or None, first_step=from_step)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"trustscope doctor: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
         raise typer.Exit(2) from exc

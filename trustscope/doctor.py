@@ -33,10 +33,14 @@ VERDICTS = ("ok", "warn", "fail", "skipped")
 PLACEHOLDER_FLOOR = -100.0
 """A sampled token's log-prob at or below this is an -inf stand-in: no engine samples a token of probability
 e^-100, so such a value was written by padding code (-1e4, -1e9, float32's minimum, ...)."""
-HUGE_TV = 0.5
-"""|pi - mu| at or above this on one token is a huge divergence (probability mass moved by half)."""
+HUGE_TV = 0.8
+"""|pi - mu| above this on one token is a huge divergence: 80 % of the probability moved (a padding token the
+trainer finds unlikely against a filler mu of 0 reads near 1)."""
 HUGE_LOG_RATIO = 10.0
-"""|log pi - log mu| at or above this (a ratio of e^10) is a huge divergence too."""
+"""|log pi - log mu| above this (a ratio of e^10) is a huge divergence too."""
+PLACEHOLDER_SHARE = 1e-4
+"""Placeholder tokens fail the check from this share of the tokens on; fewer only warn. Leaked padding fills a tail
+of every padded response; a collapsing policy can put pi at exactly 1 (log-prob 0) on a few tokens of a million."""
 ALIGN_FACTOR = 0.5
 """mu and pi are off by one position when a one-position shift brings mean |pi - mu| below this fraction of the
 logged alignment's."""
@@ -112,7 +116,7 @@ def judge_alignment(m: Mapping[str, Any]) -> Finding:
 def judge_placeholders(m: Mapping[str, Any]) -> Finding:
     """Positions carrying placeholder log-probs (exactly 0, or at most :data:`PLACEHOLDER_FLOOR`) together with a
     huge divergence: padding or unscored positions that the response mask let into the log. ``fail`` when the
-    trainer kept any of them, ``warn`` when all were blocked."""
+    trainer kept some and they make :data:`PLACEHOLDER_SHARE` of the tokens or more, else ``warn``."""
     name = "placeholders"
     if not m or not m.get("n_tokens"):
         return Finding(name, "skipped", "no token rows")
@@ -120,7 +124,7 @@ def judge_placeholders(m: Mapping[str, Any]) -> Finding:
                      "n_pi_placeholder")
     n = m["n_flagged"]
     summary = (f"{n} of {m['n_tokens']} tokens carry a placeholder log-prob (0 or <= {PLACEHOLDER_FLOOR:g}) with "
-               f"|pi - mu| >= {HUGE_TV:g} or |log ratio| >= {HUGE_LOG_RATIO:g}; {m['n_flagged_kept']} kept, "
+               f"|pi - mu| > {HUGE_TV:g} or |log ratio| > {HUGE_LOG_RATIO:g}; {m['n_flagged_kept']} kept, "
                f"{m['n_flagged_at_end']} at the end of their response")
     if not n:
         return Finding(name, "ok", summary, evidence)
@@ -128,8 +132,12 @@ def judge_placeholders(m: Mapping[str, Any]) -> Finding:
              "exclude padding after EOS, tool output or truncated tails, or an importer filled missing log-probs "
              "with 0 / -inf stand-ins. Pass the real response mask (False on those positions); an "
              "importer should drop unscored positions, not fill them.")
-    verdict = "fail" if m["n_flagged_kept"] else "warn"
-    return Finding(name, verdict, summary, evidence, m["examples"] or [], cause)
+    if m["n_flagged_kept"] and n >= PLACEHOLDER_SHARE * m["n_tokens"]:
+        return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
+    if m["n_flagged_kept"]:
+        cause += (f" So few (under {PLACEHOLDER_SHARE:g} of the tokens) may also be genuine extremes, a policy that "
+                  "drove pi to exactly 1 on a token mu found unlikely: read the examples.")
+    return Finding(name, "warn", summary, evidence, m["examples"] or [], cause)
 
 
 def judge_topk_sampled(m: Mapping[str, Any]) -> Finding:
@@ -192,7 +200,8 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     """Processed-vs-raw log-probs: the engine reports log-probs after temperature / top-p / top-k while the trainer's
     are the raw softmax. For a token sampled from the processed q, E[log q - log p] = KL(q || p) > 0 for any
     temperature != 1, and top-p / top-k renormalise the kept tokens upwards: either way mu reads higher than pi.
-    With top-K lists, the within-row slope of mu's log-probs on pi's is 1 / temperature instead of 1."""
+    With top-K lists, the slope of mu's log-probs on pi's at the same ids (the ratio of their spreads within each
+    row) is 1 / temperature instead of 1, whatever the normaliser."""
     name = "processed_logprobs"
     if not m or (m.get("n_tokens") or 0) < MIN_TOKENS:
         return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens", _pick(m, "n_tokens"))
@@ -323,22 +332,25 @@ CHECKS: dict[str, Check] = {
 """Every check by name, in the order they are reported."""
 
 
-def measure(db: LogDB, sql: str, run_id: str | None = None, **params: float) -> dict[str, dict[str, Any]]:
-    """Run ``sql/doctor/<sql>.sql`` with bound parameters; one row per run, keyed by run_id."""
+def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_step: int | None = None,
+            **params: float) -> dict[str, dict[str, Any]]:
+    """Run ``sql/doctor/<sql>.sql`` with bound parameters over ``run_ids`` (or all runs) from ``first_step`` on (or
+    all steps); one row per run, keyed by run_id."""
     cur = db.cursor()
     try:
         sql_text = (DOCTOR_SQL_DIR / f"{sql}.sql").read_text()
-        table = cur.sql(sql_text, params={"run_id": run_id, **params}).to_arrow_table()
+        table = cur.sql(sql_text, params={"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}).to_arrow_table()
     finally:
         cur.close()
     return {row["run_id"]: row for row in table.to_pylist()}
 
 
-def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None,
-             checks: Iterable[str] | None = None) -> dict[str, list[Finding]]:
+def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None, checks: Iterable[str] | None = None,
+             first_step: int | None = None) -> dict[str, list[Finding]]:
     """Every check (or ``checks``) on every run of ``db`` (or ``run_ids``): {run_id: [Finding per check]}.
 
-    Each SQL file is run once for all the runs asked for; a run unknown to ``db`` raises ``KeyError`` naming it.
+    ``first_step`` reads only the steps from there on (a big run's recent window). Each SQL file is run once for all
+    the runs asked for; a run unknown to ``db`` raises ``KeyError`` naming it.
     """
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
@@ -350,14 +362,14 @@ def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None,
     missing = [r for r in wanted if r not in manifests]
     if missing:
         raise KeyError(f"run(s) {missing} not in the log directory; runs: {sorted(manifests)}")
-    only = wanted[0] if len(wanted) == 1 else None
+    only = None if run_ids is None else wanted
     measured: dict[tuple[str, tuple], dict[str, dict[str, Any]]] = {}
     out: dict[str, list[Finding]] = {r: [] for r in wanted}
     for name in names:
         check = CHECKS[name]
         key = (check.sql, tuple(sorted(check.params.items())))
         if key not in measured:
-            measured[key] = measure(db, check.sql, only, **check.params)
+            measured[key] = measure(db, check.sql, only, first_step, **check.params)
         for run_id in wanted:
             row = measured[key].get(run_id, {})
             args = (manifests[run_id].get(check.manifest_field),) if check.manifest_field else ()
@@ -372,22 +384,26 @@ def run_manifests(db: LogDB) -> dict[str, dict[str, Any]]:
             for row in runs.itertuples()}
 
 
-def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str) -> pd.DataFrame:
+def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str, first_step: int | None = None) -> pd.DataFrame:
     """The checks of one run (or several) as rows for the dashboard: run_id, check, verdict, summary, cause and
     examples (JSON text). ``db`` is an open :class:`LogDB` or a log directory opened for the occasion."""
-    found = diagnose(db, run_ids) if isinstance(db, LogDB) else doctor_logdir(db, run_ids)
+    if isinstance(db, LogDB):
+        found = diagnose(db, run_ids, first_step=first_step)
+    else:
+        found = doctor_logdir(db, run_ids, first_step=first_step)
     rows = [{"run_id": run_id, "check": f.check, "verdict": f.verdict, "summary": f.summary, "cause": f.cause,
              "examples": json.dumps(f.examples, default=_json_default) if f.examples else ""}
             for run_id, fs in found.items() for f in fs]
     return pd.DataFrame(rows, columns=["run_id", "check", "verdict", "summary", "cause", "examples"])
 
 
-def doctor_logdir(logdir: str | Path, run_ids: Iterable[str] | str | None = None) -> dict[str, list[Finding]]:
+def doctor_logdir(logdir: str | Path, run_ids: Iterable[str] | str | None = None,
+                  first_step: int | None = None) -> dict[str, list[Finding]]:
     """:func:`diagnose` over a log directory opened for the occasion (no aggregate cache written)."""
     from trustscope.db import connect
 
     with connect(logdir, cache=False) as db:
-        return diagnose(db, run_ids)
+        return diagnose(db, run_ids, first_step=first_step)
 
 
 # ------------------------------------------------------------------------------------------------ printing

@@ -1,4 +1,8 @@
-"""The Doctor section of the Runs page: the contract checks of ``trustscope doctor`` on the runs picked there."""
+"""The Doctor section of the Runs page: the contract checks of ``trustscope doctor`` on the runs picked there.
+
+Each run is read from :func:`app.data.default_first_step` on (its last steps up to ``data.WINDOW_TOKENS`` tokens),
+so the section costs the same however long a run grows; ``trustscope doctor LOGDIR`` reads every step.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,34 @@ import pandas as pd
 import streamlit as st
 
 from app import data
+from trustscope.db import connect
 from trustscope.doctor import VERDICTS, doctor_panel
 
-COLUMNS = ["run_id", "check", "verdict", "summary", "cause"]
+COLUMNS = ["run_id", "from_step", "check", "verdict", "summary", "cause"]
+ORDER = {"fail": 0, "warn": 1, "skipped": 2, "ok": 3}
+"""Failures first, then warnings."""
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
-def _panel(logdir: str, fp: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
-    """Verdict rows of ``run_ids``, cached under the log directory's file fingerprint ``fp``."""
-    return doctor_panel(logdir, list(run_ids))
+def _panel(logdir: str, fp: str, windows: tuple[tuple[str, int], ...]) -> pd.DataFrame:
+    """Verdict rows of each (run_id, first step) in ``windows``, cached under the log directory's file fingerprint
+    ``fp``; one connection, and one pass of the checks per distinct first step."""
+    by_first: dict[int, list[str]] = {}
+    for run_id, first in windows:
+        by_first.setdefault(first, []).append(run_id)
+    with connect(logdir, cache=False) as db:
+        return pd.concat([doctor_panel(db, run_ids, first_step=first).assign(from_step=first)
+                          for first, run_ids in by_first.items()], ignore_index=True)
 
 
 def doctor_section(run_ids: Sequence[str]) -> None:
     """A compact table of every check's verdict on ``run_ids``, failures first, with the likely cause."""
     st.subheader("Doctor")
     logdir = data.current_logdir()
-    table = _panel(logdir, data.fingerprint(logdir), tuple(run_ids))
+    table = _panel(logdir, data.fingerprint(logdir), tuple((r, data.default_first_step(r)) for r in run_ids))
     counts = table["verdict"].value_counts()
-    st.caption("Contract checks on the logs themselves (`trustscope doctor LOGDIR` prints the evidence): "
+    st.caption("Contract checks on the logs themselves, over each run's last steps (`trustscope doctor LOGDIR` "
+               "reads them all and prints the evidence): "
                + ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS) + ".")
-    order = table["verdict"].map({"fail": 0, "warn": 1, "skipped": 2, "ok": 3})
-    shown = table.assign(_order=order).sort_values(["_order", "run_id"], kind="stable")[COLUMNS]
-    st.dataframe(shown, hide_index=True, key="doctor_table")
+    shown = table.assign(_order=table["verdict"].map(ORDER)).sort_values(["_order", "run_id"], kind="stable")
+    st.dataframe(shown[COLUMNS], hide_index=True, key="doctor_table")

@@ -1,12 +1,14 @@
--- mu against pi at the logged alignment and shifted one position either way inside each response, per run.
--- a log whose mu and pi are off by one fits far better shifted than as logged. $run_id: one run, or null for all.
+-- mu against pi at the logged alignment and shifted one position either way inside each response, per run. a log
+-- whose mu and pi are off by one fits far better shifted than as logged. $run_ids: the runs read, or null for all;
+-- $first_step: the first step read, or null for all.
 with source as (
     select
         run_id, step, rank, sample_id, pos,
         exp(mu_logprob::double) as mu_prob,
         exp(pi_logprob::double) as pi_prob
     from tokens
-    where $run_id::varchar is null or run_id = $run_id::varchar
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
 ),
 
 neighbours as (

@@ -1,10 +1,13 @@
 -- how often mu equals pi (and pi_old) to within $same nats, per run, among tokens whose mu is below $informative
 -- (near-certain tokens read 0 in every engine and say nothing). a mu equal to the trainer's own log-prob is a
--- recompute: no training-inference mismatch was measured. $run_id: one run, or null for all.
+-- recompute: no training-inference mismatch was measured. $run_ids: the runs read, or null for all; $first_step:
+-- the first step read, or null for all.
 with source as (
     select run_id, step, sample_id, pos, mu_logprob, old_logprob, pi_logprob
     from tokens
-    where ($run_id::varchar is null or run_id = $run_id::varchar) and mu_logprob < $informative
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
+        and mu_logprob < $informative
 ),
 
 final as (

@@ -1,12 +1,14 @@
 -- tokens whose mu or pi log-prob is a placeholder (exactly 0, or at or below $floor: an -inf stand-in) and whose
--- divergence is huge (|pi - mu| >= $huge_tv or |log pi - log mu| >= $huge_log_ratio), per run: padding or unscored
--- positions that the response mask let through. $run_id: one run, or null for all.
+-- divergence is huge (|pi - mu| > $huge_tv or |log pi - log mu| > $huge_log_ratio), per run: padding or unscored
+-- positions that the response mask let through. $run_ids: the runs read, or null for all; $first_step: the first
+-- step read, or null for all.
 with source as (
     select
         run_id, step, rank, sample_id, pos, token_id, mu_logprob, pi_logprob, kept,
         max(pos) over (partition by run_id, step, rank, sample_id) as last_pos
     from tokens
-    where $run_id::varchar is null or run_id = $run_id::varchar
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
 ),
 
 marked as (
@@ -14,8 +16,8 @@ marked as (
         *,
         mu_logprob = 0 or mu_logprob <= $floor as mu_placeholder,
         pi_logprob = 0 or pi_logprob <= $floor as pi_placeholder,
-        binary_tv(mu_logprob, pi_logprob) >= $huge_tv
-            or abs(pi_logprob::double - mu_logprob::double) >= $huge_log_ratio as huge
+        binary_tv(mu_logprob, pi_logprob) > $huge_tv
+            or abs(pi_logprob::double - mu_logprob::double) > $huge_log_ratio as huge
     from source
 ),
 

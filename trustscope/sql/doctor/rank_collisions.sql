@@ -1,14 +1,16 @@
 -- (step, sample_id) keys that more than one rank wrote, in the tokens and the samples tables, per run. the schema
--- keeps sample_id unique within a step over all ranks; ranks that each count from 0 collide. $run_id: one run, or
--- null for all.
+-- keeps sample_id unique within a step over all ranks; ranks that each count from 0 collide. $run_ids: the runs
+-- read, or null for all; $first_step: the first step read, or null for all.
 with keys as (
     select distinct 'tokens' as table_name, run_id, step, sample_id, rank
     from tokens
-    where $run_id::varchar is null or run_id = $run_id::varchar
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
     union all
     select distinct 'samples' as table_name, run_id, step, sample_id, rank
     from samples
-    where $run_id::varchar is null or run_id = $run_id::varchar
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
 ),
 
 collisions as (

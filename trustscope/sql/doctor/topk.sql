@@ -1,9 +1,11 @@
 -- mu's top-k lists against their contract, per run: the sampled token is among the ids, no id twice in a row, and
--- the probabilities of mu's (and pi's) list sum to at most 1 + $tolerance. $run_id: one run, or null for all.
+-- the probabilities of mu's (and pi's) list sum to at most 1 + $tolerance. $run_ids: the runs read, or null for
+-- all; $first_step: the first step read, or null for all.
 with source as (
     select run_id, step, sample_id, pos, token_id, mu_topk_ids, mu_topk_logprobs, pi_topk_logprobs
     from tokens
-    where $run_id::varchar is null or run_id = $run_id::varchar
+    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
 ),
 
 per_row as (
