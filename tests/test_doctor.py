@@ -58,13 +58,13 @@ def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperat
 
 def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
               ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
-              **step_options) -> Path:
-    """A log of ``STEPS`` steps per rank; ``breaks(step_columns)`` edits each step's columns in place."""
+              steps: int = STEPS, **step_options) -> Path:
+    """A log of ``steps`` steps per rank; ``breaks(step_columns)`` edits each step's columns in place."""
     rng = np.random.default_rng(seed)
     sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
     loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
                            loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False) for r in range(ranks)]
-    for step in range(STEPS):
+    for step in range(steps):
         for r, logger in enumerate(loggers):
             cols = make_step(rng, **step_options)
             if breaks is not None:
@@ -79,39 +79,7 @@ def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu
     return root / run_id
 
 
-def findings(root: Path) -> dict[str, D.Finding]:
-    with connect(root, cache=False) as db:
-        (run_findings,) = D.diagnose(db).values()
-    return {f.check: f for f in run_findings}
-
-
-# ------------------------------------------------------------------------------------------------ clean logs
-
-
-def test_clean_log_passes_every_check(tmp_path):
-    write_log(tmp_path, temperature=0.7, ranks=2)
-    got = findings(tmp_path)
-    assert list(got) == list(D.CHECKS)
-    assert {name: f.verdict for name, f in got.items()} == dict.fromkeys(D.CHECKS, "ok"), got
-
-
-def test_clean_log_at_temperature_one_skips_what_cannot_apply(tmp_path):
-    write_log(tmp_path)
-    got = findings(tmp_path)
-    assert got["processed_logprobs"].verdict == "skipped"
-    assert "temperature 1" in got["processed_logprobs"].summary
-    assert got["rank_collisions"].verdict == "skipped"
-    assert all(f.verdict == "ok" for name, f in got.items() if name not in ("processed_logprobs", "rank_collisions"))
-
-
-def test_log_without_topk_skips_the_topk_checks_with_a_reason(tmp_path):
-    write_log(tmp_path, drop=("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
-    got = findings(tmp_path)
-    for name in ("topk_sampled", "topk_mass", "topk_duplicates"):
-        assert got[name].verdict == "skipped" and "no top-K" in got[name].summary
-
-
-# ------------------------------------------------------------------------------------------------ broken logs
+# ------------------------------------------------------------------------------------------------ the breaks
 
 
 def _pi_one_position_late(cols):
@@ -122,31 +90,139 @@ def _mu_one_position_late(cols):
     cols["mu_logprob"][:, 1:] = cols["mu_logprob"][:, :-1].copy()
 
 
-@pytest.mark.parametrize(("breaks", "direction"), [(_pi_one_position_late, "later"),
-                                                   (_mu_one_position_late, "earlier")])
-def test_alignment_fails_when_mu_and_pi_are_off_by_one(tmp_path, breaks, direction):
-    write_log(tmp_path, breaks=breaks)
-    f = findings(tmp_path)["alignment"]
+def _padding_tail(cols, kept=True):
+    # The last 3 positions of every other response are padding: id 0, the engine's filler log-prob 0.
+    cols["token_id"][::2, -3:] = 0
+    cols["mu_logprob"][::2, -3:] = 0.0
+    cols["pi_logprob"][::2, -3:] = -12.0
+    cols["kept"][::2, -3:] = kept
+
+
+def _blocked_padding_tail(cols):
+    _padding_tail(cols, kept=False)
+
+
+def _minus_inf_stand_in(cols):
+    cols["mu_logprob"][0, 5] = -1e4
+
+
+def _mu_mass_above_one(cols):
+    cols["mu_topk_logprobs"][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])  # sums to 1.2
+
+
+def _pi_mass_above_one(cols):
+    cols["pi_topk_logprobs"][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])
+
+
+def _mass_within_float16_rounding(cols):
+    lp = cols["mu_topk_logprobs"]
+    lp[:] = np.log(np.full(lp.shape, 1.0 / K) * (1 + 2e-3))  # 0.2 % over, within the tolerance
+
+
+def _duplicate_id(cols):
+    cols["mu_topk_ids"][2, 7, 1] = cols["mu_topk_ids"][2, 7, 0]
+
+
+def _top_p_renormalised(cols):
+    cols["mu_logprob"] += np.float32(-np.log(0.8))  # top_p's renormalisation over a nucleus of mass 0.8
+    np.minimum(cols["mu_logprob"], 0.0, out=cols["mu_logprob"])
+
+
+def _mu_is_pi(cols):
+    cols["mu_logprob"][:] = cols["pi_logprob"]
+
+
+NO_TOPK = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs")
+
+VARIANTS: dict[str, dict] = {
+    "clean": {"temperature": 0.7, "ranks": 2},
+    "clean_t1": {},
+    "no_topk": {"drop": NO_TOPK},
+    "pi_late": {"breaks": _pi_one_position_late},
+    "mu_late": {"breaks": _mu_one_position_late},
+    "padding": {"breaks": _padding_tail},
+    "padding_blocked": {"breaks": _blocked_padding_tail},
+    "minus_inf": {"breaks": _minus_inf_stand_in},
+    "sampled_not_forced": {"force_sampled": False},
+    "mu_mass": {"breaks": _mu_mass_above_one},
+    "pi_mass": {"breaks": _pi_mass_above_one},
+    "mass_rounding": {"breaks": _mass_within_float16_rounding},
+    "duplicate": {"breaks": _duplicate_id},
+    "processed": {"temperature": 0.7, "pi_temperature": 1.0},
+    "drifted": {"temperature": 0.7, "drift": 0.5, "drop": ("old_logprob",)},
+    # The mean gap's z-score grows with the token count: these read 3x the steps.
+    "processed_no_topk": {"temperature": 0.7, "pi_temperature": 1.0, "drop": NO_TOPK, "steps": 3 * STEPS},
+    "processed_no_topk_no_old": {"temperature": 0.7, "pi_temperature": 1.0, "drop": ("old_logprob", *NO_TOPK),
+                                 "steps": 3 * STEPS},
+    "top_p": {"breaks": _top_p_renormalised, "sampling": {"temperature": 1.0, "top_p": 0.9}, "drop": NO_TOPK,
+              "steps": 3 * STEPS},
+    "no_sampling": {"sampling": {}},
+    "mu_is_pi": {"breaks": _mu_is_pi},
+    "mu_is_pi_declared": {"breaks": _mu_is_pi, "mu_source": "trainer_recompute"},
+    "rank_collisions": {"ranks": 2, "sample_offsets": False},
+}
+"""One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
+
+
+@pytest.fixture(scope="module")
+def doctored(tmp_path_factory) -> dict[str, dict[str, D.Finding]]:
+    """Every variant's findings: {variant: {check: Finding}}, from one diagnose over one log directory."""
+    root = tmp_path_factory.mktemp("doctor")
+    for seed, (name, options) in enumerate(VARIANTS.items()):
+        write_log(root, name, seed=seed, **options)
+    with connect(root, cache=False) as db:
+        found = D.diagnose(db)
+    assert sorted(found) == sorted(VARIANTS)
+    return {run: {f.check: f for f in fs} for run, fs in found.items()}
+
+
+# ------------------------------------------------------------------------------------------------ clean logs
+
+
+def test_clean_log_passes_every_check(doctored):
+    got = doctored["clean"]
+    assert list(got) == list(D.CHECKS)
+    assert {name: f.verdict for name, f in got.items()} == dict.fromkeys(D.CHECKS, "ok"), got
+
+
+def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
+    got = doctored["clean_t1"]
+    assert got["processed_logprobs"].verdict == "skipped"
+    assert "temperature 1" in got["processed_logprobs"].summary
+    assert got["rank_collisions"].verdict == "skipped"
+    assert all(f.verdict == "ok" for name, f in got.items() if name not in ("processed_logprobs", "rank_collisions"))
+
+
+def test_log_without_topk_skips_the_topk_checks_with_a_reason(doctored):
+    got = doctored["no_topk"]
+    for name in ("topk_sampled", "topk_mass", "topk_duplicates"):
+        assert got[name].verdict == "skipped" and "no top-K" in got[name].summary
+
+
+def test_one_broken_run_leaves_the_others_alone(doctored):
+    # Each variant breaks one thing; the checks it does not concern stay ok or skipped on it.
+    for check in ("topk_mass", "topk_duplicates", "rank_collisions"):
+        assert doctored["pi_late"][check].verdict in ("ok", "skipped")
+    assert doctored["duplicate"]["topk_sampled"].verdict == "ok"
+    assert doctored["rank_collisions"]["alignment"].verdict == "ok"
+
+
+# ------------------------------------------------------------------------------------------------ broken logs
+
+
+@pytest.mark.parametrize(("variant", "direction"), [("pi_late", "later"), ("mu_late", "earlier")])
+def test_alignment_fails_when_mu_and_pi_are_off_by_one(doctored, variant, direction):
+    f = doctored[variant]["alignment"]
     assert f.verdict == "fail"
     assert f"one position {direction}" in f.cause
     assert f.evidence[f"diff_pi_{direction}"] < D.ALIGN_FACTOR * f.evidence["diff_logged"]
     assert {"step", "sample_id", "pos"} <= set(f.examples[0])
 
 
-def _padding_tail(kept: bool):
-    def breaks(cols):
-        # The last 3 positions of every other response are padding: id 0, the engine's filler log-prob 0.
-        cols["token_id"][::2, -3:] = 0
-        cols["mu_logprob"][::2, -3:] = 0.0
-        cols["pi_logprob"][::2, -3:] = -12.0
-        cols["kept"][::2, -3:] = kept
-    return breaks
-
-
-@pytest.mark.parametrize(("kept", "verdict"), [(True, "fail"), (False, "warn")])
-def test_placeholders_flag_padding_that_leaked_in(tmp_path, kept, verdict):
-    write_log(tmp_path, breaks=_padding_tail(kept))
-    f = findings(tmp_path)["placeholders"]
+@pytest.mark.parametrize(("variant", "kept", "verdict"), [("padding", True, "fail"),
+                                                          ("padding_blocked", False, "warn")])
+def test_placeholders_flag_padding_that_leaked_in(doctored, variant, kept, verdict):
+    f = doctored[variant]["placeholders"]
     assert f.verdict == verdict
     n = STEPS * (B // 2) * 3
     assert f.evidence["n_flagged"] == n
@@ -157,102 +233,81 @@ def test_placeholders_flag_padding_that_leaked_in(tmp_path, kept, verdict):
     assert "padding" in f.cause
 
 
-def test_placeholders_flag_minus_inf_stand_ins(tmp_path):
-    def breaks(cols):
-        cols["mu_logprob"][0, 5] = -1e4
-    write_log(tmp_path, breaks=breaks)
-    f = findings(tmp_path)["placeholders"]
+def test_placeholders_flag_minus_inf_stand_ins(doctored):
+    f = doctored["minus_inf"]["placeholders"]
     assert f.verdict == "fail" and f.evidence["n_flagged"] == STEPS
     assert f.examples[0]["pos"] == 5 and f.examples[0]["sample_id"] == 0
 
 
-def test_topk_sampled_fails_when_the_sampled_token_is_not_forced_in(tmp_path):
-    write_log(tmp_path, force_sampled=False)
-    f = findings(tmp_path)["topk_sampled"]
+def test_placeholders_only_warn_when_they_are_a_handful_in_a_million():
+    m = {"n_tokens": 1_000_000, "n_flagged": 5, "n_flagged_kept": 4, "n_flagged_at_end": 0, "n_mu_placeholder": 0,
+         "n_pi_placeholder": 5, "examples": []}
+    f = D.judge_placeholders(m)
+    assert f.verdict == "warn" and "genuine extremes" in f.cause
+    assert D.judge_placeholders({**m, "n_flagged": 100, "n_flagged_kept": 100}).verdict == "fail"
+
+
+def test_topk_sampled_fails_when_the_sampled_token_is_not_forced_in(doctored):
+    f = doctored["sampled_not_forced"]["topk_sampled"]
     assert f.verdict == "fail" and f.evidence["n_missing_sampled"] > 0
     ex = f.examples[0]
     assert ex["token_id"] not in ex["mu_topk_ids"]
 
 
-@pytest.mark.parametrize("column", ["mu_topk_logprobs", "pi_topk_logprobs"])
-def test_topk_mass_fails_when_a_list_sums_above_one(tmp_path, column):
-    def breaks(cols):
-        cols[column][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])  # sums to 1.2
-    write_log(tmp_path, breaks=breaks)
-    f = findings(tmp_path)["topk_mass"]
+@pytest.mark.parametrize(("variant", "side"), [("mu_mass", "mu"), ("pi_mass", "pi")])
+def test_topk_mass_fails_when_a_list_sums_above_one(doctored, variant, side):
+    f = doctored[variant]["topk_mass"]
     assert f.verdict == "fail"
-    side = column.split("_")[0]
     assert f.evidence[f"n_{side}_over"] == STEPS
     assert f.evidence[f"{side}_mass_max"] == pytest.approx(1.2, abs=1e-5)
     assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (3, 4)
 
 
-def test_topk_mass_tolerates_float16_rounding(tmp_path):
-    def breaks(cols):
-        lp = cols["mu_topk_logprobs"]
-        lp[:] = np.log(np.full(lp.shape, 1.0 / K) * (1 + 2e-3))  # 0.2 % over, within the tolerance
-    write_log(tmp_path, breaks=breaks)
-    assert findings(tmp_path)["topk_mass"].verdict == "ok"
+def test_topk_mass_tolerates_float16_rounding(doctored):
+    assert doctored["mass_rounding"]["topk_mass"].verdict == "ok"
 
 
-def test_topk_duplicates_fail_when_an_id_repeats(tmp_path):
-    def breaks(cols):
-        cols["mu_topk_ids"][2, 7, 1] = cols["mu_topk_ids"][2, 7, 0]
-    write_log(tmp_path, breaks=breaks)
-    got = findings(tmp_path)
-    f = got["topk_duplicates"]
+def test_topk_duplicates_fail_when_an_id_repeats(doctored):
+    f = doctored["duplicate"]["topk_duplicates"]
     assert f.verdict == "fail" and f.evidence["n_duplicates"] == STEPS
     assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (2, 7)
-    assert got["topk_sampled"].verdict == "ok"
 
 
-def test_processed_logprobs_fail_when_mu_is_after_temperature_and_pi_raw(tmp_path):
-    write_log(tmp_path, temperature=0.7, pi_temperature=1.0)
-    f = findings(tmp_path)["processed_logprobs"]
+def test_processed_logprobs_fail_when_mu_is_after_temperature_and_pi_raw(doctored):
+    f = doctored["processed"]["processed_logprobs"]
     assert f.verdict == "fail"
     assert f.evidence["topk_slope"] == pytest.approx(1 / 0.7, rel=0.05)
     assert f.evidence["mean_log_gap"] > D.BIAS_NATS
     assert "temperature 0.7" in f.cause
 
 
-def test_processed_logprobs_ok_when_pi_drifted_at_the_same_temperature(tmp_path):
+def test_processed_logprobs_ok_when_pi_drifted_at_the_same_temperature(doctored):
     # A pi far from mu raises the mean gap (KL(mu || pi)), but the top-K slope stays at or below 1 (noise in pi
     # spreads pi's log-probs at mu's top ids), far from 1 / 0.7: not a processing mismatch.
-    write_log(tmp_path, temperature=0.7, drift=0.5, drop=("old_logprob",))
-    f = findings(tmp_path)["processed_logprobs"]
+    f = doctored["drifted"]["processed_logprobs"]
     assert f.evidence["mean_log_gap"] > D.BIAS_NATS and f.evidence["z"] > D.BIAS_Z
     assert f.evidence["topk_slope"] < 1.0
     assert f.verdict == "ok"
 
 
-def test_processed_logprobs_fail_on_the_mean_gap_against_pi_old_without_topk(tmp_path):
-    write_log(tmp_path, temperature=0.7, pi_temperature=1.0, drop=("mu_topk_ids", "mu_topk_logprobs",
-                                                                    "pi_topk_logprobs"))
-    f = findings(tmp_path)["processed_logprobs"]
+def test_processed_logprobs_fail_on_the_mean_gap_against_pi_old_without_topk(doctored):
+    f = doctored["processed_no_topk"]["processed_logprobs"]
     assert f.verdict == "fail" and f.evidence["topk_slope"] is None
     assert f.evidence["z"] > D.BIAS_Z
 
 
-def test_processed_logprobs_only_warn_on_the_mean_gap_against_a_pi_that_moved(tmp_path):
-    write_log(tmp_path, temperature=0.7, pi_temperature=1.0,
-              drop=("old_logprob", "mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
-    f = findings(tmp_path)["processed_logprobs"]
+def test_processed_logprobs_only_warn_on_the_mean_gap_against_a_pi_that_moved(doctored):
+    f = doctored["processed_no_topk_no_old"]["processed_logprobs"]
     assert f.verdict == "warn" and "pi_old" in f.cause
 
 
-def test_processed_logprobs_fail_under_top_p(tmp_path):
-    def renormalise(cols):
-        cols["mu_logprob"] += np.float32(-np.log(0.8))  # top_p's renormalisation over a nucleus of mass 0.8
-        np.minimum(cols["mu_logprob"], 0.0, out=cols["mu_logprob"])
-    write_log(tmp_path, breaks=renormalise, sampling={"temperature": 1.0, "top_p": 0.9},
-              drop=("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs"))
-    f = findings(tmp_path)["processed_logprobs"]
+def test_processed_logprobs_fail_under_top_p(doctored):
+    f = doctored["top_p"]["processed_logprobs"]
     assert f.verdict == "fail" and "top_p 0.9" in f.summary
 
 
-def test_processed_logprobs_skipped_without_sampling_parameters(tmp_path):
-    write_log(tmp_path, sampling={})
-    f = findings(tmp_path)["processed_logprobs"]
+def test_processed_logprobs_skipped_without_sampling_parameters(doctored):
+    f = doctored["no_sampling"]["processed_logprobs"]
     assert f.verdict == "skipped" and "no sampling" in f.summary
 
 
@@ -263,27 +318,20 @@ def test_processed_logprobs_names_a_bad_sampling_value():
         D.judge_processed_logprobs(m, {"temperature": "hot"})
 
 
-def _mu_is_pi(cols):
-    cols["mu_logprob"][:] = cols["pi_logprob"]
-
-
-def test_mu_recompute_fails_when_mu_equals_pi_undeclared(tmp_path):
-    write_log(tmp_path, breaks=_mu_is_pi)
-    f = findings(tmp_path)["mu_recompute"]
+def test_mu_recompute_fails_when_mu_equals_pi_undeclared(doctored):
+    f = doctored["mu_is_pi"]["mu_recompute"]
     assert f.verdict == "fail"
     assert f.evidence["n_same_pi"] == f.evidence["n_informative"] > D.MIN_TOKENS
     assert "recompute" in f.cause
 
 
-def test_mu_recompute_warns_when_run_json_declares_it(tmp_path):
-    write_log(tmp_path, breaks=_mu_is_pi, mu_source="trainer_recompute")
-    f = findings(tmp_path)["mu_recompute"]
+def test_mu_recompute_warns_when_run_json_declares_it(doctored):
+    f = doctored["mu_is_pi_declared"]["mu_recompute"]
     assert f.verdict == "warn" and "trainer_recompute" in f.cause
 
 
-def test_rank_collisions_fail_when_ranks_count_from_zero(tmp_path):
-    write_log(tmp_path, ranks=2, sample_offsets=False)
-    f = findings(tmp_path)["rank_collisions"]
+def test_rank_collisions_fail_when_ranks_count_from_zero(doctored):
+    f = doctored["rank_collisions"]["rank_collisions"]
     assert f.verdict == "fail"
     assert f.evidence["n_token_collisions"] == f.evidence["n_sample_collisions"] == STEPS * B
     assert f.examples[0]["ranks"] == [0, 1]
@@ -307,6 +355,8 @@ def test_cli_exit_codes(tmp_path):
     assert missing.exit_code == 2
     unknown = runner.invoke(app, ["doctor", str(clean), "--run", "nope"])
     assert unknown.exit_code == 2 and "nope" in unknown.output
+    late = runner.invoke(app, ["doctor", str(broken), "--from-step", str(STEPS - 1)])
+    assert late.exit_code == 1 and f"n_tokens={B * T}," in late.output  # one step of B x T tokens read
 
 
 def test_doctor_panel_rows(tmp_path):

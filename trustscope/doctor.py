@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from trustscope.db import SQL_DIR, LogDB
+from trustscope.db import SQL_DIR, LogDB, connect
 
 DOCTOR_SQL_DIR = SQL_DIR / "doctor"
 
@@ -321,6 +321,7 @@ CHECKS: dict[str, Check] = {
     "alignment": Check("alignment", judge_alignment),
     "placeholders": Check("placeholders", judge_placeholders, {"floor": PLACEHOLDER_FLOOR, "huge_tv": HUGE_TV,
                                                                "huge_log_ratio": HUGE_LOG_RATIO}),
+    # The three top-K checks read one measurement (same file, same parameters): one scan of the lists.
     "topk_sampled": Check("topk", judge_topk_sampled, {"tolerance": TOPK_MASS_TOLERANCE}),
     "topk_mass": Check("topk", judge_topk_mass, {"tolerance": TOPK_MASS_TOLERANCE}),
     "topk_duplicates": Check("topk", judge_topk_duplicates, {"tolerance": TOPK_MASS_TOLERANCE}),
@@ -338,8 +339,8 @@ def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_ste
     all steps); one row per run, keyed by run_id."""
     cur = db.cursor()
     try:
-        sql_text = (DOCTOR_SQL_DIR / f"{sql}.sql").read_text()
-        table = cur.sql(sql_text, params={"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}).to_arrow_table()
+        bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
+        table = cur.sql((DOCTOR_SQL_DIR / f"{sql}.sql").read_text(), params=bound).to_arrow_table()
     finally:
         cur.close()
     return {row["run_id"]: row for row in table.to_pylist()}
@@ -400,8 +401,6 @@ def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str, first_ste
 def doctor_logdir(logdir: str | Path, run_ids: Iterable[str] | str | None = None,
                   first_step: int | None = None) -> dict[str, list[Finding]]:
     """:func:`diagnose` over a log directory opened for the occasion (no aggregate cache written)."""
-    from trustscope.db import connect
-
     with connect(logdir, cache=False) as db:
         return diagnose(db, run_ids, first_step=first_step)
 
