@@ -1,27 +1,22 @@
 -- the engine's log-prob of each sampled token against the trainer's (pi_old where logged, else pi), per run: the
 -- mean and spread of log mu - log ref, and the slope of mu's top-k log-probs on pi's at the same ids: the ratio of
 -- their spreads within each row, pooled (1 when both are one distribution, 1 / temperature when mu is after a
--- temperature and pi is raw; the spread ratio is half as shrunk by noise in pi as a least-squares slope). $run_ids:
--- the runs read, or null for all; $first_step: the first step read, or null for all.
+-- temperature and pi is raw, whatever the normaliser; the spread ratio is half as shrunk by noise in pi as a
+-- least-squares slope). $run_ids: the runs read, or null for all; $first_step: the first step read, or null for all.
 with source as (
     select
         run_id, step, sample_id, pos, mu_logprob,
         coalesce(old_logprob, pi_logprob) as ref_logprob,
         old_logprob is not null as ref_is_old,
-        mu_topk_logprobs, pi_topk_logprobs,
-        list_avg(mu_topk_logprobs) as mu_topk_mean,
-        list_avg(pi_topk_logprobs) as pi_topk_mean
+        list_var_pop(mu_topk_logprobs) as mu_topk_var,
+        list_var_pop(pi_topk_logprobs) as pi_topk_var
     from tokens
     where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
         and ($first_step::bigint is null or step >= $first_step::bigint)
 ),
 
 per_row as (
-    select
-        *,
-        mu_logprob::double - ref_logprob::double as log_gap,
-        list_sum(list_transform(mu_topk_logprobs, lambda x: (x - mu_topk_mean) ^ 2)) as syy,
-        list_sum(list_transform(pi_topk_logprobs, lambda x: (x - pi_topk_mean) ^ 2)) as sxx
+    select *, mu_logprob::double - ref_logprob::double as log_gap
     from source
 ),
 
@@ -32,8 +27,9 @@ final as (
         count_if(ref_is_old) as n_ref_old,
         avg(log_gap) as mean_log_gap,
         stddev_samp(log_gap) as sd_log_gap,
-        count(sxx) filter (where sxx > 0) as n_topk_rows,
-        sqrt(sum(syy) filter (where sxx > 0) / sum(sxx) filter (where sxx > 0)) as topk_slope,
+        count_if(pi_topk_var > 0) as n_topk_rows,
+        sqrt(sum(mu_topk_var) filter (where pi_topk_var > 0) / sum(pi_topk_var) filter (where pi_topk_var > 0))
+            as topk_slope,
         max_by({'step': step, 'sample_id': sample_id, 'pos': pos, 'mu_logprob': mu_logprob,
                 'ref_logprob': ref_logprob}, log_gap, 3) as examples
     from per_row
