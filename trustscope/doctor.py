@@ -45,7 +45,14 @@ ALIGN_FACTOR = 0.5
 """mu and pi are off by one position when a one-position shift brings mean |pi - mu| below this fraction of the
 logged alignment's."""
 ALIGN_FLOOR = 0.01
-"""Below this mean |pi - mu| at the logged alignment, the alignment is not in doubt (nothing can fit better)."""
+"""Below this mean |pi - mu| at the logged alignment the log already fits well, and its alignment is not questioned."""
+ALIGNMENT_CAUSES = {
+    "later": "pi carries one entry too many before the response (the last prompt token's log-prob: per-token "
+             "log-probs already aligned to the tokens sliced again from P - 1), or mu lacks the first token's.",
+    "earlier": "pi lacks the first response token's log-prob (sliced from P + 1, or the logits from P instead of "
+               "P - 1), or mu carries one entry too many (an engine's log-prob for the last prompt token).",
+}
+"""What usually shifts the two series, by the direction in which pi fits mu better."""
 MIN_TOKENS = 20
 """Fewer tokens than this and a statistical check is skipped: too few to tell."""
 TOPK_MASS_TOLERANCE = 5e-3
@@ -54,10 +61,11 @@ log-prob x by up to |x| * 2^-11, which moves a row's sum by up to entropy * 2^-1
 BIAS_NATS = 0.02
 """Mean log mu - log pi above this (and ``BIAS_Z`` standard errors) is a bias, not noise."""
 BIAS_Z = 4.0
+"""Standard errors of the mean the gap must also exceed."""
 INFORMATIVE_LOGPROB = -0.01
 """mu vs pi identity is read on tokens with log mu below this: near-certain tokens read 0 in every engine."""
 SAME_NATS = 1e-6
-"""Two log-probs within this many nats are the same number (float32 rounding of one computation)."""
+"""Two log-probs within this many nats are the same number: a few float32 ulps apart, one computation repeated."""
 RECOMPUTE_SHARE = 0.95
 """mu equal to pi (or pi_old) on this share of informative tokens is a recompute."""
 
@@ -106,10 +114,8 @@ def judge_alignment(m: Mapping[str, Any]) -> Finding:
                f"{earlier:.4g} with pi one position earlier")
     if logged >= ALIGN_FLOOR and best < ALIGN_FACTOR * logged:
         return Finding(name, "fail", summary, evidence, m["examples"] or [],
-                       f"pi fits mu far better one position {direction}: the two are logged off by one. Usual "
-                       "slip: reading the logits at token t's own position instead of t - 1 (or slicing the "
-                       "response from P instead of P - 1), or an engine/framework that drops or adds the first "
-                       "generated token's log-prob.")
+                       f"pi fits mu far better one position {direction}: the two are logged off by one. "
+                       + ALIGNMENT_CAUSES[direction])
     return Finding(name, "ok", summary, evidence)
 
 
