@@ -128,8 +128,20 @@ def _top_p_renormalised(cols):
     np.minimum(cols["mu_logprob"], 0.0, out=cols["mu_logprob"])
 
 
+def _nucleus_floor(cols):
+    # What the engine writes for top-K ids outside the top-p nucleus: a finite floor (engines.base.LOGPROB_FLOOR).
+    outside = cols["mu_topk_ids"] != cols["token_id"][..., None]
+    outside[..., :2] = False
+    cols["mu_topk_logprobs"][outside] = -1e4
+
+
 def _mu_is_pi(cols):
     cols["mu_logprob"][:] = cols["pi_logprob"]
+
+
+def _mu_is_pi_to_rounding(cols):
+    # A second forward of the same weights: equal to a few float32 ulps, rarely bit for bit.
+    cols["mu_logprob"][:] = cols["pi_logprob"] - np.float32(5e-7)
 
 
 NO_TOPK = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs")
@@ -157,8 +169,10 @@ VARIANTS: dict[str, dict] = {
     "top_p": {"breaks": _top_p_renormalised, "sampling": {"temperature": 1.0, "top_p": 0.9}, "drop": NO_TOPK,
               "steps": 3 * STEPS},
     "no_sampling": {"sampling": {}},
+    "nucleus_floor": {"temperature": 0.7, "breaks": _nucleus_floor},
     "mu_is_pi": {"breaks": _mu_is_pi},
     "mu_is_pi_declared": {"breaks": _mu_is_pi, "mu_source": "trainer_recompute"},
+    "mu_is_pi_to_rounding": {"breaks": _mu_is_pi_to_rounding},
     "rank_collisions": {"ranks": 2, "sample_offsets": False},
 }
 """One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
@@ -306,6 +320,12 @@ def test_processed_logprobs_fail_under_top_p(doctored):
     assert f.verdict == "fail" and "top_p 0.9" in f.summary
 
 
+def test_processed_logprobs_leave_floored_topk_entries_out_of_the_slope(doctored):
+    f = doctored["nucleus_floor"]["processed_logprobs"]
+    assert f.evidence["topk_slope"] == pytest.approx(1.0, abs=0.05)
+    assert f.verdict == "ok"
+
+
 def test_processed_logprobs_skipped_without_sampling_parameters(doctored):
     f = doctored["no_sampling"]["processed_logprobs"]
     assert f.verdict == "skipped" and "no sampling" in f.summary
@@ -323,6 +343,12 @@ def test_mu_recompute_fails_when_mu_equals_pi_undeclared(doctored):
     assert f.verdict == "fail"
     assert f.evidence["n_same_pi"] == f.evidence["n_informative"] > D.MIN_TOKENS
     assert "recompute" in f.cause
+
+
+def test_mu_recompute_warns_when_mu_agrees_to_float32_rounding(doctored):
+    f = doctored["mu_is_pi_to_rounding"]["mu_recompute"]
+    assert f.verdict == "warn" and "float32 rounding" in f.cause
+    assert f.evidence["n_exact_pi"] < D.RECOMPUTE_SHARE * f.evidence["n_informative"] <= f.evidence["n_same_pi"]
 
 
 def test_mu_recompute_warns_when_run_json_declares_it(doctored):

@@ -10,7 +10,7 @@ evidence (counts and a few example tokens with step, sample_id and pos) and the 
 
     with connect("logs/") as db:
         findings = diagnose(db)              # {run_id: [Finding, ...]}, one Finding per check
-    doctor_panel(db, "my-run")               # the same as a DataFrame, for the dashboard
+        panel = doctor_panel(db, "my-run")   # the same as a DataFrame, for the dashboard
 """
 
 from __future__ import annotations
@@ -65,9 +65,12 @@ BIAS_Z = 4.0
 INFORMATIVE_LOGPROB = -0.01
 """mu vs pi identity is read on tokens with log mu below this: near-certain tokens read 0 in every engine."""
 SAME_NATS = 1e-6
-"""Two log-probs within this many nats are the same number: a few float32 ulps apart, one computation repeated."""
+"""Two log-probs within this many nats agree to float32 rounding (a few ulps): one computation repeated, or an engine
+numerically identical to the trainer. Measured here: vLLM in float32 against the float32 toy trainer agrees this
+closely on 87 % of the informative tokens, and exactly on 1.5 %."""
 RECOMPUTE_SHARE = 0.95
-"""mu equal to pi (or pi_old) on this share of informative tokens is a recompute."""
+"""mu exactly equal to pi (or pi_old) on this share of informative tokens is a copy of the trainer's numbers (fail);
+within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
 
 
 @dataclass(frozen=True)
@@ -251,14 +254,15 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     if sharpened or ref == "pi_old":
         return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
     return Finding(name, "warn", summary, evidence, m["examples"] or [],
-                   cause + " pi has moved since the rollout, which raises the gap too: log pi_old "
-                   "(old_logprob) or the top-K lists to tell the two apart.")
+                   cause + " But pi has moved since the rollout, which raises the gap too: log pi_old "
+                   "(old_logprob, the trainer's log-probs at the rollout's weights) to tell the two apart.")
 
 
 def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
     """mu identical to pi (or pi_old): a recompute by the trainer, so no training-inference mismatch is measured.
-    ``warn`` when ``run.json`` says so (``mu_source = "trainer_recompute"``), ``fail`` when it claims engine
-    log-probs."""
+    ``fail`` when mu is exactly the trainer's numbers on :data:`RECOMPUTE_SHARE` of the tokens and ``run.json``
+    claims otherwise; ``warn`` when it says so (``mu_source = "trainer_recompute"``), or when mu agrees to float32
+    rounding without being a copy (a recompute, or an engine numerically identical to the trainer)."""
     name = "mu_recompute"
     declared = mu_source == "trainer_recompute"
     declared_text = ("run.json says mu_source = 'trainer_recompute': mu is the trainer's own recompute, so "
@@ -271,21 +275,28 @@ def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
                            "to compare", _pick(m, "n_informative"), [], declared_text)
         return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
                        "(all near-certain): too few to tell", _pick(m, "n_informative"))
-    evidence = _pick(m, "n_informative", "n_same_pi", "n_informative_old", "n_same_old", "mismatch_mean")
+    evidence = _pick(m, "n_informative", "n_exact_pi", "n_same_pi", "n_informative_old", "n_exact_old",
+                     "n_same_old", "mismatch_mean")
     evidence["mu_source"] = mu_source
-    share_pi = m["n_same_pi"] / n
-    share_old = m["n_same_old"] / m["n_informative_old"] if m["n_informative_old"] else 0.0
-    summary = (f"mu equals pi on {share_pi:.1%} and pi_old on {share_old:.1%} of {n} tokens with "
-               f"log mu < {INFORMATIVE_LOGPROB:g} (within {SAME_NATS:g} nats); mean |pi - mu| "
-               f"{m['mismatch_mean']:.3g}")
+    n_old = m["n_informative_old"]
+    exact = max(m["n_exact_pi"] / n, (m["n_exact_old"] or 0) / n_old if n_old else 0.0)
+    near = max(m["n_same_pi"] / n, (m["n_same_old"] or 0) / n_old if n_old else 0.0)
+    summary = (f"mu equals pi or pi_old exactly on {exact:.1%} and within {SAME_NATS:g} nats on {near:.1%} of {n} "
+               f"tokens with log mu < {INFORMATIVE_LOGPROB:g}; mean |pi - mu| {m['mismatch_mean']:.3g}")
     if declared:
         return Finding(name, "warn", summary, evidence, m["examples"] or [], declared_text)
-    if max(share_pi, share_old) >= RECOMPUTE_SHARE:
+    if exact >= RECOMPUTE_SHARE:
         return Finding(name, "fail", summary, evidence, m["examples"] or [],
                        "mu is the trainer's own log-prob, not the engine's: the framework kept no rollout "
-                       "log-probs and the trainer's recompute was logged as mu (TRL's transformers path, a pi_old "
+                       "log-probs and the trainer's numbers were logged as mu (TRL's transformers path, a pi_old "
                        "written into the mu column). Log the engine's log-probs, or mark the run "
                        "mu_source='trainer_recompute'.")
+    if near >= RECOMPUTE_SHARE:
+        return Finding(name, "warn", summary, evidence, m["examples"] or [],
+                       "mu agrees with the trainer to float32 rounding: a recompute (a second trainer forward "
+                       "logged as mu), or an engine numerically identical to the trainer (same weights, dtype and "
+                       "kernels). Either way no training-inference mismatch is measured; if mu is a recompute, "
+                       "mark the run mu_source='trainer_recompute'.")
     return Finding(name, "ok", summary, evidence)
 
 
@@ -331,7 +342,8 @@ CHECKS: dict[str, Check] = {
     "topk_sampled": Check("topk", judge_topk_sampled, {"tolerance": TOPK_MASS_TOLERANCE}),
     "topk_mass": Check("topk", judge_topk_mass, {"tolerance": TOPK_MASS_TOLERANCE}),
     "topk_duplicates": Check("topk", judge_topk_duplicates, {"tolerance": TOPK_MASS_TOLERANCE}),
-    "processed_logprobs": Check("processed_logprobs", judge_processed_logprobs, manifest_field="sampling"),
+    "processed_logprobs": Check("processed_logprobs", judge_processed_logprobs, {"floor": PLACEHOLDER_FLOOR},
+                                manifest_field="sampling"),
     "mu_recompute": Check("mu_recompute", judge_mu_recompute, {"informative": INFORMATIVE_LOGPROB,
                                                                "same": SAME_NATS}, manifest_field="mu_source"),
     "rank_collisions": Check("rank_collisions", judge_rank_collisions),

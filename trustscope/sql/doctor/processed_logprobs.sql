@@ -2,14 +2,18 @@
 -- mean and spread of log mu - log ref, and the slope of mu's top-k log-probs on pi's at the same ids: the ratio of
 -- their spreads within each row, pooled (1 when both are one distribution, 1 / temperature when mu is after a
 -- temperature and pi is raw, whatever the normaliser; the spread ratio is half as shrunk by noise in pi as a
--- least-squares slope). $run_ids: the runs read, or null for all; $first_step: the first step read, or null for all.
+-- least-squares slope), over the entries above $floor. $run_ids: the runs read, or null for all; $first_step: the
+-- first step read, or null for all.
 with source as (
     select
         run_id, step, sample_id, pos, mu_logprob,
         coalesce(old_logprob, pi_logprob) as ref_logprob,
         old_logprob is not null as ref_is_old,
-        list_var_pop(mu_topk_logprobs) as mu_topk_var,
-        list_var_pop(pi_topk_logprobs) as pi_topk_var
+        -- entries at or below $floor are stand-ins (an engine's floor for ids outside the top-p nucleus): left out.
+        list_var_pop(list_filter(mu_topk_logprobs, lambda x, i: x > $floor and pi_topk_logprobs[i] > $floor))
+            as mu_topk_var,
+        list_var_pop(list_filter(pi_topk_logprobs, lambda x, i: x > $floor and mu_topk_logprobs[i] > $floor))
+            as pi_topk_var
     from tokens
     where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
         and ($first_step::bigint is null or step >= $first_step::bigint)
