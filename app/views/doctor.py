@@ -1,7 +1,7 @@
 """The Doctor section of the Runs page: the contract checks of ``trustscope doctor`` on the runs picked there.
 
 Each run is read over its last steps up to :data:`WINDOW_TOKENS` tokens, so the section costs the same however long
-a run grows (2 s for a 100k-token window on the shared 2-core machine); ``trustscope doctor LOGDIR`` reads every
+a run grows (2.5 s for a 100k-token window on the shared 2-core machine); ``trustscope doctor LOGDIR`` reads every
 step.
 """
 
