@@ -415,6 +415,26 @@ def test_runs_page_shows_the_doctor_section(monkeypatch, tmp_path):
     assert any("1 fail" in c.value for c in at.caption)
 
 
+@pytest.mark.slow
+def test_imported_runs_pass(tmp_path):
+    # Each importer's run, from files shaped as the frameworks' own writers write them (the importers' fixtures).
+    from test_importers_nemo_rl import write_log_dir
+    from test_importers_prime_rl import write_export
+    from test_importers_slime import write_dump
+
+    from trustscope.importers import import_run
+
+    writers = {"prime-rl": lambda p: write_export(p, steps=2), "miles": lambda p: write_dump(p, steps=2, tp=1, pp=1),
+               "slime": lambda p: write_dump(p, steps=2, kind="slime"), "nemo-rl": lambda p: write_log_dir(p, steps=2)}
+    for fmt, write in writers.items():
+        write(tmp_path / fmt)
+        import_run(fmt, tmp_path / fmt, tmp_path / "logs", run_id=fmt)
+    found = D.doctor_logdir(tmp_path / "logs")
+    assert sorted(found) == sorted(writers)
+    assert {f.verdict for fs in found.values() for f in fs} <= {"ok", "skipped"}, found
+    assert all(fs[0].check == "alignment" and fs[0].verdict == "ok" for fs in found.values())
+
+
 def test_sample_logs_pass():
     root = Path(__file__).resolve().parent.parent / "sample_logs"
     found = D.doctor_logdir(root)
