@@ -381,6 +381,12 @@ def test_cli_exit_codes(tmp_path):
     assert missing.exit_code == 2
     unknown = runner.invoke(app, ["doctor", str(clean), "--run", "nope"])
     assert unknown.exit_code == 2 and "nope" in unknown.output
+    torn = tmp_path / "torn"
+    write_log(torn)
+    tokens_file = next((torn / "run" / "tokens").glob("*.parquet"))
+    tokens_file.write_bytes(tokens_file.read_bytes()[:300])  # a file cut short
+    unreadable = runner.invoke(app, ["doctor", str(torn)])
+    assert unreadable.exit_code == 2 and "cannot read" in unreadable.output and "validate" in unreadable.output
     late = runner.invoke(app, ["doctor", str(broken), "--from-step", str(STEPS - 1)])
     assert late.exit_code == 1 and f"n_tokens={B * T}," in late.output  # one step of B x T tokens read
 

@@ -180,6 +180,8 @@ def doctor(
 ) -> None:
     """Contract checks on any log, native or imported: mu/pi alignment, placeholder log-probs, mu's top-K, processed
     vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails."""
+    import duckdb
+
     from trustscope.doctor import doctor_logdir, failed, format_finding
 
     if not logdir.is_dir():
@@ -189,6 +191,10 @@ def doctor(
         findings = doctor_logdir(logdir, run or None, first_step=from_step)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"trustscope doctor: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
+        raise typer.Exit(2) from exc
+    except duckdb.Error as exc:  # an unreadable file: validate names it
+        typer.echo(f"trustscope doctor: cannot read {logdir}: {str(exc).splitlines()[0]}; `trustscope validate "
+                   f"{logdir}` names every broken file", err=True)
         raise typer.Exit(2) from exc
     if not findings:
         typer.echo(f"trustscope doctor: no runs in {logdir}", err=True)
