@@ -331,11 +331,13 @@ def test_processed_logprobs_skipped_without_sampling_parameters(doctored):
     assert f.verdict == "skipped" and "no sampling" in f.summary
 
 
-def test_processed_logprobs_names_a_bad_sampling_value():
-    m = {"n_tokens": 100, "n_ref_old": 0, "mean_log_gap": 0.0, "sd_log_gap": 0.1, "n_topk_rows": 0,
+def test_processed_logprobs_names_a_bad_sampling_value_and_skips_greedy_decoding():
+    m = {"n_tokens": 100, "n_ref_old": 0, "mean_log_gap": 0.5, "sd_log_gap": 0.1, "n_topk_rows": 0,
          "topk_slope": None, "examples": []}
     with pytest.raises(ValueError, match=r"sampling\.temperature='hot'"):
         D.judge_processed_logprobs(m, {"temperature": "hot"})
+    greedy = D.judge_processed_logprobs(m, {"temperature": 0.0})
+    assert greedy.verdict == "skipped" and "greedy" in greedy.summary
 
 
 def test_mu_recompute_fails_when_mu_equals_pi_undeclared(doctored):

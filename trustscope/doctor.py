@@ -229,6 +229,9 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     top_p = _number(sampling, "top_p", 1.0)
     top_k = _number(sampling, "top_k", 0.0)
     evidence.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if temperature <= 0:
+        return Finding(name, "skipped", f"greedy decoding (temperature {temperature:g}): the engine's log-probs "
+                       "are of no sampling distribution to compare; " + measured, evidence)
     processing = [f"temperature {temperature:g}"] if temperature != 1 else []
     processing += [f"top_p {top_p:g}"] if top_p < 1 else []
     processing += [f"top_k {top_k:g}"] if top_k > 0 else []
@@ -238,8 +241,8 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     predicted = "mu above pi" + (f" and a top-K slope of 1 / {temperature:g} = {1 / temperature:.4g}"
                                  if temperature != 1 else "")
     summary = f"{measured}; at {', '.join(processing)}, a processed mu against a raw pi would read {predicted}"
-    # The slope is immune to pi's drift and to the mismatch; the mean gap is not (E[log mu - log pi] is KL(mu || pi)
-    # >= 0 whatever the cause), so a gap against a pi that has moved since the rollout only warns.
+    # Drift and mismatch move the slope little (noise in pi pulls it a little below 1) but the mean gap a lot
+    # (E[log mu - log pi] is KL(mu || pi) >= 0 whatever the cause), so a gap against a pi that moved only warns.
     sharpened = temperature != 1 and slope is not None and abs(slope - 1 / temperature) < abs(slope - 1)
     slope_says_raw = temperature != 1 and slope is not None and not sharpened
     truncating = top_p < 1 or top_k > 0
