@@ -336,6 +336,8 @@ def test_processed_logprobs_names_a_bad_sampling_value_and_skips_greedy_decoding
          "topk_slope": None, "examples": []}
     with pytest.raises(ValueError, match=r"sampling\.temperature='hot'"):
         D.judge_processed_logprobs(m, {"temperature": "hot"})
+    with pytest.raises(ValueError, match=r"sampling='t=0\.7' must be an object"):
+        D.judge_processed_logprobs(m, "t=0.7")
     greedy = D.judge_processed_logprobs(m, {"temperature": 0.0})
     assert greedy.verdict == "skipped" and "greedy" in greedy.summary
 
@@ -389,6 +391,10 @@ def test_cli_exit_codes(tmp_path):
     tokens_file.write_bytes(tokens_file.read_bytes()[:300])  # a file cut short
     unreadable = runner.invoke(app, ["doctor", str(torn)])
     assert unreadable.exit_code == 2 and "cannot read" in unreadable.output and "validate" in unreadable.output
+    odd = tmp_path / "odd"
+    write_log(odd, sampling={"temperature": "hot"})
+    bad_manifest = runner.invoke(app, ["doctor", str(odd)])
+    assert bad_manifest.exit_code == 2 and "run 'run': run.json sampling.temperature='hot'" in bad_manifest.output
     late = runner.invoke(app, ["doctor", str(broken), "--from-step", str(STEPS - 1)])
     assert late.exit_code == 1 and f"n_tokens={B * T}," in late.output  # one step of B x T tokens read
 

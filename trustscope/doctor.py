@@ -225,6 +225,8 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
         measured += f", top-K slope of log mu on log pi {slope:.4g}"
     if not sampling:
         return Finding(name, "skipped", "run.json records no sampling parameters; " + measured, evidence)
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"run.json sampling={sampling!r} must be an object of sampling parameters")
     temperature = _number(sampling, "temperature", 1.0)
     top_p = _number(sampling, "top_p", 1.0)
     top_k = _number(sampling, "top_k", 0.0)
@@ -395,7 +397,10 @@ def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None, checks: Iter
         for run_id in wanted:
             row = measured[key].get(run_id, {})
             args = (manifests[run_id].get(check.manifest_field),) if check.manifest_field else ()
-            out[run_id].append(check.judge(row, *args))
+            try:
+                out[run_id].append(check.judge(row, *args))
+            except ValueError as err:  # a manifest field of the wrong kind: name the run
+                raise ValueError(f"run {run_id!r}: {err}") from None
     return out
 
 
