@@ -1,107 +1,4 @@
-"""Per-token logging of an RL run to append-only Parquet: :class:`TokenLogger` and the no-op :class:`NullLogger`.
-
-Usage in a GRPO-style trainer::
-
-    from trustscope.logger import TokenLogger
-
-    with TokenLogger("logs", run_id="dppo-0", config=asdict(cfg), model={"name": "Qwen2-tiny"},
-                     sampling=engine.sampling_info(), tokenizer={"name": "char"}, vocab=vocab_texts,
-                     loss_rule="dppo_binary_tv") as logger:
-        for step in range(cfg.steps):
-            ...
-            logger.log_step(
-                step,
-                tokens={                                  # padded batch: arrays (B, T) / (B, T, K) + mask
-                    "token_id": response_ids,             # (B, T) int
-                    "mu_logprob": mu_logprob,             # (B, T)
-                    "pi_logprob": pi_logprob,             # (B, T)  (detached; grads are ignored)
-                    "old_logprob": old_logprob,           # (B, T)  optional
-                    "advantage": advantages,              # (B, T) or (B,)
-                    "entropy": entropy,                   # (B, T)  optional
-                    "mu_topk_ids": mu_topk_ids,           # (B, T, K) optional
-                    "mu_topk_logprobs": mu_topk_logprobs, # (B, T, K) optional
-                    "pi_topk_logprobs": pi_topk_logprobs, # (B, T, K) optional
-                    "kept": loss_out.keep,                # (B, T) bool, optional (default True)
-                },
-                mask=mask,                                # (B, T) bool: real response tokens
-                samples={
-                    "sample_id": sample_ids,              # (B,) int, unique within the step over all ranks
-                    "prompt_id": prompt_ids,              # (B,) int
-                    "prompt": prompts, "response": texts, # list[str] (optional)
-                    "reward": rewards,                    # (B,) (optional)
-                    "advantage": seq_advantages,          # (B,) (optional)
-                    "finish_reason": finish_reasons,      # list[str] (optional)
-                    # "length" is optional: mask.sum(1) is used, and a given one must agree with it
-                },
-                scalars={"loss": loss.item(), "reward/mean": r.mean(), "lr": lr},
-            )
-
-Arguments of :meth:`TokenLogger.log_step`:
-
-- ``step`` (int): the training step. Steps never go backwards; the same step may be logged in several calls
-  (micro-batches) as long as sample ids do not repeat. After ``resume=True`` a step must be above every step
-  already on disk for this rank.
-- ``tokens`` (dict): columns of the ``tokens`` table (:data:`trustscope.schema.TOKENS`) as torch tensors, numpy
-  arrays or lists. Padded form: ``(B, T)`` per-token columns, ``(B, T, K)`` top-K columns, ``(B,)`` per-sequence
-  columns (``sample_id``, ``prompt_id``, ``advantage`` broadcast over T), with ``mask`` ``(B, T)``. Ragged form
-  (``mask=None``): each per-token column is a list of B 1-D sequences of length ``T_i`` (top-K: ``(T_i, K)``).
-  Required: ``token_id``, ``mu_logprob``, ``pi_logprob``, ``advantage`` (here or ``samples['advantage']``) and
-  ``prompt_id`` (here or in ``samples``). ``sample_id`` may come from ``tokens`` or ``samples`` and defaults to
-  ``arange(B)``; it must be unique within the step over all ranks (e.g. ``rank * B + i``). ``kept`` defaults to
-  True. ``run_id``, ``step``, ``rank``, ``pos``, ``loss_rule`` are filled in by the logger. ``topk_tv`` /
-  ``topk_kl`` are computed (:mod:`trustscope.divergence`, in the writer thread) when both top-K logprob lists are
-  given and they are not. mu's top-K must already hold the sampled token
-  (:func:`trustscope.divergence.force_sampled_into_topk`). Logprobs up to 1e-5 above 0 are stored as 0.
-- ``mask``: ``(B, T)`` bool, True on real response tokens (padded form only). ``pos`` is the column index.
-- ``samples`` (dict): columns of the ``samples`` table, each of length B (row i describes tokens row i). May be
-  given without ``tokens`` (then ``length`` is required); ``length`` defaults to the mask's row sums.
-- ``scalars`` (dict[str, float]): written to the ``steps`` table (NaN and inf are kept). May be the only argument.
-- ``loss_rule`` (str): overrides the logger's ``loss_rule`` for this call.
-
-Bad input (NaN/inf or positive logprobs, top-K lists of the wrong length, lengths that disagree with the mask,
-unknown columns, a step that goes backwards) raises :class:`trustscope.schema.SchemaError` naming the field and
-the value; with ``strict=False`` it warns (:class:`LogWarning`) and drops the bad token rows (or the whole call when
-the problem is not in a row). Nothing already written is touched.
-
-``log_step`` copies the data (tensors go to CPU numpy), checks it and puts it on a bounded queue; a background
-thread turns it into Arrow and writes one file per table when ``flush_rows`` token rows are buffered, every
-``flush_seconds``, on :meth:`flush` and on :meth:`close`. When the queue is full ``log_step`` waits (back-pressure).
-Errors of the writer thread (disk full, ...) are raised by the next ``log_step``/``flush``/``close`` (strict) or
-warned about (``strict=False``).
-
-Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
-vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
-topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
-fsync=True)``:
-
-- ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
-  or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
-  the vocab, other ranks ``ranks/rank<r>.json``.
-- ``loss_rule``: the rule the trainer applied (a name from :func:`trustscope.losses.list_losses` or the
-  framework's own, e.g. ``"trl:grpo"``); recorded in ``run.json`` and on every token row.
-- ``mu_source``: where ``mu_logprob`` comes from: ``"engine"`` (the inference engine's log-probs),
-  ``"trainer_recompute"`` (the framework kept none, so mu is the trainer's own recompute and mismatch reads ~0),
-  or ``"imported"`` (read from another framework's dump). Recorded in ``run.json``.
-- ``source``: which framework wrote the run, e.g. ``{"framework": "trl", "version": "1.16.0"}``; default
-  trustscope itself. Recorded in ``run.json``.
-- ``vocab``: token texts indexed by id (``list[str]``), or a ``dict[int, str]``, or a Hugging Face tokenizer.
-- ``resume``: continue an existing run (new files only, nothing overwritten). Without it an existing run id is an
-  error.
-- ``token_fraction``: log the tokens of only this fraction of sequences (chosen by a hash of seed, step and
-  sample_id, so every rank agrees); samples and scalars are always logged in full.
-- ``log_topk=False``: leave the top-K list columns out (null); ``topk_tv`` / ``topk_kl`` are still computed.
-- ``topk_precision="float16"``: round top-K logprobs to float16's 10-bit mantissa (still stored as float32, so the
-  schema does not change), which makes them compress much better; ``topk_tv``/``topk_kl`` are computed before the
-  rounding. The precision it costs is in ``docs/performance.md``.
-
-Files are ``<table>/r<rank>-s<first step>-<last step>-<session>-<seq>.parquet``, row groups of ``row_group_size``
-rows (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``.
-What was sampled is written into the manifest (``logging`` key), with ``last_step`` and ``rows`` flushed so far. :meth:`TokenLogger.close` (or leaving the
-``with`` block) flushes and marks the run ``finished``; leaving it by an exception marks it ``crashed``; a process
-that dies leaves ``running`` with a dead writer pid, which :func:`run_status` reads as ``crashed``.
-
-This module imports torch only when it is handed tensors or must compute top-K divergences.
-"""
+"""The public face: :class:`TokenLogger` and the no-op :class:`NullLogger`."""
 
 from __future__ import annotations
 
@@ -110,16 +7,13 @@ import contextlib
 import json
 import os
 import queue
-import re
 import secrets
 import socket
-import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -130,374 +24,40 @@ import pyarrow.parquet as pq
 
 from trustscope import __version__
 from trustscope import schema as S
+from trustscope.logger.checks import (
+    PER_SEQUENCE,
+    SAMPLE_INPUTS,
+    TOKEN_INPUTS,
+    _as_float,
+    _as_int,
+    _Batch,
+    _Checker,
+    _flatten_tokens,
+    _keep_hash,
+    _n_samples,
+    _Rejected,
+    _to_numpy,
+    _within,
+)
+from trustscope.logger.errors import LogDirError, LogWarning
+from trustscope.logger.runfiles import (
+    _RUN_ID_OK,
+    _jsonable,
+    _last_step_on_disk,
+    _now,
+    _process_start,
+    _rank_data_files,
+    _rank_file,
+    _read_json,
+    _vocab_texts,
+    _world_size,
+    _write_json_atomic,
+    resolve_rank,
+)
+from trustscope.logger.writer import _list_array, _Table, round_mantissa, topk_divergences
 from trustscope.schema import SchemaError
 
-__all__ = ["LogDirError", "LogWarning", "NullLogger", "SchemaError", "TokenLogger", "rank_statuses", "run_status"]
-
-
-class LogWarning(UserWarning):
-    """Rows or calls dropped by a ``strict=False`` logger, or a write that failed in the background."""
-
-
-class LogDirError(OSError):
-    """The log directory cannot be created or written, or the run exists and ``resume`` was not asked for."""
-
-
-# Columns the caller may pass; the rest are filled in by the logger.
-# Where mu_logprob came from: the inference engine's own log-probs (the real behaviour policy), or, for
-# frameworks that keep none, the trainer's recompute (then mu == pi_old and no mismatch can be measured).
 MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
-
-TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
-SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank"))
-PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
-MAYBE_PER_SEQUENCE = ("advantage",)  # (B,) broadcast over T, or (B, T)
-FLOAT_TOKEN_COLUMNS = ("mu_logprob", "old_logprob", "pi_logprob", "advantage", "entropy", "topk_tv", "topk_kl")
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-def _process_start(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks (Linux), to tell a live writer from a reused pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _pid_alive(pid: int, start: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if start is not None and Path("/proc").is_dir():
-        return _process_start(pid) == start
-    return True
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = S.tmp_path(path)
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def resolve_rank(rank: int | None = None) -> int:
-    """The process's rank: ``rank`` if given, else torch.distributed's (when initialised), else ``$RANK``, else 0."""
-    if rank is not None:
-        return int(rank)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0"))
-
-
-def _world_size() -> int:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-# ----------------------------------------------------------------------------------------------- input conversion
-
-
-def _is_tensor(x: Any) -> bool:
-    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # torch may be importing in the writer thread
-    return tensor is not None and isinstance(x, tensor)
-
-
-def _to_numpy(x: Any, name: str) -> np.ndarray:
-    """A numpy view or copy of a tensor, array, scalar or (nested, rectangular) list."""
-    if _is_tensor(x):
-        x = x.detach()
-        if x.is_floating_point() and x.dtype.itemsize < 4:
-            x = x.float()
-        return x.cpu().numpy()
-    try:
-        arr = np.asarray(x)
-    except ValueError as err:
-        raise SchemaError(f"{name}: cannot be read as an array ({err})") from None
-    if arr.dtype == object:
-        raise SchemaError(f"{name}: ragged or non-numeric values cannot form an array; pass mask=None with one "
-                          f"sequence per sample for ragged input")
-    return arr
-
-
-def _is_ragged(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and not np.isscalar(x[0]) and x[0] is not None
-
-
-def _as_float(arr: np.ndarray, name: str) -> np.ndarray:
-    if arr.dtype.kind not in "fiub":
-        raise SchemaError(f"{name}: expected numbers, got dtype {arr.dtype}")
-    return arr.astype(np.float32, copy=False)
-
-
-def _as_int(arr: np.ndarray, name: str, dtype: type = np.int64) -> np.ndarray:
-    if arr.dtype.kind == "f":
-        if arr.size and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
-            bad = arr[~(np.isfinite(arr) & (arr == np.round(arr)))][0]
-            raise SchemaError(f"{name}: expected integers, got {bad}")
-    elif arr.dtype.kind not in "iub":
-        raise SchemaError(f"{name}: expected integers, got dtype {arr.dtype}")
-    return arr.astype(dtype, copy=False)
-
-
-def _keep_hash(seed: int, step: int, sample_id: np.ndarray) -> np.ndarray:
-    """A uniform value in [0, 1) per sample, from (seed, step, sample_id) alone (splitmix64), so ranks agree."""
-    with np.errstate(over="ignore"):
-        z = sample_id.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % 2**64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
-
-
-def _within(arr: np.ndarray, low: float, high: float, finite: bool = False) -> bool:
-    """Fast check by two reductions (no temporaries): every value in [low, high] (and finite) and none NaN."""
-    if arr.size == 0:
-        return True
-    lo, hi = arr.min(), arr.max()  # NaN propagates into both
-    if finite and (np.isinf(lo) or np.isinf(hi)):
-        return False
-    return bool(lo >= low) and bool(hi <= high)
-
-
-@dataclass
-class _Batch:
-    """One call's data, checked and flattened to token rows; owned by the writer thread once queued."""
-
-    step: int
-    loss_rule: str
-    tokens: dict[str, np.ndarray] | None  # flat columns, N rows (top-K: (N, K))
-    samples: dict[str, Any] | None
-    scalars: list[tuple[str, float]] = field(default_factory=list)
-
-    @property
-    def n_tokens(self) -> int:
-        return 0 if self.tokens is None else len(self.tokens["token_id"])
-
-
-class _Rejected(Exception):
-    """Internal: a problem that drops the whole call (strict=False) or raises SchemaError (strict)."""
-
-
-class _Checker:
-    """Collects row problems (strict: raise at once; not strict: drop rows with a warning)."""
-
-    def __init__(self, strict: bool, n: int, where: Any):
-        self.strict = strict
-        self.bad = np.zeros(n, dtype=bool)
-        self.where = where  # callable(row index) -> str
-        self.messages: list[str] = []
-
-    def rows(self, ok: np.ndarray, name: str, what: str, values: np.ndarray) -> None:
-        """Flag the rows where element-wise ``ok`` (shape of ``values``: ``(N,)`` or ``(N, K)``) is False."""
-        ok_rows = ok if ok.ndim == 1 else ok.all(axis=1)
-        if ok_rows.all():
-            return
-        idx = np.flatnonzero(~ok_rows)
-        first = values[idx[0]] if ok.ndim == 1 else values[idx[0]][~ok[idx[0]]][0]
-        msg = f"{name} {what}, got {first.item()} at {self.where(idx[0])} ({len(idx)} bad row(s))"
-        if self.strict:
-            raise SchemaError(msg)
-        self.bad[idx] = True
-        self.messages.append(msg)
-
-
-def _flatten_tokens(
-    tokens: Mapping[str, Any], mask: Any
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """Token columns as flat rows. Returns (columns, row -> sequence index b, row -> pos, lengths (B,)).
-
-    Per-token columns become ``(N,)``, top-K columns ``(N, K)``, per-sequence columns are broadcast.
-    """
-    if "token_id" not in tokens:
-        raise _Rejected("tokens['token_id'] is required")
-    if mask is None and isinstance(tokens["token_id"], (list, tuple)):
-        return _flatten_ragged(tokens)
-    token_id = _to_numpy(tokens["token_id"], "tokens['token_id']")
-    if token_id.ndim != 2:
-        raise _Rejected(f"tokens['token_id'] must be (B, T) with a mask, or ragged with mask=None; "
-                        f"got shape {token_id.shape}")
-    B, T = token_id.shape
-    if mask is None:
-        m = np.ones((B, T), dtype=bool)
-    else:
-        m = _to_numpy(mask, "mask")
-        if m.shape != (B, T):
-            raise _Rejected(f"mask has shape {m.shape}, tokens['token_id'] has {(B, T)}: they must agree")
-        if m.dtype != np.bool_:
-            if not np.isin(m, (0, 1)).all():
-                raise _Rejected(f"mask must be boolean (or 0/1), got value {m[~np.isin(m, (0, 1))][0]}")
-            m = m.astype(bool)
-    full = bool(m.all())
-    if full:
-        b = np.repeat(np.arange(B), T)
-        t = np.tile(np.arange(T, dtype=np.int32), B)
-    else:
-        b, t = np.nonzero(m)
-        t = t.astype(np.int32)
-    cols: dict[str, np.ndarray] = {}
-    for name, value in tokens.items():
-        arr = _to_numpy(value, f"tokens[{name!r}]")
-        label = f"tokens[{name!r}]"
-        if name in S.TOPK_COLUMNS:
-            if arr.ndim != 3 or arr.shape[:2] != (B, T):
-                raise _Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
-            cols[name] = arr.reshape(B * T, -1).copy() if full else arr[b, t]
-        elif name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and arr.ndim == 1):
-            if arr.shape != (B,):
-                raise _Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
-            cols[name] = arr[b]
-        else:
-            if arr.shape != (B, T):
-                raise _Rejected(f"{label} must have shape (B, T) = ({B}, {T}), got {arr.shape}")
-            cols[name] = arr.reshape(-1).copy() if full else arr[b, t]
-    return cols, b, t, m.sum(axis=1)
-
-
-def _flatten_ragged(tokens: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    seqs = tokens["token_id"]
-    B = len(seqs)
-    firsts = [_to_numpy(s, f"tokens['token_id'][{i}]") for i, s in enumerate(seqs)]
-    for i, arr in enumerate(firsts):
-        if arr.ndim != 1:
-            raise _Rejected(f"tokens['token_id'][{i}] must be a 1-D sequence of ids, got shape {arr.shape}")
-    lengths = np.array([len(arr) for arr in firsts], dtype=np.int64)
-    b = np.repeat(np.arange(B), lengths)
-    t = (np.arange(len(b)) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.int32)
-    cols: dict[str, np.ndarray] = {}
-    for name, value in tokens.items():
-        label = f"tokens[{name!r}]"
-        if name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and not _is_ragged(value)):
-            arr = _to_numpy(value, label)
-            if arr.shape != (B,):
-                raise _Rejected(f"{label} must have one value per sample, shape ({B},), got {arr.shape}")
-            cols[name] = arr[b]
-            continue
-        if not isinstance(value, (list, tuple)) or len(value) != B:
-            raise _Rejected(f"{label} must be a list of {B} per-sample sequences (like tokens['token_id']), "
-                            f"got {type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
-        parts = [_to_numpy(v, f"{label}[{i}]") for i, v in enumerate(value)]
-        for i, part in enumerate(parts):
-            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in S.TOPK_COLUMNS else part.ndim == 1
-            if part.ndim == 0 or len(part) != lengths[i] or not ndim_ok:
-                want = f"({lengths[i]}, K)" if name in S.TOPK_COLUMNS else f"({lengths[i]},)"
-                raise _Rejected(f"{label}[{i}] has shape {part.shape}, but tokens['token_id'][{i}] has length "
-                                f"{lengths[i]}: expected {want}")
-        if name in S.TOPK_COLUMNS:
-            ks = {p.shape[1] for p in parts if p.ndim == 2}
-            if len(ks) > 1:
-                raise _Rejected(f"{label}: top-K lists of several lengths {sorted(ks)} in one call")
-            k = ks.pop() if ks else 0
-            parts = [p.reshape(-1, k) for p in parts]
-        cols[name] = np.concatenate(parts) if parts else np.zeros(0)
-    return cols, b, t, lengths
-
-
-_FILE_RE = re.compile(r"^r(\d+)-s(\d+)-(\d+)-")
-_RUN_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def _rank_file(run_dir: Path, rank: int) -> Path:
-    """Where rank ``rank`` keeps its status: ``run.json`` for rank 0, ``ranks/rank<r>.json`` for the others."""
-    return run_dir / S.MANIFEST if rank == 0 else run_dir / S.RANKS_DIR / f"rank{rank:04d}.json"
-
-
-def _rank_data_files(run_dir: Path, rank: int) -> list[Path]:
-    prefix = f"r{rank:04d}-"
-    return [p for t in S.TABLES if (run_dir / t).is_dir() for p in (run_dir / t).iterdir()
-            if p.name.startswith(prefix) and S.is_data_file(p)]
-
-
-def _last_step_on_disk(run_dir: Path, rank: int) -> int | None:
-    steps = [int(m.group(3)) for p in _rank_data_files(run_dir, rank) if (m := _FILE_RE.match(p.name))]
-    return max(steps) if steps else None
-
-
-class _Table:
-    """One table's open temporary file and its pending rows (writer thread only)."""
-
-    def __init__(self, name: str, row_group_size: int, prefix: str):
-        self.name = name
-        self.prefix = prefix
-        self.schema = S.with_metadata(name)
-        self.options = S.WRITE_OPTIONS[name]
-        self.row_group_size = row_group_size
-        self.pending: list[pa.Table] = []
-        self.pending_rows = 0
-        self.writer: pq.ParquetWriter | None = None
-        self.tmp: Path | None = None
-        self.rows = 0  # rows in the open file, written or pending
-        self.first_step: int | None = None
-        self.last_step: int | None = None
-
-    def add(self, table: pa.Table, step: int, directory: Path) -> None:
-        if table.num_rows == 0:
-            return
-        self.pending.append(table)
-        self.pending_rows += table.num_rows
-        self.rows += table.num_rows
-        self.first_step = step if self.first_step is None else self.first_step
-        self.last_step = step
-        if self.pending_rows >= self.row_group_size:
-            self._write_pending(directory, whole_groups=True)
-
-    def _write_pending(self, directory: Path, whole_groups: bool) -> None:
-        data = pa.concat_tables(self.pending)
-        keep = data.num_rows % self.row_group_size if whole_groups else 0
-        if self.writer is None:
-            self.tmp = S.tmp_path(directory / f"{self.prefix}-open-{secrets.token_hex(6)}.parquet")
-            self.writer = pq.ParquetWriter(self.tmp, self.schema, **self.options.writer_kwargs())
-        self.writer.write_table(data.slice(0, data.num_rows - keep), row_group_size=self.row_group_size)
-        self.pending = [data.slice(data.num_rows - keep)] if keep else []
-        self.pending_rows = keep
-
-    def finish(self, directory: Path, name: str, fsync: bool) -> tuple[Path, int] | None:
-        """Write what is pending, close the file and rename it to its final name. Returns (path, rows)."""
-        if self.rows == 0:
-            return None
-        if self.pending_rows:
-            self._write_pending(directory, whole_groups=False)
-        assert self.writer is not None and self.tmp is not None
-        self.writer.close()
-        if fsync:
-            fd = os.open(self.tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        final = directory / name.format(first=self.first_step, last=self.last_step)
-        os.replace(self.tmp, final)
-        rows = self.rows
-        self.reset()
-        return final, rows
-
-    def abort(self) -> None:
-        """Drop the open file and pending rows (after a write error)."""
-        if self.writer is not None:
-            with contextlib.suppress(Exception):  # the file is being thrown away
-                self.writer.close()
-        if self.tmp is not None:
-            self.tmp.unlink(missing_ok=True)
-        self.reset()
-
-    def reset(self) -> None:
-        self.pending, self.pending_rows, self.writer, self.tmp = [], 0, None, None
-        self.rows, self.first_step, self.last_step = 0, None, None
-
-
-def _list_array(values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    n, k = values.shape
-    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)),
-                                    type=pa.list_(pa.field("element", value_type, nullable=False)))
 
 
 class TokenLogger:
@@ -1099,84 +659,6 @@ class TokenLogger:
             self._fail(err)
 
 
-def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:
-    """float32 ``values`` rounded to ``bits`` mantissa bits (10 = float16's precision), still float32.
-
-    The low ``23 - bits`` mantissa bits become zero, which BYTE_STREAM_SPLIT + zstd then store almost for free.
-    Unlike a cast to float16 the float32 exponent is kept: no overflow, no loss for tiny magnitudes.
-    Rounds half away from zero (on the magnitude).
-    """
-    drop = 23 - bits
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    half, keep = np.uint32(1 << (drop - 1)), np.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
-    finite = (u & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
-    rounded = np.where(finite, (u + half) & keep, u)
-    return rounded.view(np.float32)
-
-
-def topk_divergences(mu_topk_logprobs: np.ndarray, pi_topk_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Top-K TV and KL ``(N,)`` float32 from ``(N, K)`` logprob arrays, by :mod:`trustscope.divergence`.
-
-    Computed in float64: in float32 the 'other' bucket ``1 - sum P`` is lost below about 1e-3, and its log-ratio
-    term of the KL with it.
-    """
-    import torch
-
-    from trustscope import divergence
-
-    mu = torch.from_numpy(np.asarray(mu_topk_logprobs, dtype=np.float64))
-    pi = torch.from_numpy(np.asarray(pi_topk_logprobs, dtype=np.float64))
-    with torch.no_grad():
-        tv, kl = divergence.topk_tv(mu, pi), divergence.topk_kl(mu, pi)
-    return tv.numpy().astype(np.float32), kl.numpy().astype(np.float32)
-
-
-def _n_samples(samples: Mapping[str, Any] | None) -> int:
-    if not samples:
-        return 0
-    name, value = next(iter(samples.items()))
-    try:
-        return len(value)
-    except TypeError:
-        raise _Rejected(f"samples[{name!r}] must be a sequence with one value per sample, got {value!r}") from None
-
-
-def _vocab_texts(vocab: Any) -> list[str]:
-    """Token texts indexed by id from a list, a {id: text} dict or a Hugging Face tokenizer."""
-    if isinstance(vocab, Mapping):
-        size = max(vocab) + 1 if vocab else 0
-        texts: list[Any] = [None] * size
-        for i, text in vocab.items():
-            texts[int(i)] = text
-        return texts
-    if isinstance(vocab, Sequence) and not isinstance(vocab, str):
-        return list(vocab)
-    if hasattr(vocab, "decode") and hasattr(vocab, "__len__"):
-        return [vocab.decode([i]) for i in range(len(vocab))]
-    raise TypeError(f"vocab must be a list of texts, a {{id: text}} dict or a tokenizer, got {type(vocab).__name__}")
-
-
-def _jsonable(obj: Any) -> Any:
-    """``obj`` as plain JSON values (dataclasses and paths included); checked here so close() cannot fail on it."""
-    if obj is None:
-        return None
-    if hasattr(obj, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        obj = asdict(obj)
-    return json.loads(json.dumps(obj, default=str))
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise SchemaError(f"{path}: unreadable manifest ({err})") from None
-    if not isinstance(data, dict):
-        raise SchemaError(f"{path}: manifest is not a JSON object")
-    return data
-
-
 def _close_at_exit(logger: TokenLogger) -> Any:
     """An atexit hook that closes ``logger`` (as crashed: the program ended without close()) if still alive."""
     ref = weakref.ref(logger)
@@ -1188,41 +670,6 @@ def _close_at_exit(logger: TokenLogger) -> Any:
                 lg.close(status="crashed", error="the process exited without TokenLogger.close()")
 
     return hook
-
-
-# ------------------------------------------------------------------------------------------------------- status
-
-
-def rank_statuses(run_dir: str | os.PathLike) -> dict[int, str]:
-    """Effective status of every rank of a run: a ``running`` rank whose writer process is gone reads ``crashed``.
-
-    A writer on another host cannot be checked from here and keeps ``running``.
-    """
-    run_dir = Path(run_dir)
-    files = [run_dir / S.MANIFEST, *sorted((run_dir / S.RANKS_DIR).glob("rank*.json"))]
-    out: dict[int, str] = {}
-    host = socket.gethostname()
-    for path in files:
-        if not path.exists():
-            continue
-        m = _read_json(path)
-        status = m.get("status", "running")
-        if status == "running" and m.get("hostname") == host and isinstance(m.get("pid"), int):
-            if not _pid_alive(m["pid"], m.get("pid_start")):
-                status = "crashed"
-        out[int(m.get("rank", 0))] = status
-    if not out:
-        raise SchemaError(f"{run_dir}: no run manifest")
-    return out
-
-
-def run_status(run_dir: str | os.PathLike) -> str:
-    """Effective status of a run: ``crashed`` if any rank crashed, else ``running`` if any runs, else ``finished``."""
-    statuses = set(rank_statuses(run_dir).values())
-    for status in ("crashed", "running"):
-        if status in statuses:
-            return status
-    return "finished"
 
 
 class NullLogger:
