@@ -147,6 +147,7 @@ class TokenLogger:
             warnings.warn(f"trustscope: step {step} not logged: {err}", LogWarning, stacklevel=2)
             return
         if not self._writer.put(batch):
+            self._writer.lose(batch)
             self._raise_writer_error()
 
     def flush(self) -> None:
@@ -171,8 +172,10 @@ class TokenLogger:
         atexit.unregister(self._atexit)
         try:
             self._writer.stop()
-            lost = self._writer.lost
-            if lost is not None and status == "finished":
+            lost, fatal = self._writer.lost, self._writer.fatal
+            if fatal is not None and status == "finished":
+                status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
+            elif lost is not None and status == "finished":
                 status, error = "crashed", f"write error: {lost['errors'][0] if lost['errors'] else 'unknown'}"
             self._files.finish(status, error, lost)
         except OSError as err:

@@ -188,6 +188,16 @@ class Writer:
         while self._thread.is_alive():
             self._thread.join(POLL_S)
 
+    def lose(self, batch: Batch) -> None:
+        """Count a batch the training thread could not queue (the writer thread is gone) as lost."""
+        self._lose(self._fatal or RuntimeError("the writer thread stopped"), _batch_rows(batch), batch.step,
+                   batch.step)
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """What ended the writer thread before it was stopped, or None."""
+        return self._fatal
+
     def take_error(self) -> BaseException | None:
         """The failure not yet reported to the training thread; once the thread is dead, always its cause."""
         err, self._error = self._error, None
@@ -227,6 +237,9 @@ class Writer:
             self._fatal = err
             self._lose_open(err)
             self._give_up_uncommitted()
+            with contextlib.suppress(Exception):  # readers see at once that nothing more will be written
+                self.files.save(status="crashed", error=f"writer thread stopped: {type(err).__name__}: {err}",
+                                lost=self.lost)
             while True:
                 try:
                     kind, payload = self._queue.get_nowait()
