@@ -222,6 +222,7 @@ def test_the_lock_of_a_killed_writer_is_taken_over(tmp_path):
         lg.log_step(0, **step_data(0))
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert steps_in(tmp_path / "killed") == [0]
+    assert not lock.exists()  # a clean close removes it
 
 
 def test_ranks_with_default_sample_ids_do_not_collide_and_validate_names_collisions(tmp_path):

@@ -14,6 +14,8 @@ import os
 import secrets
 import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,6 +137,7 @@ class RunLock:
     """An exclusive lock on ``<run>/.r<rank>.lock`` while a logger writes that rank; the file names the owner.
 
     An ``flock``: the kernel drops it when its process dies, so the lock of a dead writer is taken over at once.
+    The file is removed on release; a lock taken on a file that was removed meanwhile is taken again.
     """
 
     def __init__(self, run_dir: Path, rank: int):
@@ -142,19 +145,27 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, run_id: str, rank: int) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = self._owner(fd)
-            os.close(fd)
-            raise LogDirError(f"run {run_id!r} rank {rank} is being written by another logger (pid "
-                              f"{owner.get('pid', '?')} on host {owner.get('hostname', '?')}, since "
-                              f"{owner.get('at', '?')}; lock {str(self.path)!r}); close it first, or log another "
-                              f"rank or run_id") from None
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = self._owner(fd)
+                os.close(fd)
+                raise LogDirError(f"run {run_id!r} rank {rank} is being written by another logger (pid "
+                                  f"{owner.get('pid', '?')} on host {owner.get('hostname', '?')}, since "
+                                  f"{owner.get('at', '?')}; lock {str(self.path)!r}); close it first, or log "
+                                  f"another rank or run_id") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its owner released and removed it while we waited for it: take the new one
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(), "at": now()}).encode())
         self._fd = fd
@@ -169,6 +180,8 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            with contextlib.suppress(OSError):  # a read-only directory keeps it: the next owner takes it over
+                self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
@@ -187,9 +200,12 @@ class RunFiles:
         self.path = rank_file(self.run_dir, rank)
         self.lock = RunLock(self.run_dir, rank)
         self.manifest: dict[str, Any] = {}
+        self._manifest_lock = threading.Lock()  # the writer thread saves, the training thread reads
         self.disk_last_step: int | None = None
         """The last step of this rank in the committed files already on disk (resume), else None."""
         self.next_flush = 1
+        self.saved_at = time.monotonic()
+        """When the manifest was last written (monotonic clock)."""
 
     # --------------------------------------------------------------------------------------------- opening
 
@@ -296,7 +312,14 @@ class RunFiles:
         """Update the manifest (``updated_at`` too) and write it atomically; raises the OSError if it fails."""
         update = {**changes, "updated_at": now()}
         write_json_atomic(self.path, {**self.manifest, **update})
-        self.manifest.update(update)
+        with self._manifest_lock:
+            self.manifest.update(update)
+        self.saved_at = time.monotonic()
+
+    def snapshot(self) -> dict:
+        """A deep copy of the manifest as last written."""
+        with self._manifest_lock:
+            return json.loads(json.dumps(self.manifest, default=str))
 
     def commit(self, flush: int, rows: Mapping[str, int], last_step: int | None, counts: Mapping[str, int],
                topk_k: int | None, lost: dict | None) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import secrets
 import warnings
@@ -199,7 +198,7 @@ class TokenLogger:
     @property
     def manifest(self) -> dict:
         """A copy of this rank's manifest as last written."""
-        return json.loads(json.dumps(self._files.manifest, default=str))
+        return self._files.snapshot()
 
     def _raise_writer_error(self) -> None:
         err = self._writer.take_error()

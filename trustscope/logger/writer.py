@@ -265,6 +265,8 @@ class Writer:
                     self._rotate()
                     last_flush = time.monotonic()
                 self._add(payload)
+                if time.monotonic() - self.files.saved_at >= self.flush_seconds:  # a long step: still alive
+                    self._heartbeat()
             else:
                 self._rotate()
                 last_flush = time.monotonic()
@@ -325,10 +327,7 @@ class Writer:
             if self._uncommitted:
                 self._commit()
             elif heartbeat:
-                try:
-                    self.files.save()
-                except OSError as err:
-                    self._report(err)
+                self._heartbeat()
             return
         number = self.files.next_flush
         rows = {t.name: t.rows for t in open_tables}
@@ -353,6 +352,13 @@ class Writer:
         self._open_counts = self._no_counts()
         self._open_step = None
         self._commit()
+
+    def _heartbeat(self) -> None:
+        """Update the manifest's ``updated_at`` only, so readers can tell a live writer from a stale one."""
+        try:
+            self.files.save()
+        except OSError as err:
+            self._report(err)
 
     def _commit(self) -> None:
         """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later."""
