@@ -25,7 +25,9 @@ Nullable columns (``nullable=True`` below) may hold nulls; every other column mu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,13 +223,18 @@ def rank_manifest_paths(run_dir: Path) -> list[Path]:
     return [run_dir / MANIFEST, *sorted((run_dir / RANKS_DIR).glob("rank*.json"))]
 
 
-def _committed_flushes(run_dir: Path) -> dict[int, int]:
+def _committed_flushes(run_dir: str) -> dict[int, int]:
     """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
+    ranks_dir = os.path.join(run_dir, RANKS_DIR)
+    paths = [os.path.join(run_dir, MANIFEST)]
+    with contextlib.suppress(OSError):
+        paths += [e.path for e in os.scandir(ranks_dir) if e.name.startswith("rank") and e.name.endswith(".json")]
     marks = {}
-    for path in rank_manifest_paths(run_dir):
+    for path in paths:
         try:
-            manifest = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            with open(path, "rb") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
             continue
         if isinstance(manifest, dict) and isinstance(manifest.get("committed_flush"), int):
             marks[int(manifest.get("rank", 0))] = manifest["committed_flush"]
@@ -240,21 +247,26 @@ def committed_files(run_dir: Path) -> dict[str, list[Path]]:
     A file whose flush number is above its rank's ``committed_flush`` belongs to a flush that was still being
     written, or whose writer died between the renames and the manifest update; it is never read, and the
     logger removes it when the run is resumed. Files without a flush number (older loggers) are always read.
+    Called for every query cursor, so it lists with ``os.scandir`` and parses each manifest once.
     """
     run_dir = Path(run_dir)
-    marks = _committed_flushes(run_dir)
+    marks = _committed_flushes(str(run_dir))
     out: dict[str, list[Path]] = {}
     for table in TABLES:
         folder = run_dir / table
-        files = []
-        if folder.is_dir():
-            for path in folder.iterdir():
-                if not is_data_file(path):
+        names = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.scandir(folder):
+                name = entry.name
+                if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
                     continue
-                name = parse_data_file(path.name)
-                if name is None or name.flush is None or name.rank not in marks or name.flush <= marks[name.rank]:
-                    files.append(path)
-        out[table] = sorted(files)
+                parsed = _DATA_FILE_RE.match(name)
+                if parsed is not None and parsed[4] is not None:
+                    rank, flush = int(parsed[1]), int(parsed[4])
+                    if rank in marks and flush > marks[rank]:
+                        continue
+                names.append(name)
+        out[table] = [folder / name for name in sorted(names)]
     return out
 
 
