@@ -446,10 +446,7 @@ class InputChecker:
         sid = cols["sample_id"]
         check = _RowChecker(self.strict, len(b), lambda i: f"sample_id {sid[i]}, pos {t[i]}")
 
-        tok = cols["token_id"] = _as_int(cols["token_id"], "tokens['token_id']", np.int32)
-        upper = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int32).max
-        if not _within(tok, 0, upper - 1):
-            check.rows((tok >= 0) & (tok < upper), "tokens['token_id']", f"must be in [0, {upper})", tok)
+        self._check_ids(cols, "token_id", check)
         for name in (*S.LOGPROB_COLUMNS, *S.TOPK_LOGPROB_COLUMNS):
             if name not in cols:
                 continue
@@ -486,6 +483,20 @@ class InputChecker:
             cols = {name: arr[keep] for name, arr in cols.items()}
         return cols, dropped
 
+    def _check_ids(self, cols: dict[str, np.ndarray], name: str, check: _RowChecker) -> None:
+        """Token ids as int32 in ``[0, vocab size)``; one reduction when all are fine (the common case)."""
+        label = f"tokens[{name!r}]"
+        upper = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int32).max
+        ids = cols[name]
+        if ids.dtype.kind in "iu":  # seen as unsigned, a negative id is huge: the max alone checks both ends
+            unsigned = ids.view(f"u{ids.dtype.itemsize}")
+            if not ids.size or unsigned.max() < upper:  # then it fits int32 too: upper <= 2**31 - 1
+                cols[name] = ids.astype(np.int32, copy=False)
+                return
+        ids = cols[name] = _as_int(ids, label, np.int32)
+        if not _within(ids, 0, upper - 1):
+            check.rows((ids >= 0) & (ids < upper), label, f"must be in [0, {upper})", ids)
+
     def _check_topk(self, cols: dict[str, np.ndarray], check: _RowChecker) -> None:
         given = [name for name in S.TOPK_COLUMNS if name in cols]
         if not given:
@@ -502,8 +513,5 @@ class InputChecker:
         if k < 1:
             raise Rejected("tokens['mu_topk_ids'] has K = 0; leave the top-K columns out instead")
         self._k = k
-        ids = cols["mu_topk_ids"] = _as_int(cols["mu_topk_ids"], "tokens['mu_topk_ids']", np.int32)
-        upper = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int32).max
-        if not _within(ids, 0, upper - 1):
-            check.rows((ids >= 0) & (ids < upper), "tokens['mu_topk_ids']", f"must be in [0, {upper})", ids)
+        self._check_ids(cols, "mu_topk_ids", check)
 
