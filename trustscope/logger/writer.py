@@ -187,11 +187,14 @@ class Writer:
             self._wait(done)
         while self._thread.is_alive():
             self._thread.join(POLL_S)
+        self._drain_lost()
 
     def lose(self, batch: Batch) -> None:
-        """Count a batch the training thread could not queue (the writer thread is gone) as lost."""
+        """Count a batch the training thread could not queue (the writer thread is gone) as lost, and any batch
+        still queued with it."""
         self._lose(self._fatal or RuntimeError("the writer thread stopped"), _batch_rows(batch), batch.step,
                    batch.step)
+        self._drain_lost()
 
     @property
     def fatal(self) -> BaseException | None:
@@ -237,16 +240,21 @@ class Writer:
             self._fatal = err
             self._lose_open(err)
             self._give_up_uncommitted()
+            self._drain_lost()
             with contextlib.suppress(Exception):  # readers see at once that nothing more will be written
                 self.files.save(status="crashed", error=f"writer thread stopped: {type(err).__name__}: {err}",
                                 lost=self.lost)
-            while True:
-                try:
-                    kind, payload = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "data":
-                    self._lose(err, _batch_rows(payload), payload.step, payload.step)
+
+    def _drain_lost(self) -> None:
+        """Count the batches left on the queue of a thread that is gone as lost."""
+        err = self._fatal or RuntimeError("the writer thread stopped")
+        while True:
+            try:
+                kind, payload = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "data":
+                self._lose(err, _batch_rows(payload), payload.step, payload.step)
 
     def _loop(self) -> None:
         last_flush = time.monotonic()
