@@ -120,3 +120,26 @@ def test_every_run_summary_key_and_manifest_key_is_documented(tmp_path):
     keys = [*run_summary(tmp_path / "documented"), *manifest, *manifest["logging"]]
     missing = sorted({k for k in keys if f"`{k}`" not in docs})
     assert not missing, f"missing from docs/logging.md: {missing}"
+
+
+def test_drop_steps_after_cuts_whole_flushes_and_recounts_the_manifest(tmp_path):
+    from trustscope.logger import drop_steps_after
+
+    with TokenLogger(tmp_path, "cut", token_fraction=0.5) as lg:
+        for step in range(5):
+            lg.log_step(step, **step_data(step), scalars={"loss": float(step)})
+            lg.flush()
+    before = json.loads((tmp_path / "cut" / S.MANIFEST).read_text())
+    live = TokenLogger(tmp_path, "cut", resume=True)
+    with pytest.raises(LogDirError, match="being written by another logger"):
+        drop_steps_after(tmp_path / "cut", 2)
+    live.close()
+    assert drop_steps_after(tmp_path / "cut", 2) == 2 * 3  # steps 3 and 4: one file per table each
+    manifest = json.loads((tmp_path / "cut" / S.MANIFEST).read_text())
+    assert manifest["last_step"] == 2 and manifest["rows"]["steps"] == 3
+    assert manifest["tokens_generated"] == 3 * (B * T - 3) < before["tokens_generated"]
+    assert manifest["tokens_logged"] == manifest["rows"]["tokens"]
+    assert S.validate_logdir(tmp_path) == []
+    with TokenLogger(tmp_path, "cut", resume=True) as lg:
+        lg.log_step(3, **step_data(3))
+    assert S.validate_logdir(tmp_path) == []

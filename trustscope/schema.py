@@ -191,6 +191,12 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{path.name}{TMP_SUFFIX}")
 
 
+FLUSH_META_PREFIX = "trustscope.flush."
+"""Every data file's footer holds its flush's number and the token counts the flush adds to the manifest
+(``trustscope.flush.flush``, ``trustscope.flush.tokens_generated``, ...), so the counts can be rebuilt from the
+files that remain when a run is cut back (:func:`trustscope.logger.drop_steps_after`)."""
+
+
 def data_file_name(rank: int, first_step: int, last_step: int, flush: int) -> str:
     """The name of the file of one table written by flush ``flush`` of rank ``rank``."""
     return f"r{rank:04d}-s{first_step:08d}-{last_step:08d}-f{flush:08d}.parquet"

@@ -119,10 +119,18 @@ This module imports torch only when it is handed tensors or must compute top-K d
 """
 
 from trustscope.logger.errors import LogDirError, LogWarning
-from trustscope.logger.runfiles import effective_status, rank_statuses, resolve_rank, run_status, run_summary
+from trustscope.logger.runfiles import (
+    drop_steps_after,
+    effective_status,
+    rank_statuses,
+    resolve_rank,
+    run_status,
+    run_summary,
+)
 from trustscope.logger.token_logger import MU_SOURCES, NullLogger, TokenLogger
 from trustscope.logger.writer import round_mantissa, topk_divergences
 from trustscope.schema import SchemaError
 
-__all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "SchemaError", "TokenLogger", "effective_status",
-           "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary", "topk_divergences"]
+__all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "SchemaError", "TokenLogger", "drop_steps_after",
+           "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary",
+           "topk_divergences"]

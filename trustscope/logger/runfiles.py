@@ -337,6 +337,55 @@ class RunFiles:
         self.save(status=status, error=error, finished_at=now(), lost=lost)
 
 
+def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
+    """Remove every rank's flushes whose steps all come after ``step`` (a continuation that crashed past its last
+    checkpoint) and recount each rank's manifest from the files that remain; returns how many files went.
+
+    A flush is removed whole, in every table, so the run keeps whole steps. Each rank's lock is held meanwhile:
+    a rank that a live logger writes is refused (:class:`LogDirError`). Token counts are rebuilt from the
+    files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none.
+    """
+    run_dir = Path(run_dir)
+    committed = S.committed_files(run_dir)
+    removed = 0
+    for rank, manifest in _rank_manifests(run_dir).items():
+        lock = RunLock(run_dir, rank)
+        lock.acquire(manifest.get("run_id", run_dir.name), rank)
+        try:
+            flushes: dict[Any, list[tuple[str, Path, S.DataFileName]]] = {}
+            for table, files in committed.items():
+                for path in files:
+                    name = S.parse_data_file(path.name)
+                    if name is not None and name.rank == rank:
+                        key = name.flush if name.flush is not None else path  # an older file stands alone
+                        flushes.setdefault(key, []).append((table, path, name))
+            rows, counts, last_steps = dict.fromkeys(S.TABLES, 0), _no_counts(), []
+            for group in flushes.values():
+                if min(name.first_step for _, _, name in group) > step:
+                    for _, path, _ in group:
+                        path.unlink()
+                        removed += 1
+                    continue
+                footer = pq.ParquetFile(group[0][1]).metadata.metadata or {}
+                for key in counts:
+                    value = footer.get(f"{S.FLUSH_META_PREFIX}{key}".encode())
+                    counts[key] = None if value is None or counts[key] is None else counts[key] + int(value)
+                for table, path, name in group:
+                    rows[table] += pq.ParquetFile(path).metadata.num_rows
+                    last_steps.append(name.last_step)
+            if flushes:
+                path = rank_file(run_dir, rank)
+                write_json_atomic(path, {**manifest, **counts, "rows": rows, "updated_at": now(),
+                                         "last_step": max(last_steps) if last_steps else None})
+        finally:
+            lock.release()
+    return removed
+
+
+def _no_counts() -> dict[str, int | None]:
+    return {"tokens_generated": 0, "tokens_logged": 0, "dropped_rows": 0}
+
+
 # ------------------------------------------------------------------------------------------------------- status
 
 

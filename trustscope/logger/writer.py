@@ -76,11 +76,13 @@ class _Table:
         self.pending = [data.slice(data.num_rows - keep)] if keep else []
         self.pending_rows = keep
 
-    def close_file(self, fsync: bool) -> None:
-        """Write what is pending, close the temporary file and fsync it (it keeps its temporary name)."""
+    def close_file(self, fsync: bool, metadata: dict[str, str]) -> None:
+        """Write what is pending, add ``metadata`` to the footer, close the temporary file and fsync it (it keeps
+        its temporary name)."""
         if self.pending_rows:
             self._write_pending(whole_groups=False)
         assert self.writer is not None and self.tmp is not None
+        self.writer.add_key_value_metadata(metadata)
         self.writer.close()
         self.writer = None
         if fsync:
@@ -343,8 +345,9 @@ class Writer:
         last_step = max(t.last_step for t in open_tables if t.last_step is not None)
         published: list[Path] = []
         try:
+            footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
             for table in open_tables:
-                table.close_file(self.fsync)
+                table.close_file(self.fsync, footer)
             for table in open_tables:
                 published.append(table.publish(number, self.rank))
         except Exception as err:
