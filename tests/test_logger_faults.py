@@ -173,6 +173,11 @@ def test_disk_full_is_recorded_and_the_run_does_not_end_finished(tmp_path, monke
     assert manifest["lost"]["first_step"] == manifest["lost"]["last_step"] == 1
     assert steps_in(tmp_path / "full") == [0, 2]
     assert run_summary(tmp_path / "full")["lost"] == {0: manifest["lost"]}
+    with TokenLogger(tmp_path, "full", resume=True) as lg:  # a later session keeps the record
+        lg.log_step(3, **step_data(3))
+    resumed = json.loads((tmp_path / "full" / S.MANIFEST).read_text())
+    assert resumed["lost"] == manifest["lost"] and resumed["status"] == "finished"
+    assert resumed["error"] == f"an earlier session lost {B * T + B} row(s) of steps 1-1 (see lost)"
 
 
 def test_disk_full_during_close_raises_log_dir_error_and_leaves_no_temporary_manifest(tmp_path, monkeypatch):

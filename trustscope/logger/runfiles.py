@@ -204,6 +204,8 @@ class RunFiles:
         self.disk_last_step: int | None = None
         """The last step of this rank in the committed files already on disk (resume), else None."""
         self.next_flush = 1
+        self.prior_lost: dict | None = None
+        """What earlier sessions of this rank lost (resume); this session's losses are added to it."""
         self.saved_at = time.monotonic()
         """When the manifest was last written (monotonic clock)."""
 
@@ -263,6 +265,7 @@ class RunFiles:
                 raise SchemaError(f"{self.path}: schema_version {old.get('schema_version')!r}; this trustscope "
                                   f"writes {S.SCHEMA_VERSION} and cannot append to it")
             topk_k = old.get("logging", {}).get("topk_k")
+            self.prior_lost = old.get("lost")
             entry = {"at": now(), **process, "last_step_on_disk": self.disk_last_step,
                      "previous_status": old.get("status")}
             config = run_info.get("config")
@@ -331,10 +334,21 @@ class RunFiles:
         step = prev if last_step is None or (prev is not None and prev >= last_step) else last_step
         counted = {k: (m.get(k) or 0) + v if m.get(k) is not None else None for k, v in counts.items()}
         self.save(rows=total, last_step=step, committed_flush=flush, logging={**m["logging"], "topk_k": topk_k},
-                  lost=lost, **counted)
+                  lost=self.all_lost(lost), **counted)
 
     def finish(self, status: str, error: str | None, lost: dict | None) -> None:
-        self.save(status=status, error=error, finished_at=now(), lost=lost)
+        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost))
+
+    def all_lost(self, lost: dict | None) -> dict | None:
+        """This session's ``lost`` record added to the earlier sessions' (the manifest's ``lost`` key)."""
+        prior = self.prior_lost
+        if not prior or not lost:
+            return lost or prior
+        steps = [v for v in (prior.get("first_step"), prior.get("last_step"), lost["first_step"],
+                             lost["last_step"]) if v is not None]
+        return {"rows": {t: prior.get("rows", {}).get(t, 0) + lost["rows"].get(t, 0) for t in S.TABLES},
+                "first_step": min(steps, default=None), "last_step": max(steps, default=None),
+                "errors": [*prior.get("errors", []), *lost["errors"]][:10]}
 
 
 def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:

@@ -176,6 +176,10 @@ class TokenLogger:
                 status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
             elif lost is not None and status == "finished":
                 status, error = "crashed", f"write error: {lost['errors'][0] if lost['errors'] else 'unknown'}"
+            elif self._files.prior_lost and status == "finished" and error is None:
+                prior = self._files.prior_lost
+                error = (f"an earlier session lost {sum(prior.get('rows', {}).values())} row(s) of steps "
+                         f"{prior.get('first_step')}-{prior.get('last_step')} (see lost)")
             self._files.finish(status, error, lost)
         except OSError as err:
             raise LogDirError(f"trustscope could not write run {self.run_id!r}: {err}") from err

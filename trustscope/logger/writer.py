@@ -245,7 +245,7 @@ class Writer:
             self._drain_lost()
             with contextlib.suppress(Exception):  # readers see at once that nothing more will be written
                 self.files.save(status="crashed", error=f"writer thread stopped: {type(err).__name__}: {err}",
-                                lost=self.lost)
+                                lost=self.files.all_lost(self.lost))
 
     def _drain_lost(self) -> None:
         """Count the batches left on the queue of a thread that is gone as lost."""
