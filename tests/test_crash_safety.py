@@ -68,10 +68,12 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
         assert all(torch_loaded == "0" for _, _, torch_loaded in flushed), "the writer should not need torch"
         reported |= {int(step) for _, step, _ in flushed}
 
-        # every visible file is whole Parquet of the right schema; temporary files are hidden from the glob
-        visible = sorted(run_dir.rglob("*.parquet"))
-        assert all(S.is_data_file(p) for p in visible)
-        assert all(p.stat().st_size == size for p, size in seen.items()), "a finished file changed"
+        # every file a reader sees is whole Parquet of the right schema, and stays as it was; temporary files
+        # never match the glob (renamed files of a flush that was never committed are not read, see below)
+        assert all(S.is_data_file(p) for p in run_dir.rglob("*.parquet"))
+        visible = sorted(p for files in S.committed_files(run_dir).values() for p in files)
+        visible += [run_dir / S.VOCAB_FILE] if (run_dir / S.VOCAB_FILE).exists() else []
+        assert all(p.stat().st_size == size for p, size in seen.items()), "a committed file changed or went"
         for path in visible:
             if path not in seen:
                 assert S.validate_file(path, path.parent.name if path.parent != run_dir else "vocab", "crashy") == []
