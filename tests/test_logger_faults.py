@@ -263,3 +263,16 @@ def test_micro_batches_with_scalars(tmp_path):
     steps = ds.dataset(S.committed_files(tmp_path / "micro-scalars")["steps"]).to_table().sort_by("value")
     assert list(zip(steps["step"].to_pylist(), steps["name"].to_pylist(), strict=True)) == [
         (0, "loss"), (0, "grad_norm"), (1, "loss")]
+
+
+def test_a_file_system_without_locks_logs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(LogWarning, match="cannot be locked on this file system"), \
+            TokenLogger(tmp_path, "nolock") as lg:
+        lg.log_step(0, **step_data(0))
+    assert steps_in(tmp_path / "nolock") == [0]

@@ -8,6 +8,7 @@ names its number as ``committed_flush`` replaces the previous one (see :func:`tr
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -16,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +29,7 @@ import pyarrow.parquet as pq
 
 from trustscope import __version__
 from trustscope import schema as S
-from trustscope.logger.errors import LogDirError
+from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.schema import SchemaError
 
 RUN_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -133,6 +135,10 @@ def read_json(path: Path) -> dict:
     return data
 
 
+NO_LOCKS = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK})
+"""flock errors of file systems that offer no locks (e.g. Lustre mounted ``noflock``): logging goes on, unlocked."""
+
+
 class RunLock:
     """An exclusive lock on ``<run>/.r<rank>.lock`` while a logger writes that rank; the file names the owner.
 
@@ -156,6 +162,14 @@ class RunLock:
                                   f"{owner.get('pid', '?')} on host {owner.get('hostname', '?')}, since "
                                   f"{owner.get('at', '?')}; lock {str(self.path)!r}); close it first, or log "
                                   f"another rank or run_id") from None
+            except OSError as err:
+                if err.errno not in NO_LOCKS:
+                    os.close(fd)
+                    raise
+                warnings.warn(f"trustscope: {str(self.path)!r} cannot be locked on this file system ({err}); a "
+                              f"second logger on run {run_id!r} rank {rank} will not be detected", LogWarning,
+                              stacklevel=4)
+                break
             except BaseException:
                 os.close(fd)
                 raise
