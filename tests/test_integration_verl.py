@@ -1,0 +1,341 @@
+"""trustscope.integrations.verl against the real verl package: its policy-loss registry and plugin entry point,
+``DataProto``, verl's own ``ppo_loss`` called as its actor calls it, the logging hook, and a local Ray worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import verl
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from trustscope import losses as L
+from trustscope import schema as S
+from trustscope.integrations import verl as tv
+from trustscope.logger import TokenLogger, run_status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------- verl batches
+
+
+def make_batch(B: int = 8, P: int = 4, T: int = 6, group: int = 2, seed: int = 0) -> tuple[DataProto, torch.Tensor]:
+    """A driver batch shaped like verl's before the actor update, and pi ``(B, T)`` for the actor's forward.
+
+    Prompts left-padded, responses right-padded with varying lengths, padding log-probs 0 as verl writes them,
+    GRPO advantages broadcast over each response, one ``uid`` per group of ``group`` responses.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, P + 1, (B,), generator=g)
+    resp_len = torch.randint(1, T + 1, (B,), generator=g)
+    resp_len[0] = T
+    prompt_mask = (torch.arange(P) >= (P - prompt_len)[:, None]).long()  # (B, P), left padding
+    response_mask = (torch.arange(T) < resp_len[:, None]).long()  # (B, T), right padding
+    prompts = torch.randint(3, 40, (B, P), generator=g) * prompt_mask
+    responses = torch.randint(3, 40, (B, T), generator=g) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp_min(0)
+    old = -torch.rand(B, T, generator=g) * 3 * response_mask  # (B, T)
+    rollout = (old + 0.4 * torch.randn(B, T, generator=g)).clamp(max=0) * response_mask
+    pi = (old + 0.5 * torch.randn(B, T, generator=g)).clamp(max=-1e-3) * response_mask
+    reward = torch.randint(0, 2, (B,), generator=g).float()
+    grouped = reward.view(-1, group)
+    seq_adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+    seq_adv[1] = 0.0
+    scores = torch.zeros(B, T)
+    scores[torch.arange(B), resp_len - 1] = reward
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompts, "responses": responses, "response_mask": response_mask,
+            "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+            "position_ids": position_ids, "old_log_probs": old, "rollout_log_probs": rollout,
+            "advantages": seq_adv[:, None] * response_mask, "token_level_scores": scores,
+        },
+        non_tensors={"uid": np.array([f"prompt-{i // group}" for i in range(B)], dtype=object)},
+        meta_info={"temperature": 1.0},
+    )
+    return batch, pi
+
+
+def model_output(micro, pi: torch.Tensor, entropy: torch.Tensor | None = None) -> dict:
+    """What verl's engine hands the loss: log-probs over each whole unpadded sequence (nested), shifted by one."""
+
+    def nested(values: torch.Tensor):
+        seqs = []
+        prompt_mask = micro["attention_mask"][:, : micro["prompts"].shape[1]]
+        for row, sid in enumerate(micro[tv.SAMPLE_KEY].tolist()):
+            p = int(prompt_mask[row].sum())
+            r = int(micro["response_mask"][row].sum())
+            seqs.append(torch.cat([torch.full((p - 1,), -7.0), values[sid, :r], torch.full((1,), -7.0)]))
+        return torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+
+    out = {"log_probs": nested(pi)}
+    if entropy is not None:
+        out["entropy"] = nested(entropy)
+    return out
+
+
+def actor_config(loss_mode: str, agg: str = "token-mean") -> FSDPActorConfig:
+    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                           loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+
+
+def run_actor(batch: DataProto, pi: torch.Tensor, loss_fn, *, mini: int = 4, micro: int = 2, epochs: int = 1,
+              entropy: torch.Tensor | None = None, dp_size: int = 1) -> list[list[tuple]]:
+    """The actor update as verl 0.9.1 runs it, the model's forward replaced by ``pi``.
+
+    ``RayPPOTrainer._update_actor`` (to_tensordict, left_right_2_no_padding, global batch size), then
+    ``TrainingWorker.train_mini_batch`` (make_iterator over mini-batches and epochs, shuffled) and the engine's
+    ``forward_backward_batch`` (batch_num_tokens, dp_size, prepare_micro_batches, ``loss_fn(model_output=...,
+    data=micro_batch, dp_group=...)``). Returns, per mini-batch, (sample ids, loss, metrics) per micro-batch.
+    """
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(td, global_batch_size=mini, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro)
+    out = []
+    for mini_td in tu.make_iterator(td, mini_batch_size=mini, epochs=epochs, seed=42,
+                                    dataloader_kwargs={"shuffle": True}):
+        tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()), dp_size=dp_size)
+        micro_batches, _ = prepare_micro_batches(mini_td)
+        results = []
+        for mb in micro_batches:
+            loss, metrics = loss_fn(model_output=model_output(mb, pi, entropy), data=mb, dp_group=None)
+            results.append((mb[tv.SAMPLE_KEY].tolist(), loss, metrics))
+        out.append(results)
+    return out
+
+
+def stamped(batch: DataProto, tmp_path: Path, step: int = 1) -> DataProto:
+    with TokenLogger(tmp_path / "drv", rank=0) as logger:
+        tv.log_driver_batch(logger, batch, step)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+
+
+def test_every_rule_without_topk_is_a_verl_loss_mode():
+    modes = tv.register_policy_losses()
+    for name in L.list_losses():
+        mode = tv.verl_loss_mode(name)
+        if L.get_loss(name).needs & {"mu_topk_logprobs", "pi_topk_logprobs"}:
+            assert mode not in core_algos.POLICY_LOSS_REGISTRY, name
+        else:
+            assert mode in modes
+            assert callable(core_algos.get_policy_loss_fn(mode))
+    assert "trustscope_dppo_binary_tv" in modes and len(modes) >= 10
+
+
+def test_a_rule_registered_later_becomes_a_loss_mode(monkeypatch):
+    monkeypatch.setattr(L, "_REGISTRY", dict(L._REGISTRY))
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", dict(core_algos.POLICY_LOSS_REGISTRY))
+    L.register_loss("verl_test_tight_tv", doc="DPPO binary TV with a tight delta.",
+                    divergence="binary_tv", delta=0.01)(L.dppo)
+    assert "trustscope_verl_test_tight_tv" in tv.register_policy_losses()
+    assert "trustscope_verl_test_tight_tv" in core_algos.POLICY_LOSS_REGISTRY
+
+
+def test_verl_plugin_entry_point_registers_the_rules(tmp_path):
+    """verl loads group ``verl.plugins`` on ``import verl``; the entry point pyproject declares must register the rules.
+
+    The declaration is installed as metadata of a stand-in distribution, so the test reads this checkout's
+    pyproject, not whatever trustscope the environment has installed.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    plugins = project["project"]["entry-points"]["verl.plugins"]
+    dist = tmp_path / "trustscope_plugin_probe-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trustscope-plugin-probe\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items()))
+    code = ("import verl\nfrom verl.trainer.ppo import core_algos\n"
+            "print(sorted(m for m in core_algos.POLICY_LOSS_REGISTRY if m.startswith('trustscope_')))")
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "VERL_USE_EXTERNAL_PLUGINS": "auto"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert eval(done.stdout.strip().splitlines()[-1]) == sorted(tv.verl_loss_mode(r) for r in tv.verl_rules())
+
+
+def test_extra_pins_the_verl_this_module_supports():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert f"verl=={tv.SUPPORTED_VERSION}" in project["project"]["optional-dependencies"]["verl"]
+    assert verl.__version__ == tv.SUPPORTED_VERSION
+
+
+# ----------------------------------------------------------------------------------------- the loss in verl's actor
+
+
+@pytest.mark.parametrize("rule", ["dppo_binary_tv", "ppo_clip", "minirl", "cispo", "minimal_negative_mask"])
+@pytest.mark.parametrize("agg", [("token-mean", "token_mean"), ("seq-mean-token-sum-norm", "seq_mean_token_sum_norm")])
+def test_verl_ppo_loss_equals_the_trustscope_rule(rule, agg, tmp_path):
+    """verl's own ppo_loss with loss_mode=trustscope_<rule>: micro-batch losses add up to the rule's mini-batch loss.
+
+    Without the actor hook verl gives the rule old_log_prob as mu, so the reference uses it as mu too; the
+    gradients through pi agree as well.
+    """
+    verl_agg, ts_agg = agg
+    batch, pi = make_batch(seed=3)
+    stamped(batch, tmp_path)
+    pi_verl = pi.clone().requires_grad_(True)
+    cfg = actor_config(tv.verl_loss_mode(rule), verl_agg)
+    minis = run_actor(batch, pi_verl, lambda **kw: ppo_loss(config=cfg, **kw))
+    pi_ref = pi.clone().requires_grad_(True)
+    old = batch.batch["old_log_probs"]
+    total_ref = 0.0
+    for results in minis:
+        sids = [s for ids, _, _ in results for s in ids]
+        verl_loss = sum(loss for _, loss, _ in results)
+        mask = batch.batch["response_mask"][sids].bool()
+        out = L.get_loss(rule)(L.PolicyBatch(pi_logprob=pi_ref[sids], mu_logprob=old[sids],
+                                             advantages=batch.batch["advantages"][sids], mask=mask,
+                                             old_logprob=old[sids]))
+        ref = L.aggregate(out.loss, mask, ts_agg)
+        assert torch.allclose(verl_loss, ref, atol=1e-6), (verl_loss, ref)
+        verl_loss.backward()
+        total_ref = total_ref + ref
+        blocked = (mask & ~out.keep).float()
+        fracs = [m["actor/pg_clipfrac"].aggregate() for _, _, m in results]
+        sizes = [int(batch.batch["response_mask"][ids].sum()) for ids, _, _ in results]
+        assert sum(f * n for f, n in zip(fracs, sizes, strict=True)) == pytest.approx(float(blocked.sum()))
+    total_ref.backward()
+    assert torch.allclose(pi_verl.grad, pi_ref.grad, atol=1e-6)
+    assert pi_verl.grad.abs().sum() > 0
+
+
+def test_policy_loss_applies_rollout_is_weights_like_verl():
+    batch, pi = make_batch(seed=5)
+    b = batch.batch
+    w = torch.rand(pi.shape) + 0.5
+    cfg = actor_config("trustscope_pg_is")
+    fn = core_algos.get_policy_loss_fn("trustscope_pg_is")
+    args = dict(old_log_prob=b["old_log_probs"], log_prob=pi, advantages=b["advantages"],
+                response_mask=b["response_mask"], loss_agg_mode="token-sum", config=cfg)
+    plain, _ = fn(**args)
+    weighted, metrics = fn(**args, rollout_is_weights=w)
+    out = L.get_loss("pg_is")(L.PolicyBatch(pi_logprob=pi, mu_logprob=b["old_log_probs"], advantages=b["advantages"],
+                                            mask=b["response_mask"].bool()))
+    assert torch.allclose(plain, out.loss.sum(), atol=1e-6)
+    assert torch.allclose(weighted, (out.loss * w).sum(), atol=1e-6)
+    assert set(metrics) >= {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+# ---------------------------------------------------------------------------------------------- the logging hook
+
+
+def _read(run_dir: Path, table: str):
+    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).glob("*.parquet"))).read().to_pandas()
+
+
+def test_hook_logs_one_run_that_validates_and_joins(tmp_path):
+    """Driver rank 0 writes samples, the actor hook rank 1 writes tokens; two epochs log each sample once.
+
+    The hook hands the rule rollout_log_probs as mu; the logged rows carry the driver batch's tensors at the
+    stamped sample id, pi from the loss's forward, and the rule's own mask.
+    """
+    rule = "dppo_binary_tv"
+    batch, pi = make_batch(B=8, seed=11)
+    entropy = torch.rand(pi.shape) * batch.batch["response_mask"]
+    logdir = tmp_path / "logs"
+    driver = TokenLogger(logdir, "verl-run", rank=0, loss_rule=rule, source={"framework": "verl",
+                                                                             "version": verl.__version__})
+    tv.log_driver_batch(driver, batch, step=3)
+    cfg = actor_config(tv.verl_loss_mode(rule))
+    hook = tv.ActorLogHook(lambda **kw: ppo_loss(config=cfg, **kw), logdir, "verl-run", loss_rule=rule)
+    minis = run_actor(batch, pi, hook, epochs=2, entropy=entropy)
+    driver.log_step(3, scalars=tv.actor_scalars({"actor/pg_clipfrac": [m["actor/pg_clipfrac"].aggregate()
+                                                                        for r in minis for _, _, m in r]}))
+    driver.close()
+    tv.unstamp_batch(batch)
+    assert tv.SAMPLE_KEY not in batch.batch and tv.STEP_KEY not in batch.meta_info
+
+    run = logdir / "verl-run"
+    assert S.validate_logdir(logdir) == []
+    assert run_status(run) == "finished"  # the actor closed its logger once its 8 samples were in
+    assert json.loads((run / "run.json").read_text())["source"]["framework"] == "verl"
+    tokens, samples = _read(run, "tokens"), _read(run, "samples")
+    assert set(tokens["rank"]) == {1} and set(samples["rank"]) == {0}
+    b = batch.batch
+    mask = b["response_mask"].bool()
+    assert len(tokens) == int(mask.sum())  # each sample once although trained on twice
+    out = L.get_loss(rule)(L.PolicyBatch(pi_logprob=pi, mu_logprob=b["rollout_log_probs"], advantages=b["advantages"],
+                                         mask=mask, old_logprob=b["old_log_probs"]))
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_array_equal(tokens["token_id"], b["responses"].numpy()[sid, pos])
+    np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["old_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["advantage"], b["advantages"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["entropy"], entropy.numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_array_equal(tokens["kept"], out.keep.numpy()[sid, pos])
+    assert (~tokens["kept"]).any()  # the case exercises the mask
+    assert set(tokens["loss_rule"]) == {rule}
+
+    con = duckdb.connect()
+    joined = con.execute(
+        "select count(*), count(distinct s.prompt_id), bool_and(t.prompt_id = s.prompt_id) "
+        "from read_parquet(?) t join read_parquet(?) s using (run_id, step, sample_id)",
+        [str(run / "tokens" / "*.parquet"), str(run / "samples" / "*.parquet")],
+    ).fetchone()
+    assert joined == (len(tokens), 4, True)
+    assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())
+    np.testing.assert_allclose(samples.sort_values("sample_id")["reward"], b["token_level_scores"].sum(-1))
+
+
+def test_hook_without_stamp_passes_through(tmp_path):
+    calls = []
+    hook = tv.ActorLogHook(lambda **kw: calls.append(kw) or ("loss", {}), tmp_path, "r", loss_rule="x")
+    assert hook(model_output={}, data=left_right_2_no_padding(make_batch()[0].to_tensordict())) == ("loss", {})
+    assert len(calls) == 1 and not (tmp_path / "r").exists()
+
+
+def test_hook_survives_pickling_without_its_logger(tmp_path):
+    import pickle
+
+    batch, pi = make_batch(seed=2)
+    stamped(batch, tmp_path)
+    cfg = actor_config("trustscope_grpo")
+    hook = tv.ActorLogHook(tv_partial_ppo_loss(cfg), tmp_path / "logs", "pickled", loss_rule="grpo")
+    run_actor(batch, pi, hook, mini=8, micro=4)
+    copy = pickle.loads(pickle.dumps(hook))
+    assert copy._logger is None and copy._seen == set() and copy.run_id == "pickled"
+
+
+def tv_partial_ppo_loss(cfg):
+    from functools import partial
+
+    return partial(ppo_loss, config=cfg)
+
+
+# ------------------------------------------------------------------------------------------------- version drift
+
+
+def test_moved_internal_names_version_and_attribute(monkeypatch):
+    monkeypatch.delattr(core_algos, "register_policy_loss")
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
+                                                  r"is missing"):
+        tv.register_policy_losses()
+
+
+def test_trainer_without_update_actor_is_refused(tmp_path):
+    class OldTrainer:
+        config = OmegaConf.create({})
+        global_steps = 0
+        actor_rollout_wg = object()
+
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: trainer OldTrainer has no _update_actor"):
+        tv.attach(OldTrainer(), tmp_path)
