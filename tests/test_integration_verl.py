@@ -339,3 +339,99 @@ def test_trainer_without_update_actor_is_refused(tmp_path):
 
     with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: trainer OldTrainer has no _update_actor"):
         tv.attach(OldTrainer(), tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- Ray, end to end
+
+
+def _ray_actor_class():
+    """A verl ``Worker`` that trains like ``ActorRolloutRefWorker.update_actor`` with the model's forward replaced.
+
+    ``set_loss_fn`` (ONE_TO_ALL) and ``update_actor`` taking a TensorDict are the two worker methods the trainer
+    and :func:`attach` call; the body follows ``TrainingWorker.train_mini_batch`` and the engine's
+    ``forward_backward_batch``.
+    """
+    import ray
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import (
+        Dispatch,
+        make_nd_compute_dataproto_dispatch_fn,
+        register,
+    )
+
+    class ToyActor(Worker):
+        def __init__(self, pi):
+            super().__init__()
+            self.pi, self.loss_fn = pi, None
+            self._register_dispatch_collect_info(mesh_name="actor", dp_rank=self.rank, is_collect=self.rank == 0)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_loss_fn(self, loss_fn):
+            self.loss_fn = loss_fn
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+        def update_actor(self, data):
+            mini_batch_size = tu.pop(data, key="mini_batch_size") // self.world_size
+            epochs, seed = tu.pop(data, key="epochs"), tu.pop(data, key="seed")
+            loader = tu.make_iterator(data, mini_batch_size=mini_batch_size, epochs=epochs, seed=seed + self.rank,
+                                      dataloader_kwargs=tu.pop(data, key="dataloader_kwargs"))
+            clipfrac = []
+            for mini_td in loader:
+                tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()) * self.world_size,
+                                     dp_size=self.world_size, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+                for mb in prepare_micro_batches(mini_td)[0]:
+                    _, metrics = self.loss_fn(model_output=model_output(mb, self.pi), data=mb, dp_group=None)
+                    clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
+            metrics = {"pg_clipfrac": clipfrac, "mfu": 0.0}
+            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}) if self.rank == 0 else None
+
+    return ray.remote(ToyActor)
+
+
+@pytest.mark.slow
+def test_attach_logs_a_trainer_with_ray_actor_workers(tmp_path):
+    """``attach`` on a real ``RayPPOTrainer`` (its own ``_update_actor``) with two actor workers in local Ray.
+
+    The hook travels to the workers through verl's ``set_loss_fn``, each worker logs its half of the tokens as its
+    own rank, the driver logs samples and verl's actor metrics, and the whole is one valid, finished run.
+    """
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    batch, pi = make_batch(B=8, seed=21)
+    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    cfg.actor_rollout_ref.actor.policy_loss.loss_mode = "trustscope_dppo_binary_tv"
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 2
+    cfg.actor_rollout_ref.actor.ppo_epochs = 2
+    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
+    cfg.actor_rollout_ref.rollout.n = 2
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = True
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+    try:
+        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+        trainer = object.__new__(RayPPOTrainer)
+        trainer.config, trainer.tokenizer, trainer.global_steps = cfg, None, 1
+        trainer.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                                                  ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
+        with tv.attach(trainer, tmp_path, run_id="ray-run") as run:
+            output = trainer._update_actor(batch)
+        assert trainer._update_actor.__func__ is RayPPOTrainer._update_actor  # restored on close
+    finally:
+        ray.shutdown()
+    assert run.run_id == "ray-run" and "actor/pg_clipfrac" in output.meta_info["metrics"]
+    run_dir = tmp_path / "ray-run"
+    assert S.validate_logdir(tmp_path) == []
+    assert run_status(run_dir) == "finished"
+    tokens, samples, steps = _read(run_dir, "tokens"), _read(run_dir, "samples"), _read(run_dir, "steps")
+    assert sorted(set(tokens["rank"])) == [1, 2] and set(samples["rank"]) == {0}
+    assert tokens.groupby("rank")["sample_id"].nunique().tolist() == [4, 4]
+    assert len(tokens) == int(batch.batch["response_mask"].sum())
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_allclose(tokens["mu_logprob"], batch.batch["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
+    assert "actor/pg_clipfrac" in set(steps["name"])
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"
+    assert manifest["config"]["verl"]["loss_mode"] == "trustscope_dppo_binary_tv"
