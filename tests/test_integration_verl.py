@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import tomllib
+import warnings
+from functools import partial
 from pathlib import Path
 
 import duckdb
@@ -309,16 +311,10 @@ def test_hook_survives_pickling_without_its_logger(tmp_path):
     batch, pi = make_batch(seed=2)
     stamped(batch, tmp_path)
     cfg = actor_config("trustscope_grpo")
-    hook = tv.ActorLogHook(tv_partial_ppo_loss(cfg), tmp_path / "logs", "pickled", loss_rule="grpo")
+    hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "pickled", loss_rule="grpo")
     run_actor(batch, pi, hook, mini=8, micro=4)
     copy = pickle.loads(pickle.dumps(hook))
     assert copy._logger is None and copy._seen == set() and copy.run_id == "pickled"
-
-
-def tv_partial_ppo_loss(cfg):
-    from functools import partial
-
-    return partial(ppo_loss, config=cfg)
 
 
 # ------------------------------------------------------------------------------------------------- version drift
@@ -342,6 +338,104 @@ def test_trainer_without_update_actor_is_refused(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- Ray, end to end
+
+
+def train_mini_batch(loss_fn, data, pi: torch.Tensor, rank: int = 0, world: int = 1):
+    """An actor's ``update_actor`` as ``TrainingWorker.train_mini_batch`` and the engine's ``forward_backward_batch``
+    run it in verl 0.9.1, the model's forward replaced by ``pi``; returns verl's metrics TensorDict."""
+    mini_batch_size = tu.pop(data, key="mini_batch_size") // world
+    epochs, seed = tu.pop(data, key="epochs"), tu.pop(data, key="seed")
+    loader = tu.make_iterator(data, mini_batch_size=mini_batch_size, epochs=epochs, seed=seed + rank,
+                              dataloader_kwargs=tu.pop(data, key="dataloader_kwargs"))
+    clipfrac = []
+    for mini_td in loader:
+        tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()) * world, dp_size=world,
+                             use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+        for mb in prepare_micro_batches(mini_td)[0]:
+            _, metrics = loss_fn(model_output=model_output(mb, pi), data=mb, dp_group=None)
+            clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
+    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"pg_clipfrac": clipfrac, "mfu": 0.0}})
+
+
+class LocalActorGroup:
+    """One actor in this process behind the two worker-group methods the trainer and attach call."""
+
+    def __init__(self, pi: torch.Tensor):
+        self.pi, self.loss_fn = pi, None
+
+    def set_loss_fn(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def update_actor(self, data):
+        return train_mini_batch(self.loss_fn, data, self.pi)
+
+
+def ppo_config(**overrides):
+    """verl's full default PPO config (its generated yaml), small batches, ``overrides`` as dotted keys."""
+    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    settings = {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "trustscope_dppo_binary_tv",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.actor.ppo_epochs": 2,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        **overrides,
+    }
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def local_trainer(cfg, group):
+    """A ``RayPPOTrainer`` with verl's own ``_update_actor``, built without starting workers."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 1, group
+    return trainer
+
+
+@pytest.mark.parametrize("case", ["rule", "no_rollout_logprobs", "verl_loss", "bypass"])
+def test_attach_records_what_verl_keeps(case, tmp_path):
+    """What attach logs depends on verl's settings; each departure from the full picture is warned and recorded."""
+    overrides = {
+        "rule": {},
+        "no_rollout_logprobs": {"actor_rollout_ref.rollout.calculate_log_probs": False},
+        "verl_loss": {"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"},
+        "bypass": {"algorithm.rollout_correction.bypass_mode": True},
+    }[case]
+    batch, pi = make_batch(B=8, seed=31)
+    if case == "no_rollout_logprobs":
+        del batch.batch["rollout_log_probs"]
+    if case == "bypass":
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # verl's apply_bypass_mode
+    trainer = local_trainer(ppo_config(**overrides), LocalActorGroup(pi))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tv.attach(trainer, tmp_path, run_id=case):
+            trainer._update_actor(batch)
+    messages = " ".join(str(w.message) for w in caught)
+    run = tmp_path / case
+    assert S.validate_logdir(tmp_path) == [] and run_status(run) == "finished"
+    manifest = json.loads((run / "run.json").read_text())
+    tokens = _read(run, "tokens")
+    b = batch.batch
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    if case == "no_rollout_logprobs":
+        assert "calculate_log_probs" in messages and manifest["mu_source"] == "trainer_recompute"
+        np.testing.assert_allclose(tokens["mu_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
+    else:
+        assert manifest["mu_source"] == "engine"
+        np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    if case == "verl_loss":
+        assert "verl's own" in messages and manifest["loss_rule"] == "verl:vanilla" and tokens["kept"].all()
+    else:
+        assert manifest["loss_rule"] == "dppo_binary_tv" and not tokens["kept"].all()
+    assert tokens["old_logprob"].isna().all() == (case == "bypass")
+    assert manifest["config"]["verl"]["bypass_mode"] == (case == "bypass")
+    assert tv.SAMPLE_KEY not in b and tv.STEP_KEY not in batch.meta_info
+
 
 
 def _ray_actor_class():
@@ -371,19 +465,8 @@ def _ray_actor_class():
 
         @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
         def update_actor(self, data):
-            mini_batch_size = tu.pop(data, key="mini_batch_size") // self.world_size
-            epochs, seed = tu.pop(data, key="epochs"), tu.pop(data, key="seed")
-            loader = tu.make_iterator(data, mini_batch_size=mini_batch_size, epochs=epochs, seed=seed + self.rank,
-                                      dataloader_kwargs=tu.pop(data, key="dataloader_kwargs"))
-            clipfrac = []
-            for mini_td in loader:
-                tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()) * self.world_size,
-                                     dp_size=self.world_size, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
-                for mb in prepare_micro_batches(mini_td)[0]:
-                    _, metrics = self.loss_fn(model_output=model_output(mb, self.pi), data=mb, dp_group=None)
-                    clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
-            metrics = {"pg_clipfrac": clipfrac, "mfu": 0.0}
-            return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}) if self.rank == 0 else None
+            output = train_mini_batch(self.loss_fn, data, self.pi, self.rank, self.world_size)
+            return output if self.rank == 0 else None
 
     return ray.remote(ToyActor)
 
@@ -400,21 +483,13 @@ def test_attach_logs_a_trainer_with_ray_actor_workers(tmp_path):
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     batch, pi = make_batch(B=8, seed=21)
-    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
-    cfg.actor_rollout_ref.actor.policy_loss.loss_mode = "trustscope_dppo_binary_tv"
-    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 2
-    cfg.actor_rollout_ref.actor.ppo_epochs = 2
-    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
-    cfg.actor_rollout_ref.rollout.n = 2
-    cfg.actor_rollout_ref.rollout.calculate_log_probs = True
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
     try:
         pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-        trainer = object.__new__(RayPPOTrainer)
-        trainer.config, trainer.tokenizer, trainer.global_steps = cfg, None, 1
-        trainer.actor_rollout_wg = RayWorkerGroup(resource_pool=pool, device_name="cpu",
-                                                  ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
+        group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                               ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
+        trainer = local_trainer(ppo_config(), group)
         with tv.attach(trainer, tmp_path, run_id="ray-run") as run:
             output = trainer._update_actor(batch)
         assert trainer._update_actor.__func__ is RayPPOTrainer._update_actor  # restored on close
