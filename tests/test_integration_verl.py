@@ -93,9 +93,9 @@ def model_output(micro, pi: torch.Tensor, entropy: torch.Tensor | None = None) -
     return out
 
 
-def actor_config(loss_mode: str, agg: str = "token-mean") -> FSDPActorConfig:
+def actor_config(loss_mode: str, agg: str = "token-mean", **settings) -> FSDPActorConfig:
     return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
-                           loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+                           loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode), **settings)
 
 
 def run_actor(batch: DataProto, pi: torch.Tensor, loss_fn, *, mini: int = 4, micro: int = 2, epochs: int = 1,
@@ -236,6 +236,35 @@ def test_policy_loss_applies_rollout_is_weights_like_verl():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
+@pytest.mark.parametrize("mode", sorted(tv.VERL_MASKS))
+def test_replayed_mask_of_verl_loss_matches_verl_clipfrac(mode, tmp_path):
+    """For verl's own mask-based losses the hook logs a replay of their mask; verl's own clip metrics agree with it.
+
+    vanilla's gradient-free tokens are its clipped ones (pg_clipfrac) plus its dual-clipped ones
+    (pg_clipfrac_lower); DPPO's are 1 - its valid mask (pg_clipfrac).
+    """
+    batch, pi = make_batch(B=8, seed=13)
+    stamped(batch, tmp_path)
+    settings = {"vanilla": {"clip_ratio_c": 1.5}, "dppo_tv": {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1},
+                "dppo_kl": {"clip_ratio_low": 0.01, "clip_ratio_high": 0.02}}[mode]
+    cfg = actor_config(mode, **settings)
+    hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "native", loss_rule=f"verl:{mode}",
+                           mask_fn=partial(tv.VERL_MASKS[mode], config=cfg))
+    minis = run_actor(batch, pi, hook)
+    tokens = _read(tmp_path / "logs" / "native", "tokens")
+    blocked_total = 0
+    for results in minis:
+        for ids, _, metrics in results:
+            rows = tokens[tokens["sample_id"].isin(ids)]
+            blocked = float((~rows["kept"]).mean())
+            verl_blocked = metrics["actor/pg_clipfrac"].aggregate()
+            if mode == "vanilla":
+                verl_blocked += metrics["actor/pg_clipfrac_lower"].aggregate()
+            assert blocked == pytest.approx(verl_blocked, abs=1e-6), (ids, blocked, verl_blocked)
+            blocked_total += int((~rows["kept"]).sum())
+    assert blocked_total > 0
+
+
 # ---------------------------------------------------------------------------------------------- the logging hook
 
 
@@ -353,7 +382,8 @@ def train_mini_batch(loss_fn, data, pi: torch.Tensor, rank: int = 0, world: int 
                              use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
         for mb in prepare_micro_batches(mini_td)[0]:
             _, metrics = loss_fn(model_output=model_output(mb, pi), data=mb, dp_group=None)
-            clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
+            if "actor/pg_clipfrac" in metrics:  # verl's losses without a mask report none
+                clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
     return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"pg_clipfrac": clipfrac, "mfu": 0.0}})
 
 
@@ -396,13 +426,14 @@ def local_trainer(cfg, group):
     return trainer
 
 
-@pytest.mark.parametrize("case", ["rule", "no_rollout_logprobs", "verl_loss", "bypass"])
+@pytest.mark.parametrize("case", ["rule", "no_rollout_logprobs", "verl_loss", "verl_loss_unreplayed", "bypass"])
 def test_attach_records_what_verl_keeps(case, tmp_path):
     """What attach logs depends on verl's settings; each departure from the full picture is warned and recorded."""
     overrides = {
         "rule": {},
         "no_rollout_logprobs": {"actor_rollout_ref.rollout.calculate_log_probs": False},
         "verl_loss": {"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"},
+        "verl_loss_unreplayed": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gpg"},
         "bypass": {"algorithm.rollout_correction.bypass_mode": True},
     }[case]
     batch, pi = make_batch(B=8, seed=31)
@@ -429,7 +460,10 @@ def test_attach_records_what_verl_keeps(case, tmp_path):
         assert manifest["mu_source"] == "engine"
         np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
     if case == "verl_loss":
-        assert "verl's own" in messages and manifest["loss_rule"] == "verl:vanilla" and tokens["kept"].all()
+        assert manifest["loss_rule"] == "verl:vanilla" and not tokens["kept"].all()
+        assert manifest["config"]["verl"]["kept"] == "verl's vanilla mask, replayed"
+    elif case == "verl_loss_unreplayed":
+        assert "verl's own" in messages and manifest["loss_rule"] == "verl:gpg" and tokens["kept"].all()
     else:
         assert manifest["loss_rule"] == "dppo_binary_tv" and not tokens["kept"].all()
     assert tokens["old_logprob"].isna().all() == (case == "bypass")

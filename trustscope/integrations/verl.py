@@ -232,6 +232,53 @@ def register_policy_losses() -> list[str]:
     return modes
 
 
+# -------------------------------------------------------------------------------- masks of verl's own loss modes
+
+
+def _clip_bounds(config: Any) -> tuple[float, float]:
+    """verl's (low, high) clip settings: ``clip_ratio_low`` / ``clip_ratio_high``, each defaulting to ``clip_ratio``."""
+    low, high = config.get("clip_ratio_low", None), config.get("clip_ratio_high", None)
+    base = config.get("clip_ratio", 0.2)
+    return float(base if low is None else low), float(base if high is None else high)
+
+
+def vanilla_keep(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, config: Any) -> Tensor:
+    """Where verl's ``vanilla`` (PPO, dual-clip) loss keeps a gradient. ``(B, T)`` -> ``(B, T)`` bool.
+
+    Zero gradient where the clipped term wins (A > 0 with r > 1 + high, A < 0 with r < 1 - low) and, dual-clip, where
+    A < 0 and the clipped objective passes ``clip_ratio_c`` (its loss is the constant ``-A * c`` there).
+    """
+    low, high = _clip_bounds(config)
+    c = float(config.get("clip_ratio_c", 3.0))
+    r = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))  # (B, T), verl's clamped ratio
+    clipped = ((advantages > 0) & (r > 1 + high)) | ((advantages < 0) & (r < 1 - low))
+    dual = (advantages < 0) & (torch.maximum(r, r.clamp(1 - low, 1 + high)) > c)
+    return ~(clipped | dual)
+
+
+def dppo_tv_keep(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, config: Any) -> Tensor:
+    """Where verl's ``dppo_tv`` keeps a gradient: A > 0 needs p - p_old <= high, A <= 0 needs p - p_old >= -low."""
+    low, high = _clip_bounds(config)
+    diff = torch.exp(log_prob) - torch.exp(old_log_prob)  # (B, T)
+    return torch.where(advantages > 0, diff <= high, diff >= -low)
+
+
+def dppo_kl_keep(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, config: Any) -> Tensor:
+    """Where verl's ``dppo_kl`` keeps a gradient: binary KL(p_old || p) within the bound, or p moved against A."""
+    low, high = _clip_bounds(config)
+    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+    kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    return torch.where(advantages > 0, (kl <= high) | (p <= p_old), (kl <= low) | (p >= p_old))
+
+
+VERL_MASKS: dict[str, Callable[[Tensor, Tensor, Tensor, Any], Tensor]] = {
+    "vanilla": vanilla_keep,
+    "dppo_tv": dppo_tv_keep,
+    "dppo_kl": dppo_kl_keep,
+}
+"""The applied mask of verl's own mask-based loss modes, replayed from pi, pi_old, A and verl's clip settings."""
+
+
 # ------------------------------------------------------------------------------------------------ the driver side
 
 
@@ -333,11 +380,15 @@ class ActorLogHook:
     verl calls it as ``loss_fn(model_output=..., data=micro_batch, dp_group=...)`` (its engines' ``forward_step``).
     A micro-batch without the driver's step stamp (another caller of the loss) passes straight through. Sent to the
     actors by :func:`attach` through verl's ``set_loss_fn``; it is pickled, and each process opens its own logger.
+    ``kept`` is the trustscope rule's mask; with verl's own loss it is ``mask_fn(log_prob, old_log_prob,
+    advantages)`` (a replay, :data:`VERL_MASKS`), or True everywhere without one.
     """
 
     def __init__(self, inner: Callable[..., Any], logdir: str | os.PathLike, run_id: str, *, loss_rule: str,
-                 log_old_logprob: bool = True, logger_options: Mapping[str, Any] | None = None):
+                 log_old_logprob: bool = True, mask_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                 logger_options: Mapping[str, Any] | None = None):
         self.inner = inner
+        self.mask_fn = mask_fn
         self.logdir = str(logdir)
         self.run_id = run_id
         self.loss_rule = loss_rule
@@ -404,7 +455,7 @@ class ActorLogHook:
             "mu_logprob": mu[rows],
             "pi_logprob": pi[rows],
             "advantage": cols["advantages"][rows],
-            "kept": (keep if keep is not None else mask)[rows],
+            "kept": self._kept(keep, pi, old, cols["advantages"], mask)[rows],
             "sample_id": sample_id[rows],
             "prompt_id": cols[PROMPT_KEY][rows],
         }
@@ -422,6 +473,13 @@ class ActorLogHook:
         dp_size = int(get(data=data, key="dp_size", default=1) or 1)
         if len(self._seen) >= int(get(data=data, key=BATCH_SIZE_KEY, default=math.inf)) // dp_size:
             self._close()  # this rank's share of the step is on disk; later passes over it are not logged
+
+    def _kept(self, keep: Tensor | None, pi: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+        if keep is not None:
+            return keep
+        if self.mask_fn is not None:
+            return self.mask_fn(pi, old, adv) & mask
+        return mask
 
     def _close(self) -> None:
         if self._logger is not None:
@@ -511,10 +569,11 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         warnings.warn("verl keeps no rollout log-probs (actor_rollout_ref.rollout.calculate_log_probs=False): mu is "
                       "logged as the actor's recompute old_log_probs (mu_source='trainer_recompute'), so mismatch "
                       "will read zero; set calculate_log_probs=True to measure it", stacklevel=2)
-    if rule is None:
-        warnings.warn(f"loss_mode {loss_mode!r} is verl's own: trustscope cannot see the mask it applies, so "
-                      f"'kept' is logged True on every token (the counterfactual views still replay every rule)",
-                      stacklevel=2)
+    verl_mask = VERL_MASKS.get(loss_mode) if rule is None else None
+    if rule is None and verl_mask is None:
+        warnings.warn(f"loss_mode {loss_mode!r} is verl's own and masks trustscope cannot replay (it replays "
+                      f"{sorted(VERL_MASKS)}), so 'kept' is logged True on every token (the counterfactual views "
+                      f"still replay every trustscope rule)", stacklevel=2)
     options = {"strict": False, **logger_options}
     summary = {
         "loss_mode": loss_mode,
@@ -524,7 +583,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         "calculate_log_probs": has_mu,
         "bypass_mode": bypass,
         "rule_mu": "rollout_log_probs" if has_mu else "old_log_probs",
-        "kept": "the rule's mask" if rule is not None else "not recorded (verl's own loss)",
+        "kept": ("the rule's mask" if rule is not None else f"verl's {loss_mode} mask, replayed" if verl_mask
+                 else f"not recorded (verl's {loss_mode} loss)"),
         "ranks": "0: driver (samples, steps); r + 1: actor of torch.distributed rank r (tokens)",
     }
     logger = TokenLogger(
@@ -538,8 +598,11 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         source={"framework": "verl", "version": version},
         **options,
     )
-    hook = ActorLogHook(partial(ppo_loss, config=omega_conf_to_dataclass(actor_cfg)), logdir, logger.run_id,
-                        loss_rule=rule or f"verl:{loss_mode}", log_old_logprob=not bypass, logger_options=options)
+    actor_config = omega_conf_to_dataclass(actor_cfg)
+    hook = ActorLogHook(partial(ppo_loss, config=actor_config), logdir, logger.run_id,
+                        loss_rule=rule or f"verl:{loss_mode}", log_old_logprob=not bypass,
+                        mask_fn=partial(verl_mask, config=actor_config) if verl_mask else None,
+                        logger_options=options)
     trainer.actor_rollout_wg.set_loss_fn(hook)
     handle = VerlLogging(trainer, logger, hook, trainer._update_actor)
     trainer._update_actor = handle.update_actor
