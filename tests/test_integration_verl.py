@@ -544,3 +544,11 @@ def test_attach_logs_a_trainer_with_ray_actor_workers(tmp_path):
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"
     assert manifest["config"]["verl"]["loss_mode"] == "trustscope_dppo_binary_tv"
+
+
+def test_attach_before_init_workers_says_so(tmp_path):
+    trainer = local_trainer(ppo_config(), LocalActorGroup(torch.zeros(1, 1)))
+    del trainer.actor_rollout_wg
+    with pytest.raises(RuntimeError, match=r"call trainer.init_workers\(\) first"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())

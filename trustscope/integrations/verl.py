@@ -551,8 +551,9 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     the middle of training.
     """
     version = verl_version()
-    _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "actor_rollout_wg", "config",
-                                                                  "global_steps"))
+    _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
+    if not hasattr(trainer, "actor_rollout_wg"):
+        raise RuntimeError("attach() sends its hook to the trainer's actor workers: call trainer.init_workers() first")
     _require_attrs(trainer.actor_rollout_wg, "the actor worker group", ("set_loss_fn",))
     ppo_loss = _need("verl.workers.utils.losses", "ppo_loss")
     omega_conf_to_dataclass = _need("verl.utils.config", "omega_conf_to_dataclass")
