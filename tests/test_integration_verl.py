@@ -26,6 +26,7 @@ from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
+from trustscope import db as tdb
 from trustscope import losses as L
 from trustscope import schema as S
 from trustscope.integrations import verl as tv
@@ -325,6 +326,16 @@ def test_hook_logs_one_run_that_validates_and_joins(tmp_path):
     assert joined == (len(tokens), 4, True)
     assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())
     np.testing.assert_allclose(samples.sort_values("sample_id")["reward"], b["token_level_scores"].sum(-1))
+
+    # trustscope's query layer reads it as one run, and its SQL replay of the rule (anchored on the logged mu)
+    # blocks exactly the tokens the rule blocked inside verl's loss
+    logdb = tdb.connect(logdir, cache=False)
+    runs = logdb.sql("select run_id, status, n_samples from runs").to_pandas()
+    assert runs.to_dict("records") == [{"run_id": "verl-run", "status": "finished", "n_samples": 8}]
+    summary = logdb.sql("select n_tokens, n_samples, trainer_blocked_frac, blocked_frac__dppo_binary_tv "
+                        "from step_summary where step = 3").to_pandas().iloc[0]
+    assert summary["n_tokens"] == len(tokens) and summary["n_samples"] == 8
+    assert summary["trainer_blocked_frac"] == pytest.approx(summary["blocked_frac__dppo_binary_tv"])
 
 
 def test_hook_without_stamp_passes_through(tmp_path):
