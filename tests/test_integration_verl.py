@@ -367,6 +367,20 @@ def test_moved_internal_names_version_and_attribute(monkeypatch):
         tv.register_policy_losses()
 
 
+def test_hook_names_a_moved_padding_helper(monkeypatch, tmp_path):
+    import verl.workers.utils.padding as padding
+
+    batch, pi = make_batch(seed=4)
+    stamped(batch, tmp_path)
+    hook = tv.ActorLogHook(partial(ppo_loss, config=actor_config("trustscope_grpo")), tmp_path / "logs", "moved",
+                           loss_rule="grpo")
+    monkeypatch.delattr(padding, "no_padding_2_padding")
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.workers\.utils\.padding\."
+                                                  r"no_padding_2_padding is missing"):
+        run_actor(batch, pi, hook)
+    assert not (tmp_path / "logs" / "moved" / "tokens").exists()
+
+
 def test_trainer_without_update_actor_is_refused(tmp_path):
     class OldTrainer:
         config = OmegaConf.create({})
