@@ -100,16 +100,19 @@ def actor_config(loss_mode: str, agg: str = "token-mean", **settings) -> FSDPAct
 
 
 def run_actor(batch: DataProto, pi: torch.Tensor, loss_fn, *, mini: int = 4, micro: int = 2, epochs: int = 1,
-              entropy: torch.Tensor | None = None, dp_size: int = 1) -> list[list[tuple]]:
+              entropy: torch.Tensor | None = None, dp_size: int = 1, max_tokens: int | None = None) -> list[list[tuple]]:
     """The actor update as verl 0.9.1 runs it, the model's forward replaced by ``pi``.
 
     ``RayPPOTrainer._update_actor`` (to_tensordict, left_right_2_no_padding, global batch size), then
     ``TrainingWorker.train_mini_batch`` (make_iterator over mini-batches and epochs, shuffled) and the engine's
     ``forward_backward_batch`` (batch_num_tokens, dp_size, prepare_micro_batches, ``loss_fn(model_output=...,
-    data=micro_batch, dp_group=...)``). Returns, per mini-batch, (sample ids, loss, metrics) per micro-batch.
+    data=micro_batch, dp_group=...)``). ``max_tokens``: verl's dynamic batch size (micro-batches of at most that
+    many tokens, rows regrouped by length) instead of ``micro`` rows. Returns, per mini-batch, (sample ids, loss,
+    metrics) per micro-batch.
     """
     td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(td, global_batch_size=mini, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro)
+    tu.assign_non_tensor(td, global_batch_size=mini, use_dynamic_bsz=max_tokens is not None,
+                         micro_batch_size_per_gpu=micro, max_token_len_per_gpu=max_tokens or 0)
     out = []
     for mini_td in tu.make_iterator(td, mini_batch_size=mini, epochs=epochs, seed=42,
                                     dataloader_kwargs={"shuffle": True}):
@@ -273,11 +276,13 @@ def _read(run_dir: Path, table: str):
     return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).glob("*.parquet"))).read().to_pandas()
 
 
-def test_hook_logs_one_run_that_validates_and_joins(tmp_path):
+@pytest.mark.parametrize("max_tokens", [None, 10])
+def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
     """Driver rank 0 writes samples, the actor hook rank 1 writes tokens; two epochs log each sample once.
 
     The hook hands the rule rollout_log_probs as mu; the logged rows carry the driver batch's tensors at the
-    stamped sample id, pi from the loss's forward, and the rule's own mask.
+    stamped sample id, pi from the loss's forward, and the rule's own mask, with fixed micro-batches and with
+    verl's dynamic batch size (rows regrouped by length).
     """
     rule = "dppo_binary_tv"
     batch, pi = make_batch(B=8, seed=11)
@@ -288,7 +293,9 @@ def test_hook_logs_one_run_that_validates_and_joins(tmp_path):
     tv.log_driver_batch(driver, batch, step=3)
     cfg = actor_config(tv.verl_loss_mode(rule))
     hook = tv.ActorLogHook(lambda **kw: ppo_loss(config=cfg, **kw), logdir, "verl-run", loss_rule=rule)
-    minis = run_actor(batch, pi, hook, epochs=2, entropy=entropy)
+    minis = run_actor(batch, pi, hook, epochs=2, entropy=entropy, max_tokens=max_tokens)
+    sizes = {len(ids) for results in minis for ids, _, _ in results}
+    assert (sizes == {2}) == (max_tokens is None)  # dynamic batch sizes regroup the rows
     driver.log_step(3, scalars=tv.actor_scalars({"actor/pg_clipfrac": [m["actor/pg_clipfrac"].aggregate()
                                                                         for r in minis for _, _, m in r]}))
     driver.close()

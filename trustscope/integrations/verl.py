@@ -31,7 +31,8 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   the vocab, one ``samples`` row per response (prompt id from verl's ``uid``, reward, sequence advantage, length,
   texts) and verl's actor metrics as ``steps`` scalars.
 - the actor with torch.distributed rank r is rank r + 1 and writes the ``tokens`` rows of the samples it trains
-  on: pi (the loss's own log-probs), the mask the rule applied, entropy (when verl computes it:
+  on: pi (the loss's own log-probs), the mask the rule applied (with verl's own ``vanilla``, ``dppo_tv`` or
+  ``dppo_kl`` loss a replay of theirs, :data:`VERL_MASKS`), entropy (when verl computes it:
   ``actor.calculate_entropy=True`` or an entropy coefficient), and, from the driver batch that verl ships inside
   every micro-batch, ``responses``, ``rollout_log_probs`` as mu, ``old_log_probs`` as pi_old and ``advantages``.
   Writing these driver tensors beside pi keeps one row per token: no half-rows to join later.
