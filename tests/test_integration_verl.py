@@ -156,6 +156,7 @@ def test_a_rule_registered_later_becomes_a_loss_mode(monkeypatch):
     assert "trustscope_verl_test_tight_tv" in core_algos.POLICY_LOSS_REGISTRY
 
 
+@pytest.mark.slow
 def test_verl_plugin_entry_point_registers_the_rules(tmp_path):
     """verl loads group ``verl.plugins`` on ``import verl``; the entry point pyproject declares must register the rules.
 
