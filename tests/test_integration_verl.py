@@ -585,3 +585,14 @@ def test_attach_before_init_workers_says_so(tmp_path):
     with pytest.raises(RuntimeError, match=r"call trainer.init_workers\(\) first"):
         tv.attach(trainer, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_verl_v1_trainer_is_refused_with_advice(tmp_path):
+    class PPOTrainer:  # verl 0.9.1's V1 trainer: _update_actor(batch: KVBatchMeta, metrics)
+        config, global_steps, actor_rollout_wg = ppo_config(), 1, LocalActorGroup(torch.zeros(1, 1))
+
+        def _update_actor(self, batch, metrics):
+            raise AssertionError("not called")
+
+    with pytest.raises(NotImplementedError, match=r"trainer\.use_v1=False"):
+        tv.attach(PPOTrainer(), tmp_path)

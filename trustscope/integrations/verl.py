@@ -54,6 +54,7 @@ import contextvars
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -548,6 +549,9 @@ class VerlLogging:
 def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, **logger_options: Any) -> VerlLogging:
     """Log verl ``RayPPOTrainer`` ``trainer`` to ``<logdir>/<run_id>/``; call after ``init_workers()``.
 
+    verl 0.9.1 runs ``RayPPOTrainer`` with ``trainer.use_v1=False`` (``main_ppo_v0``'s task runner) or from a script
+    that builds one; its V1 trainer, the default, keeps the batch in TransferQueue and is refused with that advice.
+
     Wraps the trainer's ``_update_actor`` (the one place the driver batch goes to the actors) to log and stamp the
     batch, and installs :class:`ActorLogHook` around verl's ``ppo_loss`` in every actor through the worker group's
     ``set_loss_fn``. ``logger_options`` go to every :class:`~trustscope.logger.TokenLogger` (e.g.
@@ -556,6 +560,13 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     """
     version = verl_version()
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
+    params = list(inspect.signature(trainer._update_actor).parameters)
+    if params != ["batch"]:
+        raise NotImplementedError(
+            f"attach() logs verl's RayPPOTrainer, whose _update_actor(batch) takes the driver's DataProto; "
+            f"{type(trainer).__name__}._update_actor{tuple(params)} is another trainer (verl {version}'s V1 trainer "
+            f"keeps the batch in TransferQueue): run with trainer.use_v1=False, or build a RayPPOTrainer"
+        )
     if not hasattr(trainer, "actor_rollout_wg"):
         raise RuntimeError("attach() sends its hook to the trainer's actor workers: call trainer.init_workers() first")
     _require_attrs(trainer.actor_rollout_wg, "the actor worker group", ("set_loss_fn",))
