@@ -271,7 +271,7 @@ class LogDB:
         self.timeout_s = timeout_s
         self.cache_enabled = cache
         self.partials_computed = 0
-        """How many (view, file) partial aggregates this connection computed (not found in memory or on disk)."""
+        """How many tokens files this connection aggregated (their partials not found in memory or on disk)."""
         self.cache_dir = (cache_dir or default_cache_dir()) if cache else None
         self._lock = threading.Lock()
         self._partials: dict[str, dict[Path, tuple[tuple[int, int], pa.Table]]] = {v: {} for v in _CACHED_PARTIALS}
@@ -422,49 +422,66 @@ class LogDB:
         return cur
 
     def refresh(self, views: Iterable[str] = ()) -> None:
-        """Pick up new runs and new files; for the kept aggregates that ``views`` read, compute the partial
-        aggregates of files not seen before (once per file)."""
+        """Pick up new runs and new files; when ``views`` read any kept aggregate, compute every partial aggregate
+        of the files not seen before (once per file, all partial views from one pass, see :meth:`_aggregate_file`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
             self.runs_dirs = _run_dirs(self.paths)
             self._prepare(self.con)
+            if not needed:
+                return
             files = [f for run in self.runs_dirs for f in _data_files(run, "tokens")]
+            self._update_partials(files)
             for view, cache_name in _CACHED_PARTIALS.items():
-                if cache_name in needed:
-                    self._merged[cache_name] = self._update_partials(view, files)
-                    self.con.register(cache_name, self._merged[cache_name])
+                empty = self._merged[cache_name].schema.empty_table()
+                parts = [self._partials[view][f][1] for f in files if f in self._partials[view]]
+                self._merged[cache_name] = (pa.concat_tables([empty, *parts], promote_options="permissive")
+                                            if parts else empty)
+                self.con.register(cache_name, self._merged[cache_name])
 
-    def _update_partials(self, view: str, files: list[Path]) -> pa.Table:
-        kept = self._partials[view]
+    def _update_partials(self, files: list[Path]) -> None:
+        """Bring every partial view's kept rows up to date with ``files``: drop files that are gone, read what is
+        kept on disk, aggregate the files that still miss a view."""
         current = {}
         for f in files:
             st = f.stat()
             current[f] = (st.st_size, st.st_mtime_ns)
-        for gone in set(kept) - set(current):
-            del kept[gone]
-        todo = [f for f, key in current.items() if not self.cache_enabled or f not in kept or kept[f][0] != key]
-        if self.cache_dir is not None and todo:
-            for f in list(todo):
-                stored = self._disk_path(view, f, current[f])
-                if stored.is_file():
-                    kept[f] = (current[f], pq.read_table(stored))
-                    todo.remove(f)
-        self.partials_computed += len(todo)
-        if todo:
-            cur = self.cursor()
-            names = [str(f) for f in todo]
-            rel = cur.view(view).filter(
-                duckdb.ColumnExpression("source_file").isin(*(duckdb.ConstantExpression(n) for n in names))
-            )
-            fresh = rel.to_arrow_table()
-            cur.close()
-            for f, name in zip(todo, names, strict=True):
-                kept[f] = (current[f], fresh.filter(pc.equal(fresh.column("source_file"), name)))
+        for kept in self._partials.values():
+            for gone in set(kept) - set(current):
+                del kept[gone]
+        for f, key in current.items():
+            missing = [v for v, kept in self._partials.items()
+                       if not self.cache_enabled or f not in kept or kept[f][0] != key]
+            if self.cache_dir is not None:
+                for view in list(missing):
+                    stored = self._disk_path(view, f, key)
+                    if stored.is_file():
+                        self._partials[view][f] = (key, pq.read_table(stored))
+                        missing.remove(view)
+            if not missing:
+                continue
+            self.partials_computed += 1
+            for view, table in self._aggregate_file(f).items():
+                self._partials[view][f] = (key, table)
                 if self.cache_dir is not None:
-                    self._store(self._disk_path(view, f, current[f]), kept[f][1])
-        empty = self._merged[_CACHED_PARTIALS[view]].schema.empty_table()
-        parts = [kept[f][1] for f in files if f in kept]
-        return pa.concat_tables([empty, *parts], promote_options="permissive") if parts else empty
+                    self._store(self._disk_path(view, f, key), table)
+
+    def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
+        """Every partial view's rows for one tokens file, from one pass over it.
+
+        A cursor whose token list holds only ``file`` materialises the file's ``rule_blocks`` (every rule's flag
+        and the responses' sequence context, computed once) into a temporary table of the same name; DuckDB finds
+        the temporary table before the view, so each partial view then reads those rows instead of recomputing
+        the metrics and the sequence windows (the cold pass used to do that once per partial view).
+        """
+        cur = self.cursor()
+        try:
+            lists = self._file_lists()
+            cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], str(file)]}])
+            cur.execute("create temp table rule_blocks as select * from rule_blocks")
+            return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+        finally:
+            cur.close()
 
     def _disk_path(self, view: str, file: Path, stat_key: tuple[int, int]) -> Path:
         """Where the partial aggregates of ``view`` over ``file`` are kept on disk: keyed by the view's SQL (and

@@ -1,6 +1,7 @@
 -- mergeable per-file counts behind ratio_vs_divergence: log10 bins of the ratio against each divergence, by mu
 -- probability bucket. the bin edges come from analysis_param (ratio_log10_min/max/bins,
--- divergence_log10_min/max/bins).
+-- divergence_log10_min/max/bins). reads rule_blocks (not token_metrics_core) so that the cold pass, which
+-- materialises rule_blocks once per file, serves every partial view from the same rows.
 with metrics as (
     select
         run_id,
@@ -16,7 +17,7 @@ with metrics as (
                 analysis_param('divergence_bins')) as topk_tv_bin,
         log_bin(topk_kl, analysis_param('divergence_log10_min'), analysis_param('divergence_log10_max'),
                 analysis_param('divergence_bins')) as topk_kl_bin
-    from token_metrics_core
+    from rule_blocks
 ),
 
 counts as (

@@ -5,7 +5,8 @@
 -- token's run's entry in trustscope_params.run_sets (1: the defaults or the caller's choice; a run's own set holds
 -- its own rule at the parameters it trained with, from its run.json). a run without an entry uses set 1.
 -- the sequence families read the response's context, computed once here over the window (run_id, step, rank,
--- sample_id): the mean log-ratio, the length, and for cppo the p90 and the prefix sums of binary tv.
+-- sample_id): the mean log-ratio, the length, and for cppo the p90 and the prefix sums of binary tv. the kept
+-- aggregates' cold pass materialises this view once per tokens file and every partial view reads those rows.
 with run_sets as (
     select run_set.run_id, run_set.rule_set
     from (select unnest(getvariable('trustscope_params').run_sets) as run_set)
@@ -33,7 +34,9 @@ sequences as (
         coalesce(sum(pos * binary_tv) over prefix, 0.0) as prefix_pos_binary_tv
     from metrics
     window
-        response as (partition by run_id, step, rank, sample_id),
+        -- both windows share the partition and the order, so the rows are sorted once
+        response as (partition by run_id, step, rank, sample_id order by pos
+                     rows between unbounded preceding and unbounded following),
         prefix as (partition by run_id, step, rank, sample_id order by pos rows between unbounded preceding and 1 preceding)
 ),
 
