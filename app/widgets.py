@@ -89,19 +89,26 @@ def chart(fig: go.Figure, key: str, empty: str) -> None:
         st.info(empty, icon=":material/info:")
 
 
-def warning_badge(run_ids: list[str], labels: dict[str, str] | None = None) -> None:
-    """A red badge per run whose collapse early warning fired, naming the first step and why."""
+def warning_badge(run_ids: list[str]) -> None:
+    """A red badge per run whose collapse early warning fired (first step and why), in an expander when many."""
     if not run_ids:
         return
     firsts = report.first_warnings(data.collapse_warnings(run_ids))
     lines = data.WARNING_LINES
-    for run_id, text in firsts.items():
-        name = (labels or {}).get(run_id, run_id)
-        st.badge(f"{name}: {text}", icon=":material/warning:", color="red")
     if not firsts:
         st.caption(f"No collapse warning: over every {lines.window}-step window, bad negative updates stayed under "
                    f"{lines.bad_rate:.1%} of tokens and mean |pi - mu| under {lines.mismatch_growth:g}x its first "
                    "window.")
+        return
+    where = st.expander(f":material/warning: Collapse warning on {len(firsts)} of {len(run_ids)} runs",
+                        expanded=len(firsts) <= 2) if len(firsts) > 1 else st.container()
+    with where:
+        for run_id, text in firsts.items():
+            st.badge(f"{run_id}: {text}", icon=":material/warning:", color="red")
+        st.caption(f"Lines: bad negative updates >= {lines.bad_rate:.1%} of the last {lines.window} steps' tokens, "
+                   f"or mean |pi - mu| >= {lines.mismatch_growth:g}x the run's first {lines.window} steps. On the "
+                   "sample logs most warnings were followed by no reward dip (docs/experiments.md): a prompt to "
+                   "look, not a verdict.")
 
 
 def count_of(n: float, total: float) -> str:

@@ -73,7 +73,11 @@ def demo(
     """Build the toy world, train a short DPPO run with the logger on, and serve the dashboard over it."""
     from trustscope.demo import run_demo
 
-    run_demo(logdir, steps=steps, serve=serve, port=port)
+    try:
+        run_demo(logdir, steps=steps, serve=serve, port=port)
+    except OSError as exc:
+        typer.echo(f"trustscope demo: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()
@@ -149,7 +153,7 @@ def report(
     html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
     inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
                                    "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
-    warn_bad_rate: float = typer.Option(0.005, help="Collapse warning: bad negative-update rate over the last "
+    warn_bad_rate: float = typer.Option(0.01, help="Collapse warning: bad negative-update rate over the last "
                                         "--warn-window steps that fires it."),
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),

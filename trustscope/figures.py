@@ -21,13 +21,14 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from trustscope.losses import list_losses
 
-RULE_PALETTE = tuple(qualitative.Dark24)
-"""Rule colours, assigned in registry order (:func:`rule_colour`)."""
+RULE_PALETTE = ("#1F77B4", "#D62728", "#2CA02C", "#FF7F0E", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F",
+                "#BCBD22", "#17BECF", "#393B79", "#637939", "#E7BA52", "#843C39", "#7B4173", "#3182BD",
+                "#31A354", "#756BB1", "#636363", "#E6550D", "#969696", "#FD8D3C", "#A55194", "#6B6ECF")
+"""Rule colours, assigned in registry order (:func:`rule_colour`): neighbours in the registry differ in hue."""
 SERIES_PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#9D755D", "#EECA3B",
                   "#FF9DA6", "#BAB0AC")
 """Colours of runs (or seed groups) when they are not told apart by their rule."""
@@ -465,7 +466,7 @@ def clipped_tokens(df: pd.DataFrame, rule: str) -> go.Figure:
     df = df.iloc[::-1]
     labels = [repr(t)[1:-1] if isinstance(t, str) else str(t) for t in df["text"]]
     fig = go.Figure(go.Bar(
-        x=df["block_rate"], y=labels, orientation="h", meta={"rule": rule},
+        x=df["block_rate"], y=labels, orientation="h",
         text=[f"{b:,} of {n:,}" for b, n in zip(df["n_blocked"], df["n_occurrences"], strict=True)],
         textposition="outside", cliponaxis=False,
         marker={"color": df["mean_mu"], "colorscale": "Viridis", "cmin": 0.0, "cmax": 1.0,

@@ -27,7 +27,7 @@ def compare(chosen: list[str], grouped: bool) -> None:
     column = "group" if grouped else "run_id"
     members = runs[runs[column].isin(chosen)]
     labels = dict(zip(members["run_id"], members[column], strict=True))
-    widgets.warning_badge(members["run_id"].tolist(), labels)
+    widgets.warning_badge(members["run_id"].tolist())
 
     left, right = st.columns([3, 1])
     with left:
