@@ -26,7 +26,7 @@ from plotly.subplots import make_subplots
 from trustscope.losses import list_losses
 
 RULE_PALETTE = ("#1F77B4", "#D62728", "#2CA02C", "#FF7F0E", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F",
-                "#BCBD22", "#17BECF", "#393B79", "#637939", "#E7BA52", "#843C39", "#7B4173", "#3182BD",
+                "#BCBD22", "#17BECF", "#393B79", "#000000", "#E7BA52", "#843C39", "#7B4173", "#3182BD",
                 "#31A354", "#756BB1", "#636363", "#E6550D", "#969696", "#FD8D3C", "#A55194", "#6B6ECF")
 """Rule colours, assigned in registry order (:func:`rule_colour`): neighbours in the registry differ in hue."""
 SERIES_PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#9D755D", "#EECA3B",
@@ -99,12 +99,12 @@ def number_label(value: float) -> str:
 def log_ticks(low: float, high: float) -> list[float]:
     """Ticks of the form {1, 2, 5} x 10^k from the last one at or below ``low`` to the first at or above ``high``.
 
-    Over more than six decades only the powers of ten are kept, so labels never crowd.
+    Over more than three decades only the powers of ten are kept, so labels never crowd.
     """
     if not (low > 0 and high > 0 and math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"log_ticks needs positive finite bounds, got {low!r}, {high!r}")
     low, high = min(low, high), max(low, high)
-    mantissas = LOG_MANTISSAS if math.log10(high / low) <= 6 else (1,)
+    mantissas = LOG_MANTISSAS if math.log10(high / low) <= 3 else (1,)
     first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
     ticks = [m * 10.0 ** k for k in range(first, last + 1) for m in mantissas]
     below = [t for t in ticks if t <= low * (1 + 1e-9)]
@@ -142,11 +142,11 @@ def count_axis(fig: go.Figure, values: Iterable[float], axis: str = "y", **where
 
 
 def _finish(fig: go.Figure, height: int, top: int = 40) -> go.Figure:
-    """Shared layout: no SI prefixes on any axis, a white template, the legend above the plot."""
+    """Shared layout: no SI prefixes on any axis, a white template, the legend beside the plot in trace order."""
     fig.update_xaxes(exponentformat="e", automargin=True)
     fig.update_yaxes(exponentformat="e", automargin=True)
     fig.update_layout(height=height, margin={"t": top, "b": 40}, template="plotly_white",
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0, "traceorder": "normal"})
+                      legend={"traceorder": "normal"})
     return fig
 
 
@@ -253,7 +253,7 @@ def blocked_fraction_by_rule(df: pd.DataFrame, applied: Mapping[str, str | None]
     runs = _ordered(df["run_id"])
     rows, cols = _grid(len(runs), max_cols)
     titles = [f"{r}<br><sup>applied: {applied[r]}</sup>" if applied.get(r) else str(r) for r in runs]
-    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=titles,
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes="all", subplot_titles=titles,
                         vertical_spacing=min(0.3 / max(rows - 1, 1), 0.12), horizontal_spacing=0.04)
     counts = {"n_blocked", "n_tokens"} <= set(df.columns)
     shown: set[str] = set()
@@ -306,7 +306,8 @@ def bad_updates_vs_reward(df: pd.DataFrame, alert_line: float | None = None,
     fig.update_xaxes(title_text="step")
     percent_axis(fig, secondary_y=False)
     fig.update_yaxes(title_text="bad negative updates (% of the step's tokens)", secondary_y=False)
-    fig.update_yaxes(title_text="|reward - previous step's reward|", rangemode="tozero", secondary_y=True)
+    fig.update_yaxes(title_text="|reward - previous step's reward|", rangemode="tozero", tickmode="auto",
+                     tickformat=".2~f", showgrid=False, secondary_y=True)
     fig.update_layout(hovermode="x unified")
     return _finish(fig, 400, top=60)
 
@@ -476,7 +477,8 @@ def clipped_tokens(df: pd.DataFrame, rule: str) -> go.Figure:
                       "<br>mean mu %{customdata[2]:.3f}<br>mean entropy %{customdata[3]:.2f}<extra></extra>",
     ))
     percent_axis(fig, axis="x")
-    fig.update_xaxes(title_text=f"share of the token's occurrences {rule} blocks", range=[0, 1.15])
+    top = float(df["block_rate"].max()) if len(df) else 1.0
+    fig.update_xaxes(title_text=f"share of the token's occurrences {rule} blocks", range=[0, min(1.0, top) * 1.3])
     fig.update_yaxes(title_text="token text", type="category")
     return _finish(fig, max(300, 24 * len(df) + 100), top=30)
 

@@ -21,9 +21,10 @@ cols[0].metric("Bad updates (all steps)", widgets.count_of(n_bad, n_tokens))
 if n_bad:
     worst = df.loc[df["bad_rate"].idxmax()]
     cols[1].metric("Worst step", f"{int(worst['step'])}",
-                   f"{int(worst['n_bad_negative'])} of {int(worst['n_tokens'])} tokens", delta_color="off")
+                   f"{int(worst['n_bad_negative'])} of {int(worst['n_tokens'])} tokens", delta_color="off",
+                   delta_arrow="off")
 else:
-    cols[1].metric("Worst step", "none", "no bad update in any step", delta_color="off")
+    cols[1].metric("Worst step", "none", "no bad update in any step", delta_color="off", delta_arrow="off")
 valid = df.dropna(subset=["reward_fluctuation"])
 corr = valid["bad_rate"].corr(valid["reward_fluctuation"]) if len(valid) > 2 and n_bad else float("nan")
 cols[2].metric("Correlation with reward fluctuation", "-" if corr != corr else f"{corr:+.2f}")

@@ -52,11 +52,12 @@ diff = diff.assign(position=pd.cut(diff["pos"], POSITION_BINS, right=False, labe
 left, right = st.columns(2)
 with left:
     st.markdown("**By advantage sign**")
-    st.dataframe(pd.crosstab(diff["adv_sign"], diff["blocked_by"]).reset_index(), hide_index=True,
-                 key="cf_sign")
+    st.dataframe(pd.crosstab(diff["adv_sign"], diff["blocked_by"]).reindex(columns=[rule_a, rule_b], fill_value=0)
+                 .rename(columns=lambda r: f"{r} blocks").reset_index(), hide_index=True, key="cf_sign")
 with right:
     st.markdown("**By position in the response**")
-    st.dataframe(pd.crosstab(diff["position"], diff["blocked_by"]).reset_index(), hide_index=True, key="cf_pos")
+    st.dataframe(pd.crosstab(diff["position"], diff["blocked_by"]).reindex(columns=[rule_a, rule_b], fill_value=0)
+                 .rename(columns=lambda r: f"{r} blocks").reset_index(), hide_index=True, key="cf_pos")
 
 st.markdown(f"**The {len(diff):,} tokens** (pick a row to open it in the token explorer)")
 shown = diff[["step", "sample_id", "pos", "token_text", "blocked_by", "kept_by", "adv_sign", "mu_bucket",

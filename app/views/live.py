@@ -27,7 +27,7 @@ def live_view() -> None:
         cols = st.columns(4)
         cols[0].metric("Last step", int(row["last_step"]))
         cols[1].metric("Tokens logged", f"{int(row['tokens_logged']):,}",
-                       f"of {int(row['tokens_generated']):,} generated", delta_color="off")
+                       f"of {int(row['tokens_generated']):,} generated", delta_color="off", delta_arrow="off")
         cols[2].metric("Mean reward", "-" if pd.isna(row["mean_reward"]) else f"{row['mean_reward']:.3f}")
         cols[3].metric("Status", str(row["status"]))
         st.plotly_chart(figures.metrics_over_steps(data.step_metrics([run]), list(data.METRIC_TITLES),

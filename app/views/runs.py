@@ -42,9 +42,14 @@ def compare(chosen: list[str], grouped: bool) -> None:
     long = figures.smooth(data.step_metrics(members["run_id"].tolist()), weight, ["run_id", "name"])
     series = figures.seed_band(long, labels)
     series = series.set_index("run_id").loc[[c for c in chosen if c in set(series["run_id"])]].reset_index()
-    if metrics:
-        widgets.chart(figures.metrics_over_steps(series, metrics, data.METRIC_TITLES, colours=colours),
+    logged = [m for m in metrics if m in set(series["name"])]
+    if logged:
+        widgets.chart(figures.metrics_over_steps(series, logged, data.METRIC_TITLES, colours=colours),
                       "metrics_chart", "None of these runs has logged a step with these metrics yet.")
+    missing = [data.METRIC_TITLES[m] for m in metrics if m not in logged]
+    if missing:
+        st.caption("Not logged by these runs: " + ", ".join(missing)
+                   + " (the accuracy comes from held-out evaluation, every `--eval-every` steps).")
     if grouped:
         sizes = members.groupby(column)["run_id"].size()
         st.caption("Lines are the mean over each configuration's seeds, the band their min..max; "

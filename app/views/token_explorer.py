@@ -24,7 +24,7 @@ if target is not None and target["run"] == run:
     st.session_state["explorer_pos"] = target.get("pos", -1)
 elif st.session_state.get("_explorer_run") != run:
     st.session_state["explorer_step"] = start[0] if start else last
-    st.session_state.pop("explorer_sample", None)
+    st.session_state["explorer_sample"] = start[1] if start else None
     st.session_state.pop("explorer_pos", None)
 st.session_state["_explorer_run"] = run
 step = st.number_input("Step", min_value=first, max_value=last, step=1, key="explorer_step")
@@ -34,11 +34,12 @@ if samples.empty:
             "of its responses); try another step.")
     st.stop()
 labels = {int(r.sample_id): f"#{int(r.sample_id)}  reward {r.reward:.2f}  A {r.advantage:+.2f}  "
-                            f"{int(r.n_logged)} tokens, {int(r.n_blocked)} blocked" for r in samples.itertuples()}
+                            f"{int(r.n_logged)} tokens, {int(r.n_blocked)} blocked by the trainer, "
+                            f"{int(r.n_would_block)} by some rule" for r in samples.itertuples()}
 ids = list(labels)
 if st.session_state.get("explorer_sample") not in ids:
-    busiest = samples.sort_values(["n_blocked", "n_logged"], ascending=False)["sample_id"].iloc[0]
-    st.session_state["explorer_sample"] = int(busiest)
+    busiest = samples.sort_values(["n_blocked", "n_would_block", "n_logged"], ascending=False)["sample_id"].iloc[0]
+    st.session_state["explorer_sample"] = start[1] if start and start[0] == step and start[1] in ids else int(busiest)
 sample_id = st.selectbox("Sample", ids, format_func=labels.get, key="explorer_sample")
 tokens = data.sample_tokens(run, int(step), int(sample_id))
 rule_columns = [c.removeprefix("blocks_") for c in tokens.columns if c.startswith("blocks_")]
