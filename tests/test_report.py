@@ -60,6 +60,25 @@ def test_sql_errors_go_to_stderr_with_exit_code(logdir):
     assert len(res.stdout.splitlines()) == 8 and "cut at 7 rows" in res.stderr
 
 
+def test_named_queries_bind_parameters_and_refuse_unknown_names(logdir, tmp_path):
+    with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
+        alpha = conn.query("rules_by_bucket", run_id="alpha", first_step=0, last_step=3)
+        none = conn.query("rules_by_bucket", run_id="alpha'; drop view tokens; --", first_step=0, last_step=3)
+        before = conn.version()
+        with pytest.raises(ValueError, match="unknown query 'nope'"):
+            conn.query("nope")
+    assert len(alpha) and none.empty  # a value, never SQL
+    assert set(alpha["adv_sign"]) <= {"A>0", "A<0"} and (alpha["n_blocked"] <= alpha["n_tokens"]).all()
+    import shutil
+
+    copy = shutil.copytree(logdir, tmp_path / "logs")
+    with tsdb.connect(copy, cache_dir=tmp_path) as conn:
+        same = conn.version()
+        generate_run(copy, "gamma", SyntheticConfig(tokens=300, steps=1, edge_cases=False))
+        assert conn.version() != same  # a new file changes the version the dashboard caches under
+    assert before
+
+
 def test_sql_prints_float32_at_float32_precision(logdir):
     q = "select 0.3::float as f32, 0.3::double as f64"
     res = runner.invoke(app, ["sql", str(logdir), q])

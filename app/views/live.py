@@ -30,8 +30,9 @@ def live_view() -> None:
                        f"of {int(row['tokens_generated']):,} generated", delta_color="off", delta_arrow="off")
         cols[2].metric("Mean reward", "-" if pd.isna(row["mean_reward"]) else f"{row['mean_reward']:.3f}")
         cols[3].metric("Status", str(row["status"]))
-        st.plotly_chart(figures.metrics_over_steps(data.step_metrics([run]), list(data.METRIC_TITLES),
-                                                  data.METRIC_TITLES), key="live_chart")
+        metrics = data.step_metrics([run])
+        logged = [m for m in data.METRIC_TITLES if m in set(metrics["name"])]
+        st.plotly_chart(figures.metrics_over_steps(metrics, logged, data.METRIC_TITLES), key="live_chart")
         updated = row["updated_at"]
         st.caption(f"Refreshed {datetime.now():%H:%M:%S}; the run's manifest was last updated "
                    + ("never" if updated is None or pd.isna(updated) else f"{updated:%Y-%m-%d %H:%M:%S} UTC") + ".")
