@@ -142,11 +142,10 @@ def count_axis(fig: go.Figure, values: Iterable[float], axis: str = "y", **where
 
 
 def _finish(fig: go.Figure, height: int, top: int = 40) -> go.Figure:
-    """Shared layout: no SI prefixes on any axis, a white template, the legend beside the plot in trace order."""
+    """Shared layout: no SI prefixes on any axis, the legend beside the plot in trace order."""
     fig.update_xaxes(exponentformat="e", automargin=True)
     fig.update_yaxes(exponentformat="e", automargin=True)
-    fig.update_layout(height=height, margin={"t": top, "b": 40}, template="plotly_white",
-                      legend={"traceorder": "normal"})
+    fig.update_layout(height=height, margin={"t": top, "b": 40}, legend={"traceorder": "normal"})
     return fig
 
 
@@ -217,20 +216,26 @@ def metrics_over_steps(df: pd.DataFrame, metrics: Sequence[str], titles: Mapping
                         subplot_titles=[titles.get(m, m) for m in metrics])
     runs = _ordered(df["run_id"])
     band = {"lo", "hi"} <= set(df.columns)
+    traces, rows = [], []
     for row, metric in enumerate(metrics, start=1):
         part = df[df["name"] == metric]
         for i, run in enumerate(runs):
             one = part[part["run_id"] == run].sort_values("step")
             colour = (colours or {}).get(run, series_colour(i))
             if band and len(one) and (one["hi"] > one["lo"]).any():
-                fig.add_trace(go.Scatter(
+                traces.append(go.Scatter(
                     x=[*one["step"], *one["step"][::-1]], y=[*one["hi"], *one["lo"][::-1]], fill="toself",
                     fillcolor=colour, opacity=0.15, line={"width": 0}, hoverinfo="skip", showlegend=False,
-                    legendgroup=str(run), name=f"{run} min-max"), row=row, col=1)
-            fig.add_trace(go.Scatter(x=one["step"], y=one["value"], mode="lines", name=str(run),
+                    legendgroup=str(run), name=f"{run} min-max"))
+                rows.append(row)
+            traces.append(go.Scatter(x=one["step"], y=one["value"], mode="lines", name=str(run),
                                      legendgroup=str(run), showlegend=row == 1, line={"color": colour, "width": 2},
-                                     hovertemplate=f"{run}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
-                          row=row, col=1)
+                                     hovertemplate=f"{run}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"))
+            rows.append(row)
+    if traces:
+        fig.add_traces(traces, rows=rows, cols=[1] * len(rows))  # one call: per-trace add_trace is slow
+    for row, metric in enumerate(metrics, start=1):
+        part = df[df["name"] == metric]
         if metric in log_metrics:
             values = [*part["value"], *(part["lo"] if band else []), *(part["hi"] if band else [])]
             log_axis(fig, values, row=row, col=1)
@@ -257,23 +262,27 @@ def blocked_fraction_by_rule(df: pd.DataFrame, applied: Mapping[str, str | None]
                         vertical_spacing=min(0.3 / max(rows - 1, 1), 0.12), horizontal_spacing=0.04)
     counts = {"n_blocked", "n_tokens"} <= set(df.columns)
     shown: set[str] = set()
+    traces, at_rows, at_cols = [], [], []
+    groups = {key: one.sort_values("step") for key, one in df.groupby(["run_id", "rule"], sort=False)}
     for k, run in enumerate(runs):
         row, col = divmod(k, cols)
-        part = df[df["run_id"] == run]
-        for rule in rule_order(part["rule"]):
-            one = part[part["rule"] == rule].sort_values("step")
+        for rule in rule_order(r for (g, r) in groups if g == run):
+            one = groups[(run, rule)]
             own = applied.get(run) == rule
             extra = {}
             if counts:
                 extra = {"customdata": one[["n_blocked", "n_tokens"]].to_numpy(),
                          "hovertemplate": f"{rule}<br>step %{{x}}<br>%{{y:.2%}} "
                                           "(%{customdata[0]:,.0f} of %{customdata[1]:,.0f} tokens)<extra></extra>"}
-            fig.add_trace(go.Scatter(x=one["step"], y=one["blocked_frac"], mode="lines", name=rule,
+            traces.append(go.Scatter(x=one["step"], y=one["blocked_frac"], mode="lines", name=rule,
                                      legendgroup=rule, showlegend=rule not in shown, meta={"rule": rule},
-                                     line={"color": rule_colour(rule), "width": 4 if own else 1.5}, **extra),
-                          row=row + 1, col=col + 1)
+                                     line={"color": rule_colour(rule), "width": 4 if own else 1.5}, **extra))
+            at_rows.append(row + 1)
+            at_cols.append(col + 1)
             shown.add(rule)
-        fig.update_xaxes(title_text="step" if row == rows - 1 else None, row=row + 1, col=col + 1)
+    if traces:
+        fig.add_traces(traces, rows=at_rows, cols=at_cols)  # one call: per-trace add_trace is slow
+    fig.update_xaxes(title_text="step", row=rows)
     percent_axis(fig)
     fig.update_yaxes(title_text="blocked (% of tokens)", col=1)
     return _finish(fig, 120 + 260 * rows, top=90)

@@ -74,6 +74,8 @@ st.markdown("**Every token**")
 table = tokens[["pos", "text", "mu", "pi", "ratio", "tv", "advantage", "blocked"]].copy()
 table["text"] = table["text"].map(repr)
 focus = st.session_state.get("explorer_pos", -1)
+if focus < 0 and tokens["blocked"].any():
+    focus = int(tokens.loc[tokens["blocked"], "pos"].iloc[0])  # the first blocked token's top-K
 st.dataframe(table, hide_index=True, key="explorer_table", column_config={
     "mu": st.column_config.NumberColumn(format="%.4f"), "pi": st.column_config.NumberColumn(format="%.4f"),
     "ratio": st.column_config.NumberColumn(format="%.3f"), "tv": st.column_config.NumberColumn("TV", format="%.4f"),
