@@ -217,6 +217,29 @@ def test_token_explorer_page(monkeypatch, logdir):
     assert any(c.value.startswith("Red: ppo_clip blocks") for c in at.main.caption)
 
 
+def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
+    monkeypatch.setenv(LOGDIR_ENV, str(logdir))
+    at = AppTest.from_file(str(MAIN), default_timeout=TIMEOUT)
+    at.run()
+    run = at.dataframe[0].value["run_id"].iloc[-1]
+    at.switch_page("views/counterfactual.py")
+    at.run()
+    at.selectbox(key="run_picker").set_value(run).run()
+    tokens = at.dataframe[-1].value
+    if tokens.empty:
+        pytest.skip("the two default rules agree on every token of this log")
+    row = tokens.iloc[0]
+    at.session_state["explorer_target"] = {"run": run, "step": int(row["step"]), "sample": int(row["sample_id"]),
+                                           "pos": int(row["pos"])}
+    at.switch_page("views/token_explorer.py")
+    at.run()
+    _ok(at, "Token explorer")
+    assert at.selectbox(key="run_picker").value == run
+    assert at.number_input(key="explorer_step").value == int(row["step"])
+    assert at.selectbox(key="explorer_sample").value == int(row["sample_id"])
+    assert at.selectbox(key="explorer_topk_pos").value == int(row["pos"])
+
+
 def test_sql_console_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "sql_console")
     _ok(at, "SQL console")

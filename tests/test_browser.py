@@ -76,13 +76,13 @@ def _demo_logs(tmp_path_factory) -> Path:
     given = os.environ.get("TRUSTSCOPE_DEMO_LOGDIR")
     if given:
         return Path(given)
+    import dataclasses
+
     from trustscope.demo import demo_config
     from trustscope.train.loop import train
 
     logdir = tmp_path_factory.mktemp("demo")
-    cfg = demo_config(logdir, steps=4)
-    cfg.eval_every, cfg.eval_problems = 2, 16
-    train(cfg)
+    train(dataclasses.replace(demo_config(logdir, steps=4), eval_every=2, eval_problems=16))
     return logdir
 
 
