@@ -77,7 +77,7 @@ def test_metrics_over_steps_one_panel_per_metric_one_line_per_run():
     assert fig.data[2].yaxis == "y2" and list(fig.data[2].y) == [0.003]
     assert fig.layout.yaxis.title.text == "mean reward"
     assert fig.layout.yaxis2.type == "log" and fig.layout.yaxis2.ticktext == ("0.002", "0.005")
-    assert fig.layout.xaxis2.title.text == "step"
+    assert fig.layout.xaxis2.title.text == "step" and fig.layout.xaxis2.dtick == 1  # integer steps
 
 
 def test_metrics_over_steps_keeps_a_panel_for_a_missing_metric():

@@ -141,6 +141,14 @@ def count_axis(fig: go.Figure, values: Iterable[float], axis: str = "y", **where
     update(tickformat=",d", rangemode="tozero", **extra, **where)
 
 
+def step_axis(fig: go.Figure, steps: Iterable[float], **where: object) -> None:
+    """A step axis: integer ticks (one per step when a run has few), titled ``step``."""
+    values = [float(v) for v in steps if v is not None and not pd.isna(v)]
+    span = (max(values) - min(values)) if values else 0.0
+    extra = {"dtick": 1} if span <= 8 else {}
+    fig.update_xaxes(tickformat="d", **extra, **where)
+
+
 def _finish(fig: go.Figure, height: int, top: int = 40) -> go.Figure:
     """Shared layout: no SI prefixes on any axis, the legend beside the plot in trace order."""
     fig.update_xaxes(exponentformat="e", automargin=True)
@@ -242,6 +250,7 @@ def metrics_over_steps(df: pd.DataFrame, metrics: Sequence[str], titles: Mapping
         elif metric in percent_metrics:
             percent_axis(fig, row=row, col=1)
         fig.update_yaxes(title_text=titles.get(metric, metric), row=row, col=1)
+    step_axis(fig, df["step"])
     fig.update_xaxes(title_text="step", row=len(metrics), col=1)
     return _finish(fig, max(300, 230 * len(metrics)), top=60)
 
@@ -282,6 +291,7 @@ def blocked_fraction_by_rule(df: pd.DataFrame, applied: Mapping[str, str | None]
             shown.add(rule)
     if traces:
         fig.add_traces(traces, rows=at_rows, cols=at_cols)  # one call: per-trace add_trace is slow
+    step_axis(fig, df["step"])
     fig.update_xaxes(title_text="step", row=rows)
     percent_axis(fig)
     fig.update_yaxes(title_text="blocked (% of tokens)", col=1)
@@ -312,6 +322,7 @@ def bad_updates_vs_reward(df: pd.DataFrame, alert_line: float | None = None,
                       annotation_text=f"warning line {alert_line:.2%}", annotation_position="top left")
     for step in alert_steps:
         fig.add_vline(x=step, line={"color": ALERT_COLOUR, "width": 1, "dash": "dot"})
+    step_axis(fig, df["step"])
     fig.update_xaxes(title_text="step")
     percent_axis(fig, secondary_y=False)
     fig.update_yaxes(title_text="bad negative updates (% of the step's tokens)", secondary_y=False)
