@@ -156,6 +156,13 @@ def _run_table(logdir: str, version: str) -> pd.DataFrame:
     return report.run_table(_db(logdir))
 
 
+@st.cache_data(show_spinner=False, max_entries=128)
+def figure(builder: str, *args: object, **kwargs: object) -> dict:
+    """``trustscope.figures.<builder>(*args, **kwargs)`` as plotly JSON, cached on its inputs: a revisit of a page
+    skips plotly's figure building, which costs more than the cached queries behind it."""
+    return getattr(figures, builder)(*args, **kwargs).to_plotly_json()
+
+
 def _frozen(params: dict[str, object]) -> tuple[tuple[str, object], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in params.items()))
 

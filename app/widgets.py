@@ -81,8 +81,9 @@ def require_runs() -> pd.DataFrame:
     return runs
 
 
-def chart(fig: go.Figure, key: str, empty: str) -> None:
-    """Draw ``fig``, or say ``empty`` (why there is nothing and what to change) when no trace holds a point."""
+def chart(fig: go.Figure | dict, key: str, empty: str) -> None:
+    """Draw ``fig`` (a figure or :func:`app.data.figure`'s JSON), or say ``empty`` (why there is nothing and what
+    to change) when no trace holds a point."""
     if figures.has_data(fig):
         st.plotly_chart(fig, key=key)
     else:

@@ -157,11 +157,12 @@ def _finish(fig: go.Figure, height: int, top: int = 40) -> go.Figure:
     return fig
 
 
-def has_data(fig: go.Figure) -> bool:
-    """Whether any trace of ``fig`` holds at least one point."""
-    for trace in fig.data:
+def has_data(fig: go.Figure | Mapping) -> bool:
+    """Whether any trace of ``fig`` (a figure, or its ``to_plotly_json()`` dict) holds at least one point."""
+    traces = fig.get("data", []) if isinstance(fig, Mapping) else [t.to_plotly_json() for t in fig.data]
+    for trace in traces:
         for attr in ("x", "y", "z", "values"):
-            values = getattr(trace, attr, None)
+            values = trace.get(attr)
             if values is not None and len(values) > 0:
                 return True
     return False

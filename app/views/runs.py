@@ -44,7 +44,7 @@ def compare(chosen: list[str], grouped: bool) -> None:
     series = series.set_index("run_id").loc[[c for c in chosen if c in set(series["run_id"])]].reset_index()
     logged = [m for m in metrics if m in set(series["name"])]
     if logged:
-        widgets.chart(figures.metrics_over_steps(series, logged, data.METRIC_TITLES, colours=colours),
+        widgets.chart(data.figure("metrics_over_steps", series, logged, data.METRIC_TITLES, colours=colours),
                       "metrics_chart", "None of these runs has logged a step with these metrics yet.")
     missing = [data.METRIC_TITLES[m] for m in metrics if m not in logged]
     if missing:
@@ -63,7 +63,7 @@ def compare(chosen: list[str], grouped: bool) -> None:
     blocked = blocked.groupby(["run_id", "rule", "step"], as_index=False).agg(
         blocked_frac=("blocked_frac", "mean"), n_blocked=("n_blocked", "sum"), n_tokens=("n_tokens", "sum"))
     blocked = figures.smooth(blocked, weight, ["run_id", "rule"], column="blocked_frac")
-    widgets.chart(figures.blocked_fraction_by_rule(blocked, applied=applied), "blocked_chart",
+    widgets.chart(data.figure("blocked_fraction_by_rule", blocked, applied=applied), "blocked_chart",
                   "No rule would block any token of these runs (the policy never moved far from the rollouts). "
                   "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
     st.caption("Share of the logged tokens each rule would block on the same tokens; the thick line is the rule the "
