@@ -188,3 +188,15 @@ def test_no_runs_found_exits_non_zero_with_a_message(tmp_path):
         args = [command, str(tmp_path / "empty")] + (["select 1"] if command == "sql" else [])
         res = runner.invoke(app, args)
         assert res.exit_code == 1 and "no runs found" in res.stderr and "Traceback" not in res.output
+
+
+def test_demo_refuses_a_busy_port_before_training(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = runner.invoke(app, ["demo", "--logdir", str(tmp_path / "demo"), "--port", str(port)])
+    assert res.exit_code == 2 and f"port {port}" in res.stderr
+    assert not (tmp_path / "demo").exists()  # nothing trained
