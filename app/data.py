@@ -172,6 +172,12 @@ def _key() -> tuple[str, str]:
     return logdir, _db(logdir).version()
 
 
+def fingerprint(logdir: str | None = None) -> str:
+    """The log directory's :meth:`LogDB.version` (what results are cached under), for sections that cache their
+    own results."""
+    return _db(logdir or current_logdir()).version()
+
+
 def analysis(method: str, **kwargs: object) -> pd.DataFrame:
     """Cached result of ``LogDB.<method>(**kwargs)`` for the current log directory and its files."""
     return _analysis(*_key(), method, _frozen(kwargs))

@@ -5,8 +5,8 @@ the named analyses the CLI, the report and the dashboard call.
     db.step_summary()                        # pandas DataFrame, one row per (run, step)
     db.sql("select rule, count(*) from clipped_tokens group by rule")   # read-only, row limit, timeout
 
-Views read the runs' Parquet through globs (``<run>/tokens/*.parquet``), so a run that is still being written
-shows every file the logger has finished (it writes a temporary name, then renames). Per-step summaries come from
+Views read the runs' Parquet files that the logger has committed (listed afresh for every cursor), so a run that
+is still being written shows every step whose flush is complete, in every table at once. Per-step summaries come from
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
 costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
 
@@ -157,10 +157,7 @@ def _run_dirs(paths: Sequence[Path]) -> list[Path]:
 
 
 def _data_files(run: Path, table: str) -> list[Path]:
-    folder = run / table
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if schema.is_data_file(p))
+    return schema.committed_files(run)[table]
 
 
 def _load_sql(con: duckdb.DuckDBPyConnection, files: Iterable[Path], kind: str,
@@ -238,11 +235,12 @@ class LogDB:
         (self._private / "empty_run.json").write_text("")
 
     def _file_lists(self) -> dict[str, list[str]]:
-        """Globs of the runs that hold files of each table (a glob matching nothing would fail the query)."""
+        """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
         lists: dict[str, list[str]] = {}
+        committed = [schema.committed_files(run) for run in self.runs_dirs]
         for table in schema.TABLES:
-            globs = [str(run / table / "*.parquet") for run in self.runs_dirs if _data_files(run, table)]
-            lists[table] = [str(self._private / f"empty_{table}.parquet"), *globs]
+            files = [str(f) for run_files in committed for f in run_files[table]]
+            lists[table] = [str(self._private / f"empty_{table}.parquet"), *files]
         lists["vocab"] = [str(self._private / "empty_vocab.parquet")] + [
             str(run / schema.VOCAB_FILE) for run in self.runs_dirs if (run / schema.VOCAB_FILE).is_file()
         ]

@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from app import data, widgets
+from app.views import doctor
 from trustscope import figures
 
 st.title("Runs")
@@ -73,5 +74,6 @@ def compare(chosen: list[str], grouped: bool) -> None:
 chosen, grouped = widgets.pick_groups(runs)
 if chosen:
     compare(chosen, grouped)
+    doctor.doctor_section(runs.loc[runs["group" if grouped else "run_id"].isin(chosen), "run_id"].tolist())
 else:
     st.info("Pick at least one configuration or run above.")
