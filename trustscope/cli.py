@@ -73,7 +73,11 @@ def demo(
     """Build the toy world, train a short DPPO run with the logger on, and serve the dashboard over it."""
     from trustscope.demo import run_demo
 
-    run_demo(logdir, steps=steps, serve=serve, port=port)
+    try:
+        run_demo(logdir, steps=steps, serve=serve, port=port)
+    except OSError as exc:
+        typer.echo(f"trustscope demo: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()
@@ -94,6 +98,19 @@ def validate(logdir: Path = typer.Argument(..., help="A log directory, or one ru
     typer.echo(f"ok: {len(runs)} run(s) in {logdir} match schema version {SCHEMA_VERSION}")
 
 
+def _first_line(exc: BaseException) -> str:
+    """An error's first line: DuckDB appends the failing SQL (views included) below it, which says nothing to a
+    user and is not theirs to read."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
+
+
+def _left_out(command: str, broken: dict[str, list[str]]) -> None:
+    for run_id, problems in broken.items():
+        typer.echo(f"trustscope {command}: run {run_id} left out, unreadable: {problems[0]}"
+                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), err=True)
+
+
 @app.command()
 def sql(
     logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
@@ -103,9 +120,12 @@ def sql(
     max_rows: int = typer.Option(10_000, help="Rows returned at most (the output says when rows were cut)."),
     timeout: float = typer.Option(30.0, help="Seconds before the query is interrupted."),
 ) -> None:
-    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded)."""
-    from trustscope.db import QueryRefused, QueryTimeout, connect
-    from trustscope.report import write_result
+    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded).
+
+    A run with an unreadable file is left out (named on stderr); the others are queried.
+    """
+    from trustscope.db import QueryRefused, QueryTimeout
+    from trustscope.report import NoRunsFound, connect_readable, write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         typer.echo(f"trustscope sql: --format {format!r} is not one of table, csv, json, parquet", err=True)
@@ -114,13 +134,15 @@ def sql(
         typer.echo("trustscope sql: --format parquet needs --out FILE", err=True)
         raise typer.Exit(2)
     try:
-        with connect(logdir, max_rows=max_rows, timeout_s=timeout) as db:
+        db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout)
+        _left_out("sql", broken)
+        with db:
             result = db.sql(query)
-    except (QueryRefused, QueryTimeout, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"trustscope sql: {exc}", err=True)
+    except (QueryRefused, QueryTimeout, FileNotFoundError, NoRunsFound, ValueError) as exc:
+        typer.echo(f"trustscope sql: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
-        typer.echo(f"trustscope sql: {type(exc).__name__}: {exc}", err=True)
+        typer.echo(f"trustscope sql: {type(exc).__name__}: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     write_result(result, format, out)
 
@@ -128,20 +150,35 @@ def sql(
 @app.command()
 def report(
     logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
-    html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML page of charts."),
+    html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
+    inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
+                                   "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
+    warn_bad_rate: float = typer.Option(0.01, help="Collapse warning: bad negative-update rate over the last "
+                                        "--warn-window steps that fires it."),
+    warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
+                                               "run's first window that fires it."),
+    warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
 ) -> None:
-    """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens."""
-    from trustscope.db import connect
-    from trustscope.report import print_report, write_html
+    """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
+    collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
+    import duckdb
+
+    from trustscope.report import NoRunsFound, WarningLines, connect_readable, print_report, write_html
 
     try:
-        with connect(logdir) as db:
-            print_report(db)
+        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
+        db, broken = connect_readable(logdir)
+        with db:
+            print_report(db, broken=broken, lines=lines)
             if html is not None:
-                typer.echo(f"wrote {write_html(db, html)}")
-    except FileNotFoundError as exc:
-        typer.echo(f"trustscope report: {exc}", err=True)
-        raise typer.Exit(2) from exc
+                typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
+    except (FileNotFoundError, NoRunsFound, ValueError) as exc:
+        typer.echo(f"trustscope report: {_first_line(exc)}", err=True)
+        raise typer.Exit(2 if isinstance(exc, FileNotFoundError) else 1) from exc
+    except (duckdb.Error, OSError) as exc:
+        typer.echo(f"trustscope report: could not read {logdir}: {_first_line(exc)}; run `trustscope validate "
+                   f"{logdir}` to list broken files", err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command("import")

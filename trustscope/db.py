@@ -49,6 +49,8 @@ from trustscope.paths import cache_root
 SQL_DIR = Path(__file__).parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
 VIEW_DIR = SQL_DIR / "views"
+QUERY_DIR = SQL_DIR / "queries"
+"""Parameterised queries over the views (``$name`` parameters), run by :meth:`LogDB.query`."""
 
 DEFAULT_MAX_ROWS = 10_000
 """Rows a user query may return before it is cut (the result says it was truncated)."""
@@ -76,6 +78,7 @@ ALLOWED_STATEMENTS = frozenset({duckdb.StatementType.SELECT, duckdb.StatementTyp
 
 VIEWS = tuple(sorted(p.stem for p in VIEW_DIR.glob("*.sql")))
 MACROS = tuple(sorted(p.stem for p in MACRO_DIR.glob("*.sql")))
+QUERIES = tuple(sorted(p.stem for p in QUERY_DIR.glob("*.sql")))
 
 _CACHED_PARTIALS = {
     "step_partials": "step_partials_cache",
@@ -527,6 +530,38 @@ class LogDB:
             cur.close()
         truncated = table.num_rows > max_rows
         return QueryResult(table.slice(0, max_rows), truncated, max_rows)
+
+    # ------------------------------------------------------------------------------------------- queries
+
+    def query(self, name: str, **params: Any) -> pd.DataFrame:
+        """Run ``sql/queries/<name>.sql`` with ``params`` bound to its ``$name`` parameters, as pandas.
+
+        The kept aggregates the query's views read are brought up to date first. Unknown names raise ValueError.
+        """
+        if name not in QUERIES:
+            raise ValueError(f"unknown query {name!r}; known: {', '.join(QUERIES)}")
+        text = (QUERY_DIR / f"{name}.sql").read_text()
+        self.refresh(set(re.findall(r"[a-z_]+", _strip_comments(text))) & set(VIEWS))
+        cur = self.cursor()
+        try:
+            return cur.execute(text, params).df()
+        finally:
+            cur.close()
+
+    def version(self) -> str:
+        """A hash of every run file's path, size and modification time: it changes whenever a file lands,
+        grows or goes, so callers may cache results under it."""
+        h = hashlib.blake2b(digest_size=12)
+        for run in _run_dirs(self.paths):
+            files = [run / schema.MANIFEST, run / schema.VOCAB_FILE]
+            files += [f for table in schema.TABLES for f in _data_files(run, table)]
+            for f in files:
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue
+                h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
 
     # ------------------------------------------------------------------------------------------- analyses
 

@@ -436,6 +436,7 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
                   f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, lag {cfg.policy_lag})")
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                TimeElapsedColumn())
+    every = max(1, cfg.steps // 20)  # steps between two progress lines when stderr is not a terminal
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=cfg.steps, completed=0, stats="starting (engine, toy world) ...")
 
@@ -446,6 +447,8 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
             if "eval/reward" in s:
                 stats += f"  eval {s['eval/reward']:.3f}"
             bar.update(task, completed=step + 1, stats=stats)
+            if not console.is_terminal and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                console.print(f"step {step + 1}/{cfg.steps}  {stats}")  # a log file gets a line, not a bar
 
         result = train(cfg, on_step=on_step)
     console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")
