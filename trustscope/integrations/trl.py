@@ -262,6 +262,22 @@ def split_engine_logprobs(
     return trl_view, topk_ids, topk_lps
 
 
+def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
+    """The ids of each row where ``mask`` is set: ``(B, L)`` -> B tuples (one transfer, no per-row tensors)."""
+    return [tuple(i for i, m in zip(r, mr, strict=True) if m)
+            for r, mr in zip(ids.tolist(), mask.bool().tolist(), strict=True)]
+
+
+def _decode(processing_class: Any, rows: list[tuple[int, ...]]) -> list[str]:
+    """Texts of token-id rows, special tokens skipped; through the Rust tokenizer when there is one (the Python
+    ``batch_decode`` converts every id on its own)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
+    return tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
+
+
 def _pad_rows(rows: list[list[Any]], width: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
     """Ragged ``(B, T_i, K)`` rows -> ``(B, width, K)``, right-padded with ``fill``."""
     k = len(rows[0][0]) if rows and rows[0] else 0
@@ -531,15 +547,15 @@ class Attachment:
 
     def _samples(self, inputs: Mapping[str, Any], loss_mask: Tensor) -> dict[str, Any]:
         t = self.trainer
-        tokenizer = getattr(t.processing_class, "tokenizer", t.processing_class)
-        completion, completion_mask = inputs["completion_ids"], inputs["completion_mask"].bool()
-        prompts = [ids[m].tolist() for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"].bool(), strict=True)]
-        responses = [ids[m].tolist() for ids, m in zip(completion, completion_mask, strict=True)]
+        prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
+        responses = _rows(inputs["completion_ids"], inputs["completion_mask"])
+        unique = sorted(set(prompts))  # a prompt repeats num_generations times
+        texts = dict(zip(unique, _decode(t.processing_class, unique), strict=True))
         eos = set(t.eos_token_ids)
         samples: dict[str, Any] = {
             "sample_id": inputs[_SAMPLE_ID], "prompt_id": inputs[_PROMPT_ID],
-            "prompt": tokenizer.batch_decode(prompts, skip_special_tokens=True),
-            "response": tokenizer.batch_decode(responses, skip_special_tokens=True),
+            "prompt": [texts[p] for p in prompts],
+            "response": _decode(t.processing_class, responses),
             "finish_reason": ["stop" if r and r[-1] in eos else "length" for r in responses],
         }
         if inputs["advantages"].dim() == 1:
