@@ -40,7 +40,7 @@ def clock() -> tuple[float, float]:
 
 
 def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int, topk: int,
-            in_attach: list[float]) -> dict[str, float]:
+            in_attach: list[tuple[float, float]]) -> dict[str, float]:
     """One fresh GRPOTrainer for ``steps`` steps; median per-step wall and CPU seconds after ``warmup``."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -81,21 +81,23 @@ def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int
            "cpu_s": statistics.median(b[1] - a[1] for a, b in pairs)}
     if attached:
         mine = in_attach[before:]
-        out["attach_s"] = sum(mine) / steps  # per step, all of attach's own calls
+        out["attach_s"] = sum(w for w, _ in mine) / steps  # per step, all of attach's own calls
+        out["attach_cpu_s"] = sum(c for _, c in mine) / steps
     return out
 
 
-def time_attach_code(in_attach: list[float]) -> None:
-    """Accumulate the wall time of attach's own work (not TRL's methods it wraps) into ``in_attach``."""
+def time_attach_code(in_attach: list[tuple[float, float]]) -> None:
+    """Record (wall, CPU of the calling thread) seconds of each call of attach's own work (not the TRL methods it
+    wraps) into ``in_attach``; the CPU figure is not inflated by other processes competing for the cores."""
     from trustscope.integrations import trl as integration
 
     def timed(fn):
         def wrapper(*args, **kwargs):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                in_attach.append(time.perf_counter() - t)
+                in_attach.append((time.perf_counter() - t, time.thread_time() - c))
 
         return wrapper
 
@@ -120,7 +122,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = build_toy_model()
     work = Path(tempfile.mkdtemp(prefix="bench-trl-attach-"))
-    in_attach: list[float] = []
+    in_attach: list[tuple[float, float]] = []
     time_attach_code(in_attach)
     print(f"TRL {trl.__version__}, toy model {model_dir}; {args.pairs} pairs x {args.steps} steps "
           f"({args.warmup} warm-up); torch threads {torch.get_num_threads()}; topk {args.topk}", flush=True)
@@ -136,7 +138,7 @@ def main() -> None:
         ratios_cpu.append(res[True]["cpu_s"] / res[False]["cpu_s"])
         print(f"pair {i}: plain {res[False]['step_s'] * 1e3:.1f} ms wall {res[False]['cpu_s'] * 1e3:.1f} ms CPU; "
               f"attached {res[True]['step_s'] * 1e3:.1f} ms wall {res[True]['cpu_s'] * 1e3:.1f} ms CPU "
-              f"(attach's code {res[True]['attach_s'] * 1e3:.2f} ms); ratio wall {ratios_wall[-1]:.3f} "
+              f"(attach's code {res[True]['attach_s'] * 1e3:.2f} ms wall, {res[True]['attach_cpu_s'] * 1e3:.2f} ms CPU); ratio wall {ratios_wall[-1]:.3f} "
               f"CPU {ratios_cpu[-1]:.3f}", flush=True)
 
     def pct(x: float) -> str:
@@ -144,6 +146,8 @@ def main() -> None:
 
     step = statistics.median(r["step_s"] for r in plain)
     code = statistics.median(r["attach_s"] for r in attached)
+    code_cpu = statistics.median(r["attach_cpu_s"] for r in attached)
+    step_cpu = statistics.median(r["cpu_s"] for r in plain)
     print("\n| measure | plain | attached | attached / plain (median of pairs) | range over pairs |")
     print("|---|---|---|---|---|")
     print(f"| step wall ms (median) | {step * 1e3:.1f} | {statistics.median(r['step_s'] for r in attached) * 1e3:.1f} "
@@ -151,7 +155,10 @@ def main() -> None:
     print(f"| step CPU ms (median) | {statistics.median(r['cpu_s'] for r in plain) * 1e3:.1f} | "
           f"{statistics.median(r['cpu_s'] for r in attached) * 1e3:.1f} | {pct(statistics.median(ratios_cpu))} | "
           f"{pct(min(ratios_cpu))} .. {pct(max(ratios_cpu))} |")
-    print(f"| inside attach's code, ms per step | | {code * 1e3:.2f} | {code / step * 100:.1f}% of a plain step | |")
+    print(f"| inside attach's code, wall ms per step | | {code * 1e3:.2f} | {code / step * 100:.1f}% of a plain step's "
+          f"wall | |")
+    print(f"| inside attach's code, CPU ms per step (its thread) | | {code_cpu * 1e3:.2f} | "
+          f"{code_cpu / step_cpu * 100:.1f}% of a plain step's CPU | |")
 
 
 if __name__ == "__main__":

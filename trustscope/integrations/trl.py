@@ -264,8 +264,8 @@ def split_engine_logprobs(
 
 def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
     """The ids of each row where ``mask`` is set: ``(B, L)`` -> B tuples (one transfer, no per-row tensors)."""
-    return [tuple(i for i, m in zip(r, mr, strict=True) if m)
-            for r, mr in zip(ids.tolist(), mask.bool().tolist(), strict=True)]
+    ids_np, mask_np = ids.cpu().numpy(), mask.bool().cpu().numpy()
+    return [tuple(r[m].tolist()) for r, m in zip(ids_np, mask_np, strict=True)]
 
 
 def _decode(processing_class: Any, rows: list[tuple[int, ...]]) -> list[str]:
@@ -278,9 +278,8 @@ def _decode(processing_class: Any, rows: list[tuple[int, ...]]) -> list[str]:
     return tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
 
 
-def _pad_rows(rows: list[list[Any]], width: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
+def _pad_rows(rows: list[list[Any]], width: int, k: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
     """Ragged ``(B, T_i, K)`` rows -> ``(B, width, K)``, right-padded with ``fill``."""
-    k = len(rows[0][0]) if rows and rows[0] else 0
     out = torch.full((len(rows), width, k), fill, dtype=dtype)
     for i, r in enumerate(rows):
         if r:
@@ -435,8 +434,8 @@ class Attachment:
         if not self.topk:
             return
         if engine_topk is not None:
-            out[_TOPK_IDS] = _pad_rows(engine_topk[0], T, 0, torch.long, ids.device)  # (B, T, K)
-            out[_TOPK_LOGPROBS] = _pad_rows(engine_topk[1], T, math.nan, torch.float32, ids.device)
+            out[_TOPK_IDS] = _pad_rows(engine_topk[0], T, self.topk, 0, torch.long, ids.device)  # (B, T, K)
+            out[_TOPK_LOGPROBS] = _pad_rows(engine_topk[1], T, self.topk, math.nan, torch.float32, ids.device)
         elif self.topk_forward:
             self._rollout_forward(out)
 
@@ -642,6 +641,13 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
             raise ValueError(f"topk={topk} on TRL's transformers path (use_vllm=False) has no engine top-K to read; "
                              f"pass topk_forward=True to recompute it with one extra forward per rollout (a "
                              f"recompute, like mu on this path), or topk=0")
+    if topk and trainer.use_vllm:
+        config = getattr(getattr(getattr(trainer.vllm_generation, "llm", None), "llm_engine", None), "model_config",
+                         None)
+        most = getattr(config, "max_logprobs", None)  # colocate mode; a server checks its own
+        if most is not None and 0 <= most < topk:
+            raise ValueError(f"topk={topk} exceeds the colocated vLLM engine's max_logprobs={most} (TRL starts it "
+                             f"with vLLM's default); use topk <= {most}")
     if topk and trainer.use_vllm and trainer.tools:
         raise ValueError("topk with tool calls on the vLLM path is not supported: the tool loop generates again "
                          "and extends the log-prob lists; use topk=0")
