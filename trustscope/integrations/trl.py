@@ -39,8 +39,9 @@ pi's log-probs at those ids need logits, which TRL's fused head does not produce
 forward per micro-batch on the loss side. Without ``topk`` nothing is recomputed.
 
 How it hooks in. TRL's callbacks mark step boundaries (used for the scalars and to close the log) but no public
-hook sees a batch's tokens or the loss's log-probs, so :class:`_Hooks` wraps five methods of this one trainer
-instance (never the class); each wrapper calls TRL's method unchanged and reads its inputs or outputs. attach first
+hook sees a batch's tokens or the loss's log-probs, so :class:`_Hooks` wraps four methods of this one trainer
+instance (never the class), and for top-K on vLLM its engine's ``generate``; each wrapper calls TRL's method
+unchanged and reads its inputs or outputs (only the engine's log-prob lists are reordered). attach first
 checks that every method, parameter and attribute this relies on exists (:func:`check_trainer`) and raises
 :class:`TRLVersionError` naming the TRL version and what is missing; tests/test_integration_trl.py pins the logged
 values against TRL's own, so a TRL upgrade that changes them fails in CI rather than in a user's run.
@@ -288,7 +289,7 @@ def _pad_rows(rows: list[list[Any]], width: int, k: int, fill: float, dtype: tor
 
 
 class _Hooks:
-    """The five wrappers around one trainer's methods, and what they pass from the rollout side to the loss side.
+    """The wrappers around one trainer's methods, and what they pass from the rollout side to the loss side.
 
     Rollout side: ``_calculate_rewards`` (keeps the reward matrix), ``vllm_generation.generate`` (top-K, vLLM
     only), ``_generate_and_score_completions`` (tags the batch with sample ids, prompt groups, weighted rewards and
