@@ -9,7 +9,8 @@ up or slows down over the run does not favour either side). Per run: the median 
 of this process (all threads, the logger's writer thread included) per step, from one step's end to the next,
 after ``--warmup`` steps. Reported: the median over pairs of the paired ratio attached / plain, with the range,
 and the time spent inside attach's own code per step (tagging the rollout, logging the micro-batch, writing TRL's
-scalars), which the machine's drift does not blur. ``--topk K`` adds mu's top-K through ``topk_forward`` (two
+scalars), which the machine's drift does not blur, and the CPU time of the logger's background writer thread.
+``--topk K`` adds mu's top-K through ``topk_forward`` (two
 extra no-grad forwards per step).
 """
 
@@ -40,7 +41,7 @@ def clock() -> tuple[float, float]:
 
 
 def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int, topk: int,
-            in_attach: list[tuple[float, float]]) -> dict[str, float]:
+            in_attach: list[tuple[float, float]], in_writer: list[float]) -> dict[str, float]:
     """One fresh GRPOTrainer for ``steps`` steps; median per-step wall and CPU seconds after ``warmup``."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -83,6 +84,7 @@ def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int
         mine = in_attach[before:]
         out["attach_s"] = sum(w for w, _ in mine) / steps  # per step, all of attach's own calls
         out["attach_cpu_s"] = sum(c for _, c in mine) / steps
+        out["writer_cpu_s"] = in_writer[-1] / steps  # the run's logger closed at the end of train()
     return out
 
 
@@ -105,6 +107,22 @@ def time_attach_code(in_attach: list[tuple[float, float]]) -> None:
         setattr(integration.Attachment, name, timed(getattr(integration.Attachment, name)))
 
 
+def time_writer_thread(in_writer: list[float]) -> None:
+    """Record the CPU seconds of each TokenLogger's background writer thread, over its life, into ``in_writer``."""
+    from trustscope.logger import TokenLogger
+
+    loop = TokenLogger._write_loop
+
+    def timed_loop(self):
+        c = time.thread_time()
+        try:
+            return loop(self)
+        finally:
+            in_writer.append(time.thread_time() - c)
+
+    TokenLogger._write_loop = timed_loop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10)
@@ -123,22 +141,25 @@ def main() -> None:
     model_dir = build_toy_model()
     work = Path(tempfile.mkdtemp(prefix="bench-trl-attach-"))
     in_attach: list[tuple[float, float]] = []
+    in_writer: list[float] = []
     time_attach_code(in_attach)
+    time_writer_thread(in_writer)
     print(f"TRL {trl.__version__}, toy model {model_dir}; {args.pairs} pairs x {args.steps} steps "
           f"({args.warmup} warm-up); torch threads {torch.get_num_threads()}; topk {args.topk}", flush=True)
-    one_run(model_dir, work / "warm", True, 4, 1, args.topk, in_attach)  # imports, caches, first-call costs
+    one_run(model_dir, work / "warm", True, 4, 1, args.topk, in_attach, in_writer)  # imports, caches, first-call costs
     ratios_wall, ratios_cpu, plain, attached = [], [], [], []
     for i in range(args.pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
-        res = {on: one_run(model_dir, work / f"p{i}-{int(on)}", on, args.steps, args.warmup, args.topk, in_attach)
-               for on in order}
+        res = {on: one_run(model_dir, work / f"p{i}-{int(on)}", on, args.steps, args.warmup, args.topk, in_attach,
+                           in_writer) for on in order}
         plain.append(res[False])
         attached.append(res[True])
         ratios_wall.append(res[True]["step_s"] / res[False]["step_s"])
         ratios_cpu.append(res[True]["cpu_s"] / res[False]["cpu_s"])
         print(f"pair {i}: plain {res[False]['step_s'] * 1e3:.1f} ms wall {res[False]['cpu_s'] * 1e3:.1f} ms CPU; "
               f"attached {res[True]['step_s'] * 1e3:.1f} ms wall {res[True]['cpu_s'] * 1e3:.1f} ms CPU "
-              f"(attach's code {res[True]['attach_s'] * 1e3:.2f} ms wall, {res[True]['attach_cpu_s'] * 1e3:.2f} ms CPU); ratio wall {ratios_wall[-1]:.3f} "
+              f"(attach's code {res[True]['attach_s'] * 1e3:.2f} ms wall, {res[True]['attach_cpu_s'] * 1e3:.2f} ms CPU; "
+              f"logger writer {res[True]['writer_cpu_s'] * 1e3:.2f} ms CPU); ratio wall {ratios_wall[-1]:.3f} "
               f"CPU {ratios_cpu[-1]:.3f}", flush=True)
 
     def pct(x: float) -> str:
@@ -148,6 +169,7 @@ def main() -> None:
     code = statistics.median(r["attach_s"] for r in attached)
     code_cpu = statistics.median(r["attach_cpu_s"] for r in attached)
     step_cpu = statistics.median(r["cpu_s"] for r in plain)
+    writer = statistics.median(r["writer_cpu_s"] for r in attached)
     print("\n| measure | plain | attached | attached / plain (median of pairs) | range over pairs |")
     print("|---|---|---|---|---|")
     print(f"| step wall ms (median) | {step * 1e3:.1f} | {statistics.median(r['step_s'] for r in attached) * 1e3:.1f} "
@@ -159,6 +181,8 @@ def main() -> None:
           f"wall | |")
     print(f"| inside attach's code, CPU ms per step (its thread) | | {code_cpu * 1e3:.2f} | "
           f"{code_cpu / step_cpu * 100:.1f}% of a plain step's CPU | |")
+    print(f"| the logger's writer thread, CPU ms per step | | {writer * 1e3:.2f} | "
+          f"{writer / step_cpu * 100:.1f}% of a plain step's CPU | |")
 
 
 if __name__ == "__main__":

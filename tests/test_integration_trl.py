@@ -170,9 +170,10 @@ def test_samples_carry_trl_rewards_and_stable_ids(attached_run):
     assert all(n == 1 for _, n in groups) and len(groups) == 2 * PROMPTS
 
 
-def hf_rollout(nan_at: tuple[int, int] | None = None):
-    """A rollout_func that samples with transformers and reports the sampler's log-probs (an engine of its own);
-    ``nan_at = (row, pos)`` leaves one token unscored (None), as vLLM does for a NaN."""
+def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
+    """A rollout_func that samples with transformers and reports the sampler's log-probs (an engine of its own),
+    recording ``(prompt text, completion ids, log-probs)`` in ``seen``; ``nan_at = (row, pos)`` leaves one token unscored
+    (None), as vLLM does for a NaN."""
 
     def rollout(prompts, trainer):
         tok = trainer.processing_class
@@ -192,6 +193,8 @@ def hf_rollout(nan_at: tuple[int, int] | None = None):
                 out_lps.append(lps)
         if nan_at is not None:
             out_lps[nan_at[0]][nan_at[1]] = None
+        for ids, seq, lps in zip(prompt_ids, out_ids, out_lps, strict=True):
+            seen.append((tok.decode(ids, skip_special_tokens=True), seq, lps))
         return {"prompt_ids": prompt_ids, "completion_ids": out_ids, "logprobs": out_lps}
 
     return rollout
@@ -199,8 +202,9 @@ def hf_rollout(nan_at: tuple[int, int] | None = None):
 
 @pytest.mark.slow
 def test_engine_logprobs_are_mu_and_unscored_tokens_are_masked(toy_model_dir, tmp_path):
+    seen: list = []
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1, num_iterations=1,
-                           rollout_func=hf_rollout(nan_at=(3, 0)))
+                           rollout_func=hf_rollout(seen, nan_at=(3, 0)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", LogWarning)  # no row dropped, no recompute warning
         attachment = ts_trl.attach(trainer, tmp_path / "logs", run_id="engine")
@@ -209,11 +213,19 @@ def test_engine_logprobs_are_mu_and_unscored_tokens_are_masked(toy_model_dir, tm
     assert attachment.logger.manifest["mu_source"] == "engine"
     assert CliRunner().invoke(app, ["validate", str(run)]).exit_code == 0
     assert read(run, "select step, value from steps where name = 'trustscope/unscored_tokens'") == [(0, 1.0)]
-    assert read(run, "select count(*) from tokens where step = 0 and pos = 0")[0][0] == PROMPTS * GROUP - 1
-    # mu is the sampler's (generate with a KV cache), not the loss forward's: at the same weights they differ a
-    # little, which a recompute would not show
-    diff = read(run, "select max(abs(pi_logprob - mu_logprob)), count(*) from tokens where step = 0")[0]
-    assert 0 < diff[0] < 0.05 and diff[1] > 0
+    rows = read(run, """select s.prompt, list(t.token_id order by t.pos), list(t.pos order by t.pos),
+                               list(t.mu_logprob order by t.pos)
+                        from tokens t join samples s using (step, sample_id) group by s.prompt, t.sample_id""")
+    assert sum(len(pos) for _, _, pos, _ in rows) == sum(len(lps) for _, _, lps in seen) - 1
+
+    def reported(prompt, ids, pos, mu, seq, lps):
+        """mu is exactly what the engine reported, and only its unscored (None) token is left out."""
+        return (len(seq) > max(pos) and [seq[i] for i in pos] == ids
+                and all(lps[i] is not None and abs(lps[i] - m) < 1e-6 for i, m in zip(pos, mu, strict=True))
+                and all(lps[i] is None for i in range(len(seq)) if i not in pos))
+
+    for prompt, ids, pos, mu in rows:
+        assert any(reported(prompt, ids, pos, mu, seq, lps) for p, seq, lps in seen if p == prompt), (prompt, ids)
 
 
 @pytest.mark.slow
