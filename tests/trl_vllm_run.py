@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+# VLLM_USE_AOT_COMPILE=0: TRL starts its colocated LLM without enforce_eager, and vLLM 0.32's ahead-of-time compile
+# path fails on CPU with torch 2.13; the JIT path it falls back to runs.
 for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "TOKENIZERS_PARALLELISM": "false"}.items():

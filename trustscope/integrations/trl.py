@@ -509,7 +509,7 @@ class Attachment:
             tokens["pi_topk_logprobs"] = self._pi_topk(inputs, mu_ids)
         self._unscored += int((loss_mask.bool() & ~mask).sum())
         self.logger.log_step(t.state.global_step, tokens=tokens, mask=mask,
-                             samples=self._samples(inputs, loss_mask))
+                             samples=self._samples(inputs))
 
     def _kept(self, inputs: Mapping[str, Any], pi: Tensor, entropy: Tensor | None, loss_mask: Tensor) -> Tensor:
         """TRL's applied mask: the clip region (:func:`trl_kept`) and, when on, TRL's own off-policy,
@@ -545,7 +545,8 @@ class Attachment:
             parts.append(cap.topk_logprobs)
         return torch.cat(parts)
 
-    def _samples(self, inputs: Mapping[str, Any], loss_mask: Tensor) -> dict[str, Any]:
+    def _samples(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The micro-batch's samples rows: ids, prompt group, texts, finish reason, advantage, weighted reward."""
         t = self.trainer
         prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
         responses = _rows(inputs["completion_ids"], inputs["completion_mask"])
