@@ -21,7 +21,8 @@ Written and tested against TRL 1.16.0 (the ``[trl]`` extra pins it). Per optimiz
   - ``kept``: the mask TRL's loss applied, from its settings (:func:`trl_kept`: the clip region of ``epsilon_low``
     / ``epsilon_high`` / ``delta`` for the clipped loss types, and the off-policy, high-entropy and vLLM
     importance-sampling masks when they are on). Tokens with A = 0 are kept, as TRL counts them, so
-    ``1 - mean(kept)`` over a step's tokens is TRL's ``clip_ratio/region_mean`` when only the clip is on.
+    ``1 - mean(kept)`` over a step's tokens is TRL's ``clip_ratio/region_mean`` when only the clip is on (and one
+    micro-batch makes the step: with gradient accumulation TRL averages the micro-batches' ratios).
 - **samples**: a sample id stable over the iterations that reuse a rollout, the prompt group, TRL's weighted reward
   (``sum_i w_i r_i``, the figure TRL logs as ``reward``), the sequence's advantage, prompt and completion text and
   finish reason (``stop`` when the completion ends in an EOS token, else ``length``).
