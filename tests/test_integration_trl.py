@@ -115,6 +115,9 @@ def test_attach_log_validates_and_records_trl_settings(attached_run):
     assert settings["temperature"] == manifest["sampling"]["temperature"] == trainer.temperature
     # the one warning is the honest one about mu; no row was dropped
     assert len(caught) == 1 and "trainer_recompute" in caught[0], caught
+    # the end of train() closed the log and took the wrappers off: the class's methods show through again
+    assert not {"compute_loss", "_calculate_rewards", "_generate_and_score_completions",
+                "_get_per_token_logps_and_entropies"} & set(vars(trainer))
 
 
 @pytest.mark.slow
@@ -296,6 +299,13 @@ def test_a_missing_trl_internal_names_the_version_and_the_attribute(toy_model_di
     with pytest.raises(TRLVersionError, match=r"TRL 1\.16\.0.*TRL 9\.0\.0 lacks GRPOTrainer\._calculate_rewards\(\)"):
         ts_trl.attach(trainer, tmp_path / "logs")
     assert not (tmp_path / "logs").exists()  # nothing half-made
+
+
+def test_another_trl_version_with_every_internal_only_warns(toy_model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.warns(LogWarning, match=r"tested with TRL 1\.16\.0, this is TRL 1\.17\.0"):
+        ts_trl.check_trainer(trainer)
 
 
 def test_a_moved_parameter_is_named(toy_model_dir, tmp_path, monkeypatch):
