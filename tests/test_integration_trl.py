@@ -15,7 +15,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import duckdb
 import pytest
 import torch
 import trl
@@ -26,6 +25,7 @@ from typer.testing import CliRunner
 
 from trustscope.capture import CaptureHook, NoLogitsError
 from trustscope.cli import app
+from trustscope.db import connect
 from trustscope.integrations import trl as ts_trl
 from trustscope.integrations.trl import TRLVersionError, split_engine_logprobs, trl_kept
 from trustscope.logger import LogWarning
@@ -75,10 +75,9 @@ class FusedForwards:
 
 
 def read(run: Path, sql: str, *params):
-    con = duckdb.connect()
-    for table in ("tokens", "samples", "steps"):
-        con.execute(f"create view {table} as select * from read_parquet('{run}/{table}/*.parquet')")
-    return con.execute(sql, list(params)).fetchall()
+    """Rows of ``sql`` over the run, through trustscope's own query layer (the dashboard's views)."""
+    with connect(run) as db:
+        return db.cursor().execute(sql, list(params)).fetchall()
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +114,11 @@ def test_attach_log_validates_and_records_trl_settings(attached_run):
     assert settings["temperature"] == manifest["sampling"]["temperature"] == trainer.temperature
     # the one warning is the honest one about mu; no row was dropped
     assert len(caught) == 1 and "trainer_recompute" in caught[0], caught
+    # the dashboard's step summary reads the run. mu is a recompute here, so at a rollout's own weights (its first
+    # use, steps 0 and 2) |pi - mu| reads zero: the training-inference mismatch is not measured
+    with connect(run) as db:
+        mismatch = dict(db.step_summary()[["step", "mismatch_mean"]].itertuples(index=False))
+    assert sorted(mismatch) == [0, 1, 2, 3] and mismatch[0] < 1e-6 and mismatch[2] < 1e-6 and mismatch[1] > 0
     # the end of train() closed the log and took the wrappers off: the class's methods show through again
     assert not {"compute_loss", "_calculate_rewards", "_generate_and_score_completions",
                 "_get_per_token_logps_and_entropies"} & set(vars(trainer))
@@ -151,8 +155,8 @@ def test_logged_pi_equals_trl_per_token_logprobs(attached_run):
         assert any(max(abs(a - b) for a, b in zip(pi, s, strict=True)) < 1e-6 for s in seen), (step, prompt)
         # mu on this path is TRL's old_per_token_logps, the recompute at the rollout's weights
         assert mu == old
-    # the second use of each rollout sees pi moved away from mu (the first does too: TRL's old_per_token_logps
-    # come from the generation-time forward, and the loss forward runs after it, at the same weights)
+    # the first use of a rollout runs at the rollout's weights (pi is mu up to float rounding); the second sees pi
+    # moved by one update
     moved = read(run, "select step, max(abs(pi_logprob - mu_logprob)) from tokens group by step order by step")
     assert moved[0][1] < 1e-5 and moved[1][1] > 1e-3
 
