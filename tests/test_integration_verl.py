@@ -1,0 +1,598 @@
+"""trustscope.integrations.verl against the real verl package: its policy-loss registry and plugin entry point,
+``DataProto``, verl's own ``ppo_loss`` called as its actor calls it, the logging hook, and a local Ray worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+import warnings
+from functools import partial
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import verl
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from trustscope import db as tdb
+from trustscope import losses as L
+from trustscope import schema as S
+from trustscope.integrations import verl as tv
+from trustscope.logger import TokenLogger, run_status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------- verl batches
+
+
+def make_batch(B: int = 8, P: int = 4, T: int = 6, group: int = 2, seed: int = 0) -> tuple[DataProto, torch.Tensor]:
+    """A driver batch shaped like verl's before the actor update, and pi ``(B, T)`` for the actor's forward.
+
+    Prompts left-padded, responses right-padded with varying lengths, padding log-probs 0 as verl writes them,
+    GRPO advantages broadcast over each response, one ``uid`` per group of ``group`` responses.
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, P + 1, (B,), generator=g)
+    resp_len = torch.randint(1, T + 1, (B,), generator=g)
+    resp_len[0] = T
+    prompt_mask = (torch.arange(P) >= (P - prompt_len)[:, None]).long()  # (B, P), left padding
+    response_mask = (torch.arange(T) < resp_len[:, None]).long()  # (B, T), right padding
+    prompts = torch.randint(3, 40, (B, P), generator=g) * prompt_mask
+    responses = torch.randint(3, 40, (B, T), generator=g) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp_min(0)
+    old = -torch.rand(B, T, generator=g) * 3 * response_mask  # (B, T)
+    rollout = (old + 0.4 * torch.randn(B, T, generator=g)).clamp(max=0) * response_mask
+    pi = (old + 0.5 * torch.randn(B, T, generator=g)).clamp(max=-1e-3) * response_mask
+    reward = torch.randint(0, 2, (B,), generator=g).float()
+    grouped = reward.view(-1, group)
+    seq_adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+    seq_adv[1] = 0.0
+    scores = torch.zeros(B, T)
+    scores[torch.arange(B), resp_len - 1] = reward
+    batch = DataProto.from_dict(
+        tensors={
+            "prompts": prompts, "responses": responses, "response_mask": response_mask,
+            "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+            "position_ids": position_ids, "old_log_probs": old, "rollout_log_probs": rollout,
+            "advantages": seq_adv[:, None] * response_mask, "token_level_scores": scores,
+        },
+        non_tensors={"uid": np.array([f"prompt-{i // group}" for i in range(B)], dtype=object)},
+        meta_info={"temperature": 1.0},
+    )
+    return batch, pi
+
+
+def model_output(micro, pi: torch.Tensor, entropy: torch.Tensor | None = None) -> dict:
+    """What verl's engine hands the loss: log-probs over each whole unpadded sequence (nested), shifted by one."""
+
+    def nested(values: torch.Tensor):
+        seqs = []
+        prompt_mask = micro["attention_mask"][:, : micro["prompts"].shape[1]]
+        for row, sid in enumerate(micro[tv.SAMPLE_KEY].tolist()):
+            p = int(prompt_mask[row].sum())
+            r = int(micro["response_mask"][row].sum())
+            seqs.append(torch.cat([torch.full((p - 1,), -7.0), values[sid, :r], torch.full((1,), -7.0)]))
+        return torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+
+    out = {"log_probs": nested(pi)}
+    if entropy is not None:
+        out["entropy"] = nested(entropy)
+    return out
+
+
+def actor_config(loss_mode: str, agg: str = "token-mean", **settings) -> FSDPActorConfig:
+    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                           loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode), **settings)
+
+
+def run_actor(batch: DataProto, pi: torch.Tensor, loss_fn, *, mini: int = 4, micro: int = 2, epochs: int = 1,
+              entropy: torch.Tensor | None = None, dp_size: int = 1, max_tokens: int | None = None) -> list[list[tuple]]:
+    """The actor update as verl 0.9.1 runs it, the model's forward replaced by ``pi``.
+
+    ``RayPPOTrainer._update_actor`` (to_tensordict, left_right_2_no_padding, global batch size), then
+    ``TrainingWorker.train_mini_batch`` (make_iterator over mini-batches and epochs, shuffled) and the engine's
+    ``forward_backward_batch`` (batch_num_tokens, dp_size, prepare_micro_batches, ``loss_fn(model_output=...,
+    data=micro_batch, dp_group=...)``). ``max_tokens``: verl's dynamic batch size (micro-batches of at most that
+    many tokens, rows regrouped by length) instead of ``micro`` rows. Returns, per mini-batch, (sample ids, loss,
+    metrics) per micro-batch.
+    """
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(td, global_batch_size=mini, use_dynamic_bsz=max_tokens is not None,
+                         micro_batch_size_per_gpu=micro, max_token_len_per_gpu=max_tokens or 0)
+    out = []
+    for mini_td in tu.make_iterator(td, mini_batch_size=mini, epochs=epochs, seed=42,
+                                    dataloader_kwargs={"shuffle": True}):
+        tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()), dp_size=dp_size)
+        micro_batches, _ = prepare_micro_batches(mini_td)
+        results = []
+        for mb in micro_batches:
+            loss, metrics = loss_fn(model_output=model_output(mb, pi, entropy), data=mb, dp_group=None)
+            results.append((mb[tv.SAMPLE_KEY].tolist(), loss, metrics))
+        out.append(results)
+    return out
+
+
+def stamped(batch: DataProto, tmp_path: Path, step: int = 1) -> DataProto:
+    with TokenLogger(tmp_path / "drv", rank=0) as logger:
+        tv.log_driver_batch(logger, batch, step)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+
+
+def test_every_rule_without_topk_is_a_verl_loss_mode():
+    modes = tv.register_policy_losses()
+    for name in L.list_losses():
+        mode = tv.verl_loss_mode(name)
+        if L.get_loss(name).needs & {"mu_topk_logprobs", "pi_topk_logprobs"}:
+            assert mode not in core_algos.POLICY_LOSS_REGISTRY, name
+        else:
+            assert mode in modes
+            assert callable(core_algos.get_policy_loss_fn(mode))
+    assert "trustscope_dppo_binary_tv" in modes and len(modes) >= 10
+
+
+def test_a_rule_registered_later_becomes_a_loss_mode(monkeypatch):
+    monkeypatch.setattr(L, "_REGISTRY", dict(L._REGISTRY))
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", dict(core_algos.POLICY_LOSS_REGISTRY))
+    L.register_loss("verl_test_tight_tv", doc="DPPO binary TV with a tight delta.",
+                    divergence="binary_tv", delta=0.01)(L.dppo)
+    assert "trustscope_verl_test_tight_tv" in tv.register_policy_losses()
+    assert "trustscope_verl_test_tight_tv" in core_algos.POLICY_LOSS_REGISTRY
+
+
+@pytest.mark.slow
+def test_verl_plugin_entry_point_registers_the_rules(tmp_path):
+    """verl loads group ``verl.plugins`` on ``import verl``; the entry point pyproject declares must register the rules.
+
+    The declaration is installed as metadata of a stand-in distribution, so the test reads this checkout's
+    pyproject, not whatever trustscope the environment has installed.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    plugins = project["project"]["entry-points"]["verl.plugins"]
+    dist = tmp_path / "trustscope_plugin_probe-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trustscope-plugin-probe\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items()))
+    code = ("import verl\nfrom verl.trainer.ppo import core_algos\n"
+            "print(sorted(m for m in core_algos.POLICY_LOSS_REGISTRY if m.startswith('trustscope_')))")
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "VERL_USE_EXTERNAL_PLUGINS": "auto"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert eval(done.stdout.strip().splitlines()[-1]) == sorted(tv.verl_loss_mode(r) for r in tv.verl_rules())
+
+
+def test_extra_pins_the_verl_this_module_supports():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert f"verl=={tv.SUPPORTED_VERSION}" in project["project"]["optional-dependencies"]["verl"]
+    assert verl.__version__ == tv.SUPPORTED_VERSION
+
+
+# ----------------------------------------------------------------------------------------- the loss in verl's actor
+
+
+@pytest.mark.parametrize("rule", ["dppo_binary_tv", "ppo_clip", "minirl", "cispo", "minimal_negative_mask"])
+@pytest.mark.parametrize("agg", [("token-mean", "token_mean"), ("seq-mean-token-sum-norm", "seq_mean_token_sum_norm")])
+def test_verl_ppo_loss_equals_the_trustscope_rule(rule, agg, tmp_path):
+    """verl's own ppo_loss with loss_mode=trustscope_<rule>: micro-batch losses add up to the rule's mini-batch loss.
+
+    Without the actor hook verl gives the rule old_log_prob as mu, so the reference uses it as mu too; the
+    gradients through pi agree as well.
+    """
+    verl_agg, ts_agg = agg
+    batch, pi = make_batch(seed=3)
+    stamped(batch, tmp_path)
+    pi_verl = pi.clone().requires_grad_(True)
+    cfg = actor_config(tv.verl_loss_mode(rule), verl_agg)
+    minis = run_actor(batch, pi_verl, lambda **kw: ppo_loss(config=cfg, **kw))
+    pi_ref = pi.clone().requires_grad_(True)
+    old = batch.batch["old_log_probs"]
+    total_ref = 0.0
+    for results in minis:
+        sids = [s for ids, _, _ in results for s in ids]
+        verl_loss = sum(loss for _, loss, _ in results)
+        mask = batch.batch["response_mask"][sids].bool()
+        out = L.get_loss(rule)(L.PolicyBatch(pi_logprob=pi_ref[sids], mu_logprob=old[sids],
+                                             advantages=batch.batch["advantages"][sids], mask=mask,
+                                             old_logprob=old[sids]))
+        ref = L.aggregate(out.loss, mask, ts_agg)
+        assert torch.allclose(verl_loss, ref, atol=1e-6), (verl_loss, ref)
+        verl_loss.backward()
+        total_ref = total_ref + ref
+        blocked = (mask & ~out.keep).float()
+        fracs = [m["actor/pg_clipfrac"].aggregate() for _, _, m in results]
+        sizes = [int(batch.batch["response_mask"][ids].sum()) for ids, _, _ in results]
+        assert sum(f * n for f, n in zip(fracs, sizes, strict=True)) == pytest.approx(float(blocked.sum()))
+    total_ref.backward()
+    assert torch.allclose(pi_verl.grad, pi_ref.grad, atol=1e-6)
+    assert pi_verl.grad.abs().sum() > 0
+
+
+def test_policy_loss_applies_rollout_is_weights_like_verl():
+    batch, pi = make_batch(seed=5)
+    b = batch.batch
+    w = torch.rand(pi.shape) + 0.5
+    cfg = actor_config("trustscope_pg_is")
+    fn = core_algos.get_policy_loss_fn("trustscope_pg_is")
+    args = dict(old_log_prob=b["old_log_probs"], log_prob=pi, advantages=b["advantages"],
+                response_mask=b["response_mask"], loss_agg_mode="token-sum", config=cfg)
+    plain, _ = fn(**args)
+    weighted, metrics = fn(**args, rollout_is_weights=w)
+    out = L.get_loss("pg_is")(L.PolicyBatch(pi_logprob=pi, mu_logprob=b["old_log_probs"], advantages=b["advantages"],
+                                            mask=b["response_mask"].bool()))
+    assert torch.allclose(plain, out.loss.sum(), atol=1e-6)
+    assert torch.allclose(weighted, (out.loss * w).sum(), atol=1e-6)
+    assert set(metrics) >= {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+@pytest.mark.parametrize("mode", sorted(tv.VERL_MASKS))
+def test_replayed_mask_of_verl_loss_matches_verl_clipfrac(mode, tmp_path):
+    """For verl's own mask-based losses the hook logs a replay of their mask; verl's own clip metrics agree with it.
+
+    vanilla's gradient-free tokens are its clipped ones (pg_clipfrac) plus its dual-clipped ones
+    (pg_clipfrac_lower); DPPO's are 1 - its valid mask (pg_clipfrac).
+    """
+    batch, pi = make_batch(B=8, seed=13)
+    stamped(batch, tmp_path)
+    settings = {"vanilla": {"clip_ratio_c": 1.5}, "dppo_tv": {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1},
+                "dppo_kl": {"clip_ratio_low": 0.01, "clip_ratio_high": 0.02}}[mode]
+    cfg = actor_config(mode, **settings)
+    hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "native", loss_rule=f"verl:{mode}",
+                           mask_fn=partial(tv.VERL_MASKS[mode], config=cfg))
+    minis = run_actor(batch, pi, hook)
+    tokens = _read(tmp_path / "logs" / "native", "tokens")
+    blocked_total = 0
+    for results in minis:
+        for ids, _, metrics in results:
+            rows = tokens[tokens["sample_id"].isin(ids)]
+            blocked = float((~rows["kept"]).mean())
+            verl_blocked = metrics["actor/pg_clipfrac"].aggregate()
+            if mode == "vanilla":
+                verl_blocked += metrics["actor/pg_clipfrac_lower"].aggregate()
+            assert blocked == pytest.approx(verl_blocked, abs=1e-6), (ids, blocked, verl_blocked)
+            blocked_total += int((~rows["kept"]).sum())
+    assert blocked_total > 0
+
+
+# ---------------------------------------------------------------------------------------------- the logging hook
+
+
+def _read(run_dir: Path, table: str):
+    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).glob("*.parquet"))).read().to_pandas()
+
+
+@pytest.mark.parametrize("max_tokens", [None, 10])
+def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
+    """Driver rank 0 writes samples, the actor hook rank 1 writes tokens; two epochs log each sample once.
+
+    The hook hands the rule rollout_log_probs as mu; the logged rows carry the driver batch's tensors at the
+    stamped sample id, pi from the loss's forward, and the rule's own mask, with fixed micro-batches and with
+    verl's dynamic batch size (rows regrouped by length).
+    """
+    rule = "dppo_binary_tv"
+    batch, pi = make_batch(B=8, seed=11)
+    entropy = torch.rand(pi.shape) * batch.batch["response_mask"]
+    logdir = tmp_path / "logs"
+    driver = TokenLogger(logdir, "verl-run", rank=0, loss_rule=rule, source={"framework": "verl",
+                                                                             "version": verl.__version__})
+    tv.log_driver_batch(driver, batch, step=3)
+    cfg = actor_config(tv.verl_loss_mode(rule))
+    hook = tv.ActorLogHook(lambda **kw: ppo_loss(config=cfg, **kw), logdir, "verl-run", loss_rule=rule)
+    minis = run_actor(batch, pi, hook, epochs=2, entropy=entropy, max_tokens=max_tokens)
+    sizes = {len(ids) for results in minis for ids, _, _ in results}
+    assert (sizes == {2}) == (max_tokens is None)  # dynamic batch sizes regroup the rows
+    driver.log_step(3, scalars=tv.actor_scalars({"actor/pg_clipfrac": [m["actor/pg_clipfrac"].aggregate()
+                                                                        for r in minis for _, _, m in r]}))
+    driver.close()
+    tv.unstamp_batch(batch)
+    assert tv.SAMPLE_KEY not in batch.batch and tv.STEP_KEY not in batch.meta_info
+
+    run = logdir / "verl-run"
+    assert S.validate_logdir(logdir) == []
+    assert run_status(run) == "finished"  # the actor closed its logger once its 8 samples were in
+    assert json.loads((run / "run.json").read_text())["source"]["framework"] == "verl"
+    tokens, samples = _read(run, "tokens"), _read(run, "samples")
+    assert set(tokens["rank"]) == {1} and set(samples["rank"]) == {0}
+    b = batch.batch
+    mask = b["response_mask"].bool()
+    assert len(tokens) == int(mask.sum())  # each sample once although trained on twice
+    out = L.get_loss(rule)(L.PolicyBatch(pi_logprob=pi, mu_logprob=b["rollout_log_probs"], advantages=b["advantages"],
+                                         mask=mask, old_logprob=b["old_log_probs"]))
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_array_equal(tokens["token_id"], b["responses"].numpy()[sid, pos])
+    np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["old_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["advantage"], b["advantages"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["entropy"], entropy.numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_array_equal(tokens["kept"], out.keep.numpy()[sid, pos])
+    assert (~tokens["kept"]).any()  # the case exercises the mask
+    assert set(tokens["loss_rule"]) == {rule}
+
+    con = duckdb.connect()
+    joined = con.execute(
+        "select count(*), count(distinct s.prompt_id), bool_and(t.prompt_id = s.prompt_id) "
+        "from read_parquet(?) t join read_parquet(?) s using (run_id, step, sample_id)",
+        [str(run / "tokens" / "*.parquet"), str(run / "samples" / "*.parquet")],
+    ).fetchone()
+    assert joined == (len(tokens), 4, True)
+    assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())
+    np.testing.assert_allclose(samples.sort_values("sample_id")["reward"], b["token_level_scores"].sum(-1))
+
+    # trustscope's query layer reads it as one run, and its SQL replay of the rule (anchored on the logged mu)
+    # blocks exactly the tokens the rule blocked inside verl's loss
+    logdb = tdb.connect(logdir, cache=False)
+    runs = logdb.sql("select run_id, status, n_samples from runs").to_pandas()
+    assert runs.to_dict("records") == [{"run_id": "verl-run", "status": "finished", "n_samples": 8}]
+    summary = logdb.sql("select n_tokens, n_samples, trainer_blocked_frac, blocked_frac__dppo_binary_tv "
+                        "from step_summary where step = 3").to_pandas().iloc[0]
+    assert summary["n_tokens"] == len(tokens) and summary["n_samples"] == 8
+    assert summary["trainer_blocked_frac"] == pytest.approx(summary["blocked_frac__dppo_binary_tv"])
+
+
+def test_hook_without_stamp_passes_through(tmp_path):
+    calls = []
+    hook = tv.ActorLogHook(lambda **kw: calls.append(kw) or ("loss", {}), tmp_path, "r", loss_rule="x")
+    assert hook(model_output={}, data=left_right_2_no_padding(make_batch()[0].to_tensordict())) == ("loss", {})
+    assert len(calls) == 1 and not (tmp_path / "r").exists()
+
+
+def test_hook_survives_pickling_without_its_logger(tmp_path):
+    import pickle
+
+    batch, pi = make_batch(seed=2)
+    stamped(batch, tmp_path)
+    cfg = actor_config("trustscope_grpo")
+    hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "pickled", loss_rule="grpo")
+    run_actor(batch, pi, hook, mini=8, micro=4)
+    copy = pickle.loads(pickle.dumps(hook))
+    assert copy._logger is None and copy._seen == set() and copy.run_id == "pickled"
+
+
+# ------------------------------------------------------------------------------------------------- version drift
+
+
+def test_moved_internal_names_version_and_attribute(monkeypatch):
+    monkeypatch.delattr(core_algos, "register_policy_loss")
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
+                                                  r"is missing"):
+        tv.register_policy_losses()
+
+
+def test_hook_names_a_moved_padding_helper(monkeypatch, tmp_path):
+    import verl.workers.utils.padding as padding
+
+    batch, pi = make_batch(seed=4)
+    stamped(batch, tmp_path)
+    hook = tv.ActorLogHook(partial(ppo_loss, config=actor_config("trustscope_grpo")), tmp_path / "logs", "moved",
+                           loss_rule="grpo")
+    monkeypatch.delattr(padding, "no_padding_2_padding")
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.workers\.utils\.padding\."
+                                                  r"no_padding_2_padding is missing"):
+        run_actor(batch, pi, hook)
+    assert not (tmp_path / "logs" / "moved" / "tokens").exists()
+
+
+def test_trainer_without_update_actor_is_refused(tmp_path):
+    class OldTrainer:
+        config = OmegaConf.create({})
+        global_steps = 0
+        actor_rollout_wg = object()
+
+    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: trainer OldTrainer has no _update_actor"):
+        tv.attach(OldTrainer(), tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- Ray, end to end
+
+
+def train_mini_batch(loss_fn, data, pi: torch.Tensor, rank: int = 0, world: int = 1):
+    """An actor's ``update_actor`` as ``TrainingWorker.train_mini_batch`` and the engine's ``forward_backward_batch``
+    run it in verl 0.9.1, the model's forward replaced by ``pi``; returns verl's metrics TensorDict."""
+    mini_batch_size = tu.pop(data, key="mini_batch_size") // world
+    epochs, seed = tu.pop(data, key="epochs"), tu.pop(data, key="seed")
+    loader = tu.make_iterator(data, mini_batch_size=mini_batch_size, epochs=epochs, seed=seed + rank,
+                              dataloader_kwargs=tu.pop(data, key="dataloader_kwargs"))
+    clipfrac = []
+    for mini_td in loader:
+        tu.assign_non_tensor(mini_td, batch_num_tokens=int(mini_td["loss_mask"].sum()) * world, dp_size=world,
+                             use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+        for mb in prepare_micro_batches(mini_td)[0]:
+            _, metrics = loss_fn(model_output=model_output(mb, pi), data=mb, dp_group=None)
+            if "actor/pg_clipfrac" in metrics:  # verl's losses without a mask report none
+                clipfrac.append(metrics["actor/pg_clipfrac"].aggregate())
+    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"pg_clipfrac": clipfrac, "mfu": 0.0}})
+
+
+class LocalActorGroup:
+    """One actor in this process behind the two worker-group methods the trainer and attach call."""
+
+    def __init__(self, pi: torch.Tensor):
+        self.pi, self.loss_fn = pi, None
+
+    def set_loss_fn(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def update_actor(self, data):
+        return train_mini_batch(self.loss_fn, data, self.pi)
+
+
+def ppo_config(**overrides):
+    """verl's full default PPO config (its generated yaml), small batches, ``overrides`` as dotted keys."""
+    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    settings = {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "trustscope_dppo_binary_tv",
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.actor.ppo_epochs": 2,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        **overrides,
+    }
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def local_trainer(cfg, group):
+    """A ``RayPPOTrainer`` with verl's own ``_update_actor``, built without starting workers."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 1, group
+    return trainer
+
+
+@pytest.mark.parametrize("case", ["rule", "no_rollout_logprobs", "verl_loss", "verl_loss_unreplayed", "bypass"])
+def test_attach_records_what_verl_keeps(case, tmp_path):
+    """What attach logs depends on verl's settings; each departure from the full picture is warned and recorded."""
+    overrides = {
+        "rule": {},
+        "no_rollout_logprobs": {"actor_rollout_ref.rollout.calculate_log_probs": False},
+        "verl_loss": {"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"},
+        "verl_loss_unreplayed": {"actor_rollout_ref.actor.policy_loss.loss_mode": "gpg"},
+        "bypass": {"algorithm.rollout_correction.bypass_mode": True},
+    }[case]
+    batch, pi = make_batch(B=8, seed=31)
+    if case == "no_rollout_logprobs":
+        del batch.batch["rollout_log_probs"]
+    if case == "bypass":
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # verl's apply_bypass_mode
+    trainer = local_trainer(ppo_config(**overrides), LocalActorGroup(pi))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tv.attach(trainer, tmp_path, run_id=case):
+            trainer._update_actor(batch)
+    messages = " ".join(str(w.message) for w in caught)
+    run = tmp_path / case
+    assert S.validate_logdir(tmp_path) == [] and run_status(run) == "finished"
+    manifest = json.loads((run / "run.json").read_text())
+    tokens = _read(run, "tokens")
+    b = batch.batch
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    if case == "no_rollout_logprobs":
+        assert "calculate_log_probs" in messages and manifest["mu_source"] == "trainer_recompute"
+        np.testing.assert_allclose(tokens["mu_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
+    else:
+        assert manifest["mu_source"] == "engine"
+        np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    if case == "verl_loss":
+        assert manifest["loss_rule"] == "verl:vanilla" and not tokens["kept"].all()
+        assert manifest["config"]["verl"]["kept"] == "verl's vanilla mask, replayed"
+    elif case == "verl_loss_unreplayed":
+        assert "verl's own" in messages and manifest["loss_rule"] == "verl:gpg" and tokens["kept"].all()
+    else:
+        assert manifest["loss_rule"] == "dppo_binary_tv" and not tokens["kept"].all()
+    assert tokens["old_logprob"].isna().all() == (case == "bypass")
+    assert manifest["config"]["verl"]["bypass_mode"] == (case == "bypass")
+    assert tv.SAMPLE_KEY not in b and tv.STEP_KEY not in batch.meta_info
+
+
+
+def _ray_actor_class():
+    """A verl ``Worker`` that trains like ``ActorRolloutRefWorker.update_actor`` with the model's forward replaced.
+
+    ``set_loss_fn`` (ONE_TO_ALL) and ``update_actor`` taking a TensorDict are the two worker methods the trainer
+    and :func:`attach` call; the body follows ``TrainingWorker.train_mini_batch`` and the engine's
+    ``forward_backward_batch``.
+    """
+    import ray
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import (
+        Dispatch,
+        make_nd_compute_dataproto_dispatch_fn,
+        register,
+    )
+
+    class ToyActor(Worker):
+        def __init__(self, pi):
+            super().__init__()
+            self.pi, self.loss_fn = pi, None
+            self._register_dispatch_collect_info(mesh_name="actor", dp_rank=self.rank, is_collect=self.rank == 0)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def set_loss_fn(self, loss_fn):
+            self.loss_fn = loss_fn
+
+        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+        def update_actor(self, data):
+            output = train_mini_batch(self.loss_fn, data, self.pi, self.rank, self.world_size)
+            return output if self.rank == 0 else None
+
+    return ray.remote(ToyActor)
+
+
+@pytest.mark.slow
+def test_attach_logs_a_trainer_with_ray_actor_workers(tmp_path):
+    """``attach`` on a real ``RayPPOTrainer`` (its own ``_update_actor``) with two actor workers in local Ray.
+
+    The hook travels to the workers through verl's ``set_loss_fn``, each worker logs its half of the tokens as its
+    own rank, the driver logs samples and verl's actor metrics, and the whole is one valid, finished run.
+    """
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    batch, pi = make_batch(B=8, seed=21)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+    try:
+        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+        group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                               ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
+        trainer = local_trainer(ppo_config(), group)
+        with tv.attach(trainer, tmp_path, run_id="ray-run") as run:
+            output = trainer._update_actor(batch)
+        assert trainer._update_actor.__func__ is RayPPOTrainer._update_actor  # restored on close
+    finally:
+        ray.shutdown()
+    assert run.run_id == "ray-run" and "actor/pg_clipfrac" in output.meta_info["metrics"]
+    run_dir = tmp_path / "ray-run"
+    assert S.validate_logdir(tmp_path) == []
+    assert run_status(run_dir) == "finished"
+    tokens, samples, steps = _read(run_dir, "tokens"), _read(run_dir, "samples"), _read(run_dir, "steps")
+    assert sorted(set(tokens["rank"])) == [1, 2] and set(samples["rank"]) == {0}
+    assert tokens.groupby("rank")["sample_id"].nunique().tolist() == [4, 4]
+    assert len(tokens) == int(batch.batch["response_mask"].sum())
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_allclose(tokens["mu_logprob"], batch.batch["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
+    assert "actor/pg_clipfrac" in set(steps["name"])
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"
+    assert manifest["config"]["verl"]["loss_mode"] == "trustscope_dppo_binary_tv"
+
+
+def test_attach_before_init_workers_says_so(tmp_path):
+    trainer = local_trainer(ppo_config(), LocalActorGroup(torch.zeros(1, 1)))
+    del trainer.actor_rollout_wg
+    with pytest.raises(RuntimeError, match=r"call trainer.init_workers\(\) first"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_verl_v1_trainer_is_refused_with_advice(tmp_path):
+    class PPOTrainer:  # verl 0.9.1's V1 trainer: _update_actor(batch: KVBatchMeta, metrics)
+        config, global_steps, actor_rollout_wg = ppo_config(), 1, LocalActorGroup(torch.zeros(1, 1))
+
+        def _update_actor(self, batch, metrics):
+            raise AssertionError("not called")
+
+    with pytest.raises(NotImplementedError, match=r"trainer\.use_v1=False"):
+        tv.attach(PPOTrainer(), tmp_path)
