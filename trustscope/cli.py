@@ -104,7 +104,7 @@ def sql(
     timeout: float = typer.Option(30.0, help="Seconds before the query is interrupted."),
 ) -> None:
     """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded)."""
-    from trustscope.db import QueryRefused, QueryTimeout, connect
+    from trustscope.db import QueryRefused, QueryStopped, connect
     from trustscope.report import write_result
 
     if format not in ("table", "csv", "json", "parquet"):
@@ -116,7 +116,7 @@ def sql(
     try:
         with connect(logdir, max_rows=max_rows, timeout_s=timeout) as db:
             result = db.sql(query)
-    except (QueryRefused, QueryTimeout, FileNotFoundError, ValueError) as exc:
+    except (QueryRefused, QueryStopped, FileNotFoundError, ValueError) as exc:
         typer.echo(f"trustscope sql: {exc}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
