@@ -483,12 +483,10 @@ class Sandbox:
         """Rows of ``query`` (at most ``max_rows + 1``); raises :class:`QueryTimeout`, :class:`QueryMemoryLimit`,
         :class:`QueryRefused` for a permission error, or DuckDB's own error class for a bad query."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
-            proc = self._proc
-            request = {"query": query, "roots": [str(r) for r in roots], "files": _in_protocol(files),
-                       "params": params, "caches": caches, "max_rows": max_rows, "timeout_s": timeout_s}
-            _write_frame(proc.stdin.fileno(), json.dumps(request).encode())
+            request = json.dumps({"query": query, "roots": [str(r) for r in roots], "files": _in_protocol(files),
+                                  "params": params, "caches": caches, "max_rows": max_rows,
+                                  "timeout_s": timeout_s}).encode()
+            proc = self._send(request)
             header = self._wait(proc, timeout_s)
             if not header["ok"]:
                 raise _error(header)
@@ -497,6 +495,18 @@ class Sandbox:
                 self.close()
                 raise RuntimeError("the SQL worker stopped while sending its result")
             return pa.ipc.open_stream(body).read_all()
+
+    def _send(self, request: bytes) -> subprocess.Popen[bytes]:
+        """Hand ``request`` to the worker, starting one when there is none (or it died since the last query)."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                _write_frame(self._proc.stdin.fileno(), request)
+                return self._proc
+            except BrokenPipeError:
+                self.close()
+        self._proc = self._start()
+        _write_frame(self._proc.stdin.fileno(), request)
+        return self._proc
 
     def _wait(self, proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
         """The worker's answer; kill it at the time limit (plus grace) or the memory limit."""
