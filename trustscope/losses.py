@@ -6,7 +6,7 @@ the paper's authors implement::
     loss_t = -A_t * sg(w_t) * M_t * log pi_t,    w_t = min(exp(min(log pi_t - log mu_t, 20)), C)
 
 Rules differ only in the keep-mask ``M`` (what it looks at, what it is anchored to) and the IS cap ``C``. The
-trainer and the integrations look rules up with :func:`get_loss`; nothing picks a rule with if/elif. A user's rule
+trainer and the query layer look rules up with :func:`get_loss`; nothing picks a rule with if/elif. A user's rule
 registers exactly like the built-ins::
 
     @register_loss("my_rule", delta=0.1)
