@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import glob as _glob
 import json
 import os
 import re
@@ -161,12 +162,20 @@ def _token_at(query: str, start: int) -> str:
     return match.group(1) if match else ""
 
 
+_PARSER: list[duckdb.DuckDBPyConnection] = []
+_PARSER_LOCK = threading.Lock()
+
+
 def _parse_tree(query: str) -> dict[str, Any]:
-    con = duckdb.connect()
+    """DuckDB's parse tree of a SELECT, from an empty in-memory connection kept for this (nothing is run)."""
+    with _PARSER_LOCK:
+        if not _PARSER:
+            _PARSER.append(duckdb.connect(config={"enable_external_access": False}))
+        cur = _PARSER[0].cursor()
     try:
-        tree = json.loads(con.execute("select json_serialize_sql(?::varchar)", [query]).fetchone()[0])
+        tree = json.loads(cur.execute("select json_serialize_sql(?::varchar)", [query]).fetchone()[0])
     finally:
-        con.close()
+        cur.close()
     if tree.get("error"):
         raise QueryRefused(f"refused: the query does not parse ({tree.get('error_message')})")
     return tree
@@ -287,12 +296,25 @@ class ReadOnlyLogFS(fsspec.AbstractFileSystem):
 
     def __init__(self, roots: Iterable[str] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.roots = [os.path.realpath(r) for r in roots]
+        self.roots = list(roots)
+
+    @property
+    def roots(self) -> list[str]:
+        return self._roots
+
+    @roots.setter
+    def roots(self, roots: Iterable[str]) -> None:
+        self._roots = [os.path.realpath(r) for r in roots]
+        self._resolved: dict[str, str] = {}  # path -> its real path, under a root (DuckDB asks several times)
 
     def _local(self, path: str) -> str:
+        """The real path of ``path`` (links followed); refused unless it lies under one of the roots."""
+        if path in self._resolved:
+            return self._resolved[path]
         real = os.path.realpath(self._strip_protocol(path) or "/")
-        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots):
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self._roots):
             raise Forbidden(f"refused: reads outside the log directory ({real})")
+        self._resolved[path] = real
         return real
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
@@ -300,9 +322,10 @@ class ReadOnlyLogFS(fsspec.AbstractFileSystem):
             raise Forbidden(f"refused: user SQL cannot write ({self._strip_protocol(path)})")
         return open(self._local(path), "rb")  # DuckDB closes it
 
-    def glob(self, path: str, **kwargs: Any) -> Any:
-        self._local(re.split(r"[*?\[{]", self._strip_protocol(path), maxsplit=1)[0])  # refuse before searching
-        return super().glob(path, **kwargs)
+    def glob(self, path: str, **kwargs: Any) -> list[str]:
+        pattern = self._strip_protocol(path)
+        self._local(re.split(r"[*?\[{]", pattern, maxsplit=1)[0])  # refuse before searching
+        return [p for p in sorted(_glob.glob(pattern)) if self._local(p)]
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         local, name = self._local(path), self._strip_protocol(path)
@@ -346,7 +369,7 @@ def _open_database(init: dict[str, Any]) -> tuple[duckdb.DuckDBPyConnection, Rea
 
 def _run(con: duckdb.DuckDBPyConnection, fs: ReadOnlyLogFS, request: dict[str, Any],
          caches: dict[str, tuple[int, pa.Table]]) -> pa.Table:
-    fs.roots = [os.path.realpath(r) for r in request["roots"]]
+    fs.roots = request["roots"]
     cur = con.cursor()
     try:
         cur.execute("set variable trustscope_files = ?", [request["files"]])
