@@ -300,13 +300,11 @@ class LogDB:
         con.execute("set variable trustscope_files = ?", [self._file_lists()])
         con.execute("set variable trustscope_params = ?", [self._params(**analysis)])
 
-    def _readable(self) -> list[Path]:
-        return _readable(self.paths, self.runs_dirs)
-
     def _lock_down(self) -> None:
-        """Only the log directories, the targets of symlinked runs (the runs of this moment) and the private
-        empty files stay readable; then lock the configuration."""
-        allowed = [str(p) + os.sep for p in self._readable()] + [str(self._private) + os.sep]
+        """Only the log directories, the targets of symlinked runs (the runs of this moment, kept in
+        ``_allowed``) and the private empty files stay readable; then lock the configuration."""
+        self._allowed = _readable(self.paths, self.runs_dirs)
+        allowed = [str(p) + os.sep for p in self._allowed] + [str(self._private) + os.sep]
         self.con.execute("set allowed_directories = ?", [allowed])
         self.con.execute("set enable_external_access = false")
         self.con.execute("set lock_configuration = true")
@@ -389,8 +387,7 @@ class LogDB:
     def _reachable(self, runs: list[Path]) -> list[Path]:
         """``runs`` less the symlinked runs created after connect, whose targets this connection cannot read
         (its allowed directories are locked): they are listed in :attr:`broken_runs` until a reconnect."""
-        allowed = _readable(self.paths, self.runs_dirs)
-        late = {r for r in runs if not any(r.resolve().is_relative_to(a) for a in allowed)}
+        late = {r for r in runs if not any(r.resolve().is_relative_to(a) for a in self._allowed)}
         self._late_links = {r.name: "a symlinked run created after the log directory was opened; reopen it"
                             for r in late}
         return [r for r in runs if r not in late]
@@ -423,7 +420,7 @@ class LogDB:
             raise ValueError(f"max_rows={max_rows} must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
-        check_statement(query, self._readable())
+        check_statement(query, self._allowed)
         return self._run_in_sandbox(query, max_rows, timeout_s)
 
     def _run_in_sandbox(self, query: str, max_rows: int, timeout_s: float) -> QueryResult:
@@ -432,7 +429,7 @@ class LogDB:
         self.refresh(words & set(VIEWS))
         with self._lock:
             sandbox = self._sandbox()
-            request = {"roots": [*self._readable(), self._private], "files": self._file_lists(),
+            request = {"roots": [*self._allowed, self._private], "files": self._file_lists(),
                        "params": self._params(), "caches": self._write_caches()}
         table = sandbox.run(query, max_rows=max_rows, timeout_s=timeout_s, **request)
         truncated = table.num_rows > max_rows
