@@ -91,8 +91,8 @@ def current_logdir() -> str:
 
 
 def check_logdir(logdir: Path) -> None:
-    """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all, and
-    :class:`trustscope.schema.SchemaError` when a run manifest is unreadable."""
+    """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all; show an
+    error naming each run whose manifest is unreadable (the other runs are still shown)."""
     if not logdir.exists():
         raise LogDirError(f"The log directory `{logdir}` does not exist. Start the dashboard with "
                           "`trustscope dashboard LOGDIR` pointing at a directory a run writes to.")
@@ -104,7 +104,12 @@ def check_logdir(logdir: Path) -> None:
                           "reload the page then.")
     for run_dir in schema.run_dirs(logdir):
         if (run_dir / schema.MANIFEST).exists():
-            schema.read_manifest(run_dir)  # a SchemaError names the broken file
+            try:
+                schema.read_manifest(run_dir)
+            except schema.SchemaError as exc:
+                st.error(f"Could not read the logs of run `{run_dir.name}`: {_first_line(exc)}\n\nThe other runs "
+                         f"are shown. Run `trustscope validate {logdir}` to list every broken file.",
+                         icon=":material/error:")
 
 
 @contextlib.contextmanager
@@ -395,7 +400,7 @@ def run_sql(sql: str) -> SqlResult:
     start = time.perf_counter()
     try:
         result = _db(current_logdir()).sql(sql, max_rows=SQL_ROW_LIMIT)
-    except (db.QueryRefused, db.QueryTimeout, duckdb.Error) as exc:
+    except (db.QueryRefused, db.QueryStopped, duckdb.Error) as exc:
         return SqlResult(pd.DataFrame(), False, time.perf_counter() - start, _first_line(exc))
     return SqlResult(result.to_pandas(), result.truncated, time.perf_counter() - start)
 

@@ -2,13 +2,88 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from pathlib import Path
+from typing import Any
 
+import click
 import typer
+import typer.core
 
 from trustscope import __version__
 
+TRAIN_HELP = """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
+
+Every option is a TrainConfig field, its help the field's docstring; options override the --config file's values.
+"""
+METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT"}
+
+
+def train_command() -> click.Command:
+    """``trustscope train``: one option per :class:`~trustscope.train.config.TrainConfig` field, generated from the
+    dataclass. Values are handed on as given (text, or true/false for flags) and coerced once, by TrainConfig.
+    Built when first asked for, since reading TrainConfig imports torch."""
+    from trustscope.train.config import TrainConfig, field_docs
+
+    docs, defaults = field_docs(), TrainConfig(run_id="x").to_dict()
+    hints = typing.get_type_hints(TrainConfig)
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    params = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None, default=typer.Option(
+            None, "--config", help="JSON or TOML file of TrainConfig fields.")),
+        inspect.Parameter("list_options", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+            False, "--list-options", help="List every option with its default and exit.")),
+    ]
+    for name in fields:
+        flag = "--" + name.replace("_", "-")
+        default = "" if name == "run_id" else defaults[name]
+        doc = f"{docs[name]} [default: {default!r}]"
+        if hints[name] is bool:
+            option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=doc, show_default=False)
+            annotation: Any = bool | None
+        else:
+            metavar = METAVARS.get(hints[name], "JSON" if typing.get_origin(hints[name]) is dict else "B1,B2")
+            option = typer.Option(None, flag, help=doc, metavar=metavar, show_default=False)
+            annotation = str | None
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=option))
+
+    def train(config: Path | None, list_options: bool, **values: Any) -> None:
+        from trustscope.logger import LogDirError
+        from trustscope.train.config import ConfigError, load_config
+        from trustscope.train.loop import print_options, train_with_progress
+
+        if list_options:
+            print_options()
+            return
+        try:
+            cfg = load_config(config, {k: v for k, v in values.items() if v is not None})
+            train_with_progress(cfg)
+        except (ConfigError, FileNotFoundError, FileExistsError, LogDirError) as exc:
+            typer.echo(f"trustscope train: {exc}", err=True)
+            raise typer.Exit(2) from exc
+
+    train.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    train.__doc__ = TRAIN_HELP
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    single.command(name="train")(train)
+    return typer.main.get_command(single)
+
+
+class Commands(typer.core.TyperGroup):
+    """The command group, with ``train`` built on demand (see :func:`train_command`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return [*names[:2], "train", *names[2:]]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return train_command() if name == "train" else super().get_command(ctx, name)
+
+
 app = typer.Typer(
+    cls=Commands,
     name="trustscope",
     help="Training-dynamics diagnostics for LLM reinforcement learning, with an integrated DPPO trainer.",
     no_args_is_help=True,
@@ -36,30 +111,6 @@ def dashboard(
         launch(logdir, host=host, port=port)
     except (OSError, ValueError) as exc:
         typer.echo(f"trustscope dashboard: {exc}", err=True)
-        raise typer.Exit(2) from exc
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def train(
-    ctx: typer.Context,
-    config: Path | None = typer.Option(None, "--config", help="JSON or TOML file of TrainConfig fields."),
-    list_options: bool = typer.Option(False, "--list-options", help="List every option with its default and exit."),
-) -> None:
-    """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
-
-    Every TrainConfig field is an option: --loss cispo --lr 1e-5 --engine-dtype bfloat16 --policy-lag 2 ...
-    """
-    from trustscope.logger import LogDirError
-    from trustscope.train.config import ConfigError, load_config, parse_overrides
-    from trustscope.train.loop import print_options, train_with_progress
-
-    if list_options:
-        print_options()
-        return
-    try:
-        train_with_progress(load_config(config, parse_overrides(list(ctx.args))))
-    except (ConfigError, FileNotFoundError, FileExistsError, LogDirError) as exc:
-        typer.echo(f"trustscope train: {exc}", err=True)
         raise typer.Exit(2) from exc
 
 
@@ -124,7 +175,7 @@ def sql(
 
     A run with an unreadable file is left out (named on stderr); the others are queried.
     """
-    from trustscope.db import QueryRefused, QueryTimeout
+    from trustscope.db import QueryRefused, QueryStopped
     from trustscope.report import NoRunsFound, connect_readable, write_result
 
     if format not in ("table", "csv", "json", "parquet"):
@@ -138,7 +189,7 @@ def sql(
         _left_out("sql", broken)
         with db:
             result = db.sql(query)
-    except (QueryRefused, QueryTimeout, FileNotFoundError, NoRunsFound, ValueError) as exc:
+    except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, ValueError) as exc:
         typer.echo(f"trustscope sql: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly

@@ -51,16 +51,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from trustscope import schema
 from trustscope.capture import Capture, capture
 from trustscope.divergence import binary_tv
-from trustscope.engines import Rollout, make_engine
+from trustscope.engines import DTYPES, Rollout, make_engine
 from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.train.config import TrainConfig
 from trustscope.train.tasks import Problem, Task, get_task
 
 CHECKPOINTS = "checkpoints"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -230,11 +230,174 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
     return cfg.model
 
 
+@dataclass
+class Start:
+    """Where a run starts: a new run from the model at step 0, a resumed one from its newest checkpoint."""
+
+    step: int  # the first step to train
+    weights_dir: Path | str  # the weights (and tokenizer) the trainer loads
+    pending: deque[Batch]  # rollouts sampled ahead (policy_lag > 0)
+    engine_state: dict[str, torch.Tensor] | None  # a lagging engine's weights at the checkpoint
+    trainer_state: dict[str, Any] | None  # the optimizer's and the scheduler's state at the checkpoint
+
+
+def restore(cfg: TrainConfig, model_dir: Path | str) -> Start:
+    """A new run (refused when its log exists already) or, with ``resume``, the newest checkpoint's state; log
+    files written after that checkpoint (a crashed continuation) are dropped."""
+    if not cfg.resume:
+        if (cfg.run_dir / schema.MANIFEST).exists():
+            raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue "
+                                  f"it, or another run_id")
+        return Start(0, model_dir, deque(), None, None)
+    ckpt = latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"resume=true but {cfg.run_dir / CHECKPOINTS} holds no checkpoint; set save_every > 0 "
+                                f"in the first run, or resume=false")
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    drop_log_after(cfg.run_dir, state["step"])
+    return Start(state["step"] + 1, ckpt, deque(state["pending"]), state["engine_state"], state)
+
+
+def build_policy(cfg: TrainConfig, start: Start, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
+    """The tokenizer, the trainable model, AdamW and its learning-rate schedule, at ``start``'s state."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(start.weights_dir)
+    model = AutoModelForCausalLM.from_pretrained(start.weights_dir, dtype=DTYPES[cfg.trainer_dtype]).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if start.trainer_state is not None:
+        optimizer.load_state_dict(start.trainer_state["optimizer"])
+        scheduler.load_state_dict(start.trainer_state["scheduler"])
+    return tokenizer, model, optimizer, scheduler
+
+
+@dataclass
+class StepInputs:
+    """One step's rollouts as trainer tensors on the device, with advantages and (optionally) pi_old."""
+
+    mask: torch.Tensor  # (B, T)
+    adv_seq: torch.Tensor  # (B,) group advantages
+    adv: torch.Tensor  # (B, T) the sample's advantage at each of its tokens
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask, position_ids: (B, P + T) each
+    response_ids: torch.Tensor  # (B, T)
+    mu_lp: torch.Tensor  # (B, T)
+    mu_topk_lp: torch.Tensor  # (B, T, K)
+    topk_ids: torch.Tensor  # (B, T, K)
+    old_lp: torch.Tensor | None  # (B, T) pi_old, when recomputed
+
+
+def step_inputs(batch: Batch, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
+                device: torch.device) -> StepInputs:
+    """Pad the batch into tensors, compute group advantages, recompute pi_old when ``cfg.recompute_old``."""
+    ro = batch.rollout.to_tensors(pad_id)
+    mask = ro.mask.to(device)  # (B, T)
+    adv_seq = group_advantages(batch.rewards, cfg.group_size, cfg.std_normalize).to(device)  # (B,)
+    inputs = dict(input_ids=ro.input_ids.to(device), attention_mask=ro.attention_mask.to(device),
+                  position_ids=ro.position_ids.to(device))  # (B, P + T) each
+    x = StepInputs(mask=mask, adv_seq=adv_seq, adv=adv_seq[:, None].expand_as(mask).float(), inputs=inputs,
+                   response_ids=ro.response_ids.to(device), mu_lp=ro.mu_logprob.to(device),
+                   mu_topk_lp=ro.mu_topk_logprobs.to(device), topk_ids=ro.mu_topk_ids.to(device), old_lp=None)
+    if cfg.recompute_old:
+        with torch.no_grad():
+            rows = torch.arange(mask.shape[0], device=device)
+            x.old_lp = policy_forward(model, inputs, x.response_ids, None, rows, cfg.temperature).logprob
+    return x
+
+
+@dataclass
+class Update:
+    """What the step's updates did; pi, its top-K, the entropy and the keep-mask are each token's last update's."""
+
+    pi_lp: torch.Tensor  # (B, T)
+    pi_topk_lp: torch.Tensor  # (B, T, K)
+    entropy: torch.Tensor  # (B, T)
+    kept: torch.Tensor  # (B, T)
+    losses: list[float]  # one per optimizer update
+    grad_norms: list[float]  # one per update when clipping is on
+    metrics: dict[str, float]  # the rule's metrics, averaged over the updates
+
+
+def update_policy(model: torch.nn.Module, optimizer: Any, rule: Any, cfg: TrainConfig, step: int,
+                  x: StepInputs) -> Update:
+    """``epochs`` passes over the step's responses in ``mini_batches`` shuffled mini-batches, one AdamW update
+    each: pi at the sampled tokens and at mu's top-K, the rule's loss, ``aggregate``, gradient clipping."""
+    b = x.mask.shape[0]
+    up = Update(pi_lp=torch.zeros_like(x.mu_lp), pi_topk_lp=torch.zeros_like(x.mu_topk_lp),
+                entropy=torch.zeros_like(x.mu_lp), kept=torch.zeros_like(x.mask), losses=[], grad_norms=[],
+                metrics={})
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(b, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 3 + epoch)))
+        for idx in order.to(x.mask.device).chunk(cfg.mini_batches):
+            cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, idx, cfg.temperature)
+            pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=x.mu_lp[idx], advantages=x.adv[idx],
+                             mask=x.mask[idx], old_logprob=None if x.old_lp is None else x.old_lp[idx],
+                             mu_topk_logprobs=x.mu_topk_lp[idx], pi_topk_logprobs=cap.topk_logprobs)
+            out = rule(pb, **cfg.loss_params)
+            loss = aggregate(out.loss, x.mask[idx], cfg.aggregation, max_len=cfg.max_tokens)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                up.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+            optimizer.step()
+            up.losses.append(float(loss.detach()))
+            for name, value in out.metrics.items():
+                up.metrics[name] = up.metrics.get(name, 0.0) + float(value)
+            up.pi_lp[idx] = cap.logprob.detach()
+            up.pi_topk_lp[idx] = cap.topk_logprobs.detach()
+            up.entropy[idx] = cap.entropy.detach()
+            up.kept[idx] = out.keep
+    up.metrics = {name: total / len(up.losses) for name, total in up.metrics.items()}
+    return up
+
+
+def step_scalars(batch: Batch, x: StepInputs, up: Update, step: int, lr: float,
+                 times: dict[str, float]) -> dict[str, float]:
+    """The step's scalars for the log and the progress bar (``times``: rollout, train, sync, step seconds)."""
+    b, n_tokens = x.mask.shape[0], int(x.mask.sum())
+    scalars = {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()),
+        "loss": float(np.mean(up.losses)),
+        "lr": lr,
+        "grad_norm": float(np.mean(up.grad_norms)) if up.grad_norms else float("nan"),
+        "updates": len(up.losses),
+        "policy_lag": step - batch.weights_step,
+        "response/length_mean": n_tokens / b,
+        "response/stop_frac": float(np.mean([f == "stop" for f in batch.rollout.finish_reasons])),
+        "entropy/mean": float((up.entropy * x.mask).sum() / max(1, n_tokens)),
+        "tokens": n_tokens,
+        **{f"time/{name}_s": seconds for name, seconds in times.items()},
+        "throughput/tokens_per_s": n_tokens / times["step"],
+        **up.metrics,
+    }
+    if x.old_lp is not None:
+        scalars["mismatch/old_abs_mean"] = float((binary_tv(x.mu_lp, x.old_lp) * x.mask).sum() / max(1, n_tokens))
+    return scalars
+
+
+def log_step(logger: Any, step: int, batch: Batch, x: StepInputs, up: Update, scalars: dict[str, float]) -> None:
+    """Every token, every response and the scalars of the step into the TokenLogger."""
+    b = x.mask.shape[0]
+    logger.log_step(
+        step,
+        tokens={"token_id": x.response_ids, "mu_logprob": x.mu_lp, "pi_logprob": up.pi_lp, "advantage": x.adv,
+                "entropy": up.entropy, "mu_topk_ids": x.topk_ids, "mu_topk_logprobs": x.mu_topk_lp,
+                "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept,
+                **({} if x.old_lp is None else {"old_logprob": x.old_lp})},
+        mask=x.mask,
+        samples={"sample_id": np.arange(b), "prompt_id": np.asarray(batch.rollout.prompt_index),
+                 "prompt": [batch.problems[i].prompt for i in batch.rollout.prompt_index],
+                 "response": batch.rollout.texts, "reward": batch.rewards, "advantage": x.adv_seq,
+                 "finish_reason": batch.rollout.finish_reasons},
+        scalars=scalars,
+    )
+
+
 def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
     """Train as ``cfg`` says; call ``on_step(step, scalars)`` after every step; return the last step's scalars."""
     # ---- setup -------------------------------------------------------------------------------------------------
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -242,91 +405,31 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
     rule = get_loss(cfg.loss)
     task = get_task(cfg.task)
     model_dir = resolve_model(cfg)
-    start_step, pending, engine_state = 0, deque(), None
-    ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume else None
-    if not cfg.resume and (cfg.run_dir / "run.json").exists():
-        raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue it, "
-                              f"or another run_id")
-    if cfg.resume and ckpt is None:
-        raise FileNotFoundError(f"resume=true but {cfg.run_dir / CHECKPOINTS} holds no checkpoint; set save_every > 0 "
-                                f"in the first run, or resume=false")
-    weights_dir = ckpt or model_dir
-    tokenizer = AutoTokenizer.from_pretrained(weights_dir)
-    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=DTYPES[cfg.trainer_dtype]).to(device)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if ckpt is not None:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step, pending, engine_state = state["step"] + 1, deque(state["pending"]), state["engine_state"]
-        drop_log_after(cfg.run_dir, state["step"])
+    start = restore(cfg, model_dir)
+    tokenizer, model, optimizer, scheduler = build_policy(cfg, start, device)
     keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights
-    engine_copy = engine_state if engine_state is not None else (_snapshot(model) if keep_engine_copy else None)
+    engine_copy = start.engine_state if start.engine_state is not None else (
+        _snapshot(model) if keep_engine_copy else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scalars: dict[str, float] = {}
 
     with contextlib.ExitStack() as running:  # closes the logger (finished or crashed) and the engine
-        engine = running.enter_context(make_engine(cfg.engine, str(weights_dir), dtype=cfg.engine_dtype,
+        engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
                                                    seed=cfg.seed, **cfg.engine_options))
-        if engine_state is not None:  # the engine was lagging behind the trainer when the checkpoint was taken
-            engine.update_weights(_with_weights(weights_dir, cfg, engine_state))
+        if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
+            engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
         logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model))
-        stream = rollout_stream(engine, task, cfg, start_step, pending)
+        stream = rollout_stream(engine, task, cfg, start.step, start.pending)
 
         # ---- steps ---------------------------------------------------------------------------------------------
-        for step in range(start_step, cfg.steps):
+        for step in range(start.step, cfg.steps):
             t0 = time.perf_counter()
             batch = next(stream)
             t_rollout = time.perf_counter() - t0
-            ro = batch.rollout.to_tensors(pad_id)
-            mask = ro.mask.to(device)  # (B, T)
-            b = mask.shape[0]
-            adv_seq = group_advantages(batch.rewards, cfg.group_size, cfg.std_normalize).to(device)  # (B,)
-            adv = adv_seq[:, None].expand_as(mask).float()  # (B, T)
-            inputs = dict(input_ids=ro.input_ids.to(device), attention_mask=ro.attention_mask.to(device),
-                          position_ids=ro.position_ids.to(device))  # (B, P + T) each
-            response_ids = ro.response_ids.to(device)  # (B, T)
-            mu_lp, mu_topk_lp = ro.mu_logprob.to(device), ro.mu_topk_logprobs.to(device)  # (B, T), (B, T, K)
-            topk_ids = ro.mu_topk_ids.to(device)  # (B, T, K)
+            x = step_inputs(batch, cfg, model, pad_id, device)
 
-            old_lp = None
-            if cfg.recompute_old:
-                with torch.no_grad():
-                    rows = torch.arange(b, device=device)
-                    old_lp = policy_forward(model, inputs, response_ids, None, rows, cfg.temperature).logprob
-
-            # mini-batch updates; the log keeps each token's pi / mask / entropy from its last update
-            pi_lp = torch.zeros_like(mu_lp)  # (B, T)
-            pi_topk_lp = torch.zeros_like(mu_topk_lp)  # (B, T, K)
-            entropy = torch.zeros_like(mu_lp)  # (B, T)
-            kept = torch.zeros_like(mask)  # (B, T)
-            sums: dict[str, float] = {}
-            losses, grad_norms, updates = [], [], 0
             t1 = time.perf_counter()
-            for epoch in range(cfg.epochs):
-                order = torch.randperm(b, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 3 + epoch)))
-                for idx in order.to(device).chunk(cfg.mini_batches):
-                    cap = policy_forward(model, inputs, response_ids, topk_ids, idx, cfg.temperature)
-                    pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=mu_lp[idx], advantages=adv[idx], mask=mask[idx],
-                                     old_logprob=None if old_lp is None else old_lp[idx],
-                                     mu_topk_logprobs=mu_topk_lp[idx], pi_topk_logprobs=cap.topk_logprobs)
-                    out = rule(pb, **cfg.loss_params)
-                    loss = aggregate(out.loss, mask[idx], cfg.aggregation, max_len=cfg.max_tokens)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if cfg.grad_clip > 0:
-                        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-                    optimizer.step()
-                    updates += 1
-                    losses.append(float(loss.detach()))
-                    for name, value in out.metrics.items():
-                        sums[name] = sums.get(name, 0.0) + float(value)
-                    pi_lp[idx] = cap.logprob.detach()
-                    pi_topk_lp[idx] = cap.topk_logprobs.detach()
-                    entropy[idx] = cap.entropy.detach()
-                    kept[idx] = out.keep
+            up = update_policy(model, optimizer, rule, cfg, step, x)
             scheduler.step()
             t_train = time.perf_counter() - t1
 
@@ -336,7 +439,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                 engine.update_weights(model)
                 engine_copy = _snapshot(model) if keep_engine_copy else None
             t_sync = time.perf_counter() - t2
-            step_time = time.perf_counter() - t0
+            times = {"rollout": t_rollout, "train": t_train, "sync": t_sync, "step": time.perf_counter() - t0}
 
             last = step + 1 == cfg.steps
             evals = {}
@@ -344,46 +447,12 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                 t3 = time.perf_counter()
                 evals = {**evaluate(model, tokenizer, task, cfg, device), "time/eval_s": time.perf_counter() - t3}
 
-            # ---- log ---------------------------------------------------------------------------------------
-            n_tokens = int(mask.sum())
-            scalars = {
-                "reward/mean": float(batch.rewards.mean()),
-                "reward/std": float(batch.rewards.std()),
-                "loss": float(np.mean(losses)),
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-                "updates": updates,
-                "policy_lag": step - batch.weights_step,
-                "response/length_mean": n_tokens / b,
-                "response/stop_frac": float(np.mean([f == "stop" for f in batch.rollout.finish_reasons])),
-                "entropy/mean": float((entropy * mask).sum() / max(1, n_tokens)),
-                "tokens": n_tokens,
-                "time/rollout_s": t_rollout,
-                "time/train_s": t_train,
-                "time/sync_s": t_sync,
-                "time/step_s": step_time,
-                "throughput/tokens_per_s": n_tokens / step_time,
-                **{name: total / updates for name, total in sums.items()},
-                **evals,
-            }
-            if old_lp is not None:
-                scalars["mismatch/old_abs_mean"] = float((binary_tv(mu_lp, old_lp) * mask).sum() / max(1, n_tokens))
-            logger.log_step(
-                step,
-                tokens={"token_id": ro.response_ids, "mu_logprob": mu_lp, "pi_logprob": pi_lp, "advantage": adv,
-                        "entropy": entropy, "mu_topk_ids": topk_ids, "mu_topk_logprobs": mu_topk_lp,
-                        "pi_topk_logprobs": pi_topk_lp, "kept": kept,
-                        **({} if old_lp is None else {"old_logprob": old_lp})},
-                mask=mask,
-                samples={"sample_id": np.arange(b), "prompt_id": np.asarray(batch.rollout.prompt_index),
-                         "prompt": [batch.problems[i].prompt for i in batch.rollout.prompt_index],
-                         "response": batch.rollout.texts, "reward": batch.rewards, "advantage": adv_seq,
-                         "finish_reason": batch.rollout.finish_reasons},
-                scalars=scalars,
-            )
+            # ---- log, checkpoint ---------------------------------------------------------------------------
+            scalars = {**step_scalars(batch, x, up, step, scheduler.get_last_lr()[0], times), **evals}
+            log_step(logger, step, batch, x, up, scalars)
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
                 logger.flush()
-                save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, pending,
+                save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, start.pending,
                                 None if synced else engine_copy)
             if on_step is not None:
                 on_step(step, scalars)
