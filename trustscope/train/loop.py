@@ -8,6 +8,7 @@ Run it::
     trustscope train --run-id my-run --resume         # continue a run from its newest checkpoint, same log
     trustscope train --model Qwen/Qwen3-1.7B-Base --task add2 --max-tokens 64 --lr 1e-6   # a real model, GPU
     trustscope train --list-options                   # every field, its default and its meaning
+    torchrun --nproc-per-node 2 -m trustscope.cli train --engine hf   # data-parallel: DDP, gloo on CPU, NCCL on GPU
 
 On a GPU the trainer and vLLM find the device themselves; vLLM's context defaults to 128 tokens, so a real model
 needs ``--engine-options '{"max_model_len": 1024}'`` or so. From Python: ``train(TrainConfig(loss="dppo_topk_tv"))``.
@@ -18,6 +19,11 @@ One step, top to bottom: rollouts from the engine (mu's logprob and top-K at eve
 group advantages -> optional pi_old recompute -> mini-batch updates with the rule ``get_loss(cfg.loss)`` and
 ``aggregate(..., cfg.aggregation)``, gradient clipping, a learning-rate schedule -> weight sync into the engine ->
 tokens, samples and scalars into the TokenLogger -> periodic evaluation on held-out problems -> checkpoints.
+
+Data-parallel (torchrun): rank 0 samples each step's whole batch as one process would and scatters equal blocks
+of whole groups; every rank trains its share under DistributedDataParallel and logs its own files into the run;
+rank 0 alone syncs the engine, evaluates, logs the scalars and checkpoints. A 2-rank run equals the 1-rank run at
+the same ``prompts_per_step`` to float tolerance (see :func:`update_policy` and ``docs/scale.md``).
 
 Mismatch knobs: ``engine_dtype`` (bf16 rollouts against an fp32 trainer), ``policy_lag`` (step s trains on
 rollouts sampled with the weights of step s - lag, as in asynchronous RL), ``sync_every`` (the engine's weights
