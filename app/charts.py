@@ -173,7 +173,7 @@ def spread_by_bucket(df: pd.DataFrame, bucket_order: Sequence[str] | None = None
 def rules_by_bucket(df: pd.DataFrame, bucket_order: Sequence[str] | None = None) -> go.Figure:
     """What each rule blocks on the same tokens, by mu bucket; one panel per advantage sign.
 
-    Reads ``rule, mu_bucket, adv_sign, blocked_frac`` (``adv_sign`` is ``'A>0'`` or ``'A<=0'`` style labels).
+    Reads ``rule, mu_bucket, adv_sign, blocked_frac`` (``adv_sign`` is ``'A>0'`` or ``'A<0'`` style labels).
     """
     _check_columns(df, ["rule", "mu_bucket", "adv_sign", "blocked_frac"], "rules_by_bucket")
     signs = sorted(df["adv_sign"].unique().tolist(), reverse=True)

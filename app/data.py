@@ -288,7 +288,7 @@ def ratio_histogram(run_id: str, divergence: str) -> pd.DataFrame:
 
 
 def rules_by_bucket(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """``rule, mu_bucket, adv_sign, n_tokens, blocked_frac``: every rule on the same tokens."""
+    """``rule, mu_bucket, adv_sign, n_tokens, n_blocked, blocked_frac``: every rule on the same tokens (A != 0)."""
     return query("rules_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
 
 

@@ -1,9 +1,14 @@
 """Subprocess for tests/test_crash_safety.py: logs steps in a loop until it is killed.
 
-Usage: python tests/crash_writer.py LOGDIR RUN_ID FIRST_STEP. Prints ``ready`` once the logger is open and
-``flushed <step> <torch imported 0/1>`` after every flush. Even steps are flushed, odd ones stay buffered.
+Usage: python tests/crash_writer.py LOGDIR RUN_ID FIRST_STEP [KILL_AFTER_RENAMES]. Prints ``ready`` once the
+logger is open and ``flushed <step> <torch imported 0/1>`` after every flush. Even steps are flushed, odd ones stay
+buffered. With KILL_AFTER_RENAMES = n the process SIGKILLs itself right after the n-th rename of a data file (a
+flush renames one file per table, then commits): n = 3k + 1 or 3k + 2 dies between the renames of one flush,
+n = 3k after its renames and before its manifest update.
 """
 
+import os
+import signal
 import sys
 
 import numpy as np
@@ -15,6 +20,18 @@ B, T, K = 8, 16, 5
 
 def main() -> None:
     logdir, run_id, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if len(sys.argv) > 4:
+        kill_after, replace, renames = int(sys.argv[4]), os.replace, []
+
+        def replace_then_die(src, dst):
+            replace(src, dst)
+            if str(dst).endswith(".parquet") and os.path.basename(os.path.dirname(dst)) in ("tokens", "samples",
+                                                                                          "steps"):
+                renames.append(dst)
+                if len(renames) == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        os.replace = replace_then_die
     rng = np.random.default_rng(first)
     logger = TokenLogger(logdir, run_id, resume=True, flush_seconds=3600, vocab=[str(i) for i in range(100)])
     print("ready", flush=True)

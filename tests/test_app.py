@@ -128,7 +128,7 @@ def test_rules_page(monkeypatch, logdir):
                                       "minimal_negative_mask"}
     fig = json.loads(_charts(at)[0].proto.spec)
     assert {t["name"] for t in fig["data"]} == set(picked)
-    assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<=0"]
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<0"]
     table = at.dataframe[0].value
     assert {"mu_bucket", "adv_sign", *picked} == set(table.columns)
     at.multiselect(key="rules_picker").set_value(["grpo"]).run()
@@ -257,3 +257,24 @@ def test_dashboard_command_line_binds_localhost_and_passes_the_logdir(tmp_path):
     assert cmd[-3:] == ["--", "--logdir", str(tmp_path)]
     assert streamlit_command(tmp_path, host="0.0.0.0")[cmd.index("--server.address") + 1] == "0.0.0.0"
     assert default_logdir() == SAMPLE_LOGS
+
+
+def test_rules_picker_offers_a_rule_loaded_from_outside_the_repo(monkeypatch, tmp_path):
+    """A user's rule, registered in a module outside the repo and named in $TRUSTSCOPE_RULES, is in the picker."""
+    from trustscope import losses
+    from trustscope.db import RULES_ENV
+    from trustscope.synthetic import SyntheticConfig, generate_run
+
+    (tmp_path / "ts_app_rules.py").write_text(
+        "from trustscope.losses import RATIO_BAND, register_loss, token_mis\n"
+        "register_loss('app_tight_band', sql=RATIO_BAND, low=0.97, high=1.03)(token_mis)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(RULES_ENV, "ts_app_rules")
+    generate_run(tmp_path / "logs", "run", SyntheticConfig(tokens=3_000, steps=2, mean_length=20, seed=5))
+    try:
+        at = _open(monkeypatch, tmp_path / "logs", "rules")
+        _ok(at, "Rules side by side")
+        assert "app_tight_band" in at.multiselect(key="rules_picker").options
+    finally:
+        losses._REGISTRY.pop("app_tight_band", None)

@@ -21,13 +21,24 @@ ROWS_PER_STEP = 8 * 16  # B * T in crash_writer.py
 KILLS = 10
 
 
-def steps_on_disk(run_dir: Path) -> dict[int, int]:
-    files = sorted((run_dir / "tokens").glob("*.parquet"))
+def steps_on_disk(run_dir: Path, table: str = "tokens") -> dict[int, int]:
+    """Rows per step of ``table`` as a reader sees them (committed flushes only)."""
+    files = S.committed_files(run_dir)[table]
     if not files:
         return {}
-    table = ds.dataset(files, format="parquet").to_table(columns=["step"])
-    counts = table.group_by("step").aggregate([([], "count_all")])
+    data = ds.dataset(files, format="parquet").to_table(columns=["step"])
+    counts = data.group_by("step").aggregate([([], "count_all")])
     return dict(zip(counts["step"].to_pylist(), counts["count_all"].to_pylist(), strict=True))
+
+
+def assert_whole_steps(run_dir: Path) -> None:
+    """Every step a reader sees is in every table, and the manifest counts exactly what a reader sees."""
+    tokens, samples, steps = (steps_on_disk(run_dir, t) for t in S.TABLES)
+    assert set(tokens) == set(samples) == set(steps), (sorted(tokens), sorted(samples), sorted(steps))
+    assert set(tokens.values()) <= {ROWS_PER_STEP} and set(samples.values()) <= {ROWS_PER_STEP // 16}
+    manifest = S.read_manifest(run_dir)
+    assert manifest["rows"] == {t: sum(c.values()) for t, c in zip(S.TABLES, (tokens, samples, steps), strict=True)}
+    assert S.validate_run(run_dir) == []
 
 
 @pytest.mark.slow
@@ -57,10 +68,12 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
         assert all(torch_loaded == "0" for _, _, torch_loaded in flushed), "the writer should not need torch"
         reported |= {int(step) for _, step, _ in flushed}
 
-        # every visible file is whole Parquet of the right schema; temporary files are hidden from the glob
-        visible = sorted(run_dir.rglob("*.parquet"))
-        assert all(S.is_data_file(p) for p in visible)
-        assert all(p.stat().st_size == size for p, size in seen.items()), "a finished file changed"
+        # every file a reader sees is whole Parquet of the right schema, and stays as it was; temporary files
+        # never match the glob (renamed files of a flush that was never committed are not read, see below)
+        assert all(S.is_data_file(p) for p in run_dir.rglob("*.parquet"))
+        visible = sorted(p for files in S.committed_files(run_dir).values() for p in files)
+        visible += [run_dir / S.VOCAB_FILE] if (run_dir / S.VOCAB_FILE).exists() else []
+        assert all(p.stat().st_size == size for p, size in seen.items()), "a committed file changed or went"
         for path in visible:
             if path not in seen:
                 assert S.validate_file(path, path.parent.name if path.parent != run_dir else "vocab", "crashy") == []
@@ -70,6 +83,7 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
         assert reported <= set(on_disk), f"flushed steps lost after kill {kill}"
         assert set(on_disk.values()) <= {ROWS_PER_STEP}
         assert sorted(on_disk) == list(range(len(on_disk))), "steps on disk form a prefix"
+        assert_whole_steps(run_dir)
         # the manifest says the run did not finish cleanly
         assert run_status(run_dir) == "crashed"
         assert rank_statuses(run_dir) == {0: "crashed"}
@@ -78,3 +92,29 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
     manifest = S.read_manifest(run_dir)
     assert manifest["status"] == "running"  # as left by the dead writer; run_status reads it as crashed
     assert len(manifest["resumes"]) >= 1
+
+
+@pytest.mark.slow
+def test_sigkill_between_the_renames_of_a_flush_shows_whole_steps_or_none(tmp_path):
+    from trustscope.db import connect
+
+    run_dir = tmp_path / "torn"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    hidden = 0
+    for kill_after in (1, 2, 3, 5, 6, 7):  # within the 1st flush, after its renames, within/after later ones
+        first = max(steps_on_disk(run_dir), default=-1) + 1
+        proc = subprocess.run([sys.executable, str(WRITER), str(tmp_path), "torn", str(first), str(kill_after)],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        flushed = {int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("flushed")}
+        assert flushed <= set(steps_on_disk(run_dir)), "a flush that returned was lost"
+        assert_whole_steps(run_dir)
+        renamed = {int(p.name.split("-")[2]) for p in (run_dir / "tokens").glob("*.parquet")}
+        hidden += len(renamed - set(steps_on_disk(run_dir)))  # renamed, never committed: not read
+        assert run_status(run_dir) == "crashed"
+    assert hidden >= 4, "the kills should have left renamed files of uncommitted flushes"
+    with connect(tmp_path) as db:
+        seen = tuple(db.sql("select count(distinct step) as n, count(*) as n_rows from tokens").table.to_pylist()[0].values())
+        scalars = tuple(db.sql("select count(distinct step) as n from steps").table.to_pylist()[0].values())
+    assert seen == (len(steps_on_disk(run_dir)), sum(steps_on_disk(run_dir).values()))
+    assert scalars[0] == seen[0]

@@ -74,7 +74,9 @@ def test_step_summary_matches_a_numpy_reference(db, logdir):
         assert got.mismatch_max == pytest.approx(np.abs(pi - mu).max(), rel=1e-9)
         assert got.prob_diff_min == pytest.approx((pi - mu).min(), rel=1e-9)
         assert got.n_bad_negative == ((adv < 0) & (mu - pi >= 0.5)).sum()
-        assert got.trainer_blocked_frac == pytest.approx(1 - rows.kept.mean())
+        grad = adv != 0  # blocked fractions count the tokens that carry gradient
+        assert got.n_nonzero_advantage == grad.sum()
+        assert got.trainer_blocked_frac == pytest.approx(1 - rows.kept[grad].mean())
         assert got.blocked_frac__pg_is == 0.0
         assert got.topk_tv_mean == pytest.approx(rows.topk_tv.astype(float).mean(), rel=1e-6)
     # the cached summary equals one computed from scratch
@@ -89,9 +91,10 @@ def test_step_summary_matches_a_numpy_reference(db, logdir):
 
 def test_named_analyses_return_their_documented_columns(db):
     bf = db.blocked_fractions("run_a", rules=["ppo_clip", "dppo_binary_tv"])
-    assert list(bf.columns) == ["run_id", "step", "rule", "advantage_side", "blocked_frac"]
+    assert list(bf.columns) == ["run_id", "step", "rule", "advantage_side", "n_blocked", "n_tokens", "blocked_frac"]
     assert set(bf.rule) == {"ppo_clip", "dppo_binary_tv"} and set(bf.advantage_side) == {
-        "all", "positive", "non_positive"}
+        "all", "positive", "negative"}
+    assert (bf.blocked_frac == bf.n_blocked / bf.n_tokens).all()
     bad = db.bad_negative_updates()
     assert list(bad.columns) == ["run_id", "step", "n_tokens", "n_negative", "n_bad_negative",
                                  "bad_negative_rate", "reward_mean", "reward_std", "reward_change"]
@@ -113,7 +116,7 @@ def test_clipped_token_counts_match_rule_blocks(db):
     clipped = db.clipped_tokens("run_b", rules="grpo", top=3)
     for row in clipped.itertuples():
         n = db.sql(f"select count(*) as n from rule_blocks where run_id = 'run_b' and token_id = {int(row.token_id)}"
-                   " and blocks_grpo").table.column("n")[0].as_py()
+                   " and blocks_grpo and advantage != 0").table.column("n")[0].as_py()
         assert n == row.n_blocked
 
 

@@ -52,3 +52,16 @@ def test_every_sql_object_is_documented(kind):
     names = sorted(p.stem for p in (ROOT / "trustscope" / "sql" / kind).glob("*.sql"))
     missing = [n for n in names if f"`{n}`" not in DOCS and f"`{n}(" not in DOCS]
     assert not missing, f"SQL {kind} missing from README.md/docs: {missing}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/sql.md"])
+def test_rule_tables_are_the_registry(doc):
+    """The rule tables of README.md and docs/sql.md are the catalogue the registry renders, rule for rule."""
+    from trustscope.losses import catalogue_markdown
+
+    text = (ROOT / doc).read_text()
+    found = re.search(r"<!-- rule catalogue: start -->\n(.*?)<!-- rule catalogue: end -->", text, re.S)
+    assert found, f"{doc} has no rule catalogue block"
+    assert found.group(1) == catalogue_markdown(), (
+        f"{doc}'s rule table differs from the registry; paste the output of "
+        "python -c 'from trustscope.losses import catalogue_markdown; print(catalogue_markdown(), end=\"\")'")

@@ -15,7 +15,12 @@ from trustscope.losses import LossOutput, PolicyBatch, get_loss, list_losses, re
 RULES = [
     "ppo_clip", "grpo", "pg_is", "cispo", "minirl", "minirl_tis", "dppo_binary_tv", "dppo_binary_kl",
     "dppo_topk_tv", "dppo_topk_kl", "dppo_decoupled", "ppo_lowprob_relax", "minimal_negative_mask",
+    "token_tis", "token_mis", "icepop",
 ]
+"""Token-level hard-mask rules: a token's mask reads only that token; the weight is the (capped) pi/mu."""
+SEQUENCE_RULES = ["gspo", "geo_mask", "cppo"]
+"""Rules whose mask reads the whole response."""
+NEVER_BLOCK = ("pg_is", "cispo", "token_tis")
 
 
 def batch_of(pi: list[float], mu: list[float], adv: list[float], *, old: list[float] | None = None,
@@ -83,6 +88,15 @@ def test_zero_advantage_takes_negative_branch():
     assert get_loss("dppo_binary_tv")(batch_of([0.9], [0.5], [0.0])).keep.item()
     out = get_loss("pg_is")(batch_of([0.5], [0.9], [0.0], grad=True))
     assert out.loss.item() == 0.0
+    # The same convention for the ratio rules: A = 0 with r = 0.5 / 0.9 < 0.8 falls in the negative branch.
+    b = batch_of([0.5, 0.5], [0.9, 0.9], [0.0, -1.0])
+    for name in ("ppo_clip", "grpo", "ppo_lowprob_relax"):
+        assert get_loss(name)(b).keep.tolist() == [[False, False]], name
+    assert get_loss("minimal_negative_mask")(batch_of([0.1], [0.9], [0.0])).keep.tolist() == [[False]]
+    assert get_loss("ppo_clip")(batch_of([0.5], [0.1], [0.0]), dual_clip=3.0).keep.tolist() == [[False]]
+    # ... and such a token is never counted as blocked: it carries no gradient.
+    m = get_loss("ppo_clip")(b).metrics
+    assert m["policy/n_blocked"].item() == 1 and m["policy/blocked_frac"].item() == 1.0
 
 
 def test_thresholds_are_strict():
@@ -185,7 +199,7 @@ def test_gradient_is_closed_form_and_zero_when_blocked(name):
     out.loss.sum().backward()
     grad = pi_lp.grad
     blocked = ~out.keep
-    assert blocked.any() or name in ("pg_is", "cispo")
+    assert blocked.any() or name in NEVER_BLOCK
     assert (grad[blocked] == 0).all()
     assert (out.loss[blocked] == 0).all()
     cap = rule.defaults.get("is_cap", math.inf)
@@ -227,7 +241,7 @@ def test_padding_with_garbage_is_ignored():
         "mu_logprob": torch.where(pad, torch.tensor(math.nan), b.mu_logprob),
         "advantages": torch.where(pad, torch.tensor(math.inf), b.advantages),
     })
-    for name in RULES:
+    for name in [*RULES, *SEQUENCE_RULES, "drpo"]:
         clean, dirty = get_loss(name)(b), get_loss(name)(garbage)
         assert torch.equal(clean.keep, dirty.keep), name
         torch.testing.assert_close(clean.loss, dirty.loss)
@@ -239,16 +253,18 @@ def test_padding_with_garbage_is_ignored():
 
 
 def test_metrics_values():
+    """Blocked fractions count only the tokens that carry gradient (A != 0), with the counts beside them."""
     b = batch_of([1e-2, 0.80, 0.5, 0.5], [1e-4, 0.99, 0.5, 0.5], [1.0, -1.0, 1.0, 0.0])
     m = get_loss("ppo_clip")(b).metrics
-    assert m["policy/blocked_frac"].item() == pytest.approx(0.25)
+    assert m["policy/blocked_frac"].item() == pytest.approx(1 / 3)
+    assert m["policy/n_blocked"].item() == 1 and m["policy/n_grad_tokens"].item() == 3
     assert m["policy/blocked_frac_pos"].item() == pytest.approx(0.5)
     assert m["policy/blocked_frac_neg"].item() == pytest.approx(0.0)
     assert m["policy/mismatch_abs_mean"].item() == pytest.approx((0.0099 + 0.19) / 4)
     k3 = [(r - 1) - math.log(r) for r in (100.0, 0.8 / 0.99, 1.0, 1.0)]
     assert m["policy/k3_kl"].item() == pytest.approx(sum(k3) / 4)
     m = get_loss("dppo_binary_tv")(b).metrics
-    assert m["policy/blocked_frac_neg"].item() == pytest.approx(0.5)
+    assert m["policy/blocked_frac_neg"].item() == pytest.approx(1.0)  # the one A < 0 token; A = 0 is not counted
 
 
 # --- bf16 ------------------------------------------------------------------------------------------------------------
@@ -317,7 +333,7 @@ def reference_rule(name: str, pi_lp: float, mu_lp: float, old_lp: float, adv: fl
                    mu_k: list[float], pi_k: list[float]) -> tuple[bool, float, list[float]]:
     """PAPER.md in plain float64 Python for one token: (keep, loss, decision margins)."""
     pi, mu = math.exp(pi_lp), math.exp(mu_lp)
-    cap = {"cispo": 2.0, "minirl_tis": 2.0}.get(name, math.inf)
+    cap = {"cispo": 2.0, "minirl_tis": 2.0, "token_tis": 2.0}.get(name, math.inf)
     w = min(math.exp(min(pi_lp - mu_lp, 20.0)), cap)
     margins: list[float] = []
     keep = True
@@ -327,7 +343,7 @@ def reference_rule(name: str, pi_lp: float, mu_lp: float, old_lp: float, adv: fl
         margins.extend([r - (1 + eps_high), r - (1 - eps_low), mu - alpha])
         if adv > 0 and r > 1 + eps_high and mu >= alpha:
             return False
-        return not (adv < 0 and r < 1 - eps_low and mu >= alpha)
+        return not (adv <= 0 and r < 1 - eps_low and mu >= alpha)
 
     def dppo(div: float, delta: float, anchor_lp: float) -> bool:
         margins.extend([div - delta, pi_lp - anchor_lp])
@@ -358,7 +374,11 @@ def reference_rule(name: str, pi_lp: float, mu_lp: float, old_lp: float, adv: fl
         keep = dppo(_ref_binary_kl(old, pi), 0.05, old_lp)
     elif name == "minimal_negative_mask":
         margins.append((mu - pi) - 0.5)
-        keep = not (adv < 0 and mu - pi >= 0.5)
+        keep = not (adv <= 0 and mu - pi >= 0.5)
+    elif name in ("token_mis", "icepop"):
+        low, high = (0.5, 2.0) if name == "token_mis" else (0.5, 5.0)
+        margins.extend([w - low, w - high])
+        keep = low <= w <= high
     loss = -adv * w * pi_lp if keep else 0.0
     return keep, loss, margins
 
@@ -394,7 +414,7 @@ def test_rules_match_slow_reference(dtype):
             assert keep[i] == ref_keep, (name, i, margins)
             rel = 1e-9 if dtype == torch.float64 else 1e-4
             assert loss[i] == pytest.approx(ref_loss, rel=rel, abs=1e-300), (name, i)
-        if name not in ("pg_is", "cispo"):
+        if name not in NEVER_BLOCK:
             assert 10 < n_blocked < 2900, (name, n_blocked)  # both branches exercised
     assert excluded < 0.01 * 3000 * len(RULES)
 
@@ -454,3 +474,165 @@ def test_register_rejects_incomplete_rules():
     with pytest.raises(ValueError, match="delta=-1"):
         register_loss("test_bad_default", delta=-1, beta=1.0)(rule)
     assert not {"test_incomplete", "test_bad_needs", "test_bad_default"} & set(list_losses())
+
+
+# --- the rules people run today (hand-computed cases) ------------------------------------------------------------
+
+
+def seq_batch(pi: list[list[float]], mu: list[list[float]], adv: list[float], *, grad: bool = False) -> PolicyBatch:
+    """Right-padded sequences given by probabilities (padding: shorter rows), one advantage per sequence."""
+    t = max(map(len, pi))
+
+    def pad(rows: list[list[float]]) -> torch.Tensor:
+        return torch.tensor([[math.log(x) for x in r] + [0.0] * (t - len(r)) for r in rows], dtype=torch.float64)
+
+    mask = torch.tensor([[True] * len(r) + [False] * (t - len(r)) for r in pi])
+    return PolicyBatch(pi_logprob=pad(pi).requires_grad_(grad), mu_logprob=pad(mu),
+                       advantages=torch.tensor(adv, dtype=torch.float64)[:, None].expand(-1, t).clone(), mask=mask)
+
+
+def test_token_mis_and_icepop_drop_the_ratio_band_on_both_sides():
+    mu = [0.5] * 6
+    pi = [0.19, 0.25, 0.5, 1.0, 0.999, 0.5]  # r = 0.38, 0.5, 1, 2, 1.998, 1
+    b = batch_of(pi, mu, [1.0, -1.0, 1.0, -1.0, 1.0, 0.0])
+    assert get_loss("token_mis")(b).keep.tolist() == [[False, True, True, True, True, True]]
+    b = batch_of([0.002, 0.6], [0.01, 0.1], [1.0, -1.0])  # r = 0.2, 6
+    assert get_loss("icepop")(b).keep.tolist() == [[False, False]]
+    b = batch_of([0.0051, 0.49], [0.01, 0.1], [1.0, -1.0])  # r = 0.51, 4.9
+    assert get_loss("icepop")(b).keep.tolist() == [[True, True]]
+    assert get_loss("token_mis")(b).keep.tolist() == [[True, False]]
+
+
+def test_token_tis_truncates_the_weight_and_never_masks():
+    b = batch_of([0.9, 0.3], [0.3, 0.3], [1.0, -2.0], grad=True)  # r = 3, 1
+    out = get_loss("token_tis")(b)
+    assert out.keep.all()
+    torch.testing.assert_close(out.loss, torch.tensor([[-2.0 * math.log(0.9), 2.0 * math.log(0.3)]],
+                                                      dtype=torch.float64))
+
+
+def test_gspo_clips_the_geometric_mean_ratio_per_response():
+    # r per token: [1.001, 1.0] -> s = sqrt(1.001) = 1.0004999 > 1 + 4e-4: A > 0 response blocked as a whole.
+    # [1.0008, 1.0] -> s = 1.00039992 < 1.0004: kept. [0.9990, 1.0] with A < 0: s = 0.99949987 < 1 - 3e-4: blocked.
+    b = seq_batch([[0.5005, 0.5], [0.5004, 0.5], [0.4995, 0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5, 0.5]],
+                  [1.0, 1.0, -1.0], grad=True)
+    out = get_loss("gspo")(b)
+    assert out.keep.tolist() == [[False, False, False], [True, True, False], [False, False, False]]
+    out.loss.sum().backward()
+    s = math.sqrt(1.0008)
+    torch.testing.assert_close(b.pi_logprob.grad[1, :2], torch.tensor([-s, -s], dtype=torch.float64))
+    assert (b.pi_logprob.grad[0] == 0).all() and (b.pi_logprob.grad[2] == 0).all()
+
+
+def test_geo_mask_drops_whole_responses_outside_the_band():
+    # geometric means: sqrt(1.002) = 1.0009995 (kept), sqrt(1.003) = 1.0014989 (dropped), sqrt(0.997) (dropped).
+    b = seq_batch([[0.501, 0.5], [0.5015, 0.5], [0.4985, 0.5]], [[0.5, 0.5]] * 3, [1.0, -1.0, 1.0])
+    assert get_loss("geo_mask")(b).keep.tolist() == [[True, True], [False, False], [False, False]]
+
+
+def test_cppo_position_weights_and_prefix_budget():
+    # binary TV D = 0.14, 0.16, 0.18 over L = 3 positions; w_min = 0.8: w = 1, 0.9, 0.8 and Z = w D = 0.14, 0.144,
+    # 0.144, all within delta = 0.15 (DPPO blocks the last two). Prefix sums: W = 0, 1, 1.9; S = 0, 0.14, 0.284.
+    # P90(D) = 0.176, so the budget b = clamp(0.176, delta_b, 2 delta_b) and c = min(0.15, 0.15 + b W - S).
+    pi, mu = [[0.64, 0.66, 0.68]], [[0.5, 0.5, 0.5]]
+    rule = get_loss("cppo")
+    assert get_loss("dppo_binary_tv")(seq_batch(pi, mu, [1.0])).keep.tolist() == [[True, False, False]]
+    # delta_b = 0.02 (the default): b = 0.04, c = 0.15, 0.05, -0.058
+    assert rule(seq_batch(pi, mu, [1.0])).keep.tolist() == [[True, False, False]]
+    # delta_b = 0.1: b = 0.176, c = 0.15, 0.15, 0.15: the position weights keep all three
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.1).keep.tolist() == [[True, True, True]]
+    # delta_b = 0.07: b = 0.14, c = 0.15, 0.15, 0.132: the prefix has spent its budget by the last token
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.07).keep.tolist() == [[True, True, False]]
+    # no position weighting: DPPO's token threshold again
+    assert rule(seq_batch(pi, mu, [1.0]), delta_b=0.1, w_min=1.0).keep.tolist() == [[True, False, False]]
+    # a one-token response has weight w_min: Z = 0.8 * 0.18 = 0.144 <= 0.15
+    assert rule(seq_batch([[0.68]], [[0.5]], [1.0]), delta_b=0.1).keep.tolist() == [[True]]
+    # pi moved against the push (A < 0, pi > mu): never blocked, whatever the budget.
+    assert rule(seq_batch(pi, mu, [-1.0]), delta_b=0.0).keep.all()
+    # Padding does not count as a position: the same tokens in a longer padded batch give the same mask.
+    padded = seq_batch([[0.64, 0.66, 0.68], [0.5] * 5], [[0.5, 0.5, 0.5], [0.5] * 5], [1.0, 1.0])
+    assert rule(padded, delta_b=0.07).keep[0, :3].tolist() == [True, True, False]
+
+
+def test_drpo_weight_is_smooth_and_blocked_means_a_cancelled_push():
+    # g = 1 - sign(A) (pi - mu) / delta, delta = 0.15; w = (pi / mu) g.
+    pi, mu, adv = [0.6, 0.8, 0.4, 0.4, 0.3], [0.5] * 5, [1.0, 1.0, 1.0, -1.0, -1.0]
+    g = [1 - 0.1 / 0.15, 1 - 0.3 / 0.15, 1 + 0.1 / 0.15, 1 - 0.1 / 0.15, 1 - 0.2 / 0.15]
+    b = batch_of(pi, mu, adv, grad=True)
+    out = get_loss("drpo")(b)
+    assert out.keep.tolist() == [[True, False, True, True, False]]
+    out.loss.sum().backward()
+    expected = torch.tensor([[-a * (p / m) * gi for p, m, a, gi in zip(pi, mu, adv, g, strict=True)]],
+                            dtype=torch.float64)
+    torch.testing.assert_close(b.pi_logprob.grad, expected)
+    assert b.pi_logprob.grad[0, 1] > 0  # beyond the boundary the gradient corrects: it pushes pi back down
+    assert out.metrics["policy/n_blocked"].item() == 2
+    with pytest.raises(ValueError, match=r"delta=0\.0 must be > 0"):
+        get_loss("drpo")(b, delta=0.0)
+
+
+@pytest.mark.parametrize("name", SEQUENCE_RULES)
+def test_sequence_rules_gradient_and_padding(name):
+    g = torch.Generator().manual_seed(11)
+    b = random_batch(g, 600, pad=True, scale=0.3)
+    pi_lp = b.pi_logprob.clone().requires_grad_(True)
+    b = PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp})
+    out = get_loss(name)(b)
+    out.loss.sum().backward()
+    assert (~out.keep & b.mask).any() and (out.keep & b.mask).any()
+    assert (pi_lp.grad[~out.keep] == 0).all()
+    lr = b.pi_logprob.detach() - b.mu_logprob
+    if name == "gspo":
+        n = b.mask.sum(-1, keepdim=True)
+        w = torch.exp((torch.where(b.mask, lr, 0).sum(-1, keepdim=True) / n).clamp(max=10)).expand_as(lr)
+    else:
+        w = torch.exp(lr.clamp(max=20))
+    torch.testing.assert_close(pi_lp.grad, torch.where(out.keep, -b.advantages * w, 0.0), rtol=1e-12, atol=0)
+
+
+def test_rules_load_by_dotted_path(tmp_path, monkeypatch):
+    (tmp_path / "ts_user_rules.py").write_text(
+        "from trustscope.losses import DPPO_MU, register_loss, dppo\n"
+        "register_loss('user_tight_tv', sql=DPPO_MU, divergence='binary_tv', delta=0.05)(dppo)\n"
+        "@register_loss('user_plain', sql=DPPO_MU, divergence='binary_tv', delta=0.2)\n"
+        "def plain(batch, divergence, delta):\n"
+        "    return dppo(batch, divergence=divergence, delta=delta)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert get_loss("ts_user_rules:user_tight_tv").name == "user_tight_tv"
+        assert get_loss("ts_user_rules:plain").name == "user_plain"  # by the function's attribute name
+        assert get_loss("ts_user_rules.user_plain").name == "user_plain"
+        assert {"user_tight_tv", "user_plain"} <= set(list_losses())
+        from trustscope.train.config import TrainConfig
+
+        cfg = TrainConfig(loss="ts_user_rules:user_plain", loss_params={"delta": 0.1})  # the trainer's --loss
+        assert cfg.run_id.startswith("user_plain-s0-")
+        with pytest.raises(KeyError, match="registers no rule named 'nope'"):
+            get_loss("ts_user_rules:nope")
+        with pytest.raises(KeyError, match="cannot import module 'ts_no_such_module'"):
+            get_loss("ts_no_such_module:rule")
+    finally:
+        for name in ("user_tight_tv", "user_plain"):
+            L._REGISTRY.pop(name, None)
+
+
+def test_register_checks_the_sql_family():
+    def rule(batch: PolicyBatch, delta: float) -> LossOutput:
+        raise AssertionError
+
+    with pytest.raises(ValueError, match=r"passes parameter\(s\) \['divergence'\]"):
+        register_loss("test_bad_family", sql=L.DPPO_MU, delta=0.1)(rule)
+    with pytest.raises(ValueError, match="must match"):
+        register_loss("Bad-Name", delta=0.1)(rule)
+    with pytest.raises(ValueError, match=r"unknown column\(s\) \['pi'\]"):
+        L.SqlMask("x", ("pi",))
+    assert "test_bad_family" not in list_losses()
+
+
+def test_catalogue_lists_every_rule_with_its_family():
+    table = L.catalogue_markdown()
+    for name in list_losses():
+        rule = get_loss(name)
+        assert f"| `{name}` | `{rule.sql.family}`" in table, name
+    assert "(sequence)" in table.split("`gspo`")[1].split("\n")[0]

@@ -72,6 +72,18 @@ def test_a_symlinked_run_reads_nothing_else_outside(linked):
         assert "hunter2" not in str(err.value)
 
 
+def test_a_symlinked_run_made_after_connect_waits_for_a_reconnect(tmp_path):
+    generate_run(tmp_path / "logs", "here", CFG)
+    generate_run(tmp_path / "elsewhere", "late", CFG)
+    with tsdb.connect(tmp_path / "logs", cache=False) as conn:
+        (tmp_path / "logs" / "late").symlink_to(tmp_path / "elsewhere" / "late", target_is_directory=True)
+        assert set(conn.step_summary().run_id) == {"here"}
+        assert "reopen" in conn.broken_runs["late"]
+        assert conn.sql("select count(distinct run_id) as n from tokens").table.column("n")[0].as_py() == 1
+    with tsdb.connect(tmp_path / "logs", cache=False) as conn:
+        assert set(conn.step_summary().run_id) == {"here", "late"} and not conn.broken_runs
+
+
 @pytest.mark.parametrize("command", ["validate", "sql", "report"])
 def test_a_symlinked_run_works_in_every_command(linked, command):
     args = {"validate": ["validate", str(linked)],

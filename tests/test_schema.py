@@ -145,3 +145,29 @@ def test_cli_on_missing_or_empty_dirs(tmp_path):
     assert result.exit_code == 2 and "is not a directory" in result.stderr
     result = CliRunner().invoke(app, ["validate", str(tmp_path)])
     assert result.exit_code == 1 and "no run found" in result.stdout
+
+
+def test_manifest_rows_that_disagree_with_the_tables_are_reported(good_logdir):
+    path = good_logdir / "good" / S.MANIFEST
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "rows": {**manifest["rows"], "steps": manifest["rows"]["steps"] + 1}}))
+    problems = S.validate_logdir(good_logdir)
+    assert [(p.path, p.message) for p in problems] == [
+        (path, f"manifest of rank 0 counts {manifest['rows']['steps'] + 1} steps row(s), the run's steps files "
+               f"of rank 0 hold {manifest['rows']['steps']}")]
+
+
+def test_files_of_an_uncommitted_flush_are_not_read(good_logdir):
+    run = good_logdir / "good"
+    manifest = json.loads((run / S.MANIFEST).read_text())
+    committed = S.committed_files(run)
+    assert manifest["committed_flush"] == 1 and all(len(files) == 1 for files in committed.values())
+    torn = run / "tokens" / S.data_file_name(0, 2, 2, 2)  # a flush renamed in one table, then the writer died
+    torn.write_bytes(committed["tokens"][0].read_bytes())
+    assert S.committed_files(run) == committed
+    assert S.validate_logdir(good_logdir) == []
+    with TokenLogger(good_logdir, "good", resume=True) as lg:  # resuming removes it
+        assert not torn.exists()
+        lg.log_step(2, scalars={"loss": 0.5})
+    assert [len(files) for files in S.committed_files(run).values()] == [1, 1, 2]
+    assert S.validate_logdir(good_logdir) == []

@@ -279,3 +279,22 @@ def test_memory_limit_is_a_fraction_or_bytes(monkeypatch):
         memory_limit_bytes()
     with pytest.raises(ValueError, match="memory_limit"):
         memory_limit_bytes(-1)
+
+
+def test_the_worker_reads_what_the_analyses_read(tmp_path):
+    """Many files read by DuckDB's threads through the worker's file system: the same numbers as the analyses'
+    own connection, every time (a shared file position once let one thread's seek corrupt another's read)."""
+    generate_run(tmp_path, "run0", SyntheticConfig(tokens=20_000, steps=4, rows_per_file=500, edge_cases=False))
+    query = ("select step, count(*) as n, sum(mu_logprob) as mu, max(source_file) as f from tokens "
+             "group by step order by step")
+    with tsdb.connect(tmp_path, cache=False) as conn:
+        cur = conn.cursor()
+        try:
+            expected = cur.sql(query).to_arrow_table()
+        finally:
+            cur.close()
+        for _ in range(5):
+            got = conn.sql(query).table
+            for column in ("step", "n", "f"):
+                assert got.column(column).to_pylist() == expected.column(column).to_pylist()
+            assert got.column("mu").to_pylist() == pytest.approx(expected.column("mu").to_pylist(), rel=1e-9)

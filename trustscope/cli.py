@@ -195,6 +195,73 @@ def report(
         raise typer.Exit(2) from exc
 
 
+@app.command("import")
+def import_(
+    format: str = typer.Argument(..., help="prime-rl, slime, miles or nemo-rl."),
+    src: Path = typer.Argument(..., help="The framework's dump: token_exports/, a --dump-details dir, NeMo-RL's log dir."),
+    logdir: Path = typer.Argument(..., help="Log directory the run is written into."),
+    run_id: str | None = typer.Option(None, help="Run id (default: <framework>-<name of SRC>)."),
+    source_version: str | None = typer.Option(None, help="The framework's version, recorded in run.json (the files "
+                                                         "record none)."),
+    allow_pickle: bool = typer.Option(False, help="slime/miles: unpickle .pt files that hold more than tensors and "
+                                                  "plain values (only for files you trust)."),
+    tokenizer: Path | None = typer.Option(None, help="The run's Hugging Face tokenizer directory (local), so "
+                                                     "statistics name tokens."),
+) -> None:
+    """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file)."""
+    from trustscope.importers import FORMATS, ImportFormatError, import_run
+
+    if format not in FORMATS:
+        typer.echo(f"trustscope import: unknown format {format!r}; known: {', '.join(FORMATS)}", err=True)
+        raise typer.Exit(2)
+    try:
+        run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                             allow_pickle=allow_pickle)
+    except (ImportFormatError, OSError, ValueError) as exc:  # OSError: the run exists, the disk is full, ...
+        typer.echo(f"trustscope import: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"imported {src} as {run_dir}")
+
+
+@app.command()
+def doctor(
+    logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it."),
+    run: list[str] | None = typer.Option(None, "--run", help="Check only this run (repeatable)."),
+    from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
+) -> None:
+    """Contract checks on any log, native or imported: mu/pi alignment, placeholder log-probs, mu's top-K, processed
+    vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails."""
+    import duckdb
+
+    from trustscope.doctor import doctor_logdir, failed, format_finding
+
+    if not logdir.is_dir():
+        typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
+        raise typer.Exit(2)
+    try:
+        findings = doctor_logdir(logdir, run or None, first_step=from_step)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        typer.echo(f"trustscope doctor: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
+        raise typer.Exit(2) from exc
+    except duckdb.Error as exc:  # an unreadable file: validate names it
+        typer.echo(f"trustscope doctor: cannot read {logdir}: {str(exc).splitlines()[0]}; `trustscope validate "
+                   f"{logdir}` names every broken file", err=True)
+        raise typer.Exit(2) from exc
+    if not findings:
+        typer.echo(f"trustscope doctor: no runs in {logdir}", err=True)
+        raise typer.Exit(2)
+    for run_id, run_findings in findings.items():
+        typer.echo(f"run {run_id}")
+        for finding in run_findings:
+            typer.echo("\n".join(format_finding(finding)))
+    n_failed = failed(findings)
+    verdicts = [f.verdict for fs in findings.values() for f in fs]
+    typer.echo(f"{len(findings)} run(s): " + ", ".join(f"{verdicts.count(v)} {v}" for v in
+                                                       ("ok", "warn", "fail", "skipped")))
+    if n_failed:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

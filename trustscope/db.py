@@ -5,16 +5,21 @@ the named analyses the CLI, the report and the dashboard call.
     db.step_summary()                        # pandas DataFrame, one row per (run, step)
     db.sql("select rule, count(*) from clipped_tokens group by rule")   # read-only, row limit, timeout
 
-Views read the runs' Parquet through globs (``<run>/tokens/*.parquet``), so a run that is still being written
-shows every file the logger has finished (it writes a temporary name, then renames). Per-step summaries come from
+Views read the runs' Parquet files that the logger has committed (listed afresh for every cursor), so a run that
+is still being written shows every step whose flush is complete, in every table at once. Per-step summaries come from
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
 costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
 
 User SQL never runs on this connection: :meth:`LogDB.sql` checks its whole parse tree and runs it in the
 worker of :mod:`trustscope.sandbox`, on a read-only copy of the views and macros that can write no file, within
 a memory and a time limit. This connection is locked down too (only the log directories readable, no extension
-loads, the configuration locked). Parameters (file lists, the rules' defaults from :mod:`trustscope.losses`,
+loads, the configuration locked). Parameters (file lists, the rules' parameters: each run's own rule at the
+parameters in its run.json, every other rule at the defaults of :mod:`trustscope.losses` or the caller's choice,
 analysis settings) are bound through DuckDB variables, never formatted into SQL.
+
+The rule catalogue drives the SQL: ``rule_blocks`` gets one generated ``blocks_<rule>`` column per registered rule
+with a SQL mask family (:func:`rule_columns_sql`: identifiers only), and every per-rule aggregate reads those
+columns, so a rule of an existing family needs no SQL.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trustscope import schema
-from trustscope.losses import get_loss, list_losses
+from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.paths import cache_root
 from trustscope.sandbox import QueryMemoryLimit as QueryMemoryLimit
 from trustscope.sandbox import QueryRefused as QueryRefused
@@ -56,6 +61,11 @@ DEFAULT_MAX_ROWS = 10_000
 """Rows a user query may return before it is cut (the result says it was truncated)."""
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds a user query may run before it is interrupted."""
+RULES_ENV = "TRUSTSCOPE_RULES"
+"""Comma-separated dotted paths of rule modules (``my_pkg.rules``) to import before a log directory opens, so a
+dashboard or report shows a user's rules. A log directory never imports code by itself."""
+RULE_COLUMNS_MARKER = "/* rule columns */"
+"""Where ``trustscope.db`` writes the generated ``blocks_<rule>`` columns into ``views/rule_blocks.sql``."""
 
 ANALYSIS_DEFAULTS: dict[str, float] = {
     "bad_negative_delta": float(get_loss("minimal_negative_mask").defaults["delta"]),
@@ -128,15 +138,71 @@ class QueryResult:
         return self.table.to_pandas()
 
 
-def rule_parameters() -> dict[str, dict[str, Any]]:
-    """Every registered rule's default parameters (from :mod:`trustscope.losses`), ready to bind."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in list_losses():
-        params = {}
-        for key, value in get_loss(name).defaults.items():
-            params[key] = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
-        out[name] = params or {"none": None}
-    return out
+def _bindable(params: dict[str, Any]) -> dict[str, Any]:
+    """Numbers as floats (one SQL type per parameter across runs), everything else as it is; a rule without
+    parameters gets a placeholder field (a SQL struct needs one)."""
+    out = {k: float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in params.items()}
+    return out or {"none": None}
+
+
+def rule_parameters(overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every registered rule's parameters, ready to bind: the defaults (from :mod:`trustscope.losses`), with
+    ``overrides`` (rule -> parameters, validated by the rule) on top."""
+    overrides = overrides or {}
+    unknown = sorted(set(overrides) - set(list_losses()))
+    if unknown:
+        raise ValueError(f"rule_params names unknown rule(s) {unknown}; registered: {list_losses()}")
+    return {name: _bindable(get_loss(name).resolve(**overrides.get(name, {}))) for name in list_losses()}
+
+
+def sql_rules() -> list[LossRule]:
+    """The registered rules that declare a SQL mask family (the ones the views can show), sorted by name.
+
+    Raises ValueError naming the rule when its family has no macro file ``sql/macros/<family>_blocks.sql``."""
+    rules = [get_loss(name) for name in list_losses() if get_loss(name).sql is not None]
+    for rule in rules:
+        if not (MACRO_DIR / f"{rule.sql.family}_blocks.sql").is_file():
+            raise ValueError(f"loss rule {rule.name!r}: sql family {rule.sql.family!r} has no macro "
+                             f"{MACRO_DIR / (rule.sql.family + '_blocks.sql')}")
+    return rules
+
+
+def _quote(identifier: str) -> str:
+    """A validated identifier, double-quoted for SQL (names come from the registry: lowercase, digits, '_')."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]*", identifier):
+        raise ValueError(f"{identifier!r} is not a valid SQL identifier here")
+    return f'"{identifier}"'
+
+
+def rule_columns_sql() -> str:
+    """The generated ``blocks_<rule>`` columns of ``rule_blocks``: one family macro call per rule. Only
+    identifiers are generated (validated, quoted); every parameter is read from the bound ``rule_values()``, a
+    list per (rule, parameter) indexed by the token's ``rule_set`` (1: the defaults or the caller's choice; a run's
+    own set: its own rule at the parameters it trained with)."""
+    lines = []
+    for rule in sql_rules():
+        mask = rule.sql
+        args = ["null" if c is None else _quote(c) for c in mask.columns]
+        args += ["null" if p is None else f"rule_values().{_quote(rule.name)}.{_quote(p)}[rule_set]"
+                 for p in mask.params]
+        call = f"{mask.family}_blocks({', '.join(args)})"
+        lines.append(f",\n        coalesce({call}, false) as {_quote('blocks_' + rule.name)}")
+    return "".join(lines)
+
+
+def run_rule(manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The rule a run trained with and its parameters, from its manifest: top-level ``loss_rule`` (else the
+    trainer config's ``loss``), and top-level ``loss_params`` (else the config's ``loss_params`` when the config
+    names the same rule). A dotted path names the rule by its last part. Parameters are not validated here."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    rule = manifest.get("loss_rule") or config.get("loss")
+    if not isinstance(rule, str) or not rule:
+        return None, {}
+    params = manifest.get("loss_params")
+    if not isinstance(params, dict):
+        same = config.get("loss") in (None, rule) or str(config.get("loss")).rsplit(":", 1)[-1] == rule
+        params = config.get("loss_params") if same and isinstance(config.get("loss_params"), dict) else {}
+    return rule.replace(":", ".").rsplit(".", 1)[-1], dict(params)
 
 
 def _run_dirs(paths: Sequence[Path]) -> list[Path]:
@@ -183,23 +249,22 @@ class _Resources:
 
 
 def _data_files(run: Path, table: str) -> list[Path]:
-    folder = run / table
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if schema.is_data_file(p))
+    return schema.committed_files(run)[table]
 
 
 def _load_sql(con: duckdb.DuckDBPyConnection, files: Iterable[Path], kind: str,
-              on_stuck: Callable[[], None] | None = None) -> None:
+              on_stuck: Callable[[], None] | None = None, texts: dict[str, str] | None = None) -> None:
     """Run every ``.sql`` file, in dependency order: a file that names one not loaded yet waits for it.
 
-    ``on_stuck`` is called once when no file can load (it may create what they wait for).
+    ``on_stuck`` is called once when no file can load (it may create what they wait for). ``texts`` replaces the
+    text of the named files (the rendered ``rule_blocks``).
     """
     pending = {p.stem: p for p in files}
+    texts = texts or {}
     while pending:
         errors, loaded = {}, 0
         for name, path in list(pending.items()):
-            text = path.read_text()
+            text = texts.get(name) or path.read_text()
             try:
                 con.execute(text if kind == "macro" else f"create or replace view {name} as\n{text}")
             except duckdb.CatalogException as err:
@@ -224,8 +289,16 @@ class LogDB:
 
     def __init__(self, paths: Sequence[Path], *, max_rows: int = DEFAULT_MAX_ROWS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True,
-                 cache_dir: Path | None = None, memory_limit: float | None = None) -> None:
+                 cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None,
+                 memory_limit: float | None = None) -> None:
         self.paths = [Path(p).resolve() for p in paths]
+        self.rule_params = rule_parameters(rule_params)
+        """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
+        self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
+        rendered = (VIEW_DIR / "rule_blocks.sql").read_text().replace(RULE_COLUMNS_MARKER, rule_columns_sql())
+        self._rule_blocks = rendered
+        """The ``rule_blocks`` view with one column per rule of the catalogue (the SQL worker loads it too)."""
+        self._fingerprint = hashlib.sha256((_SQL_FINGERPRINT + rendered).encode()).hexdigest()
         self.max_rows = max_rows
         self.timeout_s = timeout_s
         self.memory_bytes = memory_limit_bytes(memory_limit)
@@ -253,7 +326,8 @@ class LogDB:
                                           "allow_persistent_secrets": False})
         self._prepare(self.con)
         _load_sql(self.con, sorted(MACRO_DIR.glob("*.sql")), "macro")
-        _load_sql(self.con, sorted(VIEW_DIR.glob("*.sql")), "view", on_stuck=self._register_empty_caches)
+        _load_sql(self.con, sorted(VIEW_DIR.glob("*.sql")), "view", on_stuck=self._register_empty_caches,
+                  texts={"rule_blocks": rendered})
         self._lock_down()
 
     def _register_empty_caches(self) -> None:
@@ -273,11 +347,12 @@ class LogDB:
         (self._private / "empty_run.json").write_text("")
 
     def _file_lists(self) -> dict[str, list[str]]:
-        """Globs of the runs that hold files of each table (a glob matching nothing would fail the query)."""
+        """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
         lists: dict[str, list[str]] = {}
+        committed = [schema.committed_files(run) for run in self.runs_dirs]
         for table in schema.TABLES:
-            globs = [str(run / table / "*.parquet") for run in self.runs_dirs if _data_files(run, table)]
-            lists[table] = [str(self._private / f"empty_{table}.parquet"), *globs]
+            files = [str(f) for run_files in committed for f in run_files[table]]
+            lists[table] = [str(self._private / f"empty_{table}.parquet"), *files]
         lists["vocab"] = [str(self._private / "empty_vocab.parquet")] + [
             str(run / schema.VOCAB_FILE) for run in self.runs_dirs if (run / schema.VOCAB_FILE).is_file()
         ]
@@ -293,20 +368,90 @@ class LogDB:
         unknown = set(analysis) - set(ANALYSIS_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown analysis parameter(s) {sorted(unknown)}; known: {sorted(ANALYSIS_DEFAULTS)}")
-        return {"rules": rule_parameters(), "analysis": {**ANALYSIS_DEFAULTS, **analysis}}
+        runs = list(self._run_rule_sets().values())  # (run_id, its rule set)
+        sets = [self.rule_params, *(rules for _, rules in runs)]
+        run_sets = [{"run_id": "", "rule_set": 1}]  # set 1: the defaults or the caller's choice
+        run_sets += [{"run_id": run_id, "rule_set": i} for i, (run_id, _) in enumerate(runs, start=2)]
+        values = {rule: {param: [s[rule][param] for s in sets] for param in self.rule_params[rule]}
+                  for rule in self.rule_params}
+        return {"rules": self.rule_params, "rule_values": values, "run_sets": run_sets,
+                "analysis": {**ANALYSIS_DEFAULTS, **analysis}}
+
+    def _run_rule(self, run: Path) -> tuple[str | None, dict[str, Any]]:
+        """The rule and parameters run ``run`` trained with (see :func:`run_rule`), re-read when run.json changes."""
+        path = run / schema.MANIFEST
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            return None, {}
+        if run not in self._manifests or self._manifests[run][0] != stamp:
+            try:
+                manifest = json.loads(path.read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            self._manifests[run] = (stamp, (manifest.get("run_id") or run.name, *run_rule(manifest)))
+        return self._manifests[run][1]
+
+    def _run_rule_sets(self) -> dict[Path, tuple[str, dict[str, dict[str, Any]]]]:
+        """Per run directory: (run_id, every rule's parameters): the run's own rule with the parameters it trained
+        with (its defaults where run.json records none, whatever the caller chose for counterfactuals), every other
+        rule with :attr:`rule_params`. Parameters the rule rejects leave its defaults (see :meth:`run_rules`)."""
+        out = {}
+        for run in self.runs_dirs:
+            run_id, rule, params = self._run_rule(run)
+            rules = self.rule_params
+            if rule in self.rule_params:
+                try:
+                    own = get_loss(rule).resolve(**params)
+                except (TypeError, ValueError):
+                    own = get_loss(rule).defaults
+                rules = {**rules, rule: _bindable(own)}
+            out[run] = (run_id, rules)
+        return out
+
+    def rules(self) -> pd.DataFrame:
+        """The rule catalogue as the views see it: rule, family, sequence (reads the whole response), parameters
+        (the counterfactual parameters, JSON), summary, and sql (False: the rule has no SQL mask family, so the
+        views have no ``blocks_<rule>`` column for it). One row per registered rule, sorted by name."""
+        rows = []
+        for name in list_losses():
+            rule = get_loss(name)
+            rows.append({"rule": name, "family": rule.sql.family if rule.sql else None,
+                         "sequence": bool(rule.sql and rule.sql.sequence),
+                         "parameters": json.dumps({k: v for k, v in self.rule_params[name].items()
+                                                   if k in rule.defaults}, default=str),
+                         "summary": rule.doc, "sql": rule.sql is not None})
+        return pd.DataFrame(rows)
+
+    def run_rules(self) -> pd.DataFrame:
+        """Per run: run_id, loss_rule (the rule it trained with, from run.json), parameters (JSON: those the SQL
+        binds for that rule), and source: 'run' (the run's own parameters), 'defaults' (none recorded), 'unknown
+        rule' (not registered in this process) or the error the rule raised on the recorded parameters."""
+        rows = []
+        for run in self.runs_dirs:
+            run_id, rule, params = self._run_rule(run)
+            if rule not in self.rule_params:
+                rows.append({"run_id": run_id, "loss_rule": rule, "parameters": json.dumps(params, default=str),
+                             "source": "unknown rule" if rule else "defaults"})
+                continue
+            try:
+                bound, source = get_loss(rule).resolve(**params), "run" if params else "defaults"
+            except (TypeError, ValueError) as err:
+                bound, source = get_loss(rule).defaults, str(err)
+            rows.append({"run_id": run_id, "loss_rule": rule, "parameters": json.dumps(bound, default=str),
+                         "source": source})
+        return pd.DataFrame(rows, columns=["run_id", "loss_rule", "parameters", "source"])
 
     def _prepare(self, con: duckdb.DuckDBPyConnection, **analysis: float) -> None:
         """Bind the file lists and parameters on ``con`` (DuckDB variables live per connection)."""
         con.execute("set variable trustscope_files = ?", [self._file_lists()])
         con.execute("set variable trustscope_params = ?", [self._params(**analysis)])
 
-    def _readable(self) -> list[Path]:
-        return _readable(self.paths, self.runs_dirs)
-
     def _lock_down(self) -> None:
-        """Only the log directories, the targets of symlinked runs (the runs of this moment) and the private
-        empty files stay readable; then lock the configuration."""
-        allowed = [str(p) + os.sep for p in self._readable()] + [str(self._private) + os.sep]
+        """Only the log directories, the targets of symlinked runs (the runs of this moment, kept in
+        ``_allowed``) and the private empty files stay readable; then lock the configuration."""
+        self._allowed = _readable(self.paths, self.runs_dirs)
+        allowed = [str(p) + os.sep for p in self._allowed] + [str(self._private) + os.sep]
         self.con.execute("set allowed_directories = ?", [allowed])
         self.con.execute("set enable_external_access = false")
         self.con.execute("set lock_configuration = true")
@@ -370,8 +515,10 @@ class LogDB:
     def _disk_path(self, view: str, file: Path, stat_key: tuple[int, int]) -> Path:
         """Where the partial aggregates of ``view`` over ``file`` are kept on disk: keyed by the view's SQL (and
         everything it reads), the bound parameters, the file's path, size and modification time."""
+        own = self._run_rule_sets().get(file.parent.parent)
+        params = {"rules": self.rule_params, "analysis": self._params()["analysis"], "own": own}
         key = hashlib.sha256(
-            json.dumps([_SQL_FINGERPRINT, self._params(), view, str(file), stat_key], default=str).encode()
+            json.dumps([self._fingerprint, params, view, str(file), stat_key], default=str).encode()
         ).hexdigest()[:32]
         return self.cache_dir / view / f"{key}.parquet"
 
@@ -389,8 +536,7 @@ class LogDB:
     def _reachable(self, runs: list[Path]) -> list[Path]:
         """``runs`` less the symlinked runs created after connect, whose targets this connection cannot read
         (its allowed directories are locked): they are listed in :attr:`broken_runs` until a reconnect."""
-        allowed = _readable(self.paths, self.runs_dirs)
-        late = {r for r in runs if not any(r.resolve().is_relative_to(a) for a in allowed)}
+        late = {r for r in runs if not any(r.resolve().is_relative_to(a) for a in self._allowed)}
         self._late_links = {r.name: "a symlinked run created after the log directory was opened; reopen it"
                             for r in late}
         return [r for r in runs if r not in late]
@@ -423,7 +569,7 @@ class LogDB:
             raise ValueError(f"max_rows={max_rows} must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
-        check_statement(query, self._readable())
+        check_statement(query, self._allowed)
         return self._run_in_sandbox(query, max_rows, timeout_s)
 
     def _run_in_sandbox(self, query: str, max_rows: int, timeout_s: float) -> QueryResult:
@@ -432,7 +578,7 @@ class LogDB:
         self.refresh(words & set(VIEWS))
         with self._lock:
             sandbox = self._sandbox()
-            request = {"roots": [*self._readable(), self._private], "files": self._file_lists(),
+            request = {"roots": [*self._allowed, self._private], "files": self._file_lists(),
                        "params": self._params(), "caches": self._write_caches()}
         table = sandbox.run(query, max_rows=max_rows, timeout_s=timeout_s, **request)
         truncated = table.num_rows > max_rows
@@ -451,7 +597,7 @@ class LogDB:
                 for name, table in self._merged.items():
                     con.register(name, table.schema.empty_table())
                 _load_sql(con, sorted(MACRO_DIR.glob("*.sql")), "macro")
-                _load_sql(con, sorted(VIEW_DIR.glob("*.sql")), "view")
+                _load_sql(con, sorted(VIEW_DIR.glob("*.sql")), "view", texts={"rule_blocks": self._rule_blocks})
             finally:
                 con.close()
             self._resources.sandbox = Sandbox(database, self.memory_bytes)
@@ -507,6 +653,7 @@ class LogDB:
         df = pd.concat([df, pd.DataFrame({"run_id": missing, "n_steps": 0, "n_samples": 0,
                                                             "n_response_tokens": 0})], ignore_index=True) if missing else df
         df.loc[df["run_id"].isin(list(self.broken_runs)), "status"] = "broken"
+        df["manifest"] = df["manifest"].astype(object).where(df["manifest"].notna(), None)  # no NaN for "none"
         return df.sort_values("run_id").reset_index(drop=True)
 
     def step_summary(self, run_ids: Sequence[str] | str | None = None) -> pd.DataFrame:
@@ -515,15 +662,18 @@ class LogDB:
         Columns: run_id, step, n_tokens, n_samples, reward_mean, reward_std, length_mean, mismatch_mean
         (mean |pi - mu|), mismatch_max, prob_diff_max / prob_diff_min (signed pi - mu), binary_kl_mean/_max,
         topk_tv_mean/_max, topk_kl_mean/_max, ratio_min/_max, entropy_mean, n_positive, n_negative,
-        n_zero_advantage, n_bad_negative, bad_negative_rate, trainer_blocked_frac, and per registered rule R:
-        blocked_frac__R, blocked_frac_pos__R (A > 0), blocked_frac_nonpos__R (A <= 0).
+        n_zero_advantage, n_bad_negative, bad_negative_rate, n_nonzero_advantage, n_trainer_blocked,
+        trainer_blocked_frac, and per rule R: n_blocked__R and blocked_frac__R (over the tokens with A != 0, which
+        carry gradient), n_blocked_pos__R / blocked_frac_pos__R (A > 0), n_blocked_neg__R / blocked_frac_neg__R
+        (A < 0).
         """
         return self._frame("step_summary", where={"run_id": run_ids}, refresh=True)
 
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
-        """Long form of the blocked fractions: run_id, step, rule, advantage_side ('all', 'positive',
-        'non_positive'), blocked_frac. Every registered rule at its default parameters, on the same tokens."""
+        """Long form of the blocked counts: run_id, step, rule, advantage_side ('all': A != 0, 'positive',
+        'negative'), n_blocked, n_tokens, blocked_frac. Every rule on the same tokens (a run's own rule at its
+        parameters, the others at their defaults or the caller's choice)."""
         return self._frame("blocked_fractions", where={"run_id": run_ids, "rule": rules}, refresh=True)
 
     def bad_negative_updates(self, run_ids: Sequence[str] | str | None = None,
@@ -544,7 +694,8 @@ class LogDB:
 
     def clipped_tokens(self, run_ids: Sequence[str] | str | None = None, rules: Sequence[str] | str | None = None,
                        top: int = 30) -> pd.DataFrame:
-        """Token texts ranked by how often each rule blocks them (the ``top`` first per run and rule).
+        """Token texts ranked by how often each rule blocks them (the ``top`` first per run and rule), counted over
+        the tokens that carry gradient (A != 0).
 
         Columns: run_id, rule, rank, token_id, token_text, n_blocked, n_occurrences, block_rate, block_share,
         mu_prob_mean, mu_bucket, entropy_mean.
@@ -578,10 +729,35 @@ class LogDB:
         return self._frame("samples", where={"run_id": run_ids, "step": steps}, refresh=True, limit=limit)
 
 
+def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
+    """Import rule modules by dotted path (``my_pkg.rules``, or ``my_pkg.rules:my_rule`` for one rule) so their
+    ``@register_loss`` rules join the catalogue; ``modules`` defaults to ``$TRUSTSCOPE_RULES`` (comma-separated).
+    Returns the registered rule names afterwards."""
+    import importlib
+
+    if modules is None:
+        modules = os.environ.get(RULES_ENV, "")
+    names = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else list(modules)
+    for name in filter(None, names):
+        if ":" in name:
+            get_loss(name)
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ValueError(f"{RULES_ENV}: cannot import rule module {name!r} ({err})") from None
+    return list_losses()
+
+
 def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int = DEFAULT_MAX_ROWS,
             timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True, cache_dir: str | Path | None = None,
-            memory_limit: float | None = None) -> LogDB:
+            rule_params: dict[str, dict[str, Any]] | None = None,
+            rules: str | Sequence[str] | None = None, memory_limit: float | None = None) -> LogDB:
     """Open a log directory, one run directory, or a list of them, as a locked-down :class:`LogDB`.
+
+    ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
+    ``rule_params``: rule -> parameters for the counterfactual columns (default: each rule's defaults); a run's
+    own rule always uses the parameters recorded in its run.json.
 
     ``db.con`` is the DuckDB connection (views: tokens, samples, steps, runs, vocab, token_metrics, rule_blocks,
     step_summary, clipped_tokens, ratio_vs_divergence, ...); ``db.cursor()`` gives a cursor with everything bound.
@@ -593,22 +769,35 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
     paths = [logdir_or_runs] if isinstance(logdir_or_runs, str | Path) else list(logdir_or_runs)
     if not paths:
         raise ValueError("connect: no log directory given")
+    load_rules(rules)
     return LogDB([Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s, cache=cache,
-                 cache_dir=Path(cache_dir) if cache_dir is not None else None, memory_limit=memory_limit)
+                 cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
+                 memory_limit=memory_limit)
 
 
 CONTRACTS_FILE = SQL_DIR / "contracts.yml"
 
 
 def load_contracts() -> dict[str, dict[str, Any]]:
-    """The data contracts of ``sql/contracts.yml``, with ``"@rules"`` expanded to the registered rules."""
+    """The data contracts of ``sql/contracts.yml``, generated from the rule catalogue where they say so:
+    ``"@rules"`` (a column's accepted values) is every registered rule; ``"@rule_columns"`` (a column list) is
+    every ``blocks_<rule>`` column of the rules with a SQL mask family, and each of those whose family is ``none``
+    accepts only false."""
     import yaml
 
     contracts = yaml.safe_load(CONTRACTS_FILE.read_text())
+    rules = sql_rules()
     for spec in contracts.values():
+        for key in ("unique", "not_null"):
+            if spec.get(key) == "@rule_columns":
+                spec[key] = [f"blocks_{r.name}" for r in rules]
         for column, values in spec.get("accepted", {}).items():
             if values == "@rules":
                 spec["accepted"][column] = list_losses()
+        if spec.pop("never_blocking", None) == "@rule_columns":
+            for r in rules:
+                if r.sql.family == "none":
+                    spec.setdefault("accepted", {})[f"blocks_{r.name}"] = [False]
     return contracts
 
 

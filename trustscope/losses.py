@@ -1,16 +1,27 @@
-"""Trust-region rules and policy losses, one pure function each, registered by name.
+"""Trust-region rules and policy losses, one pure function each, registered by name: the rule catalogue.
 
 Every rule shares one signature, ``rule(batch: PolicyBatch, **params) -> LossOutput``, and one loss form, the one
 the paper's authors implement::
 
     loss_t = -A_t * sg(w_t) * M_t * log pi_t,    w_t = min(exp(min(log pi_t - log mu_t, 20)), C)
 
-Rules differ only in the keep-mask ``M`` (what it looks at, what it is anchored to) and the IS cap ``C``. The
-trainer and the query layer look rules up with :func:`get_loss`; nothing picks a rule with if/elif. A user's rule
-registers exactly like the built-ins::
+Rules differ in the keep-mask ``M`` (what it looks at, what it is anchored to), the IS weight ``w`` and, for the
+sequence-level rules, the context they read (the whole response). The trainer looks rules up with
+:func:`get_loss` (a registered name, or a dotted path ``pkg.module:rule`` that imports the user's module);
+nothing picks a rule with if/elif. A user's rule registers exactly like the built-ins, and names its SQL mask
+family so that the query layer (``trustscope.db``) shows it beside the others with no SQL of its own::
 
-    @register_loss("my_rule", delta=0.1)
-    def my_rule(batch: PolicyBatch, delta: float) -> LossOutput: ...
+    @register_loss("my_rule", sql=DPPO_MU, divergence="binary_tv", delta=0.1)
+    def my_rule(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput: ...
+
+The catalogue is one place: :func:`list_losses` feeds the trainer, the ``blocks_<rule>`` columns of the SQL view
+``rule_blocks`` and every per-rule aggregate, the data contracts, the SQL parity tests and the docs' rule table.
+
+**The A = 0 convention** (one for every rule, the paper authors'): a token with zero advantage takes the negative
+branch of a mask (``A <= 0``); DPPO's mask says so in PAPER.md, and the ratio rules follow it. Such a token carries
+no gradient whatever the mask says (its loss is ``-0 * w * log pi``), so every blocked fraction, here
+(``policy/blocked_frac*``) and in the SQL views, is counted over the tokens that carry gradient (``A != 0``), with
+the token count beside it, as verl's ``pg_clipfrac`` effectively does (a zero-advantage token is never "clipped").
 
 Per-token math is kept apart from aggregation: :func:`aggregate` reduces ``(B, T)`` losses with a named mode.
 
@@ -22,8 +33,10 @@ Padding (``mask`` False) may hold any value, even inf or NaN: it never reaches t
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,16 +87,77 @@ class LossOutput:
 
 RuleFn = Callable[..., LossOutput]
 
+SQL_COLUMNS = frozenset({
+    "ratio", "old_ratio", "log_ratio", "mu_prob", "pi_prob", "old_prob", "mu_logprob", "pi_logprob", "old_logprob",
+    "binary_tv", "binary_kl", "topk_tv", "topk_kl", "old_binary_tv", "old_binary_kl", "advantage", "pos",
+    "seq_log_ratio", "seq_len", "seq_p90_binary_tv", "prefix_binary_tv", "prefix_pos_binary_tv",
+})
+"""Columns the SQL view ``rule_blocks`` hands to the mask macros (``old_*``: anchored on pi_old). The ``seq_*`` and
+``prefix_*`` columns are the response's context, computed once over the window ``(run_id, step, rank,
+sample_id)``: the mean log-ratio, the length, the P90 of binary TV, and the sums of binary TV (and of pos times it)
+over the tokens before this one."""
+
+_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class SqlMask:
+    """How the SQL views evaluate a rule's mask as a "would block" flag: the rule's mask family and its inputs.
+
+    The family is one macro, ``<family>_blocks`` in ``trustscope/sql/macros/<family>_blocks.sql``, shared by every
+    rule of the family. ``trustscope.db`` calls it per rule with ``columns`` (names from :data:`SQL_COLUMNS`, in
+    order; None passes SQL null) and then ``params`` (the rule's parameter names, in order, bound per run from the
+    run's manifest or the defaults; None passes null). ``sequence``: the mask reads the whole response, through
+    the context columns ``rule_blocks`` computes over ``(run_id, step, rank, sample_id)`` windows.
+    """
+
+    family: str
+    columns: tuple[str | None, ...] = ()
+    params: tuple[str | None, ...] = ()
+    sequence: bool = False
+
+    def __post_init__(self) -> None:
+        if not _IDENTIFIER.fullmatch(self.family):
+            raise ValueError(f"SqlMask.family={self.family!r} must match {_IDENTIFIER.pattern}")
+        unknown = [c for c in self.columns if c is not None and c not in SQL_COLUMNS]
+        if unknown:
+            raise ValueError(f"SqlMask({self.family!r}).columns name unknown column(s) {unknown}; "
+                             f"known: {sorted(SQL_COLUMNS)}")
+        bad = [n for n in self.params if n is not None and not _IDENTIFIER.fullmatch(n)]
+        if bad:
+            raise ValueError(f"SqlMask({self.family!r}).params {bad} must match {_IDENTIFIER.pattern}")
+
+
+# The mask families of the built-in rules; a user's rule of the same kind names one of these.
+NO_MASK = SqlMask("none")
+RATIO_CLIP_MU = SqlMask("ratio_clip", ("ratio", "advantage"), ("eps_low", "eps_high", "dual_clip"))
+RATIO_CLIP_OLD = SqlMask("ratio_clip", ("old_ratio", "advantage"), ("eps_low", "eps_high", None))
+DPPO_MU = SqlMask("dppo", ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "pi_logprob", "mu_logprob", "advantage"),
+                  ("divergence", "delta"))
+DPPO_OLD = SqlMask("dppo", ("old_binary_tv", "old_binary_kl", None, None, "pi_logprob", "old_logprob", "advantage"),
+                   ("divergence", "delta"))
+LOWPROB_RELAX = SqlMask("lowprob_relax", ("ratio", "mu_prob", "advantage"),
+                        ("eps_low", "eps_high", "alpha_low", "alpha_high"))
+NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("delta",))
+RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"))
+SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
+SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True)
+CPPO_PREFIX = SqlMask("cppo", ("pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
+                               "prefix_pos_binary_tv", "pi_logprob", "mu_logprob", "advantage"),
+                      ("delta", "w_min", "delta_b"), sequence=True)
+DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",))
+
 
 @dataclass(frozen=True)
 class LossRule:
-    """A registered rule: the function and its default parameters. Call it like the function."""
+    """A registered rule: the function, its default parameters and its SQL mask family. Call it like the function."""
 
     name: str
     fn: RuleFn
     defaults: dict[str, Any]
     needs: frozenset[str]
     doc: str
+    sql: SqlMask | None = None
 
     def resolve(self, **params: Any) -> dict[str, Any]:
         """The defaults overridden by ``params``, validated: errors name the parameter and its value."""
@@ -109,16 +183,20 @@ class LossRule:
 _REGISTRY: dict[str, LossRule] = {}
 
 
-def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = None,
+def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = None, sql: SqlMask | None = None,
                   **defaults: Any) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as rule ``name`` with default parameters ``defaults``.
 
     The same function may be registered under several names with other defaults (a preset). ``needs`` names the
     optional ``PolicyBatch`` fields the rule reads; ``doc`` is the one-line summary (default: the docstring's first
-    paragraph), for presets whose defaults make them a different rule.
+    paragraph), for presets whose defaults make them a different rule. ``sql`` is the rule's mask family
+    (:class:`SqlMask`): with it the rule gets a ``blocks_<name>`` column in the SQL views; without it the rule
+    trains but the query layer cannot show what it would block. ``name`` is lowercase letters, digits and '_'.
     """
 
     def decorator(fn: RuleFn) -> RuleFn:
+        if not _IDENTIFIER.fullmatch(name):
+            raise ValueError(f"loss rule name {name!r} must match {_IDENTIFIER.pattern} (it names a SQL column)")
         if name in _REGISTRY:
             raise ValueError(f"loss rule {name!r} is already registered")
         params = set(inspect.signature(fn).parameters) - {"batch"}
@@ -129,24 +207,57 @@ def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = N
         fields = set(PolicyBatch.__dataclass_fields__)
         if not set(needs) <= fields:
             raise ValueError(f"loss rule {name!r}: needs={needs!r} names no PolicyBatch field(s); fields are {sorted(fields)}")
+        if sql is not None:
+            unknown = [p for p in sql.params if p is not None and p not in defaults]
+            if unknown:
+                raise ValueError(f"loss rule {name!r}: sql family {sql.family!r} passes parameter(s) {unknown} "
+                                 f"the rule does not have; its parameters are {sorted(defaults)}")
         summary = doc or inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
-        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), summary)
+        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), summary, sql)
         return fn
 
     return decorator
 
 
 def get_loss(name: str) -> LossRule:
-    """The rule registered as ``name``; an unknown name fails with the list of valid names."""
-    try:
+    """The rule registered as ``name``, or found by dotted path ``pkg.module:rule`` (``pkg.module.rule``): the
+    module is imported (registering its rules) and ``rule`` is a registered name or the registered function's
+    attribute name. An unknown name fails with the list of valid names."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown loss rule {name!r}; valid names: {', '.join(sorted(_REGISTRY))}") from None
+    if "." not in name and ":" not in name:
+        raise KeyError(f"unknown loss rule {name!r}; valid names: {', '.join(sorted(_REGISTRY))} "
+                       f"(or a dotted path pkg.module:rule)")
+    module_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise KeyError(f"loss rule {name!r}: cannot import module {module_name!r} ({err})") from None
+    if attr in _REGISTRY:
+        return _REGISTRY[attr]
+    fn = getattr(module, attr, None)
+    for rule in _REGISTRY.values():
+        if fn is not None and rule.fn is fn:
+            return rule
+    raise KeyError(f"loss rule {name!r}: module {module_name!r} registers no rule named {attr!r} "
+                   f"(register it with @register_loss); valid names: {', '.join(sorted(_REGISTRY))}")
 
 
 def list_losses() -> list[str]:
     """Names of every registered rule, sorted."""
     return sorted(_REGISTRY)
+
+
+def catalogue_markdown() -> str:
+    """The rule table of README.md and docs/sql.md: one row per rule with its SQL mask family and defaults."""
+    rows = ["| rule | SQL mask family | defaults | what it does |", "|---|---|---|---|"]
+    for name in list_losses():
+        rule = _REGISTRY[name]
+        family = "-" if rule.sql is None else f"`{rule.sql.family}`" + (" (sequence)" if rule.sql.sequence else "")
+        defaults = ", ".join(f"{k}={v!r}" for k, v in rule.defaults.items()) or "-"
+        summary = " ".join(rule.doc.split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | {family} | {defaults} | {summary} |")
+    return "\n".join(rows) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,7 +271,8 @@ def _validate_params(rule: str, params: dict[str, Any]) -> None:
         return ValueError(f"loss rule {rule!r}: {arg}={params[arg]!r} {why}")
 
     for arg, value in params.items():
-        if arg in ("delta", "eps_high", "is_cap", "dual_clip", "alpha_low", "alpha_high") and value is not None:
+        if arg in ("delta", "eps_high", "is_cap", "dual_clip", "alpha_low", "alpha_high", "low", "high", "w_min",
+                   "delta_b") and value is not None:
             if not isinstance(value, int | float) or math.isnan(value):
                 raise bad(arg, "must be a number")
         if arg == "delta" and value < 0:
@@ -177,6 +289,14 @@ def _validate_params(rule: str, params: dict[str, Any]) -> None:
             raise bad(arg, "must be a probability in [0, 1]")
         if arg == "divergence" and value not in _DIVERGENCES:
             raise bad(arg, f"is not one of {sorted(_DIVERGENCES)}")
+        if arg == "low" and value < 0:
+            raise bad(arg, "must be >= 0 (the lowest ratio kept)")
+        if arg == "high" and "low" in params and value <= params["low"]:
+            raise bad(arg, f"must be > low={params['low']!r}")
+        if arg == "w_min" and not 0 < value <= 1:
+            raise bad(arg, "must be in (0, 1]: the last position's weight")
+        if arg == "delta_b" and value < 0:
+            raise bad(arg, "must be >= 0 (the prefix budget's floor)")
 
 
 def _check_batch(batch: PolicyBatch) -> None:
@@ -222,8 +342,9 @@ def is_weight(pi_logprob: Tensor, mu_logprob: Tensor, is_cap: float = math.inf) 
 
 
 def ppo_keep(r: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's mask on a ratio ``r``: block A > 0 with r > 1 + eps_high, and A < 0 with r < 1 - eps_low."""
-    block = ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < 1 - eps_low))
+    """PPO's mask on a ratio ``r``: block A > 0 with r > 1 + eps_high, and A <= 0 with r < 1 - eps_low (A = 0
+    takes the negative branch, as in DPPO)."""
+    block = ((adv > 0) & (r > 1 + eps_high)) | ((adv <= 0) & (r < 1 - eps_low))
     return ~block
 
 
@@ -239,17 +360,21 @@ def dppo_keep(div: Tensor, pi_logprob: Tensor, anchor_logprob: Tensor, adv: Tens
     return ~block
 
 
-def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor) -> LossOutput:
+def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor, gate: Tensor | None = None) -> LossOutput:
     """The shared loss form ``-A * sg(w) * M * log pi`` with the standard metrics.
 
-    ``keep`` and ``w``: ``(B, T)``. Blocked and padded tokens get an exact zero loss and an exact zero gradient, even
-    where their inputs are inf or NaN.
+    ``keep``, ``w`` and ``gate``: ``(B, T)``. ``gate`` (default ``keep``) is where the loss applies: a hard mask
+    gates on its keep-mask; a smooth rule (DRPO) applies its weight everywhere and reports its own ``keep``.
+    Gated-out and padded tokens get an exact zero loss and an exact zero gradient, even where their inputs are inf
+    or NaN.
     """
-    keep = keep & batch.mask.bool()  # (B, T)
+    valid = batch.mask.bool()
+    keep = keep & valid  # (B, T)
+    gate = keep if gate is None else gate & valid  # (B, T)
     pi_lp = D.as_compute(batch.pi_logprob)  # (B, T), differentiable
     coef = -D.as_compute(batch.advantages).detach() * w.detach().to(pi_lp.dtype)  # (B, T) = -A * sg(w)
-    coef = torch.where(keep, coef, torch.zeros_like(coef))
-    loss = torch.where(keep, coef * pi_lp, torch.zeros_like(pi_lp))
+    coef = torch.where(gate, coef, torch.zeros_like(coef))
+    loss = torch.where(gate, coef * pi_lp, torch.zeros_like(pi_lp))
     return LossOutput(loss=loss, keep=keep, metrics=trust_region_metrics(batch, keep, w))
 
 
@@ -259,17 +384,21 @@ def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
 
 
 def trust_region_metrics(batch: PolicyBatch, keep: Tensor, w: Tensor) -> dict[str, Tensor]:
-    """Blocked fraction overall and by advantage sign, mismatch |pi - mu|, k3 KL, IS weight statistics."""
+    """Blocked fraction over the tokens that carry gradient (A != 0) and by advantage sign, with the counts;
+    mismatch |pi - mu|, k3 KL, IS weight statistics over every valid token."""
     with torch.no_grad():
         valid = batch.mask.bool()
-        blocked = (valid & ~keep).float()  # (B, T)
         adv = batch.advantages
+        grad = valid & (adv != 0)  # (B, T) tokens whose loss has a gradient
+        blocked = (grad & ~keep).float()  # (B, T)
         pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
         lr = D.log_ratio(pi_lp, mu_lp)
         out = {
-            "policy/blocked_frac": _masked_mean(blocked, valid),
+            "policy/blocked_frac": _masked_mean(blocked, grad),
             "policy/blocked_frac_pos": _masked_mean(blocked, valid & (adv > 0)),
-            "policy/blocked_frac_neg": _masked_mean(blocked, valid & (adv <= 0)),
+            "policy/blocked_frac_neg": _masked_mean(blocked, valid & (adv < 0)),
+            "policy/n_blocked": blocked.sum(),
+            "policy/n_grad_tokens": grad.sum().to(blocked.dtype),
             "policy/mismatch_abs_mean": _masked_mean(D.binary_tv(mu_lp, pi_lp), valid),
             "policy/k3_kl": _masked_mean(D.k3_kl(mu_lp, pi_lp), valid),
             "policy/is_weight_mean": _masked_mean(w.float(), valid),
@@ -312,21 +441,45 @@ EPS_LOW = 0.2
 EPS_HIGH = 0.28
 TIS_CAP = 2.0
 NO_CAP = math.inf
+GSPO_MAX_LOG_RATIO = 10.0
+
+# ---------------------------------------------------------------------------------------------------------------
+# sequence context: the rules that read the whole response. Padding is False in ``mask``; positions are counted
+# over the valid tokens (the logger's ``pos``, 0 .. L-1).
+
+
+def _seq_mean(x: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``x`` over each sequence's valid tokens, broadcast back: ``(B, T)`` -> ``(B, T)``."""
+    x = torch.where(valid, x, torch.zeros_like(x))
+    n = valid.sum(-1, keepdim=True).clamp_min(1).to(x.dtype)  # (B, 1)
+    return (x.sum(-1, keepdim=True) / n).expand_as(x)
+
+
+def _seq_log_ratio(batch: PolicyBatch) -> Tensor:
+    """Per-sequence mean of log(pi / mu): the log of the geometric-mean ratio, ``(B, T)`` (one value per row)."""
+    return _seq_mean(D.log_ratio(batch.pi_logprob.detach(), batch.mu_logprob.detach()), batch.mask.bool())
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the rules
 
 
-@register_loss("pg_is", is_cap=NO_CAP)
+@register_loss("pg_is", sql=NO_MASK, is_cap=NO_CAP)
 def pg_is(batch: PolicyBatch, is_cap: float) -> LossOutput:
     """PG-IS: no trust region, untruncated importance weight pi/mu."""
     return policy_loss(batch, torch.ones_like(batch.mask, dtype=torch.bool), is_weight(batch.pi_logprob, batch.mu_logprob, is_cap))
 
 
-@register_loss("cispo", is_cap=TIS_CAP)
+@register_loss("cispo", sql=NO_MASK, is_cap=TIS_CAP)
 def cispo(batch: PolicyBatch, is_cap: float) -> LossOutput:
     """PG-TIS (CISPO): no mask, importance weight truncated at C = ``is_cap``."""
     return pg_is(batch, is_cap=is_cap)
+
+
+register_loss(
+    "token_tis", sql=NO_MASK, is_cap=TIS_CAP,
+    doc="Token-level TIS (verl rollout correction, rollout_is='token', threshold 2): no mask, weight min(pi/mu, C).",
+)(cispo)
 
 
 def _ppo(batch: PolicyBatch, anchor: Tensor, eps_low: float, eps_high: float, is_cap: float,
@@ -335,11 +488,11 @@ def _ppo(batch: PolicyBatch, anchor: Tensor, eps_low: float, eps_high: float, is
     r = D.ratio(pi_lp, anchor)  # (B, T)
     keep = ppo_keep(r, batch.advantages, eps_low, eps_high)
     if dual_clip is not None:
-        keep = keep & ~((batch.advantages < 0) & (r > dual_clip))
+        keep = keep & ~((batch.advantages <= 0) & (r > dual_clip))
     return policy_loss(batch, keep, is_weight(pi_lp, batch.mu_logprob, is_cap))
 
 
-@register_loss("ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=None, is_cap=NO_CAP)
+@register_loss("ppo_clip", sql=RATIO_CLIP_MU, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=None, is_cap=NO_CAP)
 def ppo_clip(batch: PolicyBatch, eps_low: float, eps_high: float, dual_clip: float | None, is_cap: float) -> LossOutput:
     """PPO / GRPO ratio clip on r = pi/mu (defaults: Clip-Higher, eps 0.2 / 0.28).
 
@@ -349,17 +502,18 @@ def ppo_clip(batch: PolicyBatch, eps_low: float, eps_high: float, dual_clip: flo
     return _ppo(batch, batch.mu_logprob.detach(), eps_low, eps_high, is_cap, dual_clip)
 
 
-register_loss("grpo", doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).",
+register_loss("grpo", sql=RATIO_CLIP_MU, doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).",
               eps_low=EPS_LOW, eps_high=EPS_LOW, dual_clip=None, is_cap=NO_CAP)(ppo_clip)
 
 
-@register_loss("minirl", needs=("old_logprob",), eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=NO_CAP)
+@register_loss("minirl", sql=RATIO_CLIP_OLD, needs=("old_logprob",), eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=NO_CAP)
 def minirl(batch: PolicyBatch, eps_low: float, eps_high: float, is_cap: float) -> LossOutput:
     """MiniRL (decoupled PPO): the clip mask on pi/pi_old (recomputed), IS weight pi/mu."""
     return _ppo(batch, batch.old_logprob.detach(), eps_low, eps_high, is_cap)
 
 
-register_loss("minirl_tis", needs=("old_logprob",), doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.",
+register_loss("minirl_tis", sql=RATIO_CLIP_OLD, needs=("old_logprob",),
+              doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.",
               eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=TIS_CAP)(minirl)
 
 
@@ -369,23 +523,28 @@ def _dppo(batch: PolicyBatch, divergence: str, delta: float, anchor: Tensor) -> 
     return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("dppo_binary_tv", doc="DPPO gated on binary TV |pi - mu| > delta.", divergence="binary_tv", delta=DELTA_TV)
-def dppo(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
-    """DPPO: block a token only when D(mu, pi) > delta and pi moved past mu the way A pushes."""
+def _require_topk(batch: PolicyBatch, divergence: str) -> None:
     if divergence.startswith("topk") and (batch.mu_topk_logprobs is None or batch.pi_topk_logprobs is None):
         raise ValueError(f"divergence={divergence!r} needs PolicyBatch.mu_topk_logprobs and pi_topk_logprobs")
+
+
+@register_loss("dppo_binary_tv", sql=DPPO_MU, doc="DPPO gated on binary TV |pi - mu| > delta.",
+               divergence="binary_tv", delta=DELTA_TV)
+def dppo(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
+    """DPPO: block a token only when D(mu, pi) > delta and pi moved past mu the way A pushes."""
+    _require_topk(batch, divergence)
     return _dppo(batch, divergence, delta, batch.mu_logprob.detach())
 
 
-register_loss("dppo_binary_kl", doc="DPPO gated on binary KL(mu || pi) > delta.",
+register_loss("dppo_binary_kl", sql=DPPO_MU, doc="DPPO gated on binary KL(mu || pi) > delta.",
               divergence="binary_kl", delta=DELTA_KL)(dppo)
-register_loss("dppo_topk_tv", needs=("mu_topk_logprobs", "pi_topk_logprobs"), doc="DPPO gated on top-K TV > delta.",
-              divergence="topk_tv", delta=DELTA_TV)(dppo)
-register_loss("dppo_topk_kl", needs=("mu_topk_logprobs", "pi_topk_logprobs"), doc="DPPO gated on top-K KL > delta.",
-              divergence="topk_kl", delta=DELTA_KL)(dppo)
+register_loss("dppo_topk_tv", sql=DPPO_MU, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
+              doc="DPPO gated on top-K TV > delta.", divergence="topk_tv", delta=DELTA_TV)(dppo)
+register_loss("dppo_topk_kl", sql=DPPO_MU, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
+              doc="DPPO gated on top-K KL > delta.", divergence="topk_kl", delta=DELTA_KL)(dppo)
 
 
-@register_loss("dppo_decoupled", needs=("old_logprob",), divergence="binary_kl", delta=DELTA_KL)
+@register_loss("dppo_decoupled", sql=DPPO_OLD, needs=("old_logprob",), divergence="binary_kl", delta=DELTA_KL)
 def dppo_decoupled(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
     """DPPO decoupled (ablation): the DPPO mask anchored on the recomputed pi_old instead of mu; weight pi/mu."""
     if divergence not in ("binary_tv", "binary_kl"):
@@ -393,24 +552,131 @@ def dppo_decoupled(batch: PolicyBatch, divergence: str, delta: float) -> LossOut
     return _dppo(batch, divergence, delta, batch.old_logprob.detach())
 
 
-@register_loss("ppo_lowprob_relax", eps_low=EPS_LOW, eps_high=EPS_HIGH, alpha_low=0.1, alpha_high=0.1)
+@register_loss("ppo_lowprob_relax", sql=LOWPROB_RELAX, eps_low=EPS_LOW, eps_high=EPS_HIGH, alpha_low=0.1,
+               alpha_high=0.1)
 def ppo_lowprob_relax(batch: PolicyBatch, eps_low: float, eps_high: float, alpha_low: float,
                       alpha_high: float) -> LossOutput:
     """PPO clip that never clips a side for tokens with mu < alpha (alpha per side; 0 turns a side's relief off)."""
     pi_lp, mu_lp, adv = batch.pi_logprob.detach(), batch.mu_logprob.detach(), batch.advantages
     r = D.ratio(pi_lp, mu_lp)
     mu = torch.exp(D.as_compute(mu_lp))
-    block = ((adv > 0) & (r > 1 + eps_high) & (mu >= alpha_high)) | ((adv < 0) & (r < 1 - eps_low) & (mu >= alpha_low))
+    block = ((adv > 0) & (r > 1 + eps_high) & (mu >= alpha_high)) | ((adv <= 0) & (r < 1 - eps_low) & (mu >= alpha_low))
     return policy_loss(batch, ~block, is_weight(pi_lp, mu_lp))
 
 
-@register_loss("minimal_negative_mask", delta=0.5)
+@register_loss("minimal_negative_mask", sql=NEGATIVE_MASK, delta=0.5)
 def minimal_negative_mask(batch: PolicyBatch, delta: float) -> LossOutput:
     """Mask-delta: block only negative-advantage tokens that pi pushed down from mu by at least delta."""
     pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
     drop = torch.exp(D.as_compute(mu_lp)) - torch.exp(D.as_compute(pi_lp))
-    block = (batch.advantages < 0) & (drop >= delta)
+    block = (batch.advantages <= 0) & (drop >= delta)
     return policy_loss(batch, ~block, is_weight(pi_lp, mu_lp))
+
+
+@register_loss("token_mis", sql=RATIO_BAND, low=0.5, high=2.0)
+def token_mis(batch: PolicyBatch, low: float, high: float) -> LossOutput:
+    """Token-level masked IS (MIS): drop tokens whose r = pi/mu leaves [low, high], either advantage sign.
+
+    Source: verl ``verl/trainer/ppo/rollout_corr_helper.py``, ``compute_rollout_rejection_mask`` with
+    ``rollout_rs="token_k1"`` and a ``"lower_upper"`` threshold (here on r = pi/mu; the weight stays pi/mu on the
+    kept tokens, bypass mode). Kept iff low <= r <= high.
+    """
+    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
+    r = D.ratio(pi_lp, mu_lp)  # (B, T)
+    return policy_loss(batch, (r >= low) & (r <= high), is_weight(pi_lp, mu_lp))
+
+
+register_loss(
+    "icepop", sql=RATIO_BAND, low=0.5, high=5.0,
+    doc="IcePop: drop tokens with r = pi/mu outside [alpha, beta] = [0.5, 5] (Ling Team, Ring-1T report, "
+        "arXiv 2510.18855, IcePop; INTELLECT-3 report, arXiv 2512.16144, eq. 1).",
+)(token_mis)
+
+
+@register_loss("gspo", sql=SEQ_RATIO_CLIP, eps_low=3e-4, eps_high=4e-4)
+def gspo(batch: PolicyBatch, eps_low: float, eps_high: float) -> LossOutput:
+    """GSPO: PPO's clip on the sequence ratio s = exp(mean_t log(pi/mu)), weight s on every token of the response.
+
+    Source: Zheng et al., Group Sequence Policy Optimization (arXiv 2507.18071), eq. 5-7 (s_i, the length-normalised
+    sequence ratio); defaults eps 3e-4 / 4e-4 from its section 5.1. Reference implementation: verl
+    ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_gspo`` (the mean log-ratio clamped at 10 before exp).
+    Anchored on mu here (the rollout policy, as the rest of trustscope). A whole response is blocked together:
+    A > 0 with s > 1 + eps_high, A <= 0 with s < 1 - eps_low.
+    """
+    valid = batch.mask.bool()
+    s = torch.exp(_seq_log_ratio(batch).clamp(max=GSPO_MAX_LOG_RATIO))  # (B, T), one value per response
+    keep = ppo_keep(s, batch.advantages, eps_low, eps_high) & valid
+    return policy_loss(batch, keep, s)
+
+
+@register_loss("geo_mask", sql=SEQ_GEO_BAND, low=0.999, high=1.001)
+def geo_mask(batch: PolicyBatch, low: float, high: float) -> LossOutput:
+    """Geometric-mean sequence masking: drop a whole response when exp(mean_t log(pi/mu)) leaves [low, high].
+
+    Source: verl ``verl/trainer/ppo/rollout_corr_helper.py``, ``compute_rollout_rejection_mask`` option
+    ``seq_mean_k1`` (preset ``RolloutCorrectionConfig.decoupled_geo_rs``, bounds ``"0.999_1.001"``); verl bounds
+    the mean of log(mu/pi), here its reciprocal, the geometric mean of r = pi/mu. Weight pi/mu per token.
+    """
+    g = torch.exp(_seq_log_ratio(batch))  # (B, T)
+    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
+    return policy_loss(batch, (g >= low) & (g <= high), is_weight(pi_lp, mu_lp))
+
+
+@register_loss("cppo", sql=CPPO_PREFIX, delta=DELTA_TV, w_min=0.8, delta_b=0.02)
+def cppo(batch: PolicyBatch, delta: float, w_min: float, delta_b: float) -> LossOutput:
+    """CPPO: DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
+
+    Source: Mao, Zhou, Tao et al., Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning (CPPO,
+    arXiv 2606.10968), mask Eq. 8-11 and the dynamic budget Eq. 22; reference implementation: Tencent-Hunyuan UniRL
+    ``unirl/algorithms/cppo.py``, ``_cppo_mask`` (as its ``CPPO/README.md`` states it), which ships the binary-TV
+    variant, as here: D = |pi - mu|. For a response of L tokens, position s = 0 .. L-1: w_s = w_min + (1 - w_min) (L - 1 - s) / max(L - 1, 1), Z_s = w_s D_s, prefix
+    sums S = sum_{j<s} Z_j and W = sum_{j<s} w_j, the response's budget b = clamp(P90(D), delta_b, 2 delta_b),
+    threshold c_s = min(delta, delta + b W - S). A token is blocked when pi moved the way A pushes (DPPO's
+    direction test, A = 0 in the negative branch) and Z_s > c_s. Defaults: the paper's dense-model delta 0.15,
+    w_min 0.8, delta_b 0.02.
+    """
+    valid = batch.mask.bool()
+    mu_lp, pi_lp = batch.mu_logprob.detach(), batch.pi_logprob.detach()
+    div = D.binary_tv(mu_lp, pi_lp)  # (B, T)
+    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
+    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
+    w = torch.where(valid, w_min + (1 - w_min) * (last - pos) / last.clamp_min(1), 0.0)  # (B, T)
+    z = torch.where(valid, w * div, 0.0)  # (B, T)
+    spent = torch.cumsum(z, -1) - z  # (B, T) S: weighted divergence of the prefix before the token
+    weight = torch.cumsum(w, -1) - w  # (B, T) W
+    p90 = torch.nanquantile(torch.where(valid, div, math.nan), 0.9, dim=-1, keepdim=True)  # (B, 1)
+    budget = p90.clamp(min=delta_b, max=2 * delta_b)
+    threshold = torch.minimum(torch.full_like(z, delta), delta + budget * weight - spent)
+    adv = batch.advantages
+    harmful = ((adv > 0) & (pi_lp > mu_lp)) | ((adv <= 0) & (pi_lp < mu_lp))
+    return policy_loss(batch, ~(harmful & (z > threshold)), is_weight(pi_lp, mu_lp))
+
+
+@register_loss("drpo", sql=DRPO_PENALTY, delta=DELTA_TV)
+def drpo(batch: PolicyBatch, delta: float) -> LossOutput:
+    """DRPO: DPPO's binary-TV geometry as a smooth advantage-weighted penalty, not a hard mask.
+
+    Source: Yao, Zhou, Qi et al., Rethinking the Divergence Regularization in LLM RL (DRPO, arXiv 2606.09821),
+    objective Eq. 8 and weight Table 1: L = r A - |A| mu (r - 1)^2 / (2 delta); reference implementation:
+    Tencent-Hunyuan UniRL ``unirl/algorithms/drpo.py``, ``_drpo_loss``. Its gradient is the policy gradient scaled
+    by g = 1 - sign(A) (pi - mu) / delta: g = 1 on the anchor, 0 on the DPPO boundary in the harmful direction,
+    negative (corrective) beyond it, above 1 when pi moved back toward mu; bounded by 1 +- 1/delta since
+    |pi - mu| <= 1 (sign(A) = -1 for A <= 0). Implemented as w = (pi/mu) * g on every valid token. The default
+    delta is DPPO's binary-TV threshold, the geometry DRPO keeps (UniRL's 4B recipe sets its epsilon to 12.5,
+    where g stays within 1 +- 0.08 and nothing ever counts as blocked).
+
+    No hard mask gates the loss. What "blocked" means for DRPO, here and in the SQL views: the penalty has
+    cancelled or reversed the push, g <= 0, i.e. A > 0 with pi - mu >= delta or A <= 0 with mu - pi >= delta.
+    ``keep`` reports g > 0; blocked tokens still get their (corrective) gradient.
+    """
+    if delta <= 0:
+        raise ValueError(f"loss rule 'drpo': delta={delta!r} must be > 0")
+    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
+    shift = torch.exp(D.as_compute(pi_lp)) - torch.exp(D.as_compute(mu_lp))  # (B, T) pi - mu
+    sign = torch.where(batch.advantages > 0, 1.0, -1.0).to(shift.dtype)  # (B, T)
+    g = 1 - sign * shift / delta  # (B, T)
+    w = is_weight(pi_lp, mu_lp) * g
+    return policy_loss(batch, g > 0, w, gate=batch.mask.bool())
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -66,9 +66,10 @@ def build(db: LogDB) -> list[RunReport]:
     for run_id, steps in summary.groupby("run_id", sort=True):
         steps = steps.sort_values("step")
         rule = loss_rules.get(run_id)
-        rule_cols = [c for c in steps.columns if c.startswith("blocked_frac__")]
         weights = steps.n_tokens / steps.n_tokens.sum()
-        blocked = {c.removeprefix("blocked_frac__"): float((steps[c] * weights).sum()) for c in rule_cols}
+        n_grad = max(int(steps.n_nonzero_advantage.sum()), 1)  # blocked fractions are over the tokens with A != 0
+        blocked = {c.removeprefix("n_blocked__"): float(steps[c].sum() / n_grad)
+                   for c in steps.columns if c.startswith("n_blocked__")}
         r_first, r_last = _first_last(steps.reward_mean)
         m_first, m_last = _first_last(steps.mismatch_mean)
         report = RunReport(
@@ -84,7 +85,7 @@ def build(db: LogDB) -> list[RunReport]:
             mismatch_last=m_last,
             mismatch_max=float(steps.mismatch_max.max()),
             bad_negative_rate_mean=float((steps.bad_negative_rate * weights).sum()),
-            trainer_blocked_frac=float((steps.trainer_blocked_frac * weights).sum()),
+            trainer_blocked_frac=float(steps.n_trainer_blocked.sum() / n_grad),
             blocked_by_rule=dict(sorted(blocked.items(), key=lambda kv: -kv[1])),
             clipped=clipped[(clipped.run_id == run_id) & (clipped.rule == (rule or "ppo_clip"))],
         )

@@ -287,6 +287,41 @@ class Forbidden(Exception):
     """A file operation the worker's file system refuses; not an OSError, so no caller takes it for "absent"."""
 
 
+class _PositionalFile:
+    """A read-only file whose position is kept per thread and read with ``os.pread``: DuckDB's threads share one
+    handle and call ``seek`` then ``read``, which a shared position would let another thread's ``seek`` split."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size = os.fstat(self._fd).st_size
+        self._where = threading.local()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._size}[whence]
+        self._where.pos = base + offset
+        return self._where.pos
+
+    def tell(self) -> int:
+        return getattr(self._where, "pos", 0)
+
+    def read(self, n: int = -1) -> bytes:
+        pos = self.tell()
+        data = os.pread(self._fd, self._size - pos if n is None or n < 0 else n, pos)
+        self._where.pos = pos + len(data)
+        return data
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> _PositionalFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ReadOnlyLogFS(fsspec.AbstractFileSystem):
     """``tslog://`` paths: the files under ``roots`` (resolved), opened for reading only; every write refused."""
 
@@ -320,7 +355,7 @@ class ReadOnlyLogFS(fsspec.AbstractFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             raise Forbidden(f"refused: user SQL cannot write ({self._strip_protocol(path)})")
-        return open(self._local(path), "rb")  # DuckDB closes it
+        return _PositionalFile(self._local(path))  # DuckDB closes it
 
     def glob(self, path: str, **kwargs: Any) -> list[str]:
         pattern = self._strip_protocol(path)

@@ -9,8 +9,12 @@ Layout of one run (``<logdir>/<run_id>/``)::
     steps/*.parquet               long-form scalars (name, value) per step
     ranks/rank<r>.json            status of every rank other than 0 (rank 0's is in run.json)
 
-Readers glob ``*.parquet``; files are written under a temporary name (``.<name>.tmp``, which that glob does not
-match) and renamed, so a reader never sees half a file. Each rank writes its own files.
+Files are written under a temporary name (``.<name>.tmp``, which ``*.parquet`` does not match) and renamed, so a
+reader never sees half a file. Each rank writes its own files, named ``r<rank>-s<first step>-<last step>-f<flush>``:
+one flush of a rank writes one file per table, all with the same flush number, and then records that number as
+``committed_flush`` in the rank's manifest. Readers see a file only once its flush is committed
+(:func:`committed_files`), so a step lands in every table at once or in none, and the manifest's ``rows`` always
+count exactly the files a reader sees. Files of older loggers, without a flush number, are always visible.
 
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
@@ -21,7 +25,10 @@ Nullable columns (``nullable=True`` below) may hold nulls; every other column mu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +191,91 @@ def tmp_path(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{path.name}{TMP_SUFFIX}")
 
 
+FLUSH_META_PREFIX = "trustscope.flush."
+"""Every data file's footer holds its flush's number and the token counts the flush adds to the manifest
+(``trustscope.flush.flush``, ``trustscope.flush.tokens_generated``, ...), so the counts can be rebuilt from the
+files that remain when a run is cut back (:func:`trustscope.logger.drop_steps_after`)."""
+
+
+def data_file_name(rank: int, first_step: int, last_step: int, flush: int) -> str:
+    """The name of the file of one table written by flush ``flush`` of rank ``rank``."""
+    return f"r{rank:04d}-s{first_step:08d}-{last_step:08d}-f{flush:08d}.parquet"
+
+
+_DATA_FILE_RE = re.compile(r"^r(\d+)-s(\d+)-(\d+)-(?:f(\d+)|.*)\.parquet$")
+
+
+@dataclass(frozen=True)
+class DataFileName:
+    """What a data file's name says: its rank, its first and last step, and its flush (None: an older logger)."""
+
+    rank: int
+    first_step: int
+    last_step: int
+    flush: int | None
+
+
+def parse_data_file(name: str) -> DataFileName | None:
+    """The parts of a data file name (see :func:`data_file_name`), or None for a name the logger never writes."""
+    m = _DATA_FILE_RE.match(name)
+    if m is None:
+        return None
+    return DataFileName(int(m[1]), int(m[2]), int(m[3]), None if m[4] is None else int(m[4]))
+
+
+def rank_manifest_paths(run_dir: Path) -> list[Path]:
+    """Every rank's manifest: ``run.json`` (rank 0) and ``ranks/rank<r>.json``."""
+    run_dir = Path(run_dir)
+    return [run_dir / MANIFEST, *sorted((run_dir / RANKS_DIR).glob("rank*.json"))]
+
+
+def _committed_flushes(run_dir: str) -> dict[int, int]:
+    """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
+    ranks_dir = os.path.join(run_dir, RANKS_DIR)
+    paths = [os.path.join(run_dir, MANIFEST)]
+    with contextlib.suppress(OSError):
+        paths += [e.path for e in os.scandir(ranks_dir) if e.name.startswith("rank") and e.name.endswith(".json")]
+    marks = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and isinstance(manifest.get("committed_flush"), int):
+            marks[int(manifest.get("rank", 0))] = manifest["committed_flush"]
+    return marks
+
+
+def committed_files(run_dir: Path) -> dict[str, list[Path]]:
+    """The files of each table a reader should see, sorted: finished files whose flush is committed.
+
+    A file whose flush number is above its rank's ``committed_flush`` belongs to a flush that was still being
+    written, or whose writer died between the renames and the manifest update; it is never read, and the
+    logger removes it when the run is resumed. Files without a flush number (older loggers) are always read.
+    Called for every query cursor, so it lists with ``os.scandir`` and parses each manifest once.
+    """
+    run_dir = Path(run_dir)
+    marks = _committed_flushes(str(run_dir))
+    out: dict[str, list[Path]] = {}
+    for table in TABLES:
+        folder = run_dir / table
+        names = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.scandir(folder):
+                name = entry.name
+                if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
+                    continue
+                parsed = _DATA_FILE_RE.match(name)
+                if parsed is not None and parsed[4] is not None:
+                    rank, flush = int(parsed[1]), int(parsed[4])
+                    if rank in marks and flush > marks[rank]:
+                        continue
+                names.append(name)
+        out[table] = [folder / name for name in sorted(names)]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- validation
 
 
@@ -330,27 +422,66 @@ def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str
 
 
 def _key_problems(table: str, files: list[Path]) -> list[str]:
-    """Duplicate keys over all readable files of one table of one run."""
+    """Duplicate keys over all readable files of one table of one run, naming the ranks that wrote them."""
     cols = list(KEYS[table])
+    read_cols = [*cols, "rank"] if "rank" not in cols and "rank" in SCHEMAS[table].names else cols
     parts = []
     for path in files:
         try:
-            part = pq.read_table(path, columns=cols)
+            part = pq.read_table(path, columns=read_cols)
         except Exception:  # reported by validate_file already
             continue
-        parts.append(part.select(cols))
+        parts.append(part.select(read_cols))
     if not parts:
         return []
     try:
         keys = pa.concat_tables(parts, promote_options="permissive")
     except pa.ArrowInvalid:
         return []
-    counts = keys.group_by(cols).aggregate([([], "count_all")])
+    aggs = [([], "count_all")] + ([("rank", "min"), ("rank", "max")] if read_cols != cols else [])
+    counts = keys.group_by(cols).aggregate(aggs)
     dup = counts.filter(pc.greater(counts.column("count_all"), 1))
     if dup.num_rows == 0:
         return []
     first = {c: dup.column(c)[0].as_py() for c in cols}
-    return [f"{dup.num_rows} duplicate key(s) {tuple(cols)}, e.g. {first}"]
+    message = f"{dup.num_rows} duplicate key(s) {tuple(cols)}, e.g. {first}"
+    if read_cols != cols:
+        across = pc.not_equal(dup.column("rank_min"), dup.column("rank_max"))
+        if _count(across):
+            i = pc.index(across, True).as_py()
+            ranks = (dup.column("rank_min")[i].as_py(), dup.column("rank_max")[i].as_py())
+            message += (f"; {_count(across)} of them collide across ranks (e.g. ranks {ranks[0]} and {ranks[1]} "
+                        f"both wrote {({c: dup.column(c)[i].as_py() for c in cols})}): sample_id must be unique "
+                        f"within a step over all ranks")
+    return [message]
+
+
+def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Problem]:
+    """Where a rank's manifest ``rows`` disagree with the rows of the files a reader sees."""
+    problems = []
+    for path in rank_manifest_paths(run_dir):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # reported as unreadable
+        rows = manifest.get("rows") if isinstance(manifest, dict) else None
+        if not isinstance(rows, dict):
+            continue
+        rank = int(manifest.get("rank", 0))
+        for table in TABLES:
+            counted: int | None = 0
+            for file in files[table]:
+                name = parse_data_file(file.name)
+                if name is None or name.rank != rank or counted is None:
+                    continue
+                try:
+                    counted += pq.ParquetFile(file).metadata.num_rows
+                except Exception:  # an unreadable file, reported by validate_file already: nothing to compare
+                    counted = None
+            if counted is not None and rows.get(table, 0) != counted:
+                problems.append(Problem(path, f"manifest of rank {rank} counts {rows.get(table, 0)} {table} row(s), "
+                                              f"the run's {table} files of rank {rank} hold {counted}"))
+    return problems
 
 
 def validate_run(run_dir: Path) -> list[Problem]:
@@ -373,14 +504,13 @@ def validate_run(run_dir: Path) -> list[Problem]:
         if status not in STATUSES:
             problems.append(Problem(path, f"status {status!r} is not one of {STATUSES}"))
     run_id = run_dir.name
+    visible = committed_files(run_dir)
     for table in TABLES:
-        table_dir = run_dir / table
-        if not table_dir.is_dir():
-            continue
-        files = sorted(p for p in table_dir.iterdir() if is_data_file(p))
+        files = visible[table]
         for path in files:
             problems += [Problem(path, m) for m in validate_file(path, table, run_id)]
-        problems += [Problem(table_dir, m) for m in _key_problems(table, files)]
+        problems += [Problem(run_dir / table, m) for m in _key_problems(table, files)]
+    problems += _row_count_problems(run_dir, visible)
     vocab = run_dir / VOCAB_FILE
     if vocab.exists():
         problems += [Problem(vocab, m) for m in validate_file(vocab, "vocab")]

@@ -20,7 +20,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +66,7 @@ class SyntheticConfig:
         vocab_size: size of the vocabulary table.
         ranks: trainer ranks; each writes its own files.
         loss_rule: registered rule whose mask fills ``kept``.
+        loss_params: the rule's parameters (recorded in run.json's config, as the trainer does).
         mismatch: scale of the mu -> pi_old training-inference mismatch (log space).
         drift: scale of the pi_old -> pi update at the last step (log space; grows linearly with the step).
         rows_per_file: token rows per Parquet file (a real logger flushes at a similar size).
@@ -81,6 +82,7 @@ class SyntheticConfig:
     vocab_size: int = 4096
     ranks: int = 1
     loss_rule: str = "dppo_binary_tv"
+    loss_params: dict = field(default_factory=dict)
     mismatch: float = 0.03
     drift: float = 0.25
     rows_per_file: int = 1 << 20
@@ -93,7 +95,7 @@ class SyntheticConfig:
                 raise ValueError(f"SyntheticConfig.{name}={getattr(self, name)!r} must be >= 1")
         if self.k > self.vocab_size // 4:
             raise ValueError(f"SyntheticConfig.k={self.k} is too large for vocab_size={self.vocab_size}")
-        get_loss(self.loss_rule)  # fails with the list of valid names
+        get_loss(self.loss_rule).resolve(**self.loss_params)  # fails with the list of valid names / parameters
 
 
 # ------------------------------------------------------------------------------------------------ distributions
@@ -243,7 +245,8 @@ def _edge_tokens(cfg: SyntheticConfig) -> tuple[_Tokens, np.ndarray]:
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def _keep_and_topk(t: _Tokens, adv: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _keep_and_topk(t: _Tokens, adv: np.ndarray, rule: str,
+                   params: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``kept`` from the run's rule and ``topk_tv`` / ``topk_kl`` from :mod:`trustscope.divergence`."""
     mu_topk, pi_topk = torch.from_numpy(t.mu_topk), torch.from_numpy(t.pi_topk)  # (N, K)
     tv = D.topk_tv(mu_topk, pi_topk).numpy()
@@ -257,7 +260,7 @@ def _keep_and_topk(t: _Tokens, adv: np.ndarray, rule: str) -> tuple[np.ndarray, 
         mu_topk_logprobs=mu_topk[None],
         pi_topk_logprobs=pi_topk[None],
     )
-    keep = get_loss(rule)(batch).keep[0].numpy()
+    keep = get_loss(rule)(batch, **params).keep[0].numpy()
     return keep, tv.astype(np.float32), kl.astype(np.float32)
 
 
@@ -314,7 +317,7 @@ def _log_step(loggers: list, rng: np.random.Generator, cfg: SyntheticConfig, ste
                 continue
             t = _random_tokens(rng, s.size, cfg, progress)
             adv = sample_adv[s]
-            keep, tv, kl = _keep_and_topk(t, adv, cfg.loss_rule)
+            keep, tv, kl = _keep_and_topk(t, adv, cfg.loss_rule, cfg.loss_params)
             ids = np.unique(s)
             _log_chunk(logger, step, s, ids, t, adv, keep, tv, kl, texts, {
                 "prompt_id": prompt_id[ids], "reward": reward[ids], "advantage": sample_adv[ids],
@@ -325,7 +328,7 @@ def _log_step(loggers: list, rng: np.random.Generator, cfg: SyntheticConfig, ste
         t, adv = _edge_tokens(cfg)
         per = len(edge_probabilities())
         s = n_samples + np.arange(adv.size) // per
-        keep, tv, kl = _keep_and_topk(t, adv, cfg.loss_rule)
+        keep, tv, kl = _keep_and_topk(t, adv, cfg.loss_rule, cfg.loss_params)
         ids = np.unique(s)
         _log_chunk(loggers[0], step, s, ids, t, adv, keep, tv, kl, texts, {
             "prompt_id": np.full(ids.size, -1), "reward": np.zeros(ids.size, np.float32),

@@ -1,24 +1,24 @@
 -- what every rule would block on the same tokens of run $run_id, steps $first_step..$last_step, by mu bucket and
--- advantage side (a > 0 against a <= 0, as dppo splits them).
+-- advantage side (a > 0 against a < 0), over the tokens that carry gradient (a != 0), with the counts.
 with window_blocks as (
     select
         mu_bucket,
-        case when advantage > 0 then 'A>0' else 'A<=0' end as adv_sign,
+        case when advantage > 0 then 'A>0' else 'A<0' end as adv_sign,
         columns('^blocks_.*$')
     from rule_blocks
-    where run_id = $run_id and step between $first_step and $last_step
+    where run_id = $run_id and step between $first_step and $last_step and advantage != 0
 ),
 
-fractions as (
-    select mu_bucket, adv_sign, count(*) as n_tokens, avg(columns('^blocks_.*$')::double)
+counts as (
+    select mu_bucket, adv_sign, count(*) as n_tokens, count_if(columns('^blocks_.*$'))
     from window_blocks
     group by mu_bucket, adv_sign
 ),
 
 long as (
-    unpivot fractions
+    unpivot counts
     on columns('^blocks_.*$')
-    into name rule_column value blocked_frac
+    into name rule_column value n_blocked
 ),
 
 final as (
@@ -27,7 +27,8 @@ final as (
         mu_bucket,
         adv_sign,
         n_tokens,
-        blocked_frac
+        n_blocked,
+        n_blocked / n_tokens as blocked_frac
     from long
     order by rule, mu_bucket, adv_sign
 )

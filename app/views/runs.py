@@ -3,6 +3,7 @@
 import streamlit as st
 
 from app import charts, data, widgets
+from app.views import doctor
 
 st.title("Runs")
 runs = widgets.require_runs()
@@ -23,3 +24,5 @@ st.caption("Share of tokens each trust-region rule would block on the same token
 blocked = data.blocked_by_rule(chosen)
 rules = widgets.pick_rules(sorted(set(blocked["rule"]), key=blocked["rule"].tolist().index))
 st.plotly_chart(charts.blocked_fraction_by_rule(blocked[blocked["rule"].isin(rules)]), key="blocked_chart")
+
+doctor.doctor_section(chosen)

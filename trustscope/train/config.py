@@ -85,7 +85,8 @@ class TrainConfig:
 
     # --- objective --------------------------------------------------------------------------------------------
     loss: str = "dppo_binary_tv"
-    """Trust-region rule, by registered name (``trustscope.losses.list_losses()``)."""
+    """Trust-region rule: a registered name (``trustscope.losses.list_losses()``) or a dotted import path
+    ``pkg.mod:rule`` to a module that registers it with ``@register_loss`` (as ``task`` allows)."""
     loss_params: dict[str, Any] = field(default_factory=dict)
     """Overrides of the rule's parameters, e.g. ``{"delta": 0.1}``; keys must be the rule's parameters."""
     aggregation: str = "seq_mean_token_sum_norm"
@@ -148,7 +149,8 @@ class TrainConfig:
         _coerce_fields(self)
         _validate(self)
         if not self.run_id:
-            object.__setattr__(self, "run_id", f"{self.loss}-s{self.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+            object.__setattr__(self, "run_id",
+                               f"{get_loss(self.loss).name}-s{self.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     @property
     def run_dir(self) -> Path:

@@ -62,7 +62,7 @@ from trustscope import schema
 from trustscope.capture import Capture, capture
 from trustscope.divergence import binary_tv
 from trustscope.engines import DTYPES, Rollout, make_engine
-from trustscope.logger import NullLogger, TokenLogger
+from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.train.config import TrainConfig, check_world
 from trustscope.train.tasks import Problem, Task, get_task
@@ -326,19 +326,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def drop_log_after(run_dir: Path, step: int) -> int:
     """Remove log files written after checkpoint ``step`` (a crashed continuation); return how many.
 
-    The trainer flushes the logger at every checkpoint, so each file holds steps either all <= or all > it.
+    The trainer flushes the logger at every checkpoint, so each flush holds steps either all <= or all > it;
+    :func:`trustscope.logger.drop_steps_after` removes the later flushes and recounts the manifests.
     """
-    import pyarrow.parquet as pq
-
-    removed = 0
-    for path in sorted(run_dir.glob("*/*.parquet")):
-        if path.parent.name not in ("tokens", "samples", "steps"):
-            continue
-        steps = pq.read_table(path, columns=["step"]).column("step")
-        if len(steps) and min(steps.to_pylist()) > step:
-            path.unlink()
-            removed += 1
-    return removed
+    return drop_steps_after(run_dir, step)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -687,7 +678,7 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
     os.makedirs(cfg.logdir, exist_ok=True)
     return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=cfg.to_dict(), model=model_info, sampling=sampling,
                        tokenizer={"name": getattr(tokenizer, "name_or_path", ""), "vocab_size": len(tokenizer)},
-                       vocab=tokenizer, loss_rule=cfg.loss, rank=ranks.rank, resume=cfg.resume,
+                       vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, rank=ranks.rank, resume=cfg.resume,
                        token_fraction=cfg.log_token_fraction, log_topk=cfg.log_topk,
                        topk_precision=cfg.log_topk_precision)
 

@@ -1,8 +1,10 @@
 -- mergeable per-file counts behind clipped_tokens, one row per token id: how often it occurs, and for every rule
 -- how often the rule blocks it, with the sums behind the blocked occurrences' mean mu probability and entropy.
+-- only tokens that carry gradient (a != 0) count, as in every blocked fraction.
 with blocks as (
     select run_id, source_file, token_id, mu_prob, entropy, columns('^blocks_.*$')
     from rule_blocks
+    where advantage != 0
 ),
 
 patterns as (

@@ -1,5 +1,6 @@
--- token texts ranked, per run and rule, by how often the rule (at its default parameters) blocks them, with the
--- blocked occurrences' mean mu probability, its bucket and mean entropy, and how often the token occurs at all.
+-- token texts ranked, per run and rule, by how often the rule blocks them (a run's own rule at the parameters it
+-- trained with, the others at their defaults), with the blocked occurrences' mean mu probability, its bucket and
+-- mean entropy, and how often the token occurs; all counts over the tokens that carry gradient (a != 0).
 -- reads the kept per-file counts (clipped_partials_cache), filled by trustscope.db before each query.
 with partials as (
     select * from clipped_partials_cache

@@ -1,5 +1,6 @@
 -- mergeable per-step aggregates of one tokens file (counts, sums, extremes): step_summary merges them. they are
 -- computed once per new file and kept, so the overview costs the same however many tokens a run holds.
+-- blocked counts are over the tokens that carry gradient (a != 0): a zero-advantage token has no gradient to block.
 with blocks as (
     select * from rule_blocks
 ),
@@ -11,7 +12,7 @@ final as (
         source_file,
         count(*) as n_tokens,
         count_if(advantage > 0) as n_positive,
-        count_if(advantage <= 0) as n_non_positive,
+        count_if(advantage != 0) as n_nonzero_advantage,
         count_if(advantage < 0) as n_negative,
         count_if(advantage = 0) as n_zero_advantage,
         sum(abs(pi_prob - mu_prob)) as sum_abs_prob_diff,
@@ -30,10 +31,10 @@ final as (
         count(entropy) as n_entropy,
         sum(entropy) as sum_entropy,
         count_if(advantage < 0 and mu_prob - pi_prob >= analysis_param('bad_negative_delta')) as n_bad_negative,
-        count_if(not kept) as n_trainer_blocked,
-        count_if(columns('^blocks_(.*)$')) as 'n_blocked__\1',
+        count_if(not kept and advantage != 0) as n_trainer_blocked,
+        count_if(columns('^blocks_(.*)$') and advantage != 0) as 'n_blocked__\1',
         count_if(columns('^blocks_(.*)$') and advantage > 0) as 'n_blocked_pos__\1',
-        count_if(columns('^blocks_(.*)$') and advantage <= 0) as 'n_blocked_nonpos__\1'
+        count_if(columns('^blocks_(.*)$') and advantage < 0) as 'n_blocked_neg__\1'
     from blocks
     group by run_id, step, source_file
 )

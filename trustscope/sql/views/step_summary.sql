@@ -1,6 +1,7 @@
 -- one row per (run, step): mismatch |pi - mu| mean and max, signed max/min of pi - mu, top-k tv/kl, blocked
--- fraction of every rule overall and by advantage sign (pos: a > 0, nonpos: a <= 0, as dppo splits them), bad
--- negative-update rate (a < 0 and mu - pi >= delta), the trainer's own blocked fraction, entropy and reward.
+-- count and fraction of every rule over the tokens that carry gradient (a != 0) and by advantage sign (pos: a > 0,
+-- neg: a < 0), bad negative-update rate (a < 0 and mu - pi >= delta), the trainer's own blocked fraction (over
+-- a != 0 too), entropy and reward.
 -- reads the kept per-file partial aggregates (step_partials_cache), filled by trustscope.db before each query.
 with partials as (
     select * from step_partials_cache
@@ -12,7 +13,7 @@ merged as (
         step,
         sum(n_tokens)::bigint as n_tokens,
         sum(n_positive)::bigint as n_positive,
-        sum(n_non_positive)::bigint as n_non_positive,
+        sum(n_nonzero_advantage)::bigint as n_nonzero_advantage,
         sum(n_negative)::bigint as n_negative,
         sum(n_zero_advantage)::bigint as n_zero_advantage,
         sum(sum_abs_prob_diff) as sum_abs_prob_diff,
@@ -32,7 +33,7 @@ merged as (
         sum(sum_entropy) as sum_entropy,
         sum(n_bad_negative)::bigint as n_bad_negative,
         sum(n_trainer_blocked)::bigint as n_trainer_blocked,
-        sum(columns('^n_blocked(_pos|_nonpos|)__(.*)$'))::bigint as 'n_blocked\1__\2'
+        sum(columns('^n_blocked(_pos|_neg|)__(.*)$'))::bigint as 'n_blocked\1__\2'
     from partials
     group by run_id, step
 ),
@@ -76,10 +77,13 @@ final as (
         n_zero_advantage,
         n_bad_negative,
         n_bad_negative / n_tokens as bad_negative_rate,
-        n_trainer_blocked / n_tokens as trainer_blocked_frac,
-        columns('^n_blocked__(.*)$') / n_tokens as 'blocked_frac__\1',
+        n_nonzero_advantage,
+        n_trainer_blocked,
+        n_trainer_blocked / nullif(n_nonzero_advantage, 0) as trainer_blocked_frac,
+        columns('^n_blocked(_pos|_neg|)__.*$'),
+        columns('^n_blocked__(.*)$') / nullif(n_nonzero_advantage, 0) as 'blocked_frac__\1',
         columns('^n_blocked_pos__(.*)$') / nullif(n_positive, 0) as 'blocked_frac_pos__\1',
-        columns('^n_blocked_nonpos__(.*)$') / nullif(n_non_positive, 0) as 'blocked_frac_nonpos__\1'
+        columns('^n_blocked_neg__(.*)$') / nullif(n_negative, 0) as 'blocked_frac_neg__\1'
     from merged
     left join rewards using (run_id, step)
     order by merged.run_id, merged.step

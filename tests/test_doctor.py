@@ -1,0 +1,455 @@
+"""``trustscope doctor``: every check on a log built to fail it and on a clean one, the CLI's exit codes, the
+dashboard's Doctor section.
+
+Logs are written through the real :class:`trustscope.logger.TokenLogger` from a small model of an engine and a
+trainer: each position has logits over V ids; the engine samples from softmax(logits / T) and reports that
+distribution's log-probs and top-K (the sampled id forced into the K-th slot), the trainer's pi is the softmax of
+slightly perturbed logits at its own temperature. A test changes one thing the way a broken integration would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from trustscope import doctor as D
+from trustscope.cli import app
+from trustscope.db import connect
+from trustscope.logger import TokenLogger
+
+B, T, K, V = 16, 12, 4, 64
+STEPS = 2
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperature: float | None = None,
+              force_sampled: bool = True, drift: float = 0.05) -> dict[str, np.ndarray]:
+    """One step's token columns ``(B, T)`` / ``(B, T, K)``: engine at ``temperature``, trainer at
+    ``pi_temperature`` (default the same) on logits moved by noise of scale ``drift``."""
+    logits = rng.normal(0, 2.0, size=(B, T, V))  # (B, T, V)
+    q = _log_softmax(logits / temperature)  # (B, T, V) engine log-probs
+    p = _log_softmax((logits + rng.normal(0, drift, size=logits.shape)) / (pi_temperature or temperature))
+    cdf = np.exp(q).cumsum(axis=-1)
+    token = np.minimum((rng.uniform(size=(B, T, 1)) > cdf).sum(axis=-1), V - 1)  # (B, T)
+    ids = np.argsort(-q, axis=-1)[..., :K]  # (B, T, K)
+    if force_sampled:
+        absent = ~(ids == token[..., None]).any(axis=-1)
+        ids[..., K - 1] = np.where(absent, token, ids[..., K - 1])
+    take = np.take_along_axis
+    return {
+        "token_id": token.astype(np.int32),
+        "mu_logprob": take(q, token[..., None], -1)[..., 0].astype(np.float32),
+        "pi_logprob": take(p, token[..., None], -1)[..., 0].astype(np.float32),
+        "old_logprob": take(p, token[..., None], -1)[..., 0].astype(np.float32),
+        "advantage": np.repeat(rng.choice([-1.0, 1.0], size=(B, 1)), T, axis=1).astype(np.float32),
+        "mu_topk_ids": ids.astype(np.int32),
+        "mu_topk_logprobs": take(q, ids, -1).astype(np.float32),
+        "pi_topk_logprobs": take(p, ids, -1).astype(np.float32),
+        "kept": np.ones((B, T), dtype=bool),
+    }
+
+
+def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
+              ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
+              steps: int = STEPS, **step_options) -> Path:
+    """A log of ``steps`` steps per rank; ``breaks(step_columns)`` edits each step's columns in place."""
+    rng = np.random.default_rng(seed)
+    sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
+    loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
+                           loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False) for r in range(ranks)]
+    for step in range(steps):
+        for r, logger in enumerate(loggers):
+            cols = make_step(rng, **step_options)
+            if breaks is not None:
+                breaks(cols)
+            sample_id = np.arange(B) + (r * B if sample_offsets else 0)
+            logger.log_step(step, tokens={k: v for k, v in cols.items() if k not in drop},
+                            mask=np.ones((B, T), dtype=bool),
+                            samples={"sample_id": sample_id, "prompt_id": sample_id // 4,
+                                     "reward": np.zeros(B, np.float32)})
+    for logger in loggers:
+        logger.close()
+    return root / run_id
+
+
+# ------------------------------------------------------------------------------------------------ the breaks
+
+
+def _pi_one_position_late(cols):
+    cols["pi_logprob"][:, 1:] = cols["pi_logprob"][:, :-1].copy()
+
+
+def _mu_one_position_late(cols):
+    cols["mu_logprob"][:, 1:] = cols["mu_logprob"][:, :-1].copy()
+
+
+def _padding_tail(cols, kept=True):
+    # The last 3 positions of every other response are padding: id 0, the engine's filler log-prob 0.
+    cols["token_id"][::2, -3:] = 0
+    cols["mu_logprob"][::2, -3:] = 0.0
+    cols["pi_logprob"][::2, -3:] = -12.0
+    cols["kept"][::2, -3:] = kept
+
+
+def _blocked_padding_tail(cols):
+    _padding_tail(cols, kept=False)
+
+
+def _minus_inf_stand_in(cols):
+    cols["mu_logprob"][0, 5] = -1e4
+
+
+def _mu_mass_above_one(cols):
+    cols["mu_topk_logprobs"][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])  # sums to 1.2
+
+
+def _pi_mass_above_one(cols):
+    cols["pi_topk_logprobs"][3, 4] = np.log([0.6, 0.3, 0.2, 0.1])
+
+
+def _mass_within_float16_rounding(cols):
+    lp = cols["mu_topk_logprobs"]
+    lp[:] = np.log(np.full(lp.shape, 1.0 / K) * (1 + 2e-3))  # 0.2 % over, within the tolerance
+
+
+def _duplicate_id(cols):
+    cols["mu_topk_ids"][2, 7, 1] = cols["mu_topk_ids"][2, 7, 0]
+
+
+def _top_p_renormalised(cols):
+    cols["mu_logprob"] += np.float32(-np.log(0.8))  # top_p's renormalisation over a nucleus of mass 0.8
+    np.minimum(cols["mu_logprob"], 0.0, out=cols["mu_logprob"])
+
+
+def _nucleus_floor(cols):
+    # What the engine writes for top-K ids outside the top-p nucleus: a finite floor (engines.base.LOGPROB_FLOOR).
+    outside = cols["mu_topk_ids"] != cols["token_id"][..., None]
+    outside[..., :2] = False
+    cols["mu_topk_logprobs"][outside] = -1e4
+
+
+def _mu_is_pi(cols):
+    cols["mu_logprob"][:] = cols["pi_logprob"]
+
+
+def _mu_is_pi_to_rounding(cols):
+    # A second forward of the same weights: equal to a few float32 ulps, rarely bit for bit.
+    cols["mu_logprob"][:] = cols["pi_logprob"] - np.float32(5e-7)
+
+
+NO_TOPK = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs")
+
+VARIANTS: dict[str, dict] = {
+    "clean": {"temperature": 0.7, "ranks": 2},
+    "clean_t1": {},
+    "no_topk": {"drop": NO_TOPK},
+    "pi_late": {"breaks": _pi_one_position_late},
+    "mu_late": {"breaks": _mu_one_position_late},
+    "padding": {"breaks": _padding_tail},
+    "padding_blocked": {"breaks": _blocked_padding_tail},
+    "minus_inf": {"breaks": _minus_inf_stand_in},
+    "sampled_not_forced": {"force_sampled": False},
+    "mu_mass": {"breaks": _mu_mass_above_one},
+    "pi_mass": {"breaks": _pi_mass_above_one},
+    "mass_rounding": {"breaks": _mass_within_float16_rounding},
+    "duplicate": {"breaks": _duplicate_id},
+    "processed": {"temperature": 0.7, "pi_temperature": 1.0},
+    "drifted": {"temperature": 0.7, "drift": 0.5, "drop": ("old_logprob",)},
+    # The mean gap's z-score grows with the token count: these read 3x the steps.
+    "processed_no_topk": {"temperature": 0.7, "pi_temperature": 1.0, "drop": NO_TOPK, "steps": 3 * STEPS},
+    "processed_no_topk_no_old": {"temperature": 0.7, "pi_temperature": 1.0, "drop": ("old_logprob", *NO_TOPK),
+                                 "steps": 3 * STEPS},
+    "top_p": {"breaks": _top_p_renormalised, "sampling": {"temperature": 1.0, "top_p": 0.9}, "drop": NO_TOPK,
+              "steps": 3 * STEPS},
+    "no_sampling": {"sampling": {}},
+    "nucleus_floor": {"temperature": 0.7, "breaks": _nucleus_floor},
+    "mu_is_pi": {"breaks": _mu_is_pi},
+    "mu_is_pi_declared": {"breaks": _mu_is_pi, "mu_source": "trainer_recompute"},
+    "mu_is_pi_to_rounding": {"breaks": _mu_is_pi_to_rounding},
+    "rank_collisions": {"ranks": 2, "sample_offsets": False},
+}
+"""One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
+
+
+@pytest.fixture(scope="module")
+def doctored(tmp_path_factory) -> dict[str, dict[str, D.Finding]]:
+    """Every variant's findings: {variant: {check: Finding}}, from one diagnose over one log directory."""
+    root = tmp_path_factory.mktemp("doctor")
+    for seed, (name, options) in enumerate(VARIANTS.items()):
+        write_log(root, name, seed=seed, **options)
+    with connect(root, cache=False) as db:
+        found = D.diagnose(db)
+    assert sorted(found) == sorted(VARIANTS)
+    return {run: {f.check: f for f in fs} for run, fs in found.items()}
+
+
+# ------------------------------------------------------------------------------------------------ clean logs
+
+
+def test_clean_log_passes_every_check(doctored):
+    got = doctored["clean"]
+    assert list(got) == list(D.CHECKS)
+    assert {name: f.verdict for name, f in got.items()} == dict.fromkeys(D.CHECKS, "ok"), got
+
+
+def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
+    got = doctored["clean_t1"]
+    assert got["processed_logprobs"].verdict == "skipped"
+    assert "temperature 1" in got["processed_logprobs"].summary
+    assert got["rank_collisions"].verdict == "skipped"
+    assert all(f.verdict == "ok" for name, f in got.items() if name not in ("processed_logprobs", "rank_collisions"))
+
+
+def test_log_without_topk_skips_the_topk_checks_with_a_reason(doctored):
+    got = doctored["no_topk"]
+    for name in ("topk_sampled", "topk_mass", "topk_duplicates"):
+        assert got[name].verdict == "skipped" and "no top-K" in got[name].summary
+
+
+def test_one_broken_run_leaves_the_others_alone(doctored):
+    # Each variant breaks one thing; the checks it does not concern stay ok or skipped on it.
+    for check in ("topk_mass", "topk_duplicates", "rank_collisions"):
+        assert doctored["pi_late"][check].verdict in ("ok", "skipped")
+    assert doctored["duplicate"]["topk_sampled"].verdict == "ok"
+    assert doctored["rank_collisions"]["alignment"].verdict == "ok"
+
+
+# ------------------------------------------------------------------------------------------------ broken logs
+
+
+@pytest.mark.parametrize(("variant", "direction"), [("pi_late", "later"), ("mu_late", "earlier")])
+def test_alignment_fails_when_mu_and_pi_are_off_by_one(doctored, variant, direction):
+    f = doctored[variant]["alignment"]
+    assert f.verdict == "fail"
+    assert f"one position {direction}" in f.cause
+    assert f.evidence[f"diff_pi_{direction}"] < D.ALIGN_FACTOR * f.evidence["diff_logged"]
+    assert {"step", "sample_id", "pos"} <= set(f.examples[0])
+
+
+@pytest.mark.parametrize(("variant", "kept", "verdict"), [("padding", True, "fail"),
+                                                          ("padding_blocked", False, "warn")])
+def test_placeholders_flag_padding_that_leaked_in(doctored, variant, kept, verdict):
+    f = doctored[variant]["placeholders"]
+    assert f.verdict == verdict
+    n = STEPS * (B // 2) * 3
+    assert f.evidence["n_flagged"] == n
+    assert f.evidence["n_flagged_kept"] == (n if kept else 0)
+    assert f.evidence["n_flagged_at_end"] == STEPS * (B // 2)
+    assert f.evidence["n_mu_placeholder"] == n
+    assert all(ex["mu_logprob"] == 0.0 and ex["pos"] >= T - 3 for ex in f.examples)
+    assert "padding" in f.cause
+
+
+def test_placeholders_flag_minus_inf_stand_ins(doctored):
+    f = doctored["minus_inf"]["placeholders"]
+    assert f.verdict == "fail" and f.evidence["n_flagged"] == STEPS
+    assert f.examples[0]["pos"] == 5 and f.examples[0]["sample_id"] == 0
+
+
+def test_placeholders_only_warn_when_they_are_a_handful_in_a_million():
+    m = {"n_tokens": 1_000_000, "n_flagged": 5, "n_flagged_kept": 4, "n_flagged_at_end": 0, "n_mu_placeholder": 0,
+         "n_pi_placeholder": 5, "examples": []}
+    f = D.judge_placeholders(m)
+    assert f.verdict == "warn" and "genuine extremes" in f.cause
+    assert D.judge_placeholders({**m, "n_flagged": 100, "n_flagged_kept": 100}).verdict == "fail"
+
+
+def test_topk_sampled_fails_when_the_sampled_token_is_not_forced_in(doctored):
+    f = doctored["sampled_not_forced"]["topk_sampled"]
+    assert f.verdict == "fail" and f.evidence["n_missing_sampled"] > 0
+    ex = f.examples[0]
+    assert ex["token_id"] not in ex["mu_topk_ids"]
+
+
+@pytest.mark.parametrize(("variant", "side"), [("mu_mass", "mu"), ("pi_mass", "pi")])
+def test_topk_mass_fails_when_a_list_sums_above_one(doctored, variant, side):
+    f = doctored[variant]["topk_mass"]
+    assert f.verdict == "fail"
+    assert f.evidence[f"n_{side}_over"] == STEPS
+    assert f.evidence[f"{side}_mass_max"] == pytest.approx(1.2, abs=1e-5)
+    assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (3, 4)
+
+
+def test_topk_mass_tolerates_float16_rounding(doctored):
+    assert doctored["mass_rounding"]["topk_mass"].verdict == "ok"
+
+
+def test_topk_duplicates_fail_when_an_id_repeats(doctored):
+    f = doctored["duplicate"]["topk_duplicates"]
+    assert f.verdict == "fail" and f.evidence["n_duplicates"] == STEPS
+    assert (f.examples[0]["sample_id"], f.examples[0]["pos"]) == (2, 7)
+
+
+def test_processed_logprobs_fail_when_mu_is_after_temperature_and_pi_raw(doctored):
+    f = doctored["processed"]["processed_logprobs"]
+    assert f.verdict == "fail"
+    assert f.evidence["topk_slope"] == pytest.approx(1 / 0.7, rel=0.05)
+    assert f.evidence["mean_log_gap"] > D.BIAS_NATS
+    assert "temperature 0.7" in f.cause
+
+
+def test_processed_logprobs_ok_when_pi_drifted_at_the_same_temperature(doctored):
+    # A pi far from mu raises the mean gap (KL(mu || pi)), but the top-K slope stays at or below 1 (noise in pi
+    # spreads pi's log-probs at mu's top ids), far from 1 / 0.7: not a processing mismatch.
+    f = doctored["drifted"]["processed_logprobs"]
+    assert f.evidence["mean_log_gap"] > D.BIAS_NATS and f.evidence["z"] > D.BIAS_Z
+    assert f.evidence["topk_slope"] < 1.0
+    assert f.verdict == "ok"
+
+
+def test_processed_logprobs_fail_on_the_mean_gap_against_pi_old_without_topk(doctored):
+    f = doctored["processed_no_topk"]["processed_logprobs"]
+    assert f.verdict == "fail" and f.evidence["topk_slope"] is None
+    assert f.evidence["z"] > D.BIAS_Z
+
+
+def test_processed_logprobs_only_warn_on_the_mean_gap_against_a_pi_that_moved(doctored):
+    f = doctored["processed_no_topk_no_old"]["processed_logprobs"]
+    assert f.verdict == "warn" and "pi_old" in f.cause
+
+
+def test_processed_logprobs_fail_under_top_p(doctored):
+    f = doctored["top_p"]["processed_logprobs"]
+    assert f.verdict == "fail" and "top_p 0.9" in f.summary
+
+
+def test_processed_logprobs_leave_floored_topk_entries_out_of_the_slope(doctored):
+    f = doctored["nucleus_floor"]["processed_logprobs"]
+    assert f.evidence["topk_slope"] == pytest.approx(1.0, abs=0.05)
+    assert f.verdict == "ok"
+
+
+def test_processed_logprobs_skipped_without_sampling_parameters(doctored):
+    f = doctored["no_sampling"]["processed_logprobs"]
+    assert f.verdict == "skipped" and "no sampling" in f.summary
+
+
+def test_processed_logprobs_names_a_bad_sampling_value_and_skips_greedy_decoding():
+    m = {"n_tokens": 100, "n_ref_old": 0, "mean_log_gap": 0.5, "sd_log_gap": 0.1, "n_topk_rows": 0,
+         "topk_slope": None, "examples": []}
+    with pytest.raises(ValueError, match=r"sampling\.temperature='hot'"):
+        D.judge_processed_logprobs(m, {"temperature": "hot"})
+    with pytest.raises(ValueError, match=r"sampling='t=0\.7' must be an object"):
+        D.judge_processed_logprobs(m, "t=0.7")
+    greedy = D.judge_processed_logprobs(m, {"temperature": 0.0})
+    assert greedy.verdict == "skipped" and "greedy" in greedy.summary
+
+
+def test_mu_recompute_fails_when_mu_equals_pi_undeclared(doctored):
+    f = doctored["mu_is_pi"]["mu_recompute"]
+    assert f.verdict == "fail"
+    assert f.evidence["n_same_pi"] == f.evidence["n_informative"] > D.MIN_TOKENS
+    assert "recompute" in f.cause
+
+
+def test_mu_recompute_warns_when_mu_agrees_to_float32_rounding(doctored):
+    f = doctored["mu_is_pi_to_rounding"]["mu_recompute"]
+    assert f.verdict == "warn" and "float32 rounding" in f.cause
+    assert f.evidence["n_exact_pi"] < D.RECOMPUTE_SHARE * f.evidence["n_informative"] <= f.evidence["n_same_pi"]
+
+
+def test_mu_recompute_warns_when_run_json_declares_it(doctored):
+    f = doctored["mu_is_pi_declared"]["mu_recompute"]
+    assert f.verdict == "warn" and "trainer_recompute" in f.cause
+
+
+def test_rank_collisions_fail_when_ranks_count_from_zero(doctored):
+    f = doctored["rank_collisions"]["rank_collisions"]
+    assert f.verdict == "fail"
+    assert f.evidence["n_token_collisions"] == f.evidence["n_sample_collisions"] == STEPS * B
+    assert f.examples[0]["ranks"] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def test_cli_exit_codes(tmp_path):
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    write_log(clean, temperature=0.7, ranks=2)
+    write_log(broken, breaks=_pi_one_position_late)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["doctor", str(clean)])
+    assert ok.exit_code == 0, ok.output
+    assert "[OK] alignment" in ok.output and "8 ok" in ok.output
+    bad = runner.invoke(app, ["doctor", str(broken)])
+    assert bad.exit_code == 1
+    assert "[FAIL] alignment" in bad.output and "likely cause:" in bad.output and "e.g. step=" in bad.output
+    missing = runner.invoke(app, ["doctor", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2
+    unknown = runner.invoke(app, ["doctor", str(clean), "--run", "nope"])
+    assert unknown.exit_code == 2 and "nope" in unknown.output
+    torn = tmp_path / "torn"
+    write_log(torn)
+    tokens_file = next((torn / "run" / "tokens").glob("*.parquet"))
+    tokens_file.write_bytes(tokens_file.read_bytes()[:300])  # a file cut short
+    unreadable = runner.invoke(app, ["doctor", str(torn)])
+    assert unreadable.exit_code == 2 and "cannot read" in unreadable.output and "validate" in unreadable.output
+    odd = tmp_path / "odd"
+    write_log(odd, sampling={"temperature": "hot"})
+    bad_manifest = runner.invoke(app, ["doctor", str(odd)])
+    assert bad_manifest.exit_code == 2 and "run 'run': run.json sampling.temperature='hot'" in bad_manifest.output
+    late = runner.invoke(app, ["doctor", str(broken), "--from-step", str(STEPS - 1)])
+    assert late.exit_code == 1 and f"n_tokens={B * T}," in late.output  # one step of B x T tokens read
+
+
+def test_doctor_panel_rows(tmp_path):
+    write_log(tmp_path, "a", breaks=_mu_is_pi)
+    write_log(tmp_path, "b")
+    with connect(tmp_path, cache=False) as db:
+        panel = D.doctor_panel(db, "a")
+        assert list(panel.columns) == ["run_id", "check", "verdict", "summary", "cause", "examples"]
+        assert panel["check"].tolist() == list(D.CHECKS)
+        row = panel.set_index("check").loc["mu_recompute"]
+        assert row["verdict"] == "fail" and '"step"' in row["examples"]
+    both = D.doctor_panel(tmp_path, ["a", "b"]).set_index(["run_id", "check"])["verdict"]
+    assert (both["a", "mu_recompute"], both["b", "mu_recompute"]) == ("fail", "ok")
+
+
+def test_runs_page_shows_the_doctor_section(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+
+    write_log(tmp_path, "broken", breaks=_pi_one_position_late)
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert "Doctor" in [h.value for h in at.subheader]
+    table = at.dataframe[-1].value  # the last table of the page
+    assert sorted(table["check"]) == sorted(D.CHECKS)
+    assert table.iloc[0][["check", "verdict"]].tolist() == ["alignment", "fail"]  # failures first
+    assert any("1 fail" in c.value for c in at.caption)
+
+
+@pytest.mark.slow
+def test_imported_runs_pass(tmp_path):
+    # Each importer's run, from files shaped as the frameworks' own writers write them (the importers' fixtures).
+    from test_importers_nemo_rl import write_log_dir
+    from test_importers_prime_rl import write_export
+    from test_importers_slime import write_dump
+
+    from trustscope.importers import import_run
+
+    writers = {"prime-rl": lambda p: write_export(p, steps=2), "miles": lambda p: write_dump(p, steps=2, tp=1, pp=1),
+               "slime": lambda p: write_dump(p, steps=2, kind="slime"), "nemo-rl": lambda p: write_log_dir(p, steps=2)}
+    for fmt, write in writers.items():
+        write(tmp_path / fmt)
+        import_run(fmt, tmp_path / fmt, tmp_path / "logs", run_id=fmt)
+    found = D.doctor_logdir(tmp_path / "logs")
+    assert sorted(found) == sorted(writers)
+    assert {f.verdict for fs in found.values() for f in fs} <= {"ok", "skipped"}, found
+    assert all(fs[0].check == "alignment" and fs[0].verdict == "ok" for fs in found.values())
+
+
+def test_sample_logs_pass():
+    root = Path(__file__).resolve().parent.parent / "sample_logs"
+    found = D.doctor_logdir(root)
+    assert found and D.failed(found) == 0, {r: [f for f in fs if f.verdict == "fail"] for r, fs in found.items()}

@@ -1,0 +1,104 @@
+"""``trustscope import FORMAT SRC LOGDIR``: each format end to end through the CLI, then validate and report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from test_importers_nemo_rl import write_log_dir
+from test_importers_prime_rl import write_export
+from test_importers_slime import write_dump
+from typer.testing import CliRunner
+
+from trustscope.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("fmt, write", [
+    ("prime-rl", lambda p: write_export(p, steps=2)),
+    ("miles", lambda p: write_dump(p, steps=2, tp=1, pp=1)),
+    ("slime", lambda p: write_dump(p, steps=2, kind="slime")),
+    ("nemo-rl", lambda p: write_log_dir(p, steps=2)),
+])
+def test_import_then_validate_and_report(tmp_path, fmt, write):
+    write(tmp_path / "src")
+    result = runner.invoke(app, ["import", fmt, str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r",
+                                 "--source-version", "9.9"])
+    assert result.exit_code == 0, result.output
+    assert "imported" in result.output
+    manifest = json.loads((tmp_path / "logs/r/run.json").read_text())
+    assert manifest["source"]["framework"] == fmt and manifest["source"]["version"] == "9.9"
+    assert manifest["status"] == "finished" and manifest["mu_source"] == "imported"
+    result = runner.invoke(app, ["validate", str(tmp_path / "logs")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["report", str(tmp_path / "logs")])
+    assert result.exit_code == 0, result.output
+    assert "what every rule would" in result.output and "dppo_binary_tv" in result.output
+
+
+def test_bad_input_exits_1_naming_file_and_line(tmp_path):
+    write_export(tmp_path / "src", steps=1)
+    path = tmp_path / "src/token_exports/step_0/rank_1.jsonl"
+    path.write_bytes(path.read_bytes()[:-10])
+    result = runner.invoke(app, ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs")])
+    assert result.exit_code == 1
+    assert f"{path}:" in result.stderr and "truncated" in result.stderr
+    assert not (tmp_path / "logs").exists() or list((tmp_path / "logs").iterdir()) == []
+
+
+def test_unknown_format_and_existing_run(tmp_path):
+    result = runner.invoke(app, ["import", "openrlhf", str(tmp_path), str(tmp_path / "logs")])
+    assert result.exit_code == 2 and "known: prime-rl, slime, miles, nemo-rl" in result.stderr
+    write_export(tmp_path / "src", steps=1)
+    args = ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r"]
+    assert runner.invoke(app, args).exit_code == 0
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "already exists" in result.stderr
+
+
+def test_dashboard_runs_page_shows_imported_runs(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+    from trustscope.importers import import_run
+
+    write_export(tmp_path / "prime", steps=2)
+    write_dump(tmp_path / "miles", steps=2, tp=1, pp=1)
+    write_log_dir(tmp_path / "nemo", steps=2)
+    for fmt, src in (("prime-rl", "prime"), ("miles", "miles"), ("nemo-rl", "nemo")):
+        import_run(fmt, tmp_path / src, tmp_path / "logs", run_id=src)
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path / "logs"))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "main.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert sorted(at.dataframe[0].value["run_id"]) == ["miles", "nemo", "prime"]
+
+
+def test_tokenizer_names_tokens_and_bounds_ids(tmp_path):
+    from trustscope.train.toy import toy_tokenizer
+
+    tok = toy_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    write_log_dir(tmp_path / "nemo", steps=1)  # token ids < 40 <= the toy vocabulary
+    args = ["import", "nemo-rl", str(tmp_path / "nemo"), str(tmp_path / "logs"), "--tokenizer", str(tmp_path / "tok")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    vocab = pq.read_table(tmp_path / "logs/nemo-rl-nemo/vocab.parquet").to_pandas()
+    assert len(vocab) == len(tok) and vocab.text[5] == tok.decode([5])
+    assert runner.invoke(app, ["validate", str(tmp_path / "logs")]).exit_code == 0
+    write_export(tmp_path / "prime", steps=1)
+    big = tmp_path / "prime/token_exports/step_0/rank_0.jsonl"
+    lines = big.read_text().splitlines()
+    record = json.loads(lines[0])
+    first = record["loss_mask"].index(True)
+    record["token_ids"][first] = len(tok) + 3
+    lines[0] = json.dumps(record)
+    big.write_text("\n".join(lines) + "\n")
+    args = ["import", "prime-rl", str(tmp_path / "prime"), str(tmp_path / "logs2"), "--tokenizer", str(tmp_path / "tok")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert f"{big}:1: token_id {len(tok) + 3} at response position 0: the tokenizer has {len(tok)} tokens" in result.stderr

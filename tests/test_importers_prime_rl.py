@@ -1,0 +1,383 @@
+"""prime-rl token export importer, on files written the way prime-rl's ``TokenExporter`` writes them.
+
+``PrimeRLExporter`` below follows ``src/prime_rl/trainer/rl/token_export.py`` (PrimeIntellect-ai/prime-rl):
+packed micro-batches ``(1, L)``, columns through ``tolist()`` with non-finite floats as ``null``, absent tensors as
+lists of ``null``, trailing padding (``env_names == ""`` and no loss mask) trimmed, one compact JSON line per
+sequence with a loss-mask token, ``STABLE`` touched per finished step. The trainer's log-probs and entropy are
+shifted right with prime-rl's pad values (``log(1/V)``, ``log V``) at position 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from trustscope.importers import ImportFormatError, import_run
+from trustscope.schema import validate_logdir
+
+V = 64  # vocab of the fake model
+DPPO_LOW, DPPO_HIGH = 0.2, 0.2
+
+
+@dataclass
+class Rollout:
+    """One sampled sequence as the orchestrator hands it to the trainer."""
+
+    prompt: list[int]
+    completion: list[int]
+    trained: list[bool]  # loss mask over the completion (False: environment tokens of a multi-turn rollout)
+    mu: list[float]  # inference log-probs over the completion
+    pi: list[float]  # trainer log-probs over the completion (what the forward will return)
+    entropy: list[float]
+    advantage: float
+    env: str = "math"
+    reward: float = 0.0
+
+
+def make_rollouts(rng: np.random.Generator, n: int, prompt_len: int = 5, completion_len: int = 12,
+                  group: int = 4) -> list[Rollout]:
+    out = []
+    for i in range(n):
+        if i % group == 0:
+            prompt = rng.integers(0, V, prompt_len).tolist()
+            rewards = rng.integers(0, 2, group).astype(float)
+            adv = rewards - rewards.mean()
+        length = int(rng.integers(completion_len // 2, completion_len + 1))
+        mu = np.log(rng.uniform(0.02, 1.0, length))
+        pi = np.minimum(mu + rng.normal(0, 0.3, length), 0.0)
+        trained = [True] * length
+        if i % 3 == 1 and length > 4:  # a tool turn inside the completion
+            trained[2:4] = [False, False]
+        out.append(Rollout(prompt, rng.integers(0, V, length).tolist(), trained, mu.tolist(), pi.tolist(),
+                           rng.uniform(0.1, 3.0, length).tolist(), float(adv[i % group]),
+                           reward=float(rewards[i % group])))
+    return out
+
+
+def pack(rollouts: list[Rollout], pad_to: int) -> tuple[dict, dict, list[int]]:
+    """A packed micro-batch ``(1, L)`` and the model output, as prime-rl's trainer has them before ``export``."""
+    ids, pos, mask, adv, inf, env, pi, ent, rw = [], [], [], [], [], [], [], [], []
+    lengths = []
+    for r in rollouts:
+        n_p, n_c = len(r.prompt), len(r.completion)
+        ids += r.prompt + r.completion
+        pos += list(range(n_p + n_c))
+        mask += [False] * n_p + r.trained
+        adv += [r.advantage] * (n_p + n_c)
+        inf += [0.0] * n_p + r.mu
+        env += [r.env] * (n_p + n_c)
+        pi += [-0.5] * n_p + r.pi
+        ent += [1.0] * n_p + r.entropy
+        rw += [r.reward] * (n_p + n_c)
+        lengths.append(n_p + n_c)
+    pad = pad_to - len(ids)
+    ids, pos, mask, adv, inf, pi, ent, rw = (ids + [0] * pad, pos + list(range(pad)), mask + [False] * pad,
+                                             adv + [0.0] * pad, inf + [0.0] * pad, pi + [0.0] * pad,
+                                             ent + [0.0] * pad, rw + [0.0] * pad)
+    env += [""] * pad
+    lengths[-1] += pad  # the packer gives the padding to the last sample
+    # the trainer's shift_tensor_right: position 0 gets log(1/V) / log(V)
+    pi = [math.log(1.0 / V), *pi[1:]]
+    ent = [math.log(V), *ent[1:]]
+    t = torch.tensor
+    micro_batch = {"input_ids": t([ids]), "position_ids": t([pos]), "loss_mask": t([mask]),
+                   "advantages": t([adv], dtype=torch.float32), "inference_logprobs": t([inf], dtype=torch.float32),
+                   "env_names": env, "rewards": t([rw], dtype=torch.float32)}
+    model_output = {"logprobs": t([pi], dtype=torch.float32), "entropy": t([ent], dtype=torch.float32)}
+    return micro_batch, model_output, lengths
+
+
+def _floats(x: torch.Tensor | None, n: int) -> list:
+    if x is None:
+        return [None] * n
+    return [v if math.isfinite(v) else None for v in x.detach().to(torch.float32).reshape(-1).tolist()]
+
+
+def _bools(x: torch.Tensor | None, n: int) -> list:
+    return [None] * n if x is None else [bool(v) for v in x.reshape(-1).tolist()]
+
+
+class PrimeRLExporter:
+    """Writes ``token_exports/step_N/rank_R.jsonl`` as prime-rl's TokenExporter does (``layout`` picks the version)."""
+
+    def __init__(self, output_dir: Path, rank: int, layout: str = "weight-stream", dppo: bool = True):
+        self.root = output_dir / "token_exports"
+        self.rank, self.layout, self.dppo = rank, layout, dppo
+        self.counts: dict[int, int] = {}
+        self.opened: set[int] = set()
+
+    def columns(self, mb: dict, out: dict) -> dict:
+        n = mb["input_ids"].numel()
+        trainer, inference = out["logprobs"], mb["inference_logprobs"]
+        log_ratio = trainer - inference
+        ratio = torch.exp(log_ratio)
+        delta = torch.exp(trainer) - torch.exp(inference)
+        masked = high = low = None
+        if self.dppo:
+            pos, neg = mb["advantages"] > 0, mb["advantages"] < 0
+            inv_high, inv_low = delta > DPPO_HIGH, delta < -DPPO_LOW
+            masked = mb["loss_mask"] & torch.where(pos, inv_high, inv_low)
+            high, low = mb["loss_mask"] & pos & inv_high, mb["loss_mask"] & neg & inv_low
+        cols = {
+            "token_ids": [int(v) for v in mb["input_ids"].reshape(-1).tolist()],
+            "position_ids": [int(v) for v in mb["position_ids"].reshape(-1).tolist()],
+            "loss_mask": _bools(mb["loss_mask"], n),
+            "advantages": _floats(mb["advantages"], n),
+        }
+        if self.layout == "training-mode":
+            cols["rewards"] = _floats(mb["rewards"], n)
+        cols.update({
+            "inference_logprobs": _floats(inference, n), "trainer_logprobs": _floats(trainer, n),
+            "entropy": _floats(out["entropy"], n), "mismatch_kl": _floats(ratio - log_ratio - 1, n),
+            "log_importance_ratio": _floats(log_ratio, n), "importance_ratio": _floats(ratio, n),
+            "prob_delta": _floats(delta, n), "is_masked": _bools(masked, n), "is_masked_high": _bools(high, n),
+            "is_masked_low": _bools(low, n),
+        })
+        if self.layout == "weight-stream":
+            cols.update(rl_weights=[None] * n, ce_weights=[None] * n, ref_kl_weights=[None] * n)
+        cols["env_names"] = list(mb["env_names"])
+        return cols
+
+    def export(self, step: int, micro_step: int, mb: dict, out: dict, lengths: list[int]) -> None:
+        cols = self.columns(mb, out)
+        start = 0
+        for idx, length in enumerate(lengths):
+            raw_end = start + length
+            end = raw_end
+            while end > start and cols["env_names"][end - 1] == "" and not cols["loss_mask"][end - 1]:
+                end -= 1
+            if end > start and any(cols["loss_mask"][start:end]):
+                record = {"schema_version": 1, "step": step, "rank": self.rank, "micro_step": micro_step,
+                          "micro_sequence_idx": idx, "export_sequence_idx": self.counts.get(step, 0),
+                          "env_name": next((e for e in cols["env_names"][start:end] if e), None)}
+                if self.layout == "training-mode":
+                    record["training_mode"] = "rl"
+                record.update({k: list(v[start:end]) for k, v in cols.items() if k != "env_names"})
+                step_dir = self.root / f"step_{step}"
+                step_dir.mkdir(parents=True, exist_ok=True)
+                with (step_dir / f"rank_{self.rank}.jsonl").open("a" if step in self.opened else "w") as f:
+                    f.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
+                self.opened.add(step)
+                self.counts[step] = self.counts.get(step, 0) + 1
+            start = raw_end
+
+    def mark_stable(self, step: int) -> None:
+        (self.root / f"step_{step}" / "STABLE").touch()
+
+
+def _node(parent: int | None, role: str, text: str, ids: list[int], sampled: bool, mu: list[float]) -> dict:
+    """A ``MessageNode`` as ``model_dump(mode="json", exclude_none=True)`` writes it."""
+    node = {"message": {"role": role, "content": text}, "sampled": sampled, "timestamp": 1.7e9, "token_ids": ids,
+            "mask": [sampled] * len(ids), "is_content": [], "logprobs": mu if sampled else []}
+    if parent is not None:
+        node["parent"] = parent
+    return node
+
+
+def episode_record(r: Rollout, i: int, step: int, group: str) -> dict:
+    """``verifiers.v1.Episode.to_record()`` of one single-agent rollout (a tool turn when ``r.trained`` has one)."""
+    c, mu = r.completion, r.mu
+    nodes = [_node(None, "user", f"question {group}", r.prompt, False, [])]
+    if all(r.trained):
+        nodes.append(_node(0, "assistant", f"answer {i}", c, True, mu))
+    else:
+        nodes += [_node(0, "assistant", f"call {i}", c[:2], True, mu[:2]),
+                  _node(1, "tool", f"result {i}", c[2:4], False, []),
+                  _node(2, "assistant", f"answer {i}", c[4:], True, mu[4:])]
+    task = {"type": "Task", "data": {"question": group}, "key": group, "hash": group}
+    trace = {"version": 1, "id": f"t{step}-{i}", "verifiers": {"version": "0.3.1.dev59", "commit": "abc"},
+             "task": task, "agent": {"config": {}, "name": "agent", "trainable": True}, "tools": [], "nodes": nodes,
+             "calls": [], "request_rewrites": [], "response_rewrites": [],
+             "rewards": {"correct": {"score": r.reward, "weight": 1.0}}, "metrics": {}, "info": {},
+             "extra_usage": [], "is_completed": True, "ok": True, "stop_condition": "completed", "errors": [],
+             "timing": {"start": 1.7e9}}
+    return {"id": f"e{step}-{i}", "env": {"id": r.env, "name": r.env}, "task": task, "group": {"id": group},
+            "run": {"type": "train", "id": "run", "work": {"type": "train", "step": step}}, "ok": True,
+            "errors": [], "traces": [trace]}
+
+
+def write_traces(out: Path, step: int, rollouts: list[Rollout], tag: str) -> None:
+    """Append the episodes to ``rollouts/step_N/train/effective/traces.jsonl`` as ``FileMonitor.log_episodes``
+    does (orjson's compact JSON, one episode per line)."""
+    path = out / "rollouts" / f"step_{step}" / "train" / "effective" / "traces.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for i, r in enumerate(rollouts):
+            group = f"{tag}-{i // 4}"
+            f.write(json.dumps(episode_record(r, i, step, group), separators=(",", ":"), ensure_ascii=False) + "\n")
+
+
+def write_export(out: Path, steps: int = 2, ranks: int = 2, per_rank: int = 8, layout: str = "weight-stream",
+                 seed: int = 0, unscored: bool = True, stable: bool = True,
+                 traces: bool = False) -> dict[tuple[int, int], list[Rollout]]:
+    """A small multi-step, multi-rank export (with the orchestrator's trace streams and metrics.jsonl when
+    ``traces``); returns the rollouts of each (step, rank) for the checks."""
+    rng = np.random.default_rng(seed)
+    written = {}
+    exporters = [PrimeRLExporter(out, r, layout) for r in range(ranks)]
+    for step in range(steps):
+        for rank, exp in enumerate(exporters):
+            rollouts = make_rollouts(rng, per_rank)
+            if unscored and rank == 0:
+                rollouts[0].mu[1] = float("-inf")  # the engine returned -inf: the writer writes null
+            half = per_rank // 2
+            for micro, part in enumerate((rollouts[:half], rollouts[half:])):
+                exp.export(step, micro, *pack(part, pad_to=sum(len(r.prompt) + len(r.completion) for r in part) + 7))
+            written[(step, rank)] = rollouts
+            if traces:
+                write_traces(out, step, rollouts, f"s{step}r{rank}")
+        if traces:
+            with (out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, "time": 1.7e9, "reward/mean": 0.5 + step, "loss": 0.1}) + "\n")
+        if stable:
+            for exp in exporters:
+                exp.mark_stable(step)
+    return written
+
+
+def _tokens(run_dir: Path):
+    return pq.read_table(run_dir / "tokens").to_pandas().sort_values(["step", "rank", "sample_id", "pos"])
+
+
+def test_weight_stream_export_imports_exactly(tmp_path):
+    written = write_export(tmp_path / "out")
+    run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p", version="0.3.0")
+    assert validate_logdir(tmp_path / "logs") == []
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["mu_source"] == "imported"
+    assert manifest["source"]["framework"] == "prime-rl" and manifest["source"]["version"] == "0.3.0"
+    assert "weight-stream" in manifest["source"]["format"]
+    assert manifest["config"]["import"]["unscored_tokens"] == 2  # one per step on rank 0
+    tokens = _tokens(run_dir)
+    expected_rows = sum(sum(r.trained) for rs in written.values() for r in rs) - 2
+    assert len(tokens) == expected_rows
+    # rank 0 of step 1, its second rollout: values, positions and the DPPO mask computed here independently
+    r = written[(1, 0)][1]
+    got = tokens[(tokens.step == 1) & (tokens["rank"] == 0)]
+    got = got[got.sample_id == sorted(got.sample_id.unique())[1]]
+    keep = np.flatnonzero(r.trained)
+    assert got.pos.tolist() == keep.tolist()
+    assert np.allclose(got.mu_logprob, np.array(r.mu, np.float32)[keep])
+    assert np.allclose(got.pi_logprob, np.array(r.pi, np.float32)[keep])
+    assert np.allclose(got.entropy, np.array(r.entropy, np.float32)[keep])
+    assert got.old_logprob.isna().all()
+    delta = np.exp(np.array(r.pi, np.float32)) - np.exp(np.array(r.mu, np.float32))
+    blocked = np.where(r.advantage > 0, delta > DPPO_HIGH, delta < -DPPO_LOW)[keep]
+    assert got.kept.tolist() == (~blocked).tolist()
+    assert set(tokens["rank"]) == {0, 1}
+    samples = pq.read_table(run_dir / "samples").to_pandas()
+    assert len(samples) == sum(len(rs) for rs in written.values())
+    # four rollouts share a prompt: prompt ids group them
+    step0 = samples[samples.step == 0].sort_values("sample_id")
+    assert step0.groupby("prompt_id").size().tolist() == [4, 4, 4, 4]
+
+
+def test_training_mode_layout_carries_the_reward(tmp_path):
+    written = write_export(tmp_path / "out", steps=1, layout="training-mode", unscored=False, stable=False)
+    run_dir = import_run("prime-rl", tmp_path / "out" / "token_exports", tmp_path / "logs")
+    assert validate_logdir(run_dir) == []
+    assert "training-mode" in json.loads((run_dir / "run.json").read_text())["source"]["format"]
+    samples = pq.read_table(run_dir / "samples").to_pandas().sort_values(["rank", "sample_id"])
+    want = [r.reward for rank in (0, 1) for r in written[(0, rank)]]
+    assert samples.reward.tolist() == want
+
+
+def _no_import(logdir: Path) -> None:
+    assert not logdir.exists() or list(logdir.iterdir()) == []
+
+
+def _import_fails(src: Path, logdir: Path, match: str) -> None:
+    with pytest.raises(ImportFormatError, match=match):
+        import_run("prime-rl", src, logdir, run_id="bad")
+    _no_import(logdir)
+
+
+def test_truncated_file_names_file_and_line(tmp_path):
+    write_export(tmp_path / "out", steps=2)
+    path = tmp_path / "out/token_exports/step_1/rank_1.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    n = data[: len(data) - 40].count(b"\n") + 1
+    _import_fails(tmp_path / "out", tmp_path / "logs", rf"step_1/rank_1\.jsonl:{n}: .*truncated")
+
+
+def test_mixed_versions_are_refused(tmp_path):
+    write_export(tmp_path / "out", steps=1, layout="weight-stream")
+    write_export(tmp_path / "old", steps=2, layout="training-mode")
+    (tmp_path / "old/token_exports/step_1").rename(tmp_path / "out/token_exports/step_1")
+    _import_fails(tmp_path / "out", tmp_path / "logs", r"step_1/rank_0\.jsonl:1: training-mode layout, but .* is "
+                                                       r"weight-stream: exports of two prime-rl versions are mixed")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r.pop("trainer_logprobs"), r"missing \['trainer_logprobs'\]"),
+    (lambda r: r.update(schema_version=2), r"schema_version 2"),
+    (lambda r: r.update(entropy=r["entropy"][:-1]), r"'entropy' has length"),
+    (lambda r: r.update(step=7), r"record says step 7"),
+    (lambda r: r.update(inference_logprobs=[0.5] * len(r["token_ids"])), r"mu_logprob 0.5 .* a log-probability"),
+    (lambda r: r.update(entropy=[-1.0] * len(r["token_ids"])), r"entropy -1.0 .* an entropy is >= 0"),
+    (lambda r: r.update(token_ids=[-3] * len(r["token_ids"])), r"token_id -3 at response position 0"),
+    (lambda r: r.update(token_ids=["a"] * len(r["token_ids"])), r"'token_ids' must be a list of integers"),
+])
+def test_wrong_record_names_file_and_line(tmp_path, edit, match):
+    write_export(tmp_path / "out", steps=1)
+    path = tmp_path / "out/token_exports/step_0/rank_1.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[2])
+    edit(record)
+    lines[2] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    _import_fails(tmp_path / "out", tmp_path / "logs", rf"rank_1\.jsonl:3: .*{match}")
+
+
+def test_unfinished_step_is_refused(tmp_path):
+    write_export(tmp_path / "out", steps=2)
+    (tmp_path / "out/token_exports/step_1/STABLE").unlink()
+    _import_fails(tmp_path / "out", tmp_path / "logs", r"step_1: no STABLE marker")
+
+
+def test_existing_run_is_not_touched(tmp_path):
+    write_export(tmp_path / "out", steps=1)
+    import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p")
+    before = sorted(p.name for p in (tmp_path / "logs/p/tokens").iterdir())
+    with pytest.raises(FileExistsError):
+        import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p")
+    assert sorted(p.name for p in (tmp_path / "logs/p/tokens").iterdir()) == before
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["p"]
+
+
+def test_trace_streams_and_metrics_fill_samples_and_steps(tmp_path):
+    written = write_export(tmp_path / "run", traces=True)
+    run_dir = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="p")
+    assert validate_logdir(run_dir) == []
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert "verifiers 0.3.1.dev59" in manifest["source"]["format"]
+    assert "32 of 32 sequences matched" in manifest["config"]["import"]["columns"]["samples"]
+    samples = pq.read_table(run_dir / "samples").to_pandas().sort_values(["step", "rank", "sample_id"])
+    r = written[(1, 1)][5]
+    row = samples[(samples.step == 1) & (samples["rank"] == 1)].iloc[5]
+    assert row.reward == r.reward and row.prompt == "question s1r1-1" and row.finish_reason == "completed"
+    assert row.response == ("answer 5" if all(r.trained) else "call 5\nanswer 5")
+    assert (samples.groupby(["step", "prompt_id"]).size() == 4).all()
+    steps = pq.read_table(run_dir / "steps").to_pandas()
+    got = sorted(zip(steps.step, steps.name, steps.value, strict=True))
+    assert got == [(0, "loss", 0.1), (0, "reward/mean", 0.5), (1, "loss", 0.1), (1, "reward/mean", 1.5)]
+
+
+def test_trace_streams_of_two_versions_are_refused(tmp_path):
+    write_export(tmp_path / "run", steps=1, traces=True)
+    path = tmp_path / "run/rollouts/step_0/train/effective/traces.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["traces"][0]["verifiers"]["version"] = "0.2.0"
+    lines[3] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    _import_fails(tmp_path / "run", tmp_path / "logs", r"traces\.jsonl:4: written by verifiers 0\.2\.0, but "
+                                                       r".*traces\.jsonl:1 by 0\.3\.1\.dev59")

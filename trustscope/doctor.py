@@ -1,0 +1,492 @@
+"""Contract checks on any token log, native or imported: ``trustscope doctor LOGDIR``.
+
+A log can pass ``trustscope validate`` (every column typed, every log-prob <= 0) and still be wrong in ways that
+make every diagnostic lie: mu and pi one position apart, padding logged as tokens, mu's top-K without the sampled
+token, an engine's processed log-probs against the trainer's raw ones, a mu that is the trainer's own recompute,
+sample ids that several ranks reuse. Each check here measures one such mistake with one SQL file of
+``trustscope/sql/doctor/`` (bound parameters, one row per run) and judges the measurement with one pure function,
+which returns a :class:`Finding`: a verdict (``ok``, ``warn``, ``fail`` or ``skipped``), a one-line summary, the
+evidence (counts and a few example tokens with step, sample_id and pos) and the likely cause.
+
+    with connect("logs/") as db:
+        findings = diagnose(db)              # {run_id: [Finding, ...]}, one Finding per check
+        panel = doctor_panel(db, "my-run")   # the same as a DataFrame, for the dashboard
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from trustscope.db import SQL_DIR, LogDB, connect
+
+DOCTOR_SQL_DIR = SQL_DIR / "doctor"
+
+VERDICTS = ("ok", "warn", "fail", "skipped")
+
+PLACEHOLDER_FLOOR = -100.0
+"""A sampled token's log-prob at or below this is an -inf stand-in: no engine samples a token of probability
+e^-100, so such a value was written by padding code (-1e4, -1e9, float32's minimum, ...)."""
+HUGE_TV = 0.8
+"""|pi - mu| above this on one token is a huge divergence: 80 % of the probability moved (a padding token the
+trainer finds unlikely against a filler mu of 0 reads near 1)."""
+HUGE_LOG_RATIO = 10.0
+"""|log pi - log mu| above this (a ratio of e^10) is a huge divergence too."""
+PLACEHOLDER_SHARE = 1e-4
+"""Placeholder tokens fail the check from this share of the tokens on; fewer only warn. Leaked padding fills a tail
+of every padded response; a collapsing policy can put pi at exactly 1 (log-prob 0) on a few tokens of a million."""
+ALIGN_FACTOR = 0.5
+"""mu and pi are off by one position when a one-position shift brings mean |pi - mu| below this fraction of the
+logged alignment's."""
+ALIGN_FLOOR = 0.01
+"""Below this mean |pi - mu| at the logged alignment the log already fits well, and its alignment is not questioned."""
+ALIGNMENT_CAUSES = {
+    "later": "pi carries one entry too many before the response (the last prompt token's log-prob: per-token "
+             "log-probs already aligned to the tokens sliced again from P - 1), or mu lacks the first token's.",
+    "earlier": "pi lacks the first response token's log-prob (sliced from P + 1, or the logits from P instead of "
+               "P - 1), or mu carries one entry too many (an engine's log-prob for the last prompt token).",
+}
+"""What usually shifts the two series, by the direction in which pi fits mu better."""
+MIN_TOKENS = 20
+"""Fewer tokens than this and a statistical check is skipped: too few to tell."""
+TOPK_MASS_TOLERANCE = 5e-3
+"""How far above 1 a top-K list's probabilities may sum. float16 top-K (``topk_precision="float16"``) rounds a
+log-prob x by up to |x| * 2^-11, which moves a row's sum by up to entropy * 2^-11 (about 1.5e-3 at 3 nats)."""
+BIAS_NATS = 0.02
+"""Mean log mu - log pi above this (and ``BIAS_Z`` standard errors) is a bias, not noise."""
+BIAS_Z = 4.0
+"""Standard errors of the mean the gap must also exceed."""
+INFORMATIVE_LOGPROB = -0.01
+"""mu vs pi identity is read on tokens with log mu below this: near-certain tokens read 0 in every engine."""
+SAME_NATS = 1e-6
+"""Two log-probs within this many nats agree to float32 rounding (a few ulps): one computation repeated, or an engine
+numerically identical to the trainer. Measured here: vLLM in float32 against the float32 toy trainer agrees this
+closely on 87 % of the informative tokens, and exactly on 1.5 %."""
+RECOMPUTE_SHARE = 0.95
+"""mu exactly equal to pi (or pi_old) on this share of informative tokens is a copy of the trainer's numbers (fail);
+within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The verdict of one check on one run.
+
+    Attributes:
+        check: the check's name (a key of :data:`CHECKS`).
+        verdict: ``ok``, ``warn``, ``fail`` or ``skipped`` (then ``summary`` says why).
+        summary: one line: what was measured.
+        evidence: counts and figures behind the verdict.
+        examples: a few tokens (or keys) that show it, each with step, sample_id and pos where it has them.
+        cause: the likely cause and what to change, empty when there is nothing to fix.
+    """
+
+    check: str
+    verdict: str
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    cause: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"Finding.verdict={self.verdict!r} must be one of {VERDICTS}")
+
+
+# ------------------------------------------------------------------------------------------------ judges
+
+
+def judge_alignment(m: Mapping[str, Any]) -> Finding:
+    """mu and pi off by one position: a one-position shift (pi one later or one earlier) fits much better than the
+    logged alignment, measured by mean |pi - mu| inside each response."""
+    name = "alignment"
+    if not m or (m.get("n_pairs") or 0) < MIN_TOKENS:
+        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} pairs of adjacent positions to compare",
+                       _pick(m, "n_tokens", "n_pairs"))
+    evidence = _pick(m, "n_tokens", "n_pairs", "diff_logged", "diff_pi_later", "diff_pi_earlier", "corr_logged",
+                     "corr_pi_later", "corr_pi_earlier")
+    logged = m["diff_logged"]
+    later, earlier = m["diff_pi_later"], m["diff_pi_earlier"]
+    best, direction = (later, "later") if later <= earlier else (earlier, "earlier")
+    summary = (f"mean |pi - mu| {logged:.4g} as logged, {later:.4g} with pi one position later, "
+               f"{earlier:.4g} with pi one position earlier")
+    if logged >= ALIGN_FLOOR and best < ALIGN_FACTOR * logged:
+        return Finding(name, "fail", summary, evidence, m["examples"] or [],
+                       f"pi fits mu far better one position {direction}: the two are logged off by one. "
+                       + ALIGNMENT_CAUSES[direction])
+    return Finding(name, "ok", summary, evidence)
+
+
+def judge_placeholders(m: Mapping[str, Any]) -> Finding:
+    """Positions carrying placeholder log-probs (exactly 0, or at most :data:`PLACEHOLDER_FLOOR`) together with a
+    huge divergence: padding or unscored positions that the response mask let into the log. ``fail`` when the
+    trainer kept some and they make :data:`PLACEHOLDER_SHARE` of the tokens or more, else ``warn``."""
+    name = "placeholders"
+    if not m or not m.get("n_tokens"):
+        return Finding(name, "skipped", "no token rows")
+    evidence = _pick(m, "n_tokens", "n_flagged", "n_flagged_kept", "n_flagged_at_end", "n_mu_placeholder",
+                     "n_pi_placeholder")
+    n = m["n_flagged"]
+    summary = (f"{n} of {m['n_tokens']} tokens carry a placeholder log-prob (0 or <= {PLACEHOLDER_FLOOR:g}) with "
+               f"|pi - mu| > {HUGE_TV:g} or |log ratio| > {HUGE_LOG_RATIO:g}; {m['n_flagged_kept']} kept, "
+               f"{m['n_flagged_at_end']} at the end of their response")
+    if not n:
+        return Finding(name, "ok", summary, evidence)
+    cause = ("padding or unscored positions were logged as response tokens: the mask passed to the logger does not "
+             "exclude padding after EOS, tool output or truncated tails, or an importer filled missing log-probs "
+             "with 0 / -inf stand-ins. Pass the real response mask (False on those positions); an "
+             "importer should drop unscored positions, not fill them.")
+    if m["n_flagged_kept"] and n >= PLACEHOLDER_SHARE * m["n_tokens"]:
+        return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
+    if m["n_flagged_kept"]:
+        cause += (f" So few (under {PLACEHOLDER_SHARE:g} of the tokens) may also be genuine extremes, a policy that "
+                  "drove pi to exactly 1 on a token mu found unlikely: read the examples.")
+    return Finding(name, "warn", summary, evidence, m["examples"] or [], cause)
+
+
+def judge_topk_sampled(m: Mapping[str, Any]) -> Finding:
+    """The sampled token missing from mu's top-K ids (the engines put it in, replacing the K-th entry)."""
+    name = "topk_sampled"
+    skip = _topk_skip(name, m)
+    if skip:
+        return skip
+    n = m["n_missing_sampled"]
+    evidence = _pick(m, "n_topk", "k", "n_missing_sampled")
+    summary = f"{n} of {m['n_topk']} top-K rows (K = {m['k']}) lack the sampled token"
+    if not n:
+        return Finding(name, "ok", summary, evidence)
+    return Finding(name, "fail", summary, evidence, m["missing_examples"] or [],
+                   "mu's top-K is the engine's K most likely ids without the sampled token: top-K TV/KL then "
+                   "misses the token the update is about. Ask the engine for the sampled token's log-prob as well "
+                   "(vLLM returns it beside the K most likely) and put it in the K-th slot when it is not among "
+                   "them; or the ids are misaligned with the tokens (see the alignment check).")
+
+
+def judge_topk_mass(m: Mapping[str, Any]) -> Finding:
+    """mu's (or pi's) top-K probabilities summing above 1 + :data:`TOPK_MASS_TOLERANCE`."""
+    name = "topk_mass"
+    skip = _topk_skip(name, m)
+    if skip:
+        return skip
+    n_mu, n_pi = m["n_mu_over"], m["n_pi_over"]
+    evidence = _pick(m, "n_topk", "n_pi_topk", "n_mu_over", "n_pi_over", "mu_mass_max", "pi_mass_max")
+    pi_max = "none logged" if m["pi_mass_max"] is None else f"{m['pi_mass_max']:.4g}"
+    summary = (f"{n_mu} mu and {n_pi} pi top-K rows sum above 1 + {TOPK_MASS_TOLERANCE:g} "
+               f"(largest sums: mu {m['mu_mass_max']:.4g}, pi {pi_max})")
+    if not (n_mu or n_pi):
+        return Finding(name, "ok", summary, evidence)
+    return Finding(name, "fail", summary, evidence, m["mass_examples"] or [],
+                   "the lists are not log-probabilities of one distribution: raw logits or unnormalised scores "
+                   "logged as log-probs, an id listed twice (see topk_duplicates), or entries taken from two "
+                   "different distributions (processed and raw). The 'other' bucket then clamps at 0 and top-K "
+                   "TV/KL are wrong.")
+
+
+def judge_topk_duplicates(m: Mapping[str, Any]) -> Finding:
+    """An id listed twice in one row of mu's top-K."""
+    name = "topk_duplicates"
+    skip = _topk_skip(name, m)
+    if skip:
+        return skip
+    n = m["n_duplicates"]
+    evidence = _pick(m, "n_topk", "n_duplicates")
+    summary = f"{n} of {m['n_topk']} top-K rows list an id more than once"
+    if not n:
+        return Finding(name, "ok", summary, evidence)
+    return Finding(name, "fail", summary, evidence, m["duplicate_examples"] or [],
+                   "the sampled token was appended to (or written over) a top-K list that already held it, or "
+                   "padding ids (0, the pad id) fill short rows: the token's mass is counted twice and the "
+                   "'other' bucket shrinks. Put the sampled token in the K-th slot only when it is absent; pad "
+                   "nothing.")
+
+
+def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] | None) -> Finding:
+    """Processed-vs-raw log-probs: the engine reports log-probs after temperature / top-p / top-k while the trainer's
+    are the raw softmax. For a token sampled from the processed q, E[log q - log p] = KL(q || p) > 0 for any
+    temperature != 1, and top-p / top-k renormalise the kept tokens upwards: either way mu reads higher than pi.
+    With top-K lists, the slope of mu's log-probs on pi's at the same ids (the ratio of their spreads within each
+    row) is 1 / temperature instead of 1, whatever the normaliser."""
+    name = "processed_logprobs"
+    if not m or (m.get("n_tokens") or 0) < MIN_TOKENS:
+        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens", _pick(m, "n_tokens"))
+    evidence = _pick(m, "n_tokens", "n_ref_old", "mean_log_gap", "sd_log_gap", "n_topk_rows", "topk_slope")
+    ref = "pi_old" if m["n_ref_old"] == m["n_tokens"] else "pi" if not m["n_ref_old"] else "pi_old (else pi)"
+    gap, sd, n = m["mean_log_gap"], m["sd_log_gap"] or 0.0, m["n_tokens"]
+    z = gap / (sd / math.sqrt(n)) if sd > 0 else (math.inf if gap > 0 else 0.0)
+    evidence["z"] = z
+    slope = m["topk_slope"]
+    measured = f"mean log mu - log {ref} = {gap:+.4g} nats (z = {z:.3g})"
+    if slope is not None:
+        measured += f", top-K slope of log mu on log pi {slope:.4g}"
+    if not sampling:
+        return Finding(name, "skipped", "run.json records no sampling parameters; " + measured, evidence)
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"run.json sampling={sampling!r} must be an object of sampling parameters")
+    temperature = _number(sampling, "temperature", 1.0)
+    top_p = _number(sampling, "top_p", 1.0)
+    top_k = _number(sampling, "top_k", 0.0)
+    evidence.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if temperature <= 0:
+        return Finding(name, "skipped", f"greedy decoding (temperature {temperature:g}): the engine's log-probs "
+                       "are of no sampling distribution to compare; " + measured, evidence)
+    processing = [f"temperature {temperature:g}"] if temperature != 1 else []
+    processing += [f"top_p {top_p:g}"] if top_p < 1 else []
+    processing += [f"top_k {top_k:g}"] if top_k > 0 else []
+    if not processing:
+        return Finding(name, "skipped", "sampling at temperature 1 without top-p/top-k: processed and raw "
+                       "log-probs agree; " + measured, evidence)
+    predicted = "mu above pi" + (f" and a top-K slope of 1 / {temperature:g} = {1 / temperature:.4g}"
+                                 if temperature != 1 else "")
+    summary = f"{measured}; at {', '.join(processing)}, a processed mu against a raw pi would read {predicted}"
+    # Drift and mismatch move the slope little (noise in pi pulls it a little below 1) but the mean gap a lot
+    # (E[log mu - log pi] is KL(mu || pi) >= 0 whatever the cause), so a gap against a pi that moved only warns.
+    sharpened = temperature != 1 and slope is not None and abs(slope - 1 / temperature) < abs(slope - 1)
+    slope_says_raw = temperature != 1 and slope is not None and not sharpened
+    truncating = top_p < 1 or top_k > 0
+    biased = gap > BIAS_NATS and z > BIAS_Z and (truncating or not slope_says_raw)
+    if not (sharpened or biased):
+        return Finding(name, "ok", summary, evidence)
+    cause = (f"mu holds the engine's processed log-probs (after {', '.join(processing)}) while pi is the "
+             "trainer's raw softmax, so the ratio pi / mu carries the sampling transform, not the mismatch. "
+             "Compute pi at the sampling temperature (divide the logits by it, e.g. capture(..., "
+             "temperature=...)) and apply the same top-p / top-k, or log the engine's raw log-probs "
+             "(vLLM logprobs_mode='raw_logprobs') and train on raw ones.")
+    if sharpened or ref == "pi_old":
+        return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
+    return Finding(name, "warn", summary, evidence, m["examples"] or [],
+                   cause + " But pi has moved since the rollout, which raises the gap too: log pi_old "
+                   "(old_logprob, the trainer's log-probs at the rollout's weights) to tell the two apart.")
+
+
+def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
+    """mu identical to pi (or pi_old): a recompute by the trainer, so no training-inference mismatch is measured.
+    ``fail`` when mu is exactly the trainer's numbers on :data:`RECOMPUTE_SHARE` of the tokens and ``run.json``
+    claims otherwise; ``warn`` when it says so (``mu_source = "trainer_recompute"``), or when mu agrees to float32
+    rounding without being a copy (a recompute, or an engine numerically identical to the trainer)."""
+    name = "mu_recompute"
+    declared = mu_source == "trainer_recompute"
+    declared_text = ("run.json says mu_source = 'trainer_recompute': mu is the trainer's own recompute, so "
+                     "mismatch and ratio-based rules see no training-inference mismatch; log the engine's "
+                     "log-probs (e.g. TRL's vLLM path) to measure it.")
+    n = (m or {}).get("n_informative") or 0
+    if n < MIN_TOKENS:
+        if declared:
+            return Finding(name, "warn", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
+                           "to compare", _pick(m, "n_informative"), [], declared_text)
+        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
+                       "(all near-certain): too few to tell", _pick(m, "n_informative"))
+    evidence = _pick(m, "n_informative", "n_exact_pi", "n_same_pi", "n_informative_old", "n_exact_old",
+                     "n_same_old", "mismatch_mean")
+    evidence["mu_source"] = mu_source
+    n_old = m["n_informative_old"]
+    exact = max(m["n_exact_pi"] / n, (m["n_exact_old"] or 0) / n_old if n_old else 0.0)
+    near = max(m["n_same_pi"] / n, (m["n_same_old"] or 0) / n_old if n_old else 0.0)
+    summary = (f"mu equals pi or pi_old exactly on {exact:.1%} and within {SAME_NATS:g} nats on {near:.1%} of {n} "
+               f"tokens with log mu < {INFORMATIVE_LOGPROB:g}; mean |pi - mu| {m['mismatch_mean']:.3g}")
+    if declared:
+        return Finding(name, "warn", summary, evidence, m["examples"] or [], declared_text)
+    if exact >= RECOMPUTE_SHARE:
+        return Finding(name, "fail", summary, evidence, m["examples"] or [],
+                       "mu is the trainer's own log-prob, not the engine's: the framework kept no rollout "
+                       "log-probs and the trainer's numbers were logged as mu (TRL's transformers path, a pi_old "
+                       "written into the mu column). Log the engine's log-probs, or mark the run "
+                       "mu_source='trainer_recompute'.")
+    if near >= RECOMPUTE_SHARE:
+        return Finding(name, "warn", summary, evidence, m["examples"] or [],
+                       "mu agrees with the trainer to float32 rounding: a recompute (a second trainer forward "
+                       "logged as mu), or an engine numerically identical to the trainer (same weights, dtype and "
+                       "kernels). Either way no training-inference mismatch is measured; if mu is a recompute, "
+                       "mark the run mu_source='trainer_recompute'.")
+    return Finding(name, "ok", summary, evidence)
+
+
+def judge_rank_collisions(m: Mapping[str, Any]) -> Finding:
+    """The same (step, sample_id) written by two ranks, in the tokens or the samples table."""
+    name = "rank_collisions"
+    if not m or not m.get("n_ranks"):
+        return Finding(name, "skipped", "no token or sample rows")
+    evidence = _pick(m, "n_ranks", "n_token_collisions", "n_sample_collisions")
+    if m["n_ranks"] < 2:
+        return Finding(name, "skipped", "one rank wrote this run: nothing can collide", evidence)
+    n_tok, n_smp = m["n_token_collisions"], m["n_sample_collisions"]
+    summary = (f"{n_tok} (step, sample_id) keys of tokens and {n_smp} of samples written by more than one of "
+               f"{m['n_ranks']} ranks")
+    if not (n_tok or n_smp):
+        return Finding(name, "ok", summary, evidence)
+    return Finding(name, "fail", summary, evidence, m["examples"] or [],
+                   "each rank numbers its samples from 0 (the logger's default when no sample_id is passed), so "
+                   "different responses share a key and joins mix them. Pass a global sample_id (e.g. the index "
+                   "in the global batch, or rank * per_rank + i); a context-parallel shard of one sample belongs "
+                   "to one rank's file once reassembled.")
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: the SQL file that measures it, its parameters, and the judge that reads the measurement."""
+
+    sql: str
+    judge: Callable[..., Finding]
+    params: Mapping[str, float] = field(default_factory=dict)
+    manifest_field: str | None = None
+    """The run.json field handed to the judge after the measurement, if any."""
+
+
+CHECKS: dict[str, Check] = {
+    "alignment": Check("alignment", judge_alignment),
+    "placeholders": Check("placeholders", judge_placeholders, {"floor": PLACEHOLDER_FLOOR, "huge_tv": HUGE_TV,
+                                                               "huge_log_ratio": HUGE_LOG_RATIO}),
+    # The three top-K checks read one measurement (same file, same parameters): one scan of the lists.
+    "topk_sampled": Check("topk", judge_topk_sampled, {"tolerance": TOPK_MASS_TOLERANCE}),
+    "topk_mass": Check("topk", judge_topk_mass, {"tolerance": TOPK_MASS_TOLERANCE}),
+    "topk_duplicates": Check("topk", judge_topk_duplicates, {"tolerance": TOPK_MASS_TOLERANCE}),
+    "processed_logprobs": Check("processed_logprobs", judge_processed_logprobs, {"floor": PLACEHOLDER_FLOOR},
+                                manifest_field="sampling"),
+    "mu_recompute": Check("mu_recompute", judge_mu_recompute, {"informative": INFORMATIVE_LOGPROB,
+                                                               "same": SAME_NATS}, manifest_field="mu_source"),
+    "rank_collisions": Check("rank_collisions", judge_rank_collisions),
+}
+"""Every check by name, in the order they are reported."""
+
+
+def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_step: int | None = None,
+            **params: float) -> dict[str, dict[str, Any]]:
+    """Run ``sql/doctor/<sql>.sql`` with bound parameters over ``run_ids`` (or all runs) from ``first_step`` on (or
+    all steps); one row per run, keyed by run_id."""
+    cur = db.cursor()
+    try:
+        bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
+        table = cur.sql((DOCTOR_SQL_DIR / f"{sql}.sql").read_text(), params=bound).to_arrow_table()
+    finally:
+        cur.close()
+    return {row["run_id"]: row for row in table.to_pylist()}
+
+
+def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None, checks: Iterable[str] | None = None,
+             first_step: int | None = None) -> dict[str, list[Finding]]:
+    """Every check (or ``checks``) on every run of ``db`` (or ``run_ids``): {run_id: [Finding per check]}.
+
+    ``first_step`` reads only the steps from there on (a big run's recent window). Each SQL file is run once for all
+    the runs asked for; a run unknown to ``db`` raises ``KeyError`` naming it.
+    """
+    names = list(CHECKS) if checks is None else list(checks)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise KeyError(f"unknown check(s) {unknown}; known: {list(CHECKS)}")
+    db.refresh()
+    manifests = run_manifests(db)
+    wanted = list(manifests) if run_ids is None else [run_ids] if isinstance(run_ids, str) else list(run_ids)
+    missing = [r for r in wanted if r not in manifests]
+    if missing:
+        raise KeyError(f"run(s) {missing} not in the log directory; runs: {sorted(manifests)}")
+    only = None if run_ids is None else wanted
+    measured: dict[tuple[str, tuple], dict[str, dict[str, Any]]] = {}
+    out: dict[str, list[Finding]] = {r: [] for r in wanted}
+    for name in names:
+        check = CHECKS[name]
+        key = (check.sql, tuple(sorted(check.params.items())))
+        if key not in measured:
+            measured[key] = measure(db, check.sql, only, first_step, **check.params)
+        for run_id in wanted:
+            row = measured[key].get(run_id, {})
+            args = (manifests[run_id].get(check.manifest_field),) if check.manifest_field else ()
+            try:
+                out[run_id].append(check.judge(row, *args))
+            except ValueError as err:  # a manifest field of the wrong kind: name the run
+                raise ValueError(f"run {run_id!r}: {err}") from None
+    return out
+
+
+def run_manifests(db: LogDB) -> dict[str, dict[str, Any]]:
+    """Each run's manifest (run.json) as a dict, by run_id ({} for a run without one)."""
+    runs = db.runs()
+    return {row.run_id: json.loads(row.manifest) if isinstance(row.manifest, str) else (row.manifest or {})
+            for row in runs.itertuples()}
+
+
+def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str, first_step: int | None = None) -> pd.DataFrame:
+    """The checks of one run (or several) as rows for the dashboard: run_id, check, verdict, summary, cause and
+    examples (JSON text). ``db`` is an open :class:`LogDB` or a log directory opened for the occasion."""
+    if isinstance(db, LogDB):
+        found = diagnose(db, run_ids, first_step=first_step)
+    else:
+        found = doctor_logdir(db, run_ids, first_step=first_step)
+    rows = [{"run_id": run_id, "check": f.check, "verdict": f.verdict, "summary": f.summary, "cause": f.cause,
+             "examples": json.dumps(f.examples, default=_json_default) if f.examples else ""}
+            for run_id, fs in found.items() for f in fs]
+    return pd.DataFrame(rows, columns=["run_id", "check", "verdict", "summary", "cause", "examples"])
+
+
+def doctor_logdir(logdir: str | Path, run_ids: Iterable[str] | str | None = None,
+                  first_step: int | None = None) -> dict[str, list[Finding]]:
+    """:func:`diagnose` over a log directory opened for the occasion (no aggregate cache written)."""
+    with connect(logdir, cache=False) as db:
+        return diagnose(db, run_ids, first_step=first_step)
+
+
+# ------------------------------------------------------------------------------------------------ printing
+
+
+def format_finding(f: Finding, examples: int = 3) -> list[str]:
+    """A finding as text lines: verdict and summary, the evidence, a few examples, the likely cause."""
+    lines = [f"  [{f.verdict.upper()}] {f.check}: {f.summary}"]
+    if f.evidence:
+        lines.append("      evidence: " + ", ".join(f"{k}={_fmt(v)}" for k, v in f.evidence.items()))
+    for ex in f.examples[:examples]:
+        lines.append("      e.g. " + ", ".join(f"{k}={_fmt(v)}" for k, v in ex.items()))
+    if f.cause and f.verdict in ("warn", "fail"):
+        lines.append(f"      likely cause: {f.cause}")
+    return lines
+
+
+def failed(findings: Mapping[str, list[Finding]]) -> int:
+    """How many findings failed, over all runs."""
+    return sum(f.verdict == "fail" for fs in findings.values() for f in fs)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _topk_skip(name: str, m: Mapping[str, Any]) -> Finding | None:
+    if not m or not m.get("n_tokens"):
+        return Finding(name, "skipped", "no token rows")
+    if not m.get("n_topk"):
+        return Finding(name, "skipped", "the run logs no top-K lists (log_topk=False or none given)",
+                       _pick(m, "n_tokens", "n_topk"))
+    return None
+
+
+def _pick(m: Mapping[str, Any] | None, *keys: str) -> dict[str, Any]:
+    return {k: m[k] for k in keys if m and k in m}
+
+
+def _number(sampling: Mapping[str, Any], key: str, default: float) -> float:
+    """A sampling parameter as a float; absent or null reads as its neutral ``default``; anything else is an error
+    naming the field."""
+    value = sampling.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"run.json sampling.{key}={value!r} must be a finite number")
+    return float(value)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and len(v) > 8:
+        return "[" + ", ".join(_fmt(x) for x in v[:8]) + ", ...]"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def _json_default(v: Any) -> Any:
+    return float(v) if isinstance(v, int | float) else str(v)

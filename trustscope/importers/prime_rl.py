@@ -1,0 +1,348 @@
+"""Import prime-rl's trainer token export (``token_exports/step_<N>/rank_<R>.jsonl``).
+
+Writer: ``src/prime_rl/trainer/rl/token_export.py`` of PrimeIntellect-ai/prime-rl, ``TokenExporter.export`` and
+``_export_columns`` (switched on by ``trainer.enable_token_export``; called from ``trainer/rl/train.py`` after each
+micro-batch's forward). One JSON object per line, ``json.dumps(record, separators=(",", ":"), allow_nan=False)``,
+one line per packed sequence that has at least one ``loss_mask`` token. Every per-token list is aligned with
+``token_ids`` (prompt and completion of one packed sample, trailing padding trimmed): ``trainer_logprobs`` and
+``entropy`` are shifted right by the trainer so that index t scores ``token_ids[t]``, like
+``inference_logprobs``. Non-finite floats and absent tensors are written as ``null``. ``STABLE`` is touched in a
+step directory once every rank has flushed it.
+
+Layouts read (all ``schema_version`` 1; the version number never changed, the field set did):
+
+- *training-mode* (prime-rl #2592, May 2026, to #2746): ``training_mode`` per record and a per-token ``rewards``
+  list; ``export_step`` / ``run_id`` from #2641 on.
+- *weight-stream* (#2746, June 2026, and later): the component weight streams ``rl_weights``, ``ce_weights``,
+  ``ref_kl_weights`` (``null`` lists mean the defaults: rl weight 1 on the loss mask) replace ``training_mode``
+  and ``rewards``; ``export_step`` / ``run_id`` until #3189 (multi-tenant removed).
+
+A file mixing the two layouts, or holding a field neither has, is refused naming the file and line.
+
+Mapping: ``token_id`` = ``token_ids`` from the first ``loss_mask`` position to the last (``pos`` 0 = the first
+trained token; multi-turn environment tokens in between keep their positions but are not rows); ``mu_logprob`` =
+``inference_logprobs`` (the inference server's); ``pi_logprob`` = ``trainer_logprobs``, the trainer's log-prob
+from the forward pass the loss is computed on. prime-rl takes one optimizer step per batch, so this is also the
+policy before the update: no separate ``old_logprob`` exists and none is imported. ``advantage`` =
+``advantages``; ``entropy`` = ``entropy``; ``kept`` = not ``is_masked`` (the DPPO mask of prime-rl's default
+loss, ``null`` under other losses, then every token reads kept); rows only where ``loss_mask`` is true and (in
+the weight-stream layout) the rl weight is not 0 (tokens trained by cross-entropy alone have no sampling
+log-prob). ``prompt_id`` groups the sequences of a step with the same prompt token ids. The samples table gets
+the sampled sequences; the export decodes nothing, so text comes from the trace streams below (``reward`` is also
+in the training-mode layout).
+
+When ``SRC`` is the run directory (``output_dir / run.name``, shared by trainer and orchestrator), two more files
+are read:
+
+- the orchestrator's trace streams ``rollouts/step_<N>/train/{all,effective}/traces.jsonl``: writer
+  ``src/prime_rl/monitors/file.py`` ``FileMonitor.log_episodes``, one ``orjson`` line per episode,
+  ``verifiers.v1.Episode.to_record()`` (PrimeIntellect-ai/verifiers ``verifiers/v1/episode.py``; the trace record of
+  ``verifiers/v1/trace.py``, ``version`` 1, with its message graph of ``verifiers/v1/graph.py`` ``MessageNode``:
+  ``parent``, ``message``, ``sampled``, ``token_ids``, ``mask``, ``logprobs``, ``advantages``). Each root-to-leaf
+  branch's concatenated ``token_ids`` is exactly the packed sample the trainer exported, so branches are joined
+  to export sequences by token ids, giving the prompt text (the messages before the first sampled one), the
+  response text (the sampled messages), the reward (the sum of ``score * weight`` of ``rewards``),
+  ``finish_reason`` (``stop_condition``) and the GRPO group (``group.id``, as ``prompt_id``). A trace of another
+  record version, or traces of two verifiers versions, are refused.
+- ``metrics.jsonl`` (``FileMonitor.log_metrics``: ``{"step", "time", **metrics}`` per line, non-finite values
+  already dropped by the writer): every number becomes a scalar of the steps table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trustscope.importers.base import ImportedRun, ImportFormatError, Sequence, floats, ints, json_lines
+
+META = ("schema_version", "step", "rank", "micro_step", "micro_sequence_idx", "export_sequence_idx", "env_name")
+TOKEN_LISTS = ("token_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "trainer_logprobs",
+               "entropy", "mismatch_kl", "log_importance_ratio", "importance_ratio", "prob_delta", "is_masked",
+               "is_masked_high", "is_masked_low")
+LAYOUTS = {
+    "training-mode": frozenset({*META, *TOKEN_LISTS, "training_mode", "rewards"}),
+    "weight-stream": frozenset({*META, *TOKEN_LISTS, "rl_weights", "ce_weights", "ref_kl_weights"}),
+}
+OPTIONAL = frozenset({"export_step", "run_id"})  # multi-tenant exports (#2641 to #3189)
+SCHEMA_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_RANK_FILE = re.compile(r"^rank_(\d+)\.jsonl$")
+
+NOTES = {
+    "mu_logprob": "inference_logprobs (the inference server's log-prob of the sampled token)",
+    "pi_logprob": "trainer_logprobs: the trainer's log-prob in the loss's forward pass (one optimizer step per "
+                  "batch, so also the pre-update policy; no separate pi_old exists)",
+    "old_logprob": "not exported by prime-rl (null)",
+    "advantage": "advantages (per token)",
+    "entropy": "entropy (the trainer's, at the loss's temperature)",
+    "kept": "not is_masked (the DPPO mask of prime-rl's default loss; all kept when the loss exports none)",
+    "rows": "loss_mask tokens with a non-zero rl weight, from the first loss_mask token on",
+}
+
+
+def export_files(src: Path) -> list[tuple[int, int, Path]]:
+    """``(step, rank, path)`` of every ``step_<N>/rank_<R>.jsonl`` under ``src`` (a ``token_exports`` directory or
+    the trainer output directory holding one), sorted by step and rank."""
+    root = src / "token_exports" if (src / "token_exports").is_dir() else src
+    if not root.is_dir():
+        raise ImportFormatError(f"{src}: not a directory (expected prime-rl's token_exports/ or its parent)")
+    found = []
+    for step_dir in root.iterdir():
+        m = _STEP_DIR.match(step_dir.name)
+        if not (m and step_dir.is_dir()):
+            continue
+        for path in step_dir.iterdir():
+            r = _RANK_FILE.match(path.name)
+            if r:
+                found.append((int(m.group(1)), int(r.group(1)), path))
+    if not found:
+        raise ImportFormatError(f"{root}: no step_<N>/rank_<R>.jsonl files (prime-rl token export)")
+    stable = {path.parent for _, _, path in found if (path.parent / "STABLE").exists()}
+    if stable:  # writers since #2641 mark every finished step; one without the marker was cut short
+        for _, _, path in sorted(found):
+            if path.parent not in stable:
+                raise ImportFormatError(f"{path.parent}: no STABLE marker while other steps have one: the step was "
+                                        f"not finished by every rank (still running, or the trainer died)")
+    return sorted(found)
+
+
+TRACE_VERSION = 1  # verifiers.v1.trace.TRACE_VERSION
+_TRACE_FILE = re.compile(r"^step_(\d+)/train/(all|effective)/traces\.jsonl$")
+
+
+@dataclass
+class _Branch:
+    """What the trace stream says of one trained sequence."""
+
+    prompt: str | None
+    response: str | None
+    reward: float | None
+    finish_reason: str | None
+    group: str | None
+
+
+def _text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _branches(trace: dict, where: str) -> list[tuple[tuple[int, ...], list[dict]]]:
+    """``(token ids, nodes)`` of each root-to-leaf path of a trace's message graph."""
+    nodes = trace.get("nodes")
+    if not isinstance(nodes, list):
+        raise ImportFormatError(f"{where}: trace 'nodes' must be a list")
+    parents = set()
+    for i, node in enumerate(nodes):
+        parent = node.get("parent") if isinstance(node, dict) else "bad"
+        if parent is not None and not (isinstance(parent, int) and 0 <= parent < i):
+            raise ImportFormatError(f"{where}: node {i} has parent {parent!r}; parents come before their children")
+        parents.add(parent)
+    out = []
+    for leaf in (i for i in range(len(nodes)) if i not in parents):
+        path, nid = [], leaf
+        while nid is not None:
+            path.append(nodes[nid])
+            nid = nodes[nid].get("parent")
+        path.reverse()
+        ids: list[int] = []
+        for node in path:
+            ids.extend(node.get("token_ids") or [])
+        out.append((tuple(ids), path))
+    return out
+
+
+def _trace_branch(episode: dict, trace: dict, path: list[dict]) -> _Branch:
+    first = next((i for i, n in enumerate(path) if n.get("sampled")), len(path))
+    rewards = [r for r in (trace.get("rewards") or {}).values() if isinstance(r, dict)]
+    group = episode.get("group")
+    return _Branch(
+        prompt="\n".join(_text(n.get("message")) for n in path[:first]) or None,
+        response="\n".join(_text(n.get("message")) for n in path[first:] if n.get("sampled")) or None,
+        reward=sum(float(r["score"]) * float(r.get("weight", 1.0)) for r in rewards) if rewards else None,
+        finish_reason=trace.get("stop_condition"),
+        group=str(group["id"]) if isinstance(group, dict) and "id" in group else None,
+    )
+
+
+def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | None, int]:
+    """Branches of every train trace stream under ``run_dir/rollouts``, keyed by their token ids; the verifiers
+    version that wrote them; the number of files read."""
+    root = run_dir / "rollouts"
+    files = sorted(p for p in root.rglob("traces.jsonl") if _TRACE_FILE.match(p.relative_to(root).as_posix()))
+    index: dict[tuple[int, ...], _Branch] = {}
+    seen_version: tuple[str, str] | None = None
+    for path in files:
+        for line, episode in json_lines(path):
+            where = f"{path}:{line}"
+            traces = episode.get("traces") if isinstance(episode, dict) else None
+            if not isinstance(traces, list):
+                raise ImportFormatError(f"{where}: an episode record needs a 'traces' list")
+            for trace in traces:
+                if not isinstance(trace, dict) or trace.get("version") != TRACE_VERSION:
+                    got = trace.get("version") if isinstance(trace, dict) else trace
+                    raise ImportFormatError(f"{where}: trace record version {got!r}, this importer reads "
+                                            f"{TRACE_VERSION}")
+                version = str((trace.get("verifiers") or {}).get("version"))
+                if seen_version is None:
+                    seen_version = (version, where)
+                elif version != seen_version[0]:
+                    raise ImportFormatError(f"{where}: written by verifiers {version}, but {seen_version[1]} by "
+                                            f"{seen_version[0]}: trace streams of two versions are mixed")
+                for ids, path_nodes in _branches(trace, where):
+                    index.setdefault(ids, _trace_branch(episode, trace, path_nodes))
+    return index, seen_version[0] if seen_version else None, len(files)
+
+
+def step_scalars(path: Path) -> dict[int, dict[str, float]]:
+    """``{step: {name: value}}`` from prime-rl's ``metrics.jsonl`` (numbers only; later lines win)."""
+    out: dict[int, dict[str, float]] = {}
+    for line, row in json_lines(path):
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ImportFormatError(f"{path}:{line}: a metrics row needs an integer 'step'")
+        values = {k: float(v) for k, v in row.items() if k not in ("step", "time")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.setdefault(row["step"], {}).update(values)
+    return out
+
+
+def _layout(record: Any, where: str) -> str:
+    if not isinstance(record, dict):
+        raise ImportFormatError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    keys = set(record) - OPTIONAL
+    for name, fields in LAYOUTS.items():
+        if keys == fields:
+            return name
+    best = min(LAYOUTS, key=lambda n: len(keys ^ LAYOUTS[n]))
+    missing, extra = sorted(LAYOUTS[best] - keys), sorted(keys - LAYOUTS[best])
+    raise ImportFormatError(f"{where}: fields match no known token-export layout (closest: {best}; "
+                            f"missing {missing}, unknown {extra})")
+
+
+def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
+    """A JSON list of booleans as ``(T,)`` bool; None when the writer exported none (a list of nulls)."""
+    if not isinstance(values, list):
+        raise ImportFormatError(f"{where}: {name!r} must be a list, got {type(values).__name__}")
+    if values.count(None) == len(values):
+        return None
+    arr = np.array(values)
+    if arr.dtype != np.bool_ or arr.ndim != 1:
+        raise ImportFormatError(f"{where}: {name!r} must hold only booleans (or only nulls)")
+    return arr
+
+
+def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Sequence | None:
+    n = len(record["token_ids"]) if isinstance(record["token_ids"], list) else -1
+    for name in TOKEN_LISTS + (("rewards",) if layout == "training-mode" else ("rl_weights", "ce_weights",
+                                                                                "ref_kl_weights")):
+        value = record[name]
+        if not isinstance(value, list) or len(value) != n:
+            got = len(value) if isinstance(value, list) else type(value).__name__
+            raise ImportFormatError(f"{where}: {name!r} has length {got}, 'token_ids' has {n}")
+    token_ids = ints(record["token_ids"], where, "token_ids")
+    loss_mask = _bools(record["loss_mask"], where, "loss_mask")
+    if loss_mask is None or not loss_mask.any():
+        raise ImportFormatError(f"{where}: no loss_mask token (the writer skips such sequences)")
+    trained = loss_mask.copy()
+    if layout == "weight-stream":
+        rl = floats(record["rl_weights"], where, "rl_weights")
+        trained &= np.where(np.isnan(rl), 1.0, rl) != 0  # null = the default rl weight 1
+    elif record["training_mode"] == "sft":
+        return None
+    idx = np.flatnonzero(loss_mask)
+    first, end = int(idx[0]), int(idx[-1]) + 1
+    span = slice(first, end)
+    is_masked = _bools(record["is_masked"], where, "is_masked")
+    reward = None
+    if layout == "training-mode":
+        rewards = floats(record["rewards"], where, "rewards")[loss_mask]
+        finite = rewards[np.isfinite(rewards)]
+        reward = float(finite[0]) if finite.size else None
+    return Sequence(
+        step=step, rank=rank, where=where,
+        token_id=token_ids[span],
+        mu_logprob=floats(record["inference_logprobs"], where, "inference_logprobs")[span],
+        pi_logprob=floats(record["trainer_logprobs"], where, "trainer_logprobs")[span],
+        advantage=floats(record["advantages"], where, "advantages")[span],
+        entropy=floats(record["entropy"], where, "entropy")[span],
+        mask=trained[span],
+        kept=None if is_masked is None else ~is_masked[span],
+        prompt_key=tuple(token_ids[:first].tolist()),
+        reward=reward,
+        full_ids=token_ids,
+    )
+
+
+def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRun:
+    """Parse and check every export file under ``src``; see the module docstring for the mapping."""
+    src = Path(src)
+    files = export_files(src)
+    sequences: list[Sequence] = []
+    layout_seen: tuple[str, str] | None = None  # (layout, where first seen)
+    skipped_sft = 0
+    any_mask = False
+    for step, rank, path in files:
+        if path.stat().st_size == 0:
+            raise ImportFormatError(f"{path}: empty file (the writer creates it with its first record)")
+        for line, record in json_lines(path):
+            where = f"{path}:{line}"
+            layout = _layout(record, where)
+            if layout_seen is None:
+                layout_seen = (layout, where)
+            elif layout != layout_seen[0]:
+                raise ImportFormatError(f"{where}: {layout} layout, but {layout_seen[1]} is {layout_seen[0]}: "
+                                        f"exports of two prime-rl versions are mixed")
+            if record["schema_version"] != SCHEMA_VERSION:
+                raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
+                                        f"reads {SCHEMA_VERSION}")
+            record_step = record.get("export_step", record["step"])
+            if record_step != step or record["rank"] != rank:
+                raise ImportFormatError(f"{where}: record says step {record_step!r} rank {record['rank']!r}, "
+                                        f"the file is step_{step}/rank_{rank}.jsonl")
+            seq = _sequence(record, layout, step, rank, where)
+            if seq is None:
+                skipped_sft += 1
+                continue
+            any_mask |= seq.kept is not None
+            sequences.append(seq)
+    assert layout_seen is not None  # at least one non-empty file was read
+    layout = layout_seen[0]
+    notes = dict(NOTES)
+    fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout"
+    n_files = len(files)
+    traces, verifiers_version, n_trace_files = trace_index(src) if (src / "rollouts").is_dir() else ({}, None, 0)
+    if n_trace_files:
+        matched = 0
+        for seq in sequences:
+            branch = traces.get(tuple(seq.full_ids.tolist()))
+            if branch is None:
+                continue
+            matched += 1
+            seq.prompt, seq.response, seq.finish_reason = branch.prompt, branch.response, branch.finish_reason
+            seq.reward = branch.reward if branch.reward is not None else seq.reward
+            if branch.group is not None:
+                seq.prompt_key = ("group", branch.group)
+        notes["samples"] = (f"prompt, response, reward, finish_reason and group from rollouts/step_*/train/*/"
+                            f"traces.jsonl, joined by token ids: {matched} of {len(sequences)} sequences matched")
+        fmt += f"; trace streams (trace version {TRACE_VERSION}, verifiers {verifiers_version})"
+        n_files += n_trace_files
+    scalars = step_scalars(src / "metrics.jsonl") if (src / "metrics.jsonl").is_file() else {}
+    if scalars:
+        n_files += 1
+    if not any_mask:
+        notes["kept"] = "all kept: the export carries no is_masked (the loss was not prime-rl's default)"
+    if skipped_sft:
+        notes["skipped"] = f"{skipped_sft} training_mode='sft' sequence(s) (no RL update)"
+    return ImportedRun(
+        framework="prime-rl",
+        version=version or f"unknown (token_export schema_version {SCHEMA_VERSION}, {layout} layout)",
+        format=fmt, src=src, loss_rule="prime-rl:default" if any_mask else "prime-rl", notes=notes,
+        sequences=sequences, scalars=scalars, files=n_files,
+    )

@@ -1,0 +1,517 @@
+"""Input checking and flattening: what ``log_step`` is handed becomes a checked :class:`Batch` of flat numpy rows.
+
+Everything that could fail later on the writer thread is refused here, at the call, naming the field and the
+value: integers that do not fit their column, text that is not valid UTF-8, a step or scalar logged twice.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trustscope import schema as S
+from trustscope.logger.errors import LogWarning
+from trustscope.schema import SchemaError
+
+TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
+SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank"))
+PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
+MAYBE_PER_SEQUENCE = ("advantage",)  # (B,) broadcast over T, or (B, T)
+MAX_STEP = 2**63 - 1  # steps are int64
+DEFAULT_ID_STRIDE = 2**32
+"""Default sample ids of rank r are ``r * DEFAULT_ID_STRIDE + i``, so ranks that pass none never collide."""
+
+
+def _is_tensor(x: Any) -> bool:
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # torch may be importing in the writer thread
+    return tensor is not None and isinstance(x, tensor)
+
+
+def _to_numpy(x: Any, name: str) -> np.ndarray:
+    """A numpy view or copy of a tensor, array, scalar or (nested, rectangular) list."""
+    if _is_tensor(x):
+        x = x.detach()
+        if x.is_floating_point() and x.dtype.itemsize < 4:
+            x = x.float()
+        return x.cpu().numpy()
+    try:
+        arr = np.asarray(x)
+    except ValueError as err:
+        raise SchemaError(f"{name}: cannot be read as an array ({err})") from None
+    if arr.dtype == object:
+        raise SchemaError(f"{name}: ragged or non-numeric values cannot form an array; pass mask=None with one "
+                          f"sequence per sample for ragged input")
+    return arr
+
+
+def _is_ragged(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and not np.isscalar(x[0]) and x[0] is not None
+
+
+def _as_float(arr: np.ndarray, name: str) -> np.ndarray:
+    if arr.dtype.kind not in "fiub":
+        raise SchemaError(f"{name}: expected numbers, got dtype {arr.dtype}")
+    return arr.astype(np.float32, copy=False)
+
+
+def _as_int(arr: np.ndarray, name: str, dtype: type = np.int64) -> np.ndarray:
+    """``arr`` as integers of ``dtype``; refuses non-integers and values that do not fit (no silent wrap-around)."""
+    info = np.iinfo(dtype)
+    if arr.dtype.kind == "f":
+        ok = np.isfinite(arr) & (arr == np.round(arr))
+        if arr.size and not ok.all():
+            raise SchemaError(f"{name}: expected integers, got {arr[~ok][0]}")
+        fits = (arr >= float(info.min)) & (arr < -float(info.min))  # -min is 2**(bits-1), exact in float64
+    elif arr.dtype.kind in "iu":
+        fits = None if not arr.size or (arr.min() >= info.min and arr.max() <= info.max) else \
+            (arr >= info.min) & (arr <= info.max)
+    elif arr.dtype.kind == "b":
+        fits = None
+    else:
+        raise SchemaError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if fits is not None and not fits.all():
+        raise SchemaError(f"{name}: {arr[~fits][0]} does not fit the column's {np.dtype(dtype).name} "
+                          f"(must be in [{info.min}, {info.max}])")
+    return arr.astype(dtype, copy=False)
+
+
+def check_text(values: list[Any], name: str, where: str = "row", ids: Any = None) -> None:
+    """Refuse a string that cannot be stored as UTF-8 (a lone surrogate), naming the field, where, and the text."""
+    for i, value in enumerate(values):
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                at = f"{where} {i if ids is None else ids[i]}"
+                raise Rejected(f"{name} at {at} is not valid UTF-8 text ({err.reason} at character {err.start}: "
+                               f"{value[max(0, err.start - 10): err.start + 10]!r})") from None
+
+
+def _keep_hash(seed: int, step: int, sample_id: np.ndarray) -> np.ndarray:
+    """A uniform value in [0, 1) per sample, from (seed, step, sample_id) alone (splitmix64), so ranks agree."""
+    with np.errstate(over="ignore"):
+        z = sample_id.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % 2**64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def _within(arr: np.ndarray, low: float, high: float, finite: bool = False) -> bool:
+    """Fast check by two reductions (no temporaries): every value in [low, high] (and finite) and none NaN."""
+    if arr.size == 0:
+        return True
+    lo, hi = arr.min(), arr.max()  # NaN propagates into both
+    if finite and (np.isinf(lo) or np.isinf(hi)):
+        return False
+    return bool(lo >= low) and bool(hi <= high)
+
+
+@dataclass
+class Batch:
+    """One call's data, checked and flattened to token rows; owned by the writer thread once queued."""
+
+    step: int
+    loss_rule: str
+    tokens: dict[str, np.ndarray] | None  # flat columns, N rows (top-K: (N, K))
+    samples: dict[str, Any] | None
+    scalars: list[tuple[str, float]] = field(default_factory=list)
+    n_generated: int = 0  # masked response tokens handed in, before sampling and dropping
+    dropped_rows: int = 0  # bad token rows dropped (strict=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return 0 if self.tokens is None else len(self.tokens["token_id"])
+
+
+class Rejected(Exception):
+    """A problem that drops the whole call (strict=False) or raises SchemaError (strict)."""
+
+
+class _RowChecker:
+    """Collects row problems (strict: raise at once; not strict: drop rows with a warning)."""
+
+    def __init__(self, strict: bool, n: int, where: Any):
+        self.strict = strict
+        self.bad = np.zeros(n, dtype=bool)
+        self.where = where  # callable(row index) -> str
+        self.messages: list[str] = []
+
+    def rows(self, ok: np.ndarray, name: str, what: str, values: np.ndarray) -> None:
+        """Flag the rows where element-wise ``ok`` (shape of ``values``: ``(N,)`` or ``(N, K)``) is False."""
+        ok_rows = ok if ok.ndim == 1 else ok.all(axis=1)
+        if ok_rows.all():
+            return
+        idx = np.flatnonzero(~ok_rows)
+        first = values[idx[0]] if ok.ndim == 1 else values[idx[0]][~ok[idx[0]]][0]
+        msg = f"{name} {what}, got {first.item()} at {self.where(idx[0])} ({len(idx)} bad row(s))"
+        if self.strict:
+            raise SchemaError(msg)
+        self.bad[idx] = True
+        self.messages.append(msg)
+
+
+def _flatten_tokens(
+    tokens: Mapping[str, Any], mask: Any
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Token columns as flat rows. Returns (columns, row -> sequence index b, row -> pos, lengths (B,)).
+
+    Per-token columns become ``(N,)``, top-K columns ``(N, K)``, per-sequence columns are broadcast.
+    """
+    if "token_id" not in tokens:
+        raise Rejected("tokens['token_id'] is required")
+    if mask is None and isinstance(tokens["token_id"], (list, tuple)):
+        return _flatten_ragged(tokens)
+    token_id = _to_numpy(tokens["token_id"], "tokens['token_id']")
+    if token_id.ndim != 2:
+        raise Rejected(f"tokens['token_id'] must be (B, T) with a mask, or ragged with mask=None; "
+                        f"got shape {token_id.shape}")
+    B, T = token_id.shape
+    if mask is None:
+        m = np.ones((B, T), dtype=bool)
+    else:
+        m = _to_numpy(mask, "mask")
+        if m.shape != (B, T):
+            raise Rejected(f"mask has shape {m.shape}, tokens['token_id'] has {(B, T)}: they must agree")
+        if m.dtype != np.bool_:
+            if not np.isin(m, (0, 1)).all():
+                raise Rejected(f"mask must be boolean (or 0/1), got value {m[~np.isin(m, (0, 1))][0]}")
+            m = m.astype(bool)
+    full = bool(m.all())
+    if full:
+        b = np.repeat(np.arange(B), T)
+        t = np.tile(np.arange(T, dtype=np.int32), B)
+    else:
+        b, t = np.nonzero(m)
+        t = t.astype(np.int32)
+    cols: dict[str, np.ndarray] = {}
+    for name, value in tokens.items():
+        arr = _to_numpy(value, f"tokens[{name!r}]")
+        label = f"tokens[{name!r}]"
+        if name in S.TOPK_COLUMNS:
+            if arr.ndim != 3 or arr.shape[:2] != (B, T):
+                raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
+            cols[name] = arr.reshape(B * T, -1).copy() if full else arr[b, t]
+        elif name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and arr.ndim == 1):
+            if arr.shape != (B,):
+                raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
+            cols[name] = arr[b]
+        else:
+            if arr.shape != (B, T):
+                raise Rejected(f"{label} must have shape (B, T) = ({B}, {T}), got {arr.shape}")
+            cols[name] = arr.reshape(-1).copy() if full else arr[b, t]
+    return cols, b, t, m.sum(axis=1)
+
+
+def _flatten_ragged(tokens: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    seqs = tokens["token_id"]
+    B = len(seqs)
+    firsts = [_to_numpy(s, f"tokens['token_id'][{i}]") for i, s in enumerate(seqs)]
+    for i, arr in enumerate(firsts):
+        if arr.ndim != 1:
+            raise Rejected(f"tokens['token_id'][{i}] must be a 1-D sequence of ids, got shape {arr.shape}")
+    lengths = np.array([len(arr) for arr in firsts], dtype=np.int64)
+    b = np.repeat(np.arange(B), lengths)
+    t = (np.arange(len(b)) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.int32)
+    cols: dict[str, np.ndarray] = {}
+    for name, value in tokens.items():
+        label = f"tokens[{name!r}]"
+        if name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and not _is_ragged(value)):
+            arr = _to_numpy(value, label)
+            if arr.shape != (B,):
+                raise Rejected(f"{label} must have one value per sample, shape ({B},), got {arr.shape}")
+            cols[name] = arr[b]
+            continue
+        if not isinstance(value, (list, tuple)) or len(value) != B:
+            raise Rejected(f"{label} must be a list of {B} per-sample sequences (like tokens['token_id']), "
+                            f"got {type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
+        parts = [_to_numpy(v, f"{label}[{i}]") for i, v in enumerate(value)]
+        for i, part in enumerate(parts):
+            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in S.TOPK_COLUMNS else part.ndim == 1
+            if part.ndim == 0 or len(part) != lengths[i] or not ndim_ok:
+                want = f"({lengths[i]}, K)" if name in S.TOPK_COLUMNS else f"({lengths[i]},)"
+                raise Rejected(f"{label}[{i}] has shape {part.shape}, but tokens['token_id'][{i}] has length "
+                                f"{lengths[i]}: expected {want}")
+        if name in S.TOPK_COLUMNS:
+            ks = {p.shape[1] for p in parts if p.ndim == 2}
+            if len(ks) > 1:
+                raise Rejected(f"{label}: top-K lists of several lengths {sorted(ks)} in one call")
+            k = ks.pop() if ks else 0
+            parts = [p.reshape(-1, k) for p in parts]
+        cols[name] = np.concatenate(parts) if parts else np.zeros(0)
+    return cols, b, t, lengths
+
+
+def _n_samples(samples: Mapping[str, Any] | None) -> int:
+    if not samples:
+        return 0
+    name, value = next(iter(samples.items()))
+    try:
+        return len(value)
+    except TypeError:
+        raise Rejected(f"samples[{name!r}] must be a sequence with one value per sample, got {value!r}") from None
+
+
+class InputChecker:
+    """Checks and flattens ``log_step``'s arguments into a :class:`Batch`, keeping what it must remember across
+    calls: the last step, the sample ids and scalar names already logged at it, and the run's top-K K."""
+
+    def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
+                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None):
+        self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
+        self.token_fraction, self.seed = token_fraction, seed
+        self.vocab_size = vocab_size
+        self._k = topk_k
+        self._disk_last_step = disk_last_step
+        self._last_step: int | None = None  # last step accepted by log_step in this process
+        self._step_sample_ids: set[int] = set()
+        self._step_scalars: set[str] = set()
+        self._next_default_id = 0  # default sample ids count on over the micro-batches of a step
+
+    def prepare(self, step: Any, tokens: Mapping[str, Any] | None, mask: Any, samples: Mapping[str, Any] | None,
+                scalars: Mapping[str, Any] | None, loss_rule: str | None) -> Batch:
+        """The checked batch of one call; raises :class:`Rejected` or :class:`SchemaError` (strict) on bad input."""
+        step = self._check_step(step)
+        new_step = step != self._last_step
+        loss_rule = self.loss_rule if loss_rule is None else loss_rule
+        if not isinstance(loss_rule, str) or not loss_rule:
+            raise Rejected(f"loss_rule must be a non-empty string, got {loss_rule!r}")
+        check_text([loss_rule], "loss_rule")
+        for what, given, allowed in (("tokens", tokens, TOKEN_INPUTS), ("samples", samples, SAMPLE_INPUTS)):
+            unknown = sorted(set(given or {}) - set(allowed))
+            if unknown:
+                raise Rejected(f"unknown column(s) {unknown} in {what}; allowed: {list(allowed)}")
+        if mask is not None and tokens is None:
+            raise Rejected("mask given without tokens")
+        batch = Batch(step=step, loss_rule=loss_rule, tokens=None, samples=None,
+                      scalars=self._check_scalars(step, new_step, scalars))
+        new_ids: list[int] = []
+        defaults = 0
+        if tokens or samples:
+            lengths = None
+            if tokens:
+                cols, b, t, lengths = _flatten_tokens(tokens, mask)
+                batch.n_generated = len(b)
+            n_seq = len(lengths) if lengths is not None else _n_samples(samples)
+            sample_ids, defaults = self._sequence_ids(step, new_step, tokens, samples, n_seq)
+            if samples:
+                batch.samples = self._check_samples(samples, n_seq, lengths, sample_ids)
+            if tokens:
+                batch.tokens, batch.dropped_rows = self._check_tokens(step, cols, b, t, sample_ids, samples)
+            new_ids = sample_ids["sample_id"].tolist()
+        if new_step:  # accepted: remember what this step holds
+            self._step_sample_ids, self._step_scalars, self._next_default_id = set(), set(), 0
+        self._step_sample_ids.update(new_ids)
+        self._step_scalars.update(name for name, _ in batch.scalars)
+        self._next_default_id += defaults
+        self._last_step = step
+        return batch
+
+    def _check_step(self, step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise Rejected(f"step must be an int, got {step!r} ({type(step).__name__})")
+        step = int(step)
+        if not 0 <= step <= MAX_STEP:
+            raise Rejected(f"step must be in [0, 2**63 - 1] (int64), got {step}")
+        if self._last_step is not None and step < self._last_step:
+            raise Rejected(f"step {step} goes backwards: step {self._last_step} was already logged")
+        if self._last_step is None and self._disk_last_step is not None and step <= self._disk_last_step:
+            raise Rejected(f"step {step} is not after step {self._disk_last_step}, the last step of rank "
+                            f"{self.rank} already on disk in resumed run {self.run_id!r}")
+        return step
+
+    def _check_scalars(self, step: int, new_step: bool, scalars: Mapping[str, Any] | None) -> list[tuple[str, float]]:
+        """``(name, value)`` pairs; a name already logged at this step (an earlier micro-batch) is refused: the
+        ``steps`` table holds one value per (step, rank, name)."""
+        out = []
+        for name, value in (scalars or {}).items():
+            if not isinstance(name, str) or not name:
+                raise Rejected(f"scalar names must be non-empty strings, got {name!r}")
+            check_text([name], "scalar name")
+            if not new_step and name in self._step_scalars:
+                raise Rejected(f"scalars[{name!r}] was already logged at step {step} by rank {self.rank}: log each "
+                               f"scalar once per step (e.g. with the step's last micro-batch), or under another name")
+            try:
+                out.append((name, float(value)))
+            except (TypeError, ValueError, OverflowError):
+                raise Rejected(f"scalars[{name!r}] must be a number, got {value!r}") from None
+        return out
+
+    def _sequence_ids(self, step: int, new_step: bool, tokens: Mapping[str, Any] | None,
+                      samples: Mapping[str, Any] | None, n_seq: int) -> tuple[dict[str, np.ndarray], int]:
+        """Per-sequence sample_id and prompt_id ``(B,)``, from tokens or samples; checked to agree and be unique.
+
+        Returns them and how many default sample ids were used: without a given sample_id, rank r's sequences
+        get ``r * DEFAULT_ID_STRIDE + i``, ``i`` counting on over the micro-batches of the step.
+        """
+        defaults = 0
+        ids: dict[str, np.ndarray] = {}
+        for name in PER_SEQUENCE:
+            found = []
+            for what, given in (("tokens", tokens), ("samples", samples)):
+                if given and name in given:
+                    arr = _as_int(_to_numpy(given[name], f"{what}[{name!r}]"), f"{what}[{name!r}]").reshape(-1)
+                    if arr.shape != (n_seq,):
+                        raise Rejected(f"{what}[{name!r}] must have one value per sample ({n_seq}), "
+                                        f"got shape {arr.shape}")
+                    found.append((what, arr))
+            if len(found) == 2 and not np.array_equal(found[0][1], found[1][1]):
+                i = int(np.flatnonzero(found[0][1] != found[1][1])[0])
+                raise Rejected(f"tokens[{name!r}] and samples[{name!r}] disagree at sample row {i}: "
+                                f"{found[0][1][i]} vs {found[1][1][i]}")
+            if found:
+                ids[name] = found[0][1]
+            elif name == "sample_id":
+                first = self.rank * DEFAULT_ID_STRIDE + (0 if new_step else self._next_default_id)
+                ids[name] = np.arange(first, first + n_seq, dtype=np.int64)
+                defaults = n_seq
+            else:
+                raise Rejected("prompt_id is required: pass tokens['prompt_id'] or samples['prompt_id'] (B,)")
+        sid = ids["sample_id"]
+        if (sid < 0).any():
+            raise Rejected(f"sample_id must be >= 0, got {sid[sid < 0][0]}")
+        uniq, counts = np.unique(sid, return_counts=True)
+        if (counts > 1).any():
+            raise Rejected(f"sample_id {uniq[counts > 1][0]} appears twice in one call; sample_id must be unique "
+                            f"within a step")
+        if not new_step:
+            again = self._step_sample_ids.intersection(sid.tolist())
+            if again:
+                raise Rejected(f"sample_id {min(again)} was already logged at step {self._last_step}")
+        return ids, defaults
+
+    def _check_samples(self, samples: Mapping[str, Any], n_seq: int, lengths: np.ndarray | None,
+                       ids: dict[str, np.ndarray]) -> dict[str, Any]:
+        out: dict[str, Any] = dict(ids)
+        for name in ("prompt", "response", "finish_reason"):
+            if name in samples:
+                values = list(samples[name])
+                if len(values) != n_seq:
+                    raise Rejected(f"samples[{name!r}] has {len(values)} value(s), expected one per sample ({n_seq})")
+                bad = [v for v in values if v is not None and not isinstance(v, str)]
+                if bad:
+                    raise Rejected(f"samples[{name!r}] must hold strings, got {bad[0]!r}")
+                check_text(values, f"samples[{name!r}]", "sample_id", ids["sample_id"])
+                out[name] = values
+        for name in ("reward", "advantage"):
+            if name in samples:
+                label = f"samples[{name!r}]"
+                arr = _as_float(_to_numpy(samples[name], label), label).reshape(-1)
+                if arr.shape != (n_seq,):
+                    raise Rejected(f"{label} must have one value per sample ({n_seq}), got shape {arr.shape}")
+                if not np.isfinite(arr).all():
+                    i = int(np.flatnonzero(~np.isfinite(arr))[0])
+                    raise Rejected(f"{label} must be finite, got {arr[i]} at sample_id {ids['sample_id'][i]}")
+                out[name] = arr.copy()
+        if "length" in samples:
+            label = "samples['length']"
+            length = _as_int(_to_numpy(samples["length"], label), label, np.int32).reshape(-1)
+            if length.shape != (n_seq,):
+                raise Rejected(f"{label} must have one value per sample ({n_seq}), got shape {length.shape}")
+            if lengths is not None and (length != lengths).any():
+                i = int(np.flatnonzero(length != lengths)[0])
+                raise Rejected(f"{label} is {length[i]} at sample_id {ids['sample_id'][i]}, but the mask (or the "
+                                f"ragged token_id) gives length {lengths[i]}")
+            if (length < 0).any():
+                raise Rejected(f"{label} must be >= 0, got {length[length < 0][0]}")
+            out["length"] = length.astype(np.int32)
+        elif lengths is not None:
+            out["length"] = lengths.astype(np.int32)
+        else:
+            raise Rejected("samples['length'] is required when no tokens are logged with the samples")
+        return out
+
+    def _check_tokens(self, step: int, cols: dict[str, np.ndarray], b: np.ndarray, t: np.ndarray,
+                      ids: dict[str, np.ndarray], samples: Mapping[str, Any] | None
+                      ) -> tuple[dict[str, np.ndarray], int]:
+        """Check flat token rows; returns the columns of the rows to write (bad rows dropped when not strict) and
+        how many rows were dropped."""
+        for name in ("mu_logprob", "pi_logprob"):
+            if name not in cols:
+                raise Rejected(f"tokens[{name!r}] is required")
+        if "advantage" not in cols:
+            if samples is None or "advantage" not in samples:
+                raise Rejected("advantage is required: pass tokens['advantage'] ((B, T) or (B,)) or "
+                                "samples['advantage'] (B,)")
+            label = "samples['advantage']"
+            cols["advantage"] = _as_float(_to_numpy(samples["advantage"], label), label).reshape(-1)[b]
+        cols["sample_id"] = ids["sample_id"][b]
+        cols["prompt_id"] = ids["prompt_id"][b]
+        cols["pos"] = t
+        sid = cols["sample_id"]
+        check = _RowChecker(self.strict, len(b), lambda i: f"sample_id {sid[i]}, pos {t[i]}")
+
+        self._check_ids(cols, "token_id", check)
+        for name in (*S.LOGPROB_COLUMNS, *S.TOPK_LOGPROB_COLUMNS):
+            if name not in cols:
+                continue
+            arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
+            if not _within(arr, -np.inf, S.LOGPROB_TOLERANCE, finite=True):
+                finite = np.isfinite(arr)
+                check.rows(finite, f"tokens[{name!r}]", "must be finite", arr)
+                check.rows(~finite | (arr <= S.LOGPROB_TOLERANCE), f"tokens[{name!r}]",
+                           f"must be a log-probability (<= 0, tolerance {S.LOGPROB_TOLERANCE})", arr)
+            if arr.size and arr.max() > 0:  # float rounding of log 1, within the tolerance: store 0
+                np.minimum(arr, 0.0, out=arr)
+        for name, low, high in (("advantage", -np.inf, np.inf), ("entropy", -S.LOGPROB_TOLERANCE, np.inf),
+                                ("topk_tv", 0.0, 1.0 + 1e-6), ("topk_kl", -1e-6, np.inf)):
+            if name in cols:
+                arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
+                if not _within(arr, low, high, finite=True):
+                    what = "must be finite" if name == "advantage" else f"must be finite and in [{low}, {high}]"
+                    check.rows(np.isfinite(arr) & (arr >= low) & (arr <= high), f"tokens[{name!r}]", what, arr)
+        if "kept" in cols:
+            kept = cols["kept"]
+            if kept.dtype != np.bool_:
+                check.rows(np.isin(kept, (0, 1)), "tokens['kept']", "must be boolean (or 0/1)", kept)
+                cols["kept"] = kept.astype(bool)
+        self._check_topk(cols, check)
+
+        keep = ~check.bad
+        dropped = int(check.bad.sum())
+        if check.messages:
+            warnings.warn(f"trustscope: dropped {int(check.bad.sum())} token row(s): " + "; ".join(check.messages),
+                          LogWarning, stacklevel=4)
+        if self.token_fraction < 1.0:
+            keep &= _keep_hash(self.seed, step, sid) < self.token_fraction
+        if not keep.all():
+            cols = {name: arr[keep] for name, arr in cols.items()}
+        return cols, dropped
+
+    def _check_ids(self, cols: dict[str, np.ndarray], name: str, check: _RowChecker) -> None:
+        """Token ids as int32 in ``[0, vocab size)``; one reduction when all are fine (the common case)."""
+        label = f"tokens[{name!r}]"
+        upper = self.vocab_size if self.vocab_size is not None else np.iinfo(np.int32).max
+        ids = cols[name]
+        if ids.dtype.kind in "iu":  # seen as unsigned, a negative id is huge: the max alone checks both ends
+            unsigned = ids.view(f"u{ids.dtype.itemsize}")
+            if not ids.size or unsigned.max() < upper:  # then it fits int32 too: upper <= 2**31 - 1
+                cols[name] = ids.astype(np.int32, copy=False)
+                return
+        ids = cols[name] = _as_int(ids, label, np.int32)
+        if not _within(ids, 0, upper - 1):
+            check.rows((ids >= 0) & (ids < upper), label, f"must be in [0, {upper})", ids)
+
+    def _check_topk(self, cols: dict[str, np.ndarray], check: _RowChecker) -> None:
+        given = [name for name in S.TOPK_COLUMNS if name in cols]
+        if not given:
+            return
+        if "mu_topk_ids" not in cols or "mu_topk_logprobs" not in cols:
+            raise Rejected(f"top-K needs both tokens['mu_topk_ids'] and tokens['mu_topk_logprobs'], got {given}")
+        ks = {name: cols[name].shape[1] for name in given}
+        k = ks["mu_topk_ids"]
+        for name, kk in ks.items():
+            if kk != k:
+                raise Rejected(f"tokens[{name!r}] has K = {kk}, but tokens['mu_topk_ids'] has K = {k}")
+        if self._k is not None and k != self._k:
+            raise Rejected(f"tokens['mu_topk_ids'] has K = {k}, but this run logs K = {self._k}")
+        if k < 1:
+            raise Rejected("tokens['mu_topk_ids'] has K = 0; leave the top-K columns out instead")
+        self._k = k
+        self._check_ids(cols, "mu_topk_ids", check)
+

@@ -1,0 +1,521 @@
+"""Run files and status: the run directory and its lock, the manifests (``run.json``, ``ranks/rank<r>.json``) with
+the committed flush, the vocab, and the status readers the dashboard calls (:func:`run_status`, :func:`run_summary`).
+
+The manifest is the commit record of a rank: a flush's files become visible to readers when the manifest that
+names its number as ``committed_flush`` replaces the previous one (see :func:`trustscope.schema.committed_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trustscope import __version__
+from trustscope import schema as S
+from trustscope.logger.errors import LogDirError, LogWarning
+from trustscope.schema import SchemaError
+
+RUN_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+STALE_AFTER_FLUSHES = 4
+"""A ``running`` rank whose manifest is older than this many ``flush_seconds`` (and :data:`STALE_MIN_S`) reads
+``stale``: its writer updates the manifest at least once per ``flush_seconds`` while it lives."""
+STALE_MIN_S = 120.0
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks (Linux), to tell a live writer from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def pid_alive(pid: int, start: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if start is not None and Path("/proc").is_dir():
+        return process_start(pid) == start
+    return True
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write ``obj`` to a temporary name and rename it over ``path``; on failure no temporary file is left."""
+    tmp = S.tmp_path(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the directory may be read-only by now
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def resolve_rank(rank: int | None = None) -> int:
+    """The process's rank: ``rank`` if given, else torch.distributed's (when initialised), else ``$RANK``, else 0."""
+    if rank is not None:
+        return int(rank)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_file(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its status: ``run.json`` for rank 0, ``ranks/rank<r>.json`` for the others."""
+    return run_dir / S.MANIFEST if rank == 0 else run_dir / S.RANKS_DIR / f"rank{rank:04d}.json"
+
+
+def vocab_texts(vocab: Any) -> list[str]:
+    """Token texts indexed by id from a list, a {id: text} dict or a Hugging Face tokenizer."""
+    if isinstance(vocab, Mapping):
+        size = max(vocab) + 1 if vocab else 0
+        texts: list[Any] = [None] * size
+        for i, text in vocab.items():
+            texts[int(i)] = text
+        return texts
+    if isinstance(vocab, Sequence) and not isinstance(vocab, str):
+        return list(vocab)
+    if hasattr(vocab, "decode") and hasattr(vocab, "__len__"):
+        return [vocab.decode([i]) for i in range(len(vocab))]
+    raise TypeError(f"vocab must be a list of texts, a {{id: text}} dict or a tokenizer, got {type(vocab).__name__}")
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` as plain JSON values (dataclasses and paths included); checked here so close() cannot fail on it."""
+    if obj is None:
+        return None
+    if hasattr(obj, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        obj = asdict(obj)
+    return json.loads(json.dumps(obj, default=str))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SchemaError(f"{path}: unreadable manifest ({err})") from None
+    if not isinstance(data, dict):
+        raise SchemaError(f"{path}: manifest is not a JSON object")
+    return data
+
+
+NO_LOCKS = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK})
+"""flock errors of file systems that offer no locks (e.g. Lustre mounted ``noflock``): logging goes on, unlocked."""
+
+
+class RunLock:
+    """An exclusive lock on ``<run>/.r<rank>.lock`` while a logger writes that rank; the file names the owner.
+
+    An ``flock``: the kernel drops it when its process dies, so the lock of a dead writer is taken over at once.
+    The file is removed on release; a lock taken on a file that was removed meanwhile is taken again.
+    """
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.path = run_dir / f"{S.TMP_PREFIX}r{rank:04d}.lock"
+        self._fd: int | None = None
+
+    def acquire(self, run_id: str, rank: int) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = self._owner(fd)
+                os.close(fd)
+                raise LogDirError(f"run {run_id!r} rank {rank} is being written by another logger (pid "
+                                  f"{owner.get('pid', '?')} on host {owner.get('hostname', '?')}, since "
+                                  f"{owner.get('at', '?')}; lock {str(self.path)!r}); close it first, or log "
+                                  f"another rank or run_id") from None
+            except OSError as err:
+                if err.errno not in NO_LOCKS:
+                    os.close(fd)
+                    raise
+                warnings.warn(f"trustscope: {str(self.path)!r} cannot be locked on this file system ({err}); a "
+                              f"second logger on run {run_id!r} rank {rank} will not be detected", LogWarning,
+                              stacklevel=4)
+                break
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its owner released and removed it while we waited for it: take the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(), "at": now()}).encode())
+        self._fd = fd
+
+    @staticmethod
+    def _owner(fd: int) -> dict:
+        try:
+            owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return owner if isinstance(owner, dict) else {}
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):  # a read-only directory keeps it: the next owner takes it over
+                self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class RunFiles:
+    """One rank's files of a run: the directory (opened under :class:`RunLock`), the manifest, the vocab.
+
+    ``open`` creates or reopens the run; ``commit`` makes a flush visible; ``finish`` records the final status.
+    """
+
+    def __init__(self, logdir: Path, run_id: str, rank: int):
+        self.logdir, self.run_id, self.rank = logdir, run_id, rank
+        self.run_dir = logdir / run_id
+        self.path = rank_file(self.run_dir, rank)
+        self.lock = RunLock(self.run_dir, rank)
+        self.manifest: dict[str, Any] = {}
+        self._manifest_lock = threading.Lock()  # the writer thread saves, the training thread reads
+        self.disk_last_step: int | None = None
+        """The last step of this rank in the committed files already on disk (resume), else None."""
+        self.next_flush = 1
+        self.prior_lost: dict | None = None
+        """What earlier sessions of this rank lost (resume); this session's losses are added to it."""
+        self.saved_at = time.monotonic()
+        """When the manifest was last written (monotonic clock)."""
+
+    # --------------------------------------------------------------------------------------------- opening
+
+    def open(self, resume: bool) -> None:
+        """Create the run directory, take the rank's lock, and check or clean what a previous writer left."""
+        try:
+            for sub in (*S.TABLES, S.RANKS_DIR):
+                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / f".probe-{secrets.token_hex(4)}{S.TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+            self.lock.acquire(self.run_id, self.rank)
+        except LogDirError:
+            raise
+        except OSError as err:
+            raise LogDirError(f"log directory {str(self.logdir)!r} cannot be written: {err}") from None
+        try:
+            self._check_existing(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _check_existing(self, resume: bool) -> None:
+        mine = [p for t in S.TABLES for p in (self.run_dir / t).iterdir()
+                if (name := S.parse_data_file(p.name)) is not None and name.rank == self.rank]
+        exists = self.path.exists() or bool(mine)
+        if exists and not resume:
+            raise LogDirError(f"run {self.run_id!r} already exists in {str(self.logdir)!r} (rank {self.rank}); "
+                              f"pass resume=True to continue it, or choose another run_id")
+        if not exists:
+            return
+        prefix = f"{S.TMP_PREFIX}r{self.rank:04d}-"
+        for table in S.TABLES:  # half-written files of a writer that died; no reader ever saw them
+            for stale in (self.run_dir / table).glob(f"{prefix}*{S.TMP_SUFFIX}"):
+                stale.unlink(missing_ok=True)
+        committed = {p for files in S.committed_files(self.run_dir).values() for p in files}
+        for path in mine:  # files of a flush whose commit never happened: never visible, and removed now
+            if path not in committed:
+                path.unlink(missing_ok=True)
+        kept = [S.parse_data_file(p.name) for p in mine if p in committed]
+        steps = [n.last_step for n in kept if n is not None]
+        self.disk_last_step = max(steps) if steps else None
+        flushes = [n.flush for n in kept if n is not None and n.flush is not None]
+        self.next_flush = max(flushes, default=0) + 1
+
+    def start_manifest(self, resume: bool, run_info: dict[str, Any], logging_info: dict[str, Any]) -> int | None:
+        """Write the manifest of a new or resumed rank; returns the top-K K already logged (resume), else None.
+
+        ``run_info``: what rank 0 records about the run (config, model, loss_rule, ...).
+        """
+        process = {"pid": os.getpid(), "pid_start": process_start(os.getpid()), "hostname": socket.gethostname()}
+        if resume and self.path.exists():
+            old = read_json(self.path)
+            if old.get("schema_version", S.SCHEMA_VERSION) != S.SCHEMA_VERSION:
+                raise SchemaError(f"{self.path}: schema_version {old.get('schema_version')!r}; this trustscope "
+                                  f"writes {S.SCHEMA_VERSION} and cannot append to it")
+            topk_k = old.get("logging", {}).get("topk_k")
+            self.prior_lost = old.get("lost")
+            entry = {"at": now(), **process, "last_step_on_disk": self.disk_last_step,
+                     "previous_status": old.get("status")}
+            config = run_info.get("config")
+            if config is not None and config != old.get("config"):
+                entry["config"] = config
+            self.next_flush = max(self.next_flush, int(old.get("committed_flush") or 0) + 1)
+            self.manifest = {**old, **process, "status": "running", "updated_at": now(), "finished_at": None,
+                             "error": None, "logging": {**logging_info, "topk_k": topk_k},
+                             "committed_flush": self.next_flush - 1,
+                             "resumes": [*old.get("resumes", []), entry]}
+            self.manifest.setdefault("tokens_generated", None)  # unknown for files of older loggers
+            self.manifest.setdefault("tokens_logged", None)
+            self.save()
+            return topk_k
+        self.manifest = {
+            "run_id": self.run_id,
+            "schema_version": S.SCHEMA_VERSION,
+            "trustscope_version": __version__,
+            "rank": self.rank,
+            "world_size": world_size(),
+            "status": "running",
+            **process,
+            "created_at": now(),
+            "updated_at": now(),
+            "finished_at": None,
+            "error": None,
+        }
+        if self.rank == 0:
+            self.manifest.update(run_info)
+        self.manifest.update(logging=logging_info, last_step=self.disk_last_step, rows=dict.fromkeys(S.TABLES, 0),
+                             committed_flush=self.next_flush - 1, tokens_generated=0, tokens_logged=0,
+                             dropped_rows=0, lost=None, resumes=[])
+        self.save()
+        return None
+
+    def write_vocab(self, texts: list[Any]) -> None:
+        path = self.run_dir / S.VOCAB_FILE
+        table = pa.table({"token_id": pa.array(np.arange(len(texts), dtype=np.int32)), "text": pa.array(texts)},
+                         schema=S.with_metadata("vocab"))
+        tmp = S.tmp_path(path)
+        pq.write_table(table, tmp, **S.WRITE_OPTIONS["vocab"].writer_kwargs())
+        os.replace(tmp, path)
+
+    # ----------------------------------------------------------------------------------------- manifest
+
+    def save(self, **changes: Any) -> None:
+        """Update the manifest (``updated_at`` too) and write it atomically; raises the OSError if it fails."""
+        update = {**changes, "updated_at": now()}
+        write_json_atomic(self.path, {**self.manifest, **update})
+        with self._manifest_lock:
+            self.manifest.update(update)
+        self.saved_at = time.monotonic()
+
+    def snapshot(self) -> dict:
+        """A deep copy of the manifest as last written."""
+        with self._manifest_lock:
+            return json.loads(json.dumps(self.manifest, default=str))
+
+    def commit(self, flush: int, rows: Mapping[str, int], last_step: int | None, counts: Mapping[str, int],
+               topk_k: int | None, lost: dict | None) -> None:
+        """Make flushes up to ``flush`` visible: their rows, last step and token counts enter the manifest with
+        ``committed_flush = flush``, in one atomic write. Raises the OSError if the manifest cannot be written."""
+        m = self.manifest
+        total = {t: m["rows"].get(t, 0) + rows.get(t, 0) for t in S.TABLES}
+        prev = m.get("last_step")
+        step = prev if last_step is None or (prev is not None and prev >= last_step) else last_step
+        counted = {k: (m.get(k) or 0) + v if m.get(k) is not None else None for k, v in counts.items()}
+        self.save(rows=total, last_step=step, committed_flush=flush, logging={**m["logging"], "topk_k": topk_k},
+                  lost=self.all_lost(lost), **counted)
+
+    def finish(self, status: str, error: str | None, lost: dict | None) -> None:
+        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost))
+
+    def all_lost(self, lost: dict | None) -> dict | None:
+        """This session's ``lost`` record added to the earlier sessions' (the manifest's ``lost`` key)."""
+        prior = self.prior_lost
+        if not prior or not lost:
+            return lost or prior
+        steps = [v for v in (prior.get("first_step"), prior.get("last_step"), lost["first_step"],
+                             lost["last_step"]) if v is not None]
+        return {"rows": {t: prior.get("rows", {}).get(t, 0) + lost["rows"].get(t, 0) for t in S.TABLES},
+                "first_step": min(steps, default=None), "last_step": max(steps, default=None),
+                "errors": [*prior.get("errors", []), *lost["errors"]][:10]}
+
+
+def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
+    """Remove every rank's flushes whose steps all come after ``step`` (a continuation that crashed past its last
+    checkpoint) and recount each rank's manifest from the files that remain; returns how many files went.
+
+    A flush is removed whole, in every table, so the run keeps whole steps. Each rank's lock is held meanwhile:
+    a rank that a live logger writes is refused (:class:`LogDirError`). Token counts are rebuilt from the
+    files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none.
+    """
+    run_dir = Path(run_dir)
+    committed = S.committed_files(run_dir)
+    removed = 0
+    for rank, manifest in _rank_manifests(run_dir).items():
+        lock = RunLock(run_dir, rank)
+        lock.acquire(manifest.get("run_id", run_dir.name), rank)
+        try:
+            flushes: dict[Any, list[tuple[str, Path, S.DataFileName]]] = {}
+            for table, files in committed.items():
+                for path in files:
+                    name = S.parse_data_file(path.name)
+                    if name is not None and name.rank == rank:
+                        key = name.flush if name.flush is not None else path  # an older file stands alone
+                        flushes.setdefault(key, []).append((table, path, name))
+            rows, counts, last_steps = dict.fromkeys(S.TABLES, 0), _no_counts(), []
+            for group in flushes.values():
+                if min(name.first_step for _, _, name in group) > step:
+                    for _, path, _ in group:
+                        path.unlink()
+                        removed += 1
+                    continue
+                footer = pq.ParquetFile(group[0][1]).metadata.metadata or {}
+                for key in counts:
+                    value = footer.get(f"{S.FLUSH_META_PREFIX}{key}".encode())
+                    counts[key] = None if value is None or counts[key] is None else counts[key] + int(value)
+                for table, path, name in group:
+                    rows[table] += pq.ParquetFile(path).metadata.num_rows
+                    last_steps.append(name.last_step)
+            if flushes:
+                path = rank_file(run_dir, rank)
+                write_json_atomic(path, {**manifest, **counts, "rows": rows, "updated_at": now(),
+                                         "last_step": max(last_steps) if last_steps else None})
+        finally:
+            lock.release()
+    return removed
+
+
+def _no_counts() -> dict[str, int | None]:
+    return {"tokens_generated": 0, "tokens_logged": 0, "dropped_rows": 0}
+
+
+# ------------------------------------------------------------------------------------------------------- status
+
+
+def _stale_after(manifest: dict) -> float:
+    flush_seconds = manifest.get("logging", {}).get("flush_seconds")
+    if not isinstance(flush_seconds, int | float):
+        return float("inf")  # a logger that did not promise updates: never stale
+    return max(STALE_AFTER_FLUSHES * float(flush_seconds), STALE_MIN_S)
+
+
+def _age_s(stamp: Any, at: datetime) -> float | None:
+    try:
+        return (at - datetime.fromisoformat(stamp)).total_seconds()
+    except (TypeError, ValueError):
+        return None
+
+
+def effective_status(manifest: dict, at: datetime | None = None) -> str:
+    """The status of one rank as it really is: ``running`` as written may be ``crashed`` (its writer process on
+    this host is gone) or ``stale`` (no manifest update for :data:`STALE_AFTER_FLUSHES` flush intervals: the
+    writer died inside a live process, or its host is unreachable)."""
+    status = manifest.get("status", "running")
+    if status != "running":
+        return status
+    if manifest.get("hostname") == socket.gethostname() and isinstance(manifest.get("pid"), int):
+        if not pid_alive(manifest["pid"], manifest.get("pid_start")):
+            return "crashed"
+    age = _age_s(manifest.get("updated_at"), at or datetime.now(UTC))
+    if age is not None and age > _stale_after(manifest):
+        return "stale"
+    return "running"
+
+
+def _rank_manifests(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for path in S.rank_manifest_paths(run_dir):
+        if path.exists():
+            m = read_json(path)
+            out[int(m.get("rank", 0))] = m
+    if not out:
+        raise SchemaError(f"{run_dir}: no run manifest")
+    return out
+
+
+def rank_statuses(run_dir: str | os.PathLike) -> dict[int, str]:
+    """Effective status of every rank of a run (:func:`effective_status`): running, stale, finished or crashed."""
+    at = datetime.now(UTC)
+    return {rank: effective_status(m, at) for rank, m in _rank_manifests(Path(run_dir)).items()}
+
+
+def _worst(statuses: Sequence[str]) -> str:
+    for status in ("crashed", "stale", "running"):
+        if status in statuses:
+            return status
+    return "finished"
+
+
+def run_status(run_dir: str | os.PathLike) -> str:
+    """Effective status of a run: ``crashed`` if any rank crashed, else ``stale`` if any is stale, else
+    ``running`` if any runs, else ``finished``."""
+    return _worst(list(rank_statuses(run_dir).values()))
+
+
+def run_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """What the run was and where it stands, over all its ranks, for the Runs table.
+
+    Keys: ``run_id``, ``status`` (as :func:`run_status`), ``ranks`` ({rank: status}), ``loss_rule``,
+    ``mu_source``, ``source``, ``token_fraction`` (the fraction of sequences whose tokens are logged),
+    ``tokens_generated`` (masked response tokens handed to ``log_step``), ``tokens_logged`` (token rows written
+    after sampling and dropping; both None when a rank's files come from a logger that did not count them),
+    ``rows`` ({table: rows committed}), ``last_step``, ``created_at``, ``updated_at`` (the latest manifest update
+    of any rank), ``finished_at``, ``error`` (the first rank's error, or None) and ``lost`` ({rank: what its
+    writer failed to write}, empty when nothing was lost).
+    """
+    run_dir = Path(run_dir)
+    manifests = _rank_manifests(run_dir)
+    at = datetime.now(UTC)
+    ranks = {rank: effective_status(m, at) for rank, m in sorted(manifests.items())}
+    head = manifests.get(0, next(iter(manifests.values())))
+
+    def total(key: str) -> int | None:
+        values = [m.get(key) for m in manifests.values()]
+        return None if any(not isinstance(v, int) for v in values) else sum(values)
+
+    last_steps = [m["last_step"] for m in manifests.values() if isinstance(m.get("last_step"), int)]
+    finished = [m.get("finished_at") for m in manifests.values()]
+    errors = [m["error"] for _, m in sorted(manifests.items()) if m.get("error")]
+    return {
+        "run_id": head.get("run_id", run_dir.name),
+        "status": _worst(list(ranks.values())),
+        "ranks": ranks,
+        "loss_rule": head.get("loss_rule"),
+        "mu_source": head.get("mu_source"),
+        "source": head.get("source"),
+        "token_fraction": head.get("logging", {}).get("token_fraction"),
+        "tokens_generated": total("tokens_generated"),
+        "tokens_logged": total("tokens_logged"),
+        "rows": {t: sum(int(m.get("rows", {}).get(t, 0)) for m in manifests.values()) for t in S.TABLES},
+        "last_step": max(last_steps) if last_steps else None,
+        "created_at": head.get("created_at"),
+        "updated_at": max((m["updated_at"] for m in manifests.values() if m.get("updated_at")), default=None),
+        "finished_at": None if None in finished else max(finished),
+        "error": errors[0] if errors else None,
+        "lost": {rank: m["lost"] for rank, m in sorted(manifests.items()) if m.get("lost")},
+    }

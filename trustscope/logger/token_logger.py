@@ -1,0 +1,270 @@
+"""The public face: :class:`TokenLogger` and the no-op :class:`NullLogger`.
+
+The write path reads in one direction: :meth:`TokenLogger.log_step` checks and flattens the call
+(:class:`~trustscope.logger.checks.InputChecker`), queues the batch for the writer thread
+(:class:`~trustscope.logger.writer.Writer`), which writes Parquet and commits each flush in the rank's manifest
+(:class:`~trustscope.logger.runfiles.RunFiles`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import warnings
+import weakref
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from trustscope import __version__
+from trustscope import schema as S
+from trustscope.logger.checks import InputChecker, Rejected, check_text
+from trustscope.logger.errors import LogDirError, LogWarning
+from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
+from trustscope.logger.writer import Writer
+from trustscope.schema import SchemaError
+
+MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
+"""Where mu_logprob came from: the inference engine's own log-probs (the real behaviour policy), or, for
+frameworks that keep none, the trainer's recompute (then mu == pi_old and no mismatch can be measured)."""
+
+
+class TokenLogger:
+    """Logs tokens, samples and scalars of an RL run to ``<logdir>/<run_id>/``. See :mod:`trustscope.logger`."""
+
+    def __init__(
+        self,
+        logdir: str | os.PathLike,
+        run_id: str | None = None,
+        *,
+        config: Mapping[str, Any] | None = None,
+        model: Mapping[str, Any] | str | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        tokenizer: Mapping[str, Any] | str | None = None,
+        vocab: Any = None,
+        loss_rule: str = "none",
+        mu_source: str = "engine",
+        source: Mapping[str, Any] | None = None,
+        rank: int | None = None,
+        resume: bool = False,
+        strict: bool = True,
+        token_fraction: float = 1.0,
+        log_topk: bool = True,
+        topk_precision: str = "float32",
+        flush_rows: int = 1_000_000,
+        flush_seconds: float = 30.0,
+        max_queue: int = 8,
+        seed: int = 0,
+        row_group_size: int = 1 << 17,
+        fsync: bool = True,
+    ):
+        if not 0.0 < token_fraction <= 1.0:
+            raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
+        if topk_precision not in ("float32", "float16"):
+            raise ValueError(f"topk_precision must be 'float32' or 'float16', got {topk_precision!r}")
+        for name, value in (("flush_rows", flush_rows), ("max_queue", max_queue), ("row_group_size", row_group_size)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(loss_rule, str) or not loss_rule:
+            raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
+        if mu_source not in MU_SOURCES:
+            raise ValueError(f"mu_source must be one of {sorted(MU_SOURCES)}, got {mu_source!r}")
+        self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+        if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
+            raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
+                             f"and must not start with '.'")
+        self.rank = resolve_rank(rank)
+        self.logdir = Path(logdir)
+        self.run_dir = self.logdir / self.run_id
+        self.strict = strict
+        self.loss_rule = loss_rule
+        self.mu_source = mu_source
+        self.source = {"framework": "trustscope", "version": __version__} if source is None else dict(source)
+        self._closed = False
+        self._reported_dead = False
+        texts = vocab_texts(vocab) if vocab is not None else None
+        if texts is not None:
+            try:
+                check_text(texts, "vocab", "token id")
+            except Rejected as err:
+                raise SchemaError(str(err)) from None
+
+        self._files = RunFiles(self.logdir, self.run_id, self.rank)
+        self._files.open(resume)
+        try:
+            if tokenizer is None and vocab is not None and hasattr(vocab, "name_or_path"):
+                tokenizer = {"name_or_path": str(vocab.name_or_path), "class": type(vocab).__name__}
+            run_info = {"loss_rule": loss_rule, "mu_source": mu_source, "source": jsonable(self.source),
+                        "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
+                        "tokenizer": jsonable(tokenizer)}
+            logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
+                            "topk_precision": topk_precision, "topk_k": None, "seed": int(seed), "strict": strict,
+                            "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds)}
+            topk_k = self._files.start_manifest(resume, run_info, logging_info)
+            if texts is not None and self.rank == 0:
+                self._files.write_vocab(texts)
+        except OSError as err:
+            self._files.lock.release()
+            raise LogDirError(f"log directory {str(self.logdir)!r} cannot be written: {err}") from err
+        except BaseException:
+            self._files.lock.release()
+            raise
+        self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
+                                     token_fraction=float(token_fraction), seed=int(seed),
+                                     vocab_size=None if texts is None else len(texts), topk_k=topk_k,
+                                     disk_last_step=self._files.disk_last_step)
+        self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
+                              topk_precision=topk_precision, flush_rows=int(flush_rows),
+                              flush_seconds=float(flush_seconds), max_queue=int(max_queue),
+                              row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k)
+        self._atexit = _close_at_exit(self)
+        atexit.register(self._atexit)
+
+    # --------------------------------------------------------------------------------------------------- public
+
+    def log_step(
+        self,
+        step: int,
+        tokens: Mapping[str, Any] | None = None,
+        mask: Any = None,
+        samples: Mapping[str, Any] | None = None,
+        scalars: Mapping[str, Any] | None = None,
+        loss_rule: str | None = None,
+    ) -> None:
+        """Check one step's (or micro-batch's) data and queue it for writing. See :mod:`trustscope.logger`."""
+        if self._closed:
+            raise RuntimeError(f"TokenLogger of run {self.run_id!r} is closed")
+        self._raise_writer_error()
+        try:
+            batch = self._checker.prepare(step, tokens, mask, samples, scalars, loss_rule)
+        except (Rejected, SchemaError) as err:
+            if self.strict:
+                raise SchemaError(str(err)) from None
+            warnings.warn(f"trustscope: step {step} not logged: {err}", LogWarning, stacklevel=2)
+            return
+        if not self._writer.put(batch):
+            self._writer.lose(batch)
+            self._raise_writer_error()
+
+    def flush(self) -> None:
+        """Block until everything logged so far is in committed Parquet files (visible to readers), then raise
+        (strict) or warn about any write failure since the last call."""
+        if self._closed:
+            return
+        self._writer.flush()
+        self._raise_writer_error()
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        """Flush, stop the writer thread and mark this rank ``status`` in its manifest. Safe to call twice.
+
+        When rows were lost to write failures a ``finished`` rank is recorded ``crashed``, with the error and
+        what was lost (the manifest's ``lost`` key). A manifest that cannot be written raises :class:`LogDirError`.
+        """
+        if self._closed:
+            return
+        if status not in S.STATUSES:
+            raise ValueError(f"status must be one of {S.STATUSES}, got {status!r}")
+        self._closed = True
+        atexit.unregister(self._atexit)
+        try:
+            self._writer.stop()
+            lost, fatal = self._writer.lost, self._writer.fatal
+            if fatal is not None and status == "finished":
+                status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
+            elif lost is not None and status == "finished":
+                status, error = "crashed", f"write error: {lost['errors'][0] if lost['errors'] else 'unknown'}"
+            elif self._files.prior_lost and status == "finished" and error is None:
+                prior = self._files.prior_lost
+                error = (f"an earlier session lost {sum(prior.get('rows', {}).values())} row(s) of steps "
+                         f"{prior.get('first_step')}-{prior.get('last_step')} (see lost)")
+            self._files.finish(status, error, lost)
+        except OSError as err:
+            raise LogDirError(f"trustscope could not write run {self.run_id!r}: {err}") from err
+        finally:
+            self._files.lock.release()
+        self._raise_writer_error()
+
+    def __enter__(self) -> TokenLogger:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close(status="crashed", error=f"{exc_type.__name__}: {exc}")
+            except Exception as err:  # the original exception is the one to see
+                warnings.warn(f"trustscope: closing the logger failed: {err}", LogWarning, stacklevel=2)
+
+    @property
+    def manifest(self) -> dict:
+        """A copy of this rank's manifest as last written."""
+        return self._files.snapshot()
+
+    def _raise_writer_error(self) -> None:
+        err = self._writer.take_error()
+        if err is None:
+            return
+        dead = not self._writer.alive
+        if self.strict:
+            what = "its writer thread stopped" if dead else "a write failed"
+            raise LogDirError(f"trustscope could not write run {self.run_id!r} ({what}): {err}") from err
+        if dead and self._reported_dead:
+            return
+        self._reported_dead = dead
+        warnings.warn(f"trustscope: a write of run {self.run_id!r} failed, its rows are lost: {err}",
+                      LogWarning, stacklevel=3)
+
+
+def _close_at_exit(logger: TokenLogger) -> Any:
+    """An atexit hook that closes ``logger`` (as crashed: the program ended without close()) if still alive."""
+    ref = weakref.ref(logger)
+
+    def hook() -> None:
+        lg = ref()
+        if lg is not None and not lg._closed:
+            with contextlib.suppress(Exception):  # nothing left to report to at exit
+                lg.close(status="crashed", error="the process exited without TokenLogger.close()")
+
+    return hook
+
+
+class NullLogger:
+    """A logger that logs nothing, with TokenLogger's methods: the trainer's logger when logging is off."""
+
+    run_id = None
+    run_dir = None
+    rank = 0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def log_step(
+        self,
+        step: int,
+        tokens: Mapping[str, Any] | None = None,
+        mask: Any = None,
+        samples: Mapping[str, Any] | None = None,
+        scalars: Mapping[str, Any] | None = None,
+        loss_rule: str | None = None,
+    ) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        pass
+
+    @property
+    def manifest(self) -> dict:
+        return {}
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass

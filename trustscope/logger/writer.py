@@ -1,0 +1,502 @@
+"""The Arrow/Parquet writer: a background thread that turns checked batches into one file per table and flush,
+and commits each flush in the rank's manifest (:meth:`RunFiles.commit`).
+
+A flush writes every table's open temporary file, fsyncs it, renames it to its final name carrying the flush
+number, and only then records that number as committed: readers see the flush in every table at once, or not at
+all. Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they
+never split a step; :meth:`Writer.flush` and an idle writer flush everything.
+
+Failures never stop the thread: a batch that cannot be converted is lost alone; a file that cannot be written
+loses the open flush; a manifest that cannot be written leaves its flushes invisible until a later commit
+succeeds. What was lost is counted (the manifest's ``lost`` key) and the error is handed to the training thread
+at its next call. Every wait on the thread ends when the thread is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trustscope import schema as S
+from trustscope.logger.checks import Batch
+from trustscope.logger.runfiles import RunFiles
+
+POLL_S = 0.1
+"""How often a wait on the writer thread checks that the thread is still alive."""
+MAX_ERRORS_KEPT = 5
+
+
+class _Table:
+    """One table's open temporary file and its pending rows (writer thread only)."""
+
+    def __init__(self, name: str, directory: Path, row_group_size: int, prefix: str):
+        self.name = name
+        self.directory = directory
+        self.prefix = prefix
+        self.schema = S.with_metadata(name)
+        self.options = S.WRITE_OPTIONS[name]
+        self.row_group_size = row_group_size
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.writer: pq.ParquetWriter | None = None
+        self.tmp: Path | None = None
+        self.rows = 0  # rows in the open file, written or pending
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def add(self, table: pa.Table, step: int) -> None:
+        if table.num_rows == 0:
+            return
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        self.rows += table.num_rows
+        self.first_step = step if self.first_step is None else self.first_step
+        self.last_step = step
+        if self.pending_rows >= self.row_group_size:
+            self._write_pending(whole_groups=True)
+
+    def _write_pending(self, whole_groups: bool) -> None:
+        data = pa.concat_tables(self.pending)
+        keep = data.num_rows % self.row_group_size if whole_groups else 0
+        if self.writer is None:
+            self.tmp = S.tmp_path(self.directory / f"{self.prefix}-open-{secrets.token_hex(6)}.parquet")
+            self.writer = pq.ParquetWriter(self.tmp, self.schema, **self.options.writer_kwargs())
+        self.writer.write_table(data.slice(0, data.num_rows - keep), row_group_size=self.row_group_size)
+        self.pending = [data.slice(data.num_rows - keep)] if keep else []
+        self.pending_rows = keep
+
+    def close_file(self, fsync: bool, metadata: dict[str, str]) -> None:
+        """Write what is pending, add ``metadata`` to the footer, close the temporary file and fsync it (it keeps
+        its temporary name)."""
+        if self.pending_rows:
+            self._write_pending(whole_groups=False)
+        assert self.writer is not None and self.tmp is not None
+        self.writer.add_key_value_metadata(metadata)
+        self.writer.close()
+        self.writer = None
+        if fsync:
+            fd = os.open(self.tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def publish(self, flush: int, rank: int) -> Path:
+        """Rename the closed file to its final name (still invisible to readers until ``flush`` is committed)."""
+        assert self.tmp is not None and self.first_step is not None and self.last_step is not None
+        final = self.directory / S.data_file_name(rank, self.first_step, self.last_step, flush)
+        os.replace(self.tmp, final)
+        self.reset()
+        return final
+
+    def abort(self) -> None:
+        """Drop the open file and pending rows (after a write error); never raises."""
+        if self.writer is not None:
+            with contextlib.suppress(Exception):  # the file is being thrown away
+                self.writer.close()
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):  # the directory may have turned read-only
+                self.tmp.unlink(missing_ok=True)
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending, self.pending_rows, self.writer, self.tmp = [], 0, None, None
+        self.rows, self.first_step, self.last_step = 0, None, None
+
+
+@dataclass
+class _Flush:
+    """A flush whose files are renamed but whose commit has not reached the manifest yet."""
+
+    number: int
+    rows: dict[str, int]
+    last_step: int
+    counts: dict[str, int]
+    files: list[Path]
+
+
+def _list_array(values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    n, k = values.shape
+    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)),
+                                    type=pa.list_(pa.field("element", value_type, nullable=False)))
+
+
+def _batch_rows(batch: Batch) -> dict[str, int]:
+    samples = 0 if batch.samples is None else len(batch.samples["sample_id"])
+    return {"tokens": batch.n_tokens, "samples": samples, "steps": len(batch.scalars)}
+
+
+class Writer:
+    """The writer thread of one rank and the training thread's handle on it (``put``, ``flush``, ``stop``)."""
+
+    def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
+                 flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
+                 topk_k: int | None):
+        self.files = files
+        self.run_id, self.rank = run_id, rank
+        self.log_topk, self.topk_precision = log_topk, topk_precision
+        self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
+        self._k = topk_k
+        self._tables = {t: _Table(t, files.run_dir / t, row_group_size, f"r{rank:04d}") for t in S.TABLES}
+        self._open_step: int | None = None
+        self._open_counts = self._no_counts()
+        self._uncommitted: list[_Flush] = []
+        self._lost_rows = dict.fromkeys(S.TABLES, 0)
+        self._lost_steps: tuple[int, int] | None = None
+        self._errors: list[str] = []
+        self._error: BaseException | None = None  # not yet handed to the training thread
+        self._fatal: BaseException | None = None  # what ended the thread, if not a stop
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name=f"trustscope-logger-r{rank}", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _no_counts() -> dict[str, int]:
+        return {"tokens_generated": 0, "tokens_logged": 0, "dropped_rows": 0}
+
+    # ------------------------------------------------------------------------------------ training thread
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, batch: Batch) -> bool:
+        """Queue ``batch`` (waits while the queue is full); False when the thread is gone and it was not queued."""
+        return self._put(("data", batch))
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is committed, or the thread is gone."""
+        done = threading.Event()
+        if self._put(("flush", done)):
+            self._wait(done)
+
+    def stop(self) -> None:
+        """Flush, end the thread, and count what could not be committed as lost."""
+        done = threading.Event()
+        if self._put(("stop", done)):
+            self._wait(done)
+        while self._thread.is_alive():
+            self._thread.join(POLL_S)
+        self._drain_lost()
+
+    def lose(self, batch: Batch) -> None:
+        """Count a batch the training thread could not queue (the writer thread is gone) as lost, and any batch
+        still queued with it."""
+        self._lose(self._fatal or RuntimeError("the writer thread stopped"), _batch_rows(batch), batch.step,
+                   batch.step)
+        self._drain_lost()
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """What ended the writer thread before it was stopped, or None."""
+        return self._fatal
+
+    def take_error(self) -> BaseException | None:
+        """The failure not yet reported to the training thread; once the thread is dead, always its cause."""
+        err, self._error = self._error, None
+        if err is None and not self._thread.is_alive():
+            err = self._fatal
+        return err
+
+    @property
+    def lost(self) -> dict[str, Any] | None:
+        """What was lost to write failures: rows per table, the step span, the first errors; None if nothing."""
+        if self._lost_steps is None and not any(self._lost_rows.values()):
+            return None
+        first, last = self._lost_steps or (None, None)
+        return {"rows": dict(self._lost_rows), "first_step": first, "last_step": last,
+                "errors": list(self._errors)}
+
+    def _put(self, item: tuple[str, Any]) -> bool:
+        while self._thread.is_alive():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _wait(self, done: threading.Event) -> None:
+        while not done.wait(POLL_S):
+            if not self._thread.is_alive():
+                return
+
+    # -------------------------------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # the thread must not end silently: its cause goes to the next call
+            self._fatal = err
+            self._lose_open(err)
+            self._give_up_uncommitted()
+            self._drain_lost()
+            with contextlib.suppress(Exception):  # readers see at once that nothing more will be written
+                self.files.save(status="crashed", error=f"writer thread stopped: {type(err).__name__}: {err}",
+                                lost=self.files.all_lost(self.lost))
+
+    def _drain_lost(self) -> None:
+        """Count the batches left on the queue of a thread that is gone as lost."""
+        err = self._fatal or RuntimeError("the writer thread stopped")
+        while True:
+            try:
+                kind, payload = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "data":
+                self._lose(err, _batch_rows(payload), payload.step, payload.step)
+
+    def _loop(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            timeout = max(0.0, last_flush + self.flush_seconds - time.monotonic())
+            try:
+                kind, payload = self._queue.get(timeout=timeout)
+            except queue.Empty:  # idle: flush everything, or at least show the writer is alive
+                self._rotate(heartbeat=True)
+                last_flush = time.monotonic()
+                continue
+            if kind == "data":
+                due = (self._tables["tokens"].rows >= self.flush_rows
+                       or time.monotonic() - last_flush >= self.flush_seconds)
+                if due and self._open_step is not None and payload.step != self._open_step:
+                    self._rotate()
+                    last_flush = time.monotonic()
+                self._add(payload)
+                if time.monotonic() - self.files.saved_at >= self.flush_seconds:  # a long step: still alive
+                    self._heartbeat()
+            else:
+                self._rotate()
+                last_flush = time.monotonic()
+                if kind == "stop":
+                    self._give_up_uncommitted()
+                    payload.set()
+                    return
+                payload.set()
+
+    def _report(self, err: BaseException) -> None:
+        if self._error is None:
+            self._error = err
+        text = f"{type(err).__name__}: {err}"
+        if len(self._errors) < MAX_ERRORS_KEPT and text not in self._errors:
+            self._errors.append(text)
+
+    def _lose(self, err: BaseException, rows: dict[str, int], first: int | None, last: int | None) -> None:
+        self._report(err)
+        for table, n in rows.items():
+            self._lost_rows[table] += n
+        if first is not None and last is not None:
+            lo, hi = self._lost_steps or (first, last)
+            self._lost_steps = (min(lo, first), max(hi, last))
+
+    def _lose_open(self, err: BaseException) -> None:
+        """Drop the open flush (its files could not be written)."""
+        rows = {name: t.rows for name, t in self._tables.items()}
+        firsts = [t.first_step for t in self._tables.values() if t.first_step is not None]
+        lasts = [t.last_step for t in self._tables.values() if t.last_step is not None]
+        for table in self._tables.values():
+            table.abort()
+        self._open_counts = self._no_counts()
+        self._open_step = None
+        self._lose(err, rows, min(firsts, default=None), max(lasts, default=None))
+
+    def _add(self, batch: Batch) -> None:
+        try:
+            parts = self._arrow(batch)
+        except Exception as err:  # this batch alone is lost
+            self._lose(err, _batch_rows(batch), batch.step, batch.step)
+            return
+        try:
+            for name, table in parts.items():
+                self._tables[name].add(table, batch.step)
+        except Exception as err:
+            self._lose_open(err)
+            return
+        self._open_step = batch.step
+        self._open_counts["tokens_generated"] += batch.n_generated
+        self._open_counts["tokens_logged"] += batch.n_tokens
+        self._open_counts["dropped_rows"] += batch.dropped_rows
+
+    def _rotate(self, heartbeat: bool = False) -> None:
+        """Finish the open files as one flush and commit it; with nothing open, retry a failed commit or (idle)
+        update the manifest's ``updated_at``."""
+        open_tables = [t for t in self._tables.values() if t.rows]
+        if not open_tables:
+            if self._uncommitted:
+                self._commit()
+            elif heartbeat:
+                self._heartbeat()
+            return
+        number = self.files.next_flush
+        rows = {t.name: t.rows for t in open_tables}
+        first_step = min(t.first_step for t in open_tables if t.first_step is not None)
+        last_step = max(t.last_step for t in open_tables if t.last_step is not None)
+        published: list[Path] = []
+        try:
+            footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
+            for table in open_tables:
+                table.close_file(self.fsync, footer)
+            for table in open_tables:
+                published.append(table.publish(number, self.rank))
+        except Exception as err:
+            for path in published:  # renamed but never committed: remove, so no later commit shows them
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+            self._lose_open(err)
+            self._lose(err, {t: n for t, n in rows.items() if any(p.parent.name == t for p in published)},
+                       first_step, last_step)
+            return
+        self.files.next_flush += 1
+        self._uncommitted.append(_Flush(number, rows, last_step, self._open_counts, published))
+        self._open_counts = self._no_counts()
+        self._open_step = None
+        self._commit()
+
+    def _heartbeat(self) -> None:
+        """Update the manifest's ``updated_at`` only, so readers can tell a live writer from a stale one."""
+        try:
+            self.files.save()
+        except OSError as err:
+            self._report(err)
+
+    def _commit(self) -> None:
+        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later."""
+        rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
+        counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
+        try:
+            self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
+                              counts, self._k, self.lost)
+        except Exception as err:
+            self._report(err)
+            return
+        self._uncommitted.clear()
+
+    def _give_up_uncommitted(self) -> None:
+        """At the end: flushes whose commit never succeeded are lost; their files are removed if possible."""
+        err = self._error or self._fatal or RuntimeError("the manifest could not be updated")
+        for f in self._uncommitted:
+            for path in f.files:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+            self._lose(err, f.rows, None, f.last_step)
+        self._uncommitted.clear()
+
+    # ---------------------------------------------------------------------------------- Arrow conversion
+
+    def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
+        """The batch's rows of every table as Arrow, all converted before any is added."""
+        out = {}
+        if batch.tokens is not None and batch.n_tokens:
+            out["tokens"] = self._tokens_table(batch)
+            if "mu_topk_ids" in batch.tokens:
+                self._k = int(batch.tokens["mu_topk_ids"].shape[1])
+        if batch.samples is not None:
+            out["samples"] = self._samples_table(batch)
+        if batch.scalars:
+            n = len(batch.scalars)
+            out["steps"] = pa.table({
+                "run_id": pa.repeat(pa.scalar(self.run_id), n),
+                "step": pa.array(np.full(n, batch.step, np.int64)),
+                "rank": pa.array(np.full(n, self.rank, np.int32)),
+                "name": pa.array([name for name, _ in batch.scalars], pa.string()),
+                "value": pa.array([value for _, value in batch.scalars], pa.float64()),
+            }, schema=self._tables["steps"].schema)
+        return out
+
+    def _tokens_table(self, batch: Batch) -> pa.Table:
+        cols = batch.tokens
+        assert cols is not None
+        n = batch.n_tokens
+        k = max((cols[name].shape[1] for name in S.TOPK_COLUMNS if name in cols), default=1)
+        max_rows = (2**31 - 1) // max(k, 1) - 1  # list offsets are int32
+        if n > max_rows:
+            parts = [Batch(batch.step, batch.loss_rule, {c: a[i: i + max_rows] for c, a in cols.items()}, None)
+                     for i in range(0, n, max_rows)]
+            return pa.concat_tables([self._tokens_table(part) for part in parts])
+        if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
+            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
+            cols.setdefault("topk_tv", tv)
+            cols.setdefault("topk_kl", kl)
+        out: dict[str, pa.Array] = {
+            "run_id": pa.repeat(pa.scalar(self.run_id), n),
+            "step": pa.array(np.full(n, batch.step, np.int64)),
+            "rank": pa.array(np.full(n, self.rank, np.int32)),
+        }
+        for f in S.TOKENS:
+            if f.name in out:
+                continue
+            if f.name == "loss_rule":
+                out[f.name] = pa.repeat(pa.scalar(batch.loss_rule), n)
+            elif f.name == "kept" and "kept" not in cols:
+                out[f.name] = pa.array(np.ones(n, dtype=bool))
+            elif f.name in S.TOPK_COLUMNS:
+                values = cols.get(f.name)
+                if values is None or not self.log_topk:
+                    out[f.name] = pa.nulls(n, f.type)
+                    continue
+                if f.name != "mu_topk_ids" and self.topk_precision == "float16":
+                    values = round_mantissa(values, 10)
+                out[f.name] = _list_array(values, f.type.value_type)
+            elif f.name in cols:
+                out[f.name] = pa.array(cols[f.name].astype(f.type.to_pandas_dtype(), copy=False))
+            else:
+                out[f.name] = pa.nulls(n, f.type)
+        return pa.table(out, schema=self._tables["tokens"].schema)
+
+    def _samples_table(self, batch: Batch) -> pa.Table:
+        s = batch.samples
+        assert s is not None
+        n = len(s["sample_id"])
+        out: dict[str, Any] = {
+            "run_id": pa.repeat(pa.scalar(self.run_id), n),
+            "step": pa.array(np.full(n, batch.step, np.int64)),
+            "rank": pa.array(np.full(n, self.rank, np.int32)),
+        }
+        for f in S.SAMPLES:
+            if f.name not in out:
+                out[f.name] = pa.array(s[f.name], f.type) if f.name in s else pa.nulls(n, f.type)
+        return pa.table(out, schema=self._tables["samples"].schema)
+
+
+def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:
+    """float32 ``values`` rounded to ``bits`` mantissa bits (10 = float16's precision), still float32.
+
+    The low ``23 - bits`` mantissa bits become zero, which BYTE_STREAM_SPLIT + zstd then store almost for free.
+    Unlike a cast to float16 the float32 exponent is kept: no overflow, no loss for tiny magnitudes.
+    Rounds half away from zero (on the magnitude).
+    """
+    drop = 23 - bits
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    half, keep = np.uint32(1 << (drop - 1)), np.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+    finite = (u & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+    rounded = np.where(finite, (u + half) & keep, u)
+    return rounded.view(np.float32)
+
+
+def topk_divergences(mu_topk_logprobs: np.ndarray, pi_topk_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top-K TV and KL ``(N,)`` float32 from ``(N, K)`` logprob arrays, by :mod:`trustscope.divergence`.
+
+    Computed in float64: in float32 the 'other' bucket ``1 - sum P`` is lost below about 1e-3, and its log-ratio
+    term of the KL with it.
+    """
+    import torch
+
+    from trustscope import divergence
+
+    mu = torch.from_numpy(np.asarray(mu_topk_logprobs, dtype=np.float64))
+    pi = torch.from_numpy(np.asarray(pi_topk_logprobs, dtype=np.float64))
+    with torch.no_grad():
+        tv, kl = divergence.topk_tv(mu, pi), divergence.topk_kl(mu, pi)
+    return tv.numpy().astype(np.float32), kl.numpy().astype(np.float32)
