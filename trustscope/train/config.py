@@ -250,6 +250,15 @@ def _validate(c: TrainConfig) -> None:
                     f"loss {c.loss!r} is anchored on pi_old: set recompute_old=true")
 
 
+def check_world(c: TrainConfig, world: int) -> None:
+    """A data-parallel run of ``world`` ranks gives each rank an equal block of whole groups (so GRPO advantages
+    stay within a rank): ``prompts_per_step`` must be a multiple of ``world``. Checked when the ranks are known."""
+    if c.prompts_per_step % world:
+        raise _fail("prompts_per_step", c.prompts_per_step,
+                    f"set prompts_per_step to a multiple of the {world} data-parallel ranks (each rank trains an "
+                    f"equal share of whole groups)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # loading: files and overrides
 
