@@ -1,17 +1,16 @@
 """Cached access to a log directory for the dashboard pages.
 
-Every query goes through :mod:`trustscope.db`: one DuckDB connection per log directory (``st.cache_resource``), a
-cursor per query, and results cached with ``st.cache_data`` under the log directory plus a fingerprint of its file
-list, so a run that is still writing files gets fresh results as soon as a new file lands and cached ones otherwise.
-Queries the query layer does not offer as named analyses live in ``app/sql/*.sql`` and take bound parameters.
+Every query goes through :mod:`trustscope.db`: one query-layer handle per log directory (``st.cache_resource``),
+its named analyses and its named queries (``trustscope/sql/queries/*.sql``, :meth:`LogDB.query`), with results
+cached by ``st.cache_data`` under the log directory and :meth:`LogDB.version` (which changes when a file lands),
+so a run that is still writing gets fresh results as soon as a new file lands and cached ones otherwise. The run
+table, seed groups and the collapse early warning are :mod:`trustscope.report`'s, shared with the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -24,12 +23,9 @@ import pandas as pd
 import pyarrow as pa
 import streamlit as st
 
-from app import charts
 from app.launch import LOGDIR_ENV, default_logdir
-from trustscope import db, schema
+from trustscope import db, figures, report, schema
 from trustscope.losses import list_losses
-
-SQL_DIR = Path(__file__).resolve().parent / "sql"
 
 METRIC_TITLES = {
     "reward": "reward",
@@ -44,19 +40,26 @@ DIVERGENCES = {"tv": "binary TV", "topk_tv": "top-K TV"}
 """Divergences of the ratio page: scatter column -> label."""
 VIEW_DIVERGENCE = {"tv": "binary_tv", "topk_tv": "topk_tv"}
 """Scatter column -> the query layer's name of the same divergence."""
-VIEWS = db.VIEWS
+INTERNAL_VIEW_SUFFIXES = ("_partials", "_scan", "_core")
+"""Views that exist to build others (kept aggregates, scans behind a cached view): listed apart in the console."""
+VIEWS = tuple(v for v in db.VIEWS if not v.endswith(INTERNAL_VIEW_SUFFIXES))
+INTERNAL_VIEWS = tuple(v for v in db.VIEWS if v.endswith(INTERNAL_VIEW_SUFFIXES))
 BAD_DELTA = db.ANALYSIS_DEFAULTS["bad_negative_delta"]
 """mu - pi at or above this on an A < 0 token makes a bad negative update (the paper's Mask-0.5 threshold)."""
-DEFAULT_RULES = ("ppo_clip", "grpo", "dppo_binary_tv", "dppo_topk_tv", "ppo_lowprob_relax", "minimal_negative_mask")
-"""Rules shown side by side until the user picks others."""
+BASELINE_RULE = "ppo_clip"
+"""Always in the default selection of runs, as the baseline the other rules are read against."""
+COUNTERFACTUAL_RULE = "dppo_binary_tv"
+"""The counterfactual page's default second rule: the paper's DPPO binary TV."""
 WINDOW_TOKENS = 1_000_000
 """Tokens the token-level pages read by default (the last steps of a run up to this many)."""
 SQL_ROW_LIMIT = db.DEFAULT_MAX_ROWS
+WARNING_LINES = report.WarningLines()
 COLOUR_LEGEND = {
-    "ratio": "Blue: pi below mu (ratio < 1), red: pi above mu; full colour at a factor of 4.",
-    "tv": "White: no probability moved; red: |pi - mu| of 0.3 or more.",
-    "advantage": "Blue: negative advantage, red: positive; full colour at |A| = 2.",
-    "blocked": "Red: the trainer's own rule blocked the token's gradient.",
+    "ratio": "Blue: pi below mu (ratio < 1), red: pi above mu; full colour at a factor of {scale:g}.",
+    "tv": "White: no probability moved; red: |pi - mu| of {scale:.2g} or more.",
+    "advantage": "Blue: negative advantage, red: positive; full colour at |A| = {scale:.2g} (this response's "
+                 "largest).",
+    "blocked": "Red: {rule} blocks the token's gradient.",
 }
 EXAMPLE_SQL = """select run_id, step, mismatch_mean, bad_negative_rate, blocked_frac__grpo, blocked_frac__dppo_binary_tv
 from step_summary
@@ -88,8 +91,8 @@ def current_logdir() -> str:
 
 
 def check_logdir(logdir: Path) -> None:
-    """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all, and
-    :class:`trustscope.schema.SchemaError` when a run manifest is unreadable."""
+    """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all; show an
+    error naming each run whose manifest is unreadable (the other runs are still shown)."""
     if not logdir.exists():
         raise LogDirError(f"The log directory `{logdir}` does not exist. Start the dashboard with "
                           "`trustscope dashboard LOGDIR` pointing at a directory a run writes to.")
@@ -101,30 +104,12 @@ def check_logdir(logdir: Path) -> None:
                           "reload the page then.")
     for run_dir in schema.run_dirs(logdir):
         if (run_dir / schema.MANIFEST).exists():
-            schema.read_manifest(run_dir)  # a SchemaError names the broken file
-
-
-def _data_files(logdir: Path) -> Iterator[os.DirEntry]:
-    for run_dir in schema.run_dirs(logdir):
-        with contextlib.suppress(FileNotFoundError):
-            yield from (e for e in os.scandir(run_dir) if e.is_file())
-        for table in schema.TABLES:
-            with contextlib.suppress(FileNotFoundError):
-                yield from (e for e in os.scandir(run_dir / table) if schema.is_data_file(Path(e.name)))
-
-
-def fingerprint(logdir: str | None = None) -> str:
-    """A hash of every finished data file's path, size and modification time under the log directory."""
-    h = hashlib.blake2b(digest_size=12)
-    for entry in sorted(_data_files(Path(logdir or current_logdir())), key=lambda e: e.path):
-        with contextlib.suppress(FileNotFoundError):
-            stat = entry.stat()
-            h.update(f"{entry.path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return h.hexdigest()
-
-
-def file_count(logdir: str | None = None) -> int:
-    return sum(1 for _ in _data_files(Path(logdir or current_logdir())))
+            try:
+                schema.read_manifest(run_dir)
+            except schema.SchemaError as exc:
+                st.error(f"Could not read the logs of run `{run_dir.name}`: {_first_line(exc)}\n\nThe other runs "
+                         f"are shown. Run `trustscope validate {logdir}` to list every broken file.",
+                         icon=":material/error:")
 
 
 @contextlib.contextmanager
@@ -155,23 +140,32 @@ def _db(logdir: str) -> db.LogDB:
     return db.connect(logdir)
 
 
+def _thaw(params: tuple[tuple[str, object], ...]) -> dict[str, object]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params}
+
+
 @st.cache_data(show_spinner=False, max_entries=256)
-def _analysis(logdir: str, fp: str, method: str, kwargs: tuple[tuple[str, object], ...]) -> pd.DataFrame:
+def _analysis(logdir: str, version: str, method: str, kwargs: tuple[tuple[str, object], ...]) -> pd.DataFrame:
     """A named analysis of :class:`trustscope.db.LogDB` (it refreshes itself: new files are picked up)."""
-    return getattr(_db(logdir), method)(**{k: list(v) if isinstance(v, tuple) else v for k, v in kwargs})
+    return getattr(_db(logdir), method)(**_thaw(kwargs))
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def _sql_file(logdir: str, fp: str, name: str, params: tuple[tuple[str, object], ...]) -> pd.DataFrame:
-    """``app/sql/<name>.sql`` with bound parameters, on a cursor of the query layer after a refresh."""
-    handle = _db(logdir)
-    handle.refresh()
-    cur = handle.cursor()
-    try:
-        return cur.execute((SQL_DIR / f"{name}.sql").read_text(),
-                           {k: list(v) if isinstance(v, tuple) else v for k, v in params}).df()
-    finally:
-        cur.close()
+def _query(logdir: str, version: str, name: str, params: tuple[tuple[str, object], ...]) -> pd.DataFrame:
+    """``trustscope/sql/queries/<name>.sql`` with bound parameters, through :meth:`LogDB.query`."""
+    return _db(logdir).query(name, **_thaw(params))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _run_table(logdir: str, version: str) -> pd.DataFrame:
+    return report.run_table(_db(logdir))
+
+
+@st.cache_data(show_spinner=False, max_entries=128)
+def figure(builder: str, *args: object, **kwargs: object) -> dict:
+    """``trustscope.figures.<builder>(*args, **kwargs)`` as plotly JSON, cached on its inputs: a revisit of a page
+    skips plotly's figure building, which costs more than the cached queries behind it."""
+    return getattr(figures, builder)(*args, **kwargs).to_plotly_json()
 
 
 def _frozen(params: dict[str, object]) -> tuple[tuple[str, object], ...]:
@@ -180,45 +174,43 @@ def _frozen(params: dict[str, object]) -> tuple[tuple[str, object], ...]:
 
 def _key() -> tuple[str, str]:
     logdir = current_logdir()
-    return logdir, fingerprint(logdir)
+    return logdir, _db(logdir).version()
+
+
+def fingerprint(logdir: str | None = None) -> str:
+    """The log directory's :meth:`LogDB.version` (what results are cached under), for sections that cache their
+    own results."""
+    return _db(logdir or current_logdir()).version()
 
 
 def analysis(method: str, **kwargs: object) -> pd.DataFrame:
-    """Cached result of ``LogDB.<method>(**kwargs)`` for the current log directory and file list."""
+    """Cached result of ``LogDB.<method>(**kwargs)`` for the current log directory and its files."""
     return _analysis(*_key(), method, _frozen(kwargs))
 
 
 def query(name: str, **params: object) -> pd.DataFrame:
-    """Cached result of ``app/sql/<name>.sql`` with bound ``params`` for the current log directory and file list."""
-    return _sql_file(*_key(), name, _frozen(params))
+    """Cached result of ``LogDB.query(name, **params)`` for the current log directory and its files."""
+    return _query(*_key(), name, _frozen(params))
+
+
+def summary(run_ids: Sequence[str] | None = None) -> pd.DataFrame:
+    """The step summary (one row per run and step), read once for every run and filtered here: the pages ask for
+    different runs of the same small frame."""
+    df = analysis("step_summary")
+    return df if run_ids is None else df[df["run_id"].isin(list(run_ids))].reset_index(drop=True)
 
 
 def runs() -> pd.DataFrame:
-    """Runs with at least one logged step: run_id, status, loss_rule, n_steps, first/last step, n_samples,
-    n_response_tokens, mean_reward, updated_at (last file write, seconds since the epoch)."""
-    df = analysis("runs")
-    df = df[df["n_steps"] > 0].reset_index(drop=True)
-    df["loss_rule"] = [_manifest_rule(m) for m in df["manifest"]]
-    df["updated_at"] = pd.to_datetime([_last_write(Path(current_logdir()), r) for r in df["run_id"]], unit="s")
-    cols = ["run_id", "status", "loss_rule", "n_steps", "first_step", "last_step", "n_samples",
-            "n_response_tokens", "mean_reward", "updated_at"]
-    return df[cols]
+    """Runs with at least one logged step (:func:`trustscope.report.run_table`): run_id, loss_rule, status,
+    n_steps, first/last step, tokens_generated, tokens_logged, logged_frac, mean_reward, updated_at, group."""
+    return _run_table(*_key())
 
 
-def _manifest_rule(manifest: object) -> str | None:
-    """The run's loss rule: ``loss_rule`` in the manifest, else the trainer config's ``loss``."""
-    try:
-        parsed = json.loads(manifest) if isinstance(manifest, str) else {}
-    except ValueError:
-        return None
-    config = parsed.get("config") if isinstance(parsed.get("config"), dict) else {}
-    return parsed.get("loss_rule") or config.get("loss")
-
-
-def _last_write(logdir: Path, run_id: str) -> float:
-    run_dir = logdir if (logdir / schema.MANIFEST).exists() else logdir / run_id
-    stamps = [e.stat().st_mtime for e in _data_files(logdir) if Path(e.path).is_relative_to(run_dir)]
-    return max(stamps, default=0.0)
+def run_rule(run_id: str) -> str | None:
+    """The rule the run's trainer applied (None when its manifest and tokens do not say)."""
+    table = runs().set_index("run_id")
+    rule = table.loc[run_id, "loss_rule"] if run_id in table.index else None
+    return None if rule is None or pd.isna(rule) else str(rule)
 
 
 def step_range(run_id: str) -> tuple[int, int]:
@@ -229,17 +221,16 @@ def step_range(run_id: str) -> tuple[int, int]:
 def default_first_step(run_id: str) -> int:
     """The first step of the longest run of final steps holding at most :data:`WINDOW_TOKENS` tokens (at least
     the last step)."""
-    summary = analysis("step_summary", run_ids=[run_id]).sort_values("step", ascending=False)
-    if summary.empty:
+    steps = summary([run_id]).sort_values("step", ascending=False)
+    if steps.empty:
         return step_range(run_id)[0]
-    within = summary[summary["n_tokens"].cumsum() <= WINDOW_TOKENS]
-    return int(within["step"].min()) if len(within) else int(summary["step"].iloc[0])
+    within = steps[steps["n_tokens"].cumsum() <= WINDOW_TOKENS]
+    return int(within["step"].min()) if len(within) else int(steps["step"].iloc[0])
 
 
 def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
     """Long form ``run_id, step, name, value`` for the metrics of :data:`METRIC_TITLES`."""
-    summary = analysis("step_summary", run_ids=list(run_ids))
-    wide = summary[["run_id", "step", "reward_mean", "mismatch_mean", "entropy_mean"]].rename(
+    wide = summary(run_ids)[["run_id", "step", "reward_mean", "mismatch_mean", "entropy_mean"]].rename(
         columns={"reward_mean": "reward", "mismatch_mean": "mismatch", "entropy_mean": "entropy"})
     long = wide.melt(id_vars=["run_id", "step"], var_name="name", value_name="value").dropna(subset=["value"])
     scalars = query("step_scalars", run_ids=list(run_ids), names=list(ACCURACY_NAMES))
@@ -250,13 +241,20 @@ def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
 
 
 def blocked_by_rule(run_ids: Sequence[str]) -> pd.DataFrame:
-    """``run_id, step, rule, blocked_frac`` over all tokens, for every rule that blocks anything in these runs
-    (read off the step summary's ``blocked_frac__<rule>`` columns, the same frame the metrics come from)."""
-    summary = analysis("step_summary", run_ids=list(run_ids))
-    columns = [c for c in summary.columns if c.startswith("blocked_frac__")]
-    df = summary[["run_id", "step", *columns]].melt(id_vars=["run_id", "step"], var_name="rule",
-                                                     value_name="blocked_frac")
-    df["rule"] = df["rule"].str.removeprefix("blocked_frac__")
+    """``run_id, step, rule, blocked_frac, n_blocked, n_tokens`` for every rule that blocks anything in these
+    runs, in registry order (read off the step summary's ``blocked_frac__<rule>`` columns, whatever rules the
+    registry holds; the count from ``n_blocked__<rule>`` when the view has it)."""
+    steps = summary(run_ids)
+    rules = [c.removeprefix("blocked_frac__") for c in steps.columns if c.startswith("blocked_frac__")]
+    parts = []
+    for rule in figures.rule_order(rules):
+        frac = steps[f"blocked_frac__{rule}"]
+        counted = f"n_blocked__{rule}"
+        n = steps[counted] if counted in steps else (frac * steps["n_tokens"]).round()
+        parts.append(pd.DataFrame({"run_id": steps["run_id"], "step": steps["step"], "rule": rule,
+                                   "blocked_frac": frac, "n_blocked": n, "n_tokens": steps["n_tokens"]}))
+    df = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
+        columns=["run_id", "step", "rule", "blocked_frac", "n_blocked", "n_tokens"])
     masking = df.groupby("rule")["blocked_frac"].max()
     return df[df["rule"].isin(masking[masking > 0].index)].reset_index(drop=True)
 
@@ -283,7 +281,7 @@ def ratio_histogram(run_id: str, divergence: str) -> pd.DataFrame:
 
 
 def rules_by_bucket(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """``rule, mu_bucket, adv_sign, n_tokens, n_blocked, blocked_frac``: every rule on the same tokens (A != 0)."""
+    """``rule, mu_bucket, adv_sign, n_tokens, n_blocked, blocked_frac`` over the A != 0 tokens of the window."""
     return query("rules_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
 
 
@@ -293,15 +291,19 @@ def masking_rules(run_id: str) -> list[str]:
     return [r for r in list_losses() if r in blocking]
 
 
-def clipped_tokens(run_id: str, rule: str, top: int) -> pd.DataFrame:
-    """``text, n_blocked, n_occurrences, block_rate, mean_mu, mu_bucket, mean_entropy``, most blocked first."""
-    df = analysis("clipped_tokens", run_ids=[run_id], rules=[rule], top=top)
-    texts = [t if isinstance(t, str) else f"#{i}" for t, i in zip(df["token_text"], df["token_id"], strict=True)]
-    return pd.DataFrame({
-        "text": texts, "n_blocked": df["n_blocked"], "n_occurrences": df["n_occurrences"],
-        "block_rate": df["block_rate"], "mean_mu": df["mu_prob_mean"], "mu_bucket": df["mu_bucket"],
-        "mean_entropy": df["entropy_mean"],
-    })
+def clipped_tokens(run_id: str, rule: str, steps: tuple[int, int], adv_sign: str, min_count: int,
+                   top: int) -> pd.DataFrame:
+    """``text, token_id, n_blocked, n_occurrences, block_rate, mean_mu, mu_bucket, mean_entropy``: the tokens
+    ``rule`` blocks at the highest rate in the step window (``adv_sign`` 'A>0', 'A<0' or 'any')."""
+    return query("clipped_by_rate", run_id=run_id, rule=rule, first_step=steps[0], last_step=steps[1],
+                 adv_sign=adv_sign, min_count=int(min_count), top=int(top))
+
+
+def counterfactual(run_id: str, rule_a: str, rule_b: str, steps: tuple[int, int]) -> pd.DataFrame:
+    """Every A != 0 token of the window one of the two rules blocks and the other keeps: step, rank, sample_id,
+    pos, token_text, blocked_by, kept_by, adv_sign, mu_bucket, mu_prob, pi_prob, ratio, binary_tv, advantage."""
+    return query("counterfactual_tokens", run_id=run_id, rule_a=rule_a, rule_b=rule_b, first_step=steps[0],
+                 last_step=steps[1])
 
 
 def bad_updates(run_id: str) -> pd.DataFrame:
@@ -309,41 +311,78 @@ def bad_updates(run_id: str) -> pd.DataFrame:
     df = analysis("bad_negative_updates", run_ids=[run_id]).sort_values("step")
     return pd.DataFrame({
         "step": df["step"], "bad_rate": df["bad_negative_rate"], "n_bad_negative": df["n_bad_negative"],
-        "n_negative": df["n_negative"], "n_tokens": df["n_tokens"], "reward": df["reward_mean"], "reward_fluctuation": df["reward_change"],
+        "n_negative": df["n_negative"], "n_tokens": df["n_tokens"], "reward": df["reward_mean"],
+        "reward_fluctuation": df["reward_change"],
     }).reset_index(drop=True)
 
 
+def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per run and step, :func:`trustscope.report.collapse_warnings` at :data:`WARNING_LINES`."""
+    lines = WARNING_LINES
+    every = query("collapse_warnings", run_ids=runs()["run_id"].tolist(), window=lines.window,
+                  bad_rate_line=lines.bad_rate, mismatch_growth_line=lines.mismatch_growth)
+    return every[every["run_id"].isin(list(run_ids))].reset_index(drop=True)
+
+
 def samples(run_id: str, step: int) -> pd.DataFrame:
-    """The responses of one step whose tokens were logged (``token_fraction`` may leave some out)."""
+    """The responses of one step whose tokens were logged (``token_fraction`` may leave some out), with
+    ``n_logged`` and ``n_blocked`` (by the trainer's own rule)."""
     df = analysis("samples", run_ids=[run_id], steps=[int(step)])
-    logged = query("logged_samples", run_id=run_id, step=int(step))["sample_id"]
-    return df[df["sample_id"].isin(logged)].sort_values("sample_id").reset_index(drop=True)
+    logged = query("logged_samples", run_id=run_id, step=int(step))
+    return df.merge(logged, on="sample_id").sort_values("sample_id").reset_index(drop=True)
+
+
+def explorer_start(run_id: str) -> tuple[int, int] | None:
+    """``(step, sample_id)`` the token explorer opens on: the latest step with a blocked token, its response
+    with the most blocked tokens."""
+    df = query("explorer_start", run_id=run_id)
+    return None if df.empty else (int(df["step"].iloc[0]), int(df["sample_id"].iloc[0]))
 
 
 def sample_tokens(run_id: str, step: int, sample_id: int) -> pd.DataFrame:
-    """The tokens of one response: pos, text, mu, ratio, tv, advantage, blocked and ``alternatives`` (mu's
-    top-K as hover text)."""
+    """The tokens of one response: pos, text, mu, pi, ratio, tv, advantage, blocked (the trainer's own rule),
+    ``blocks_<rule>`` for every rule, and ``alternatives`` (mu's top-K with pi's probabilities, as hover
+    text)."""
     metrics = analysis("sample_tokens", run_id=run_id, step=int(step), sample_id=int(sample_id))
     alts = query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
     df = pd.DataFrame({
         "pos": metrics["pos"],
         "text": [t if isinstance(t, str) else f"#{i}"
                  for t, i in zip(metrics["token_text"], metrics["token_id"], strict=True)],
-        "mu": metrics["mu_prob"], "ratio": metrics["ratio"], "tv": metrics["binary_tv"],
+        "mu": metrics["mu_prob"], "pi": metrics["pi_prob"], "ratio": metrics["ratio"], "tv": metrics["binary_tv"],
         "advantage": metrics["advantage"], "blocked": ~metrics["kept"].astype(bool),
-    }).merge(alts, on="pos", how="left")
+    })
+    for column in (c for c in metrics.columns if c.startswith("blocks_")):
+        df[column] = metrics[column].astype(bool)
+    df = df.merge(alts, on="pos", how="left")
     df["alternatives"] = [
-        _alternatives_text(texts, probs, rank)
-        for texts, probs, rank in zip(df["alt_texts"], df["alt_probs"], df["sampled_rank"], strict=True)
+        _alternatives_text(texts, probs, pis, rank)
+        for texts, probs, pis, rank in zip(df["alt_texts"], df["alt_probs"], df["alt_pi_probs"], df["sampled_rank"],
+                                           strict=True)
     ]
-    return df.drop(columns=["alt_texts", "alt_probs", "sampled_rank"])
+    return df.drop(columns=["alt_texts", "alt_probs", "alt_pi_probs", "sampled_rank"])
 
 
-def _alternatives_text(texts: object, probs: object, rank: object) -> str:
+def _alternatives_text(texts: object, probs: object, pis: object, rank: object) -> str:
     if not isinstance(texts, list | tuple | np.ndarray) or len(texts) == 0:
         return "top-K not logged"
     index = None if rank is None or pd.isna(rank) else int(rank) - 1
-    return charts.format_alternatives(list(texts), [float(p) for p in probs], index)
+    pi_probs = [float(p) for p in pis] if isinstance(pis, list | tuple | np.ndarray) and len(pis) else None
+    return figures.format_alternatives(list(texts), [float(p) for p in probs], index, pi_probs)
+
+
+def topk_table(run_id: str, step: int, sample_id: int, pos: int) -> pd.DataFrame:
+    """mu's top-K at one position beside pi's probability of the same tokens: rank, text, mu, pi, pi - mu."""
+    alts = query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
+    row = alts[alts["pos"] == pos]
+    if row.empty or not isinstance(row["alt_texts"].iloc[0], list | tuple | np.ndarray):
+        return pd.DataFrame(columns=["rank", "text", "mu", "pi", "pi - mu"])
+    texts, mus = list(row["alt_texts"].iloc[0]), [float(p) for p in row["alt_probs"].iloc[0]]
+    pis = row["alt_pi_probs"].iloc[0]
+    pis = [float(p) for p in pis] if isinstance(pis, list | tuple | np.ndarray) and len(pis) else [np.nan] * len(mus)
+    out = pd.DataFrame({"rank": range(1, len(texts) + 1), "text": [repr(t) for t in texts], "mu": mus, "pi": pis})
+    out["pi - mu"] = out["pi"] - out["mu"]
+    return out
 
 
 @dataclass
@@ -361,6 +400,21 @@ def run_sql(sql: str) -> SqlResult:
     start = time.perf_counter()
     try:
         result = _db(current_logdir()).sql(sql, max_rows=SQL_ROW_LIMIT)
-    except (db.QueryRefused, db.QueryTimeout, duckdb.Error) as exc:
+    except (db.QueryRefused, db.QueryStopped, duckdb.Error) as exc:
         return SqlResult(pd.DataFrame(), False, time.perf_counter() - start, _first_line(exc))
     return SqlResult(result.to_pandas(), result.truncated, time.perf_counter() - start)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _columns(logdir: str, view: str) -> pd.DataFrame:
+    cur = _db(logdir).cursor()
+    try:
+        rel = cur.view(view)
+        return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
+    finally:
+        cur.close()
+
+
+def view_columns(view: str) -> pd.DataFrame:
+    """``column, type`` of one view (for the SQL console's column browser)."""
+    return _columns(current_logdir(), view)

@@ -26,6 +26,7 @@ PAGES = {
     "Trust region": [
         st.Page("views/ratio_divergence.py", title="Ratio vs divergence", icon=":material/scatter_plot:"),
         st.Page("views/rules.py", title="Rules side by side", icon=":material/compare:"),
+        st.Page("views/counterfactual.py", title="Counterfactual", icon=":material/difference:"),
         st.Page("views/clipped_tokens.py", title="Clipped tokens", icon=":material/content_cut:"),
     ],
     "Drill down": [

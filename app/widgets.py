@@ -1,21 +1,30 @@
-"""Pickers shared by the pages; the choice is remembered across pages in the session state."""
+"""Pickers and display helpers shared by the pages; choices are remembered across pages in the session state."""
 
 from __future__ import annotations
 
 import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
 
 from app import data
+from trustscope import figures, report
 
 
-def pick_runs(runs: pd.DataFrame, limit: int = 4) -> list[str]:
-    """Several runs to compare (default: the first run of each loss rule, at most ``limit``)."""
-    ids = runs["run_id"].tolist()
-    remembered = [r for r in st.session_state.get("_runs", []) if r in ids]
-    one_per_rule = runs.drop_duplicates("loss_rule")["run_id"].tolist()[:limit]
-    chosen = st.multiselect("Runs", ids, default=remembered or one_per_rule, key="runs_picker")
-    st.session_state["_runs"] = chosen
-    return chosen
+def pick_groups(runs: pd.DataFrame, limit: int = 4) -> tuple[list[str], bool]:
+    """Seed groups (or single runs) to compare, and whether seeds are grouped. The default holds the PPO-clip
+    baseline and then one configuration per other rule, at most ``limit``."""
+    grouped = st.toggle("Group seeds (mean, band = min..max)", value=True, key="group_seeds")
+    column = "group" if grouped else "run_id"
+    options = runs[column].drop_duplicates().tolist()
+    remembered = [r for r in st.session_state.get(f"_{column}", []) if r in options]
+    first = runs.drop_duplicates(column)
+    baseline = first[first["loss_rule"] == data.BASELINE_RULE][column].tolist()[:1]
+    others = first[first["loss_rule"] != data.BASELINE_RULE].drop_duplicates("loss_rule")[column].tolist()
+    default = (baseline + others)[:limit]
+    label = "Configurations (seeds averaged)" if grouped else "Runs"
+    chosen = st.multiselect(label, options, default=remembered or default, key=f"{column}_picker")
+    st.session_state[f"_{column}"] = chosen
+    return chosen, grouped
 
 
 def pick_run(runs: pd.DataFrame, label: str = "Run") -> str:
@@ -23,12 +32,17 @@ def pick_run(runs: pd.DataFrame, label: str = "Run") -> str:
     ids = runs["run_id"].tolist()
     remembered = [r for r in st.session_state.get("_runs", []) if r in ids]
     index = ids.index(remembered[0]) if remembered else 0
-    run = st.selectbox(label, ids, index=index, key="run_picker")
+    run = st.selectbox(label, ids, index=index, key="run_picker", format_func=lambda r: _run_label(runs, r))
     st.session_state["_runs"] = [run, *[r for r in remembered if r != run]]
     return run
 
 
-def pick_steps(run_id: str) -> tuple[int, int]:
+def _run_label(runs: pd.DataFrame, run_id: str) -> str:
+    rule = runs.set_index("run_id").loc[run_id, "loss_rule"]
+    return f"{run_id}  ({rule})" if isinstance(rule, str) and rule not in run_id else run_id
+
+
+def pick_steps(run_id: str, key: str = "steps") -> tuple[int, int]:
     """A step window within one run; by default the last steps holding at most ``data.WINDOW_TOKENS`` tokens,
     so token-level pages cost the same however long the run grows."""
     first, last = data.step_range(run_id)
@@ -36,21 +50,25 @@ def pick_steps(run_id: str) -> tuple[int, int]:
         st.caption(f"Step {first}")
         return first, last
     start = data.default_first_step(run_id)
-    window = st.slider("Steps", first, last, (start, last), key=f"steps_{run_id}")
+    window = st.slider("Steps", first, last, (start, last), key=f"{key}_{run_id}")
     if window[0] > first:
         st.caption(f"Token-level charts read the last steps up to {data.WINDOW_TOKENS:,} tokens by default; "
                    "widen the window for more (slower on large runs).")
     return window
 
 
-def pick_rules(available: list[str]) -> list[str]:
-    """Rules to show side by side (default: PPO's clip, GRPO, the DPPO rules, low-probability relaxation and the
-    minimal negative mask, as far as they block anything here)."""
-    remembered = [r for r in st.session_state.get("_rules", []) if r in available]
-    default = remembered or [r for r in data.DEFAULT_RULES if r in available] or available[:6]
-    chosen = st.multiselect("Rules", available, default=default, key="rules_picker")
-    st.session_state["_rules"] = chosen
-    return chosen
+def pick_rules(available: list[str], applied: str | None = None, key: str = "rules_picker") -> list[str]:
+    """Rules to show side by side, in registry order (default: the run's own rule, the PPO clip baseline and the
+    DPPO rules, as far as they block anything here)."""
+    available = figures.rule_order(available)
+    remembered = [r for r in st.session_state.get(f"_{key}", []) if r in available]
+    wanted = {applied, data.BASELINE_RULE, "grpo", data.COUNTERFACTUAL_RULE, "dppo_topk_tv", "ppo_lowprob_relax",
+              "minimal_negative_mask"}
+    default = remembered or [r for r in available if r in wanted] or available[:6]
+    chosen = st.multiselect("Rules", available, default=default, key=key,
+                            format_func=lambda r: r + figures.APPLIED_MARK if r == applied else r)
+    st.session_state[f"_{key}"] = chosen
+    return figures.rule_order(chosen)
 
 
 def require_runs() -> pd.DataFrame:
@@ -61,3 +79,39 @@ def require_runs() -> pd.DataFrame:
                 "once their first step lands; the Live page refreshes on its own.")
         st.stop()
     return runs
+
+
+def chart(fig: go.Figure | dict, key: str, empty: str) -> None:
+    """Draw ``fig`` (a figure or :func:`app.data.figure`'s JSON), or say ``empty`` (why there is nothing and what
+    to change) when no trace holds a point."""
+    if figures.has_data(fig):
+        st.plotly_chart(fig, key=key)
+    else:
+        st.info(empty, icon=":material/info:")
+
+
+def warning_badge(run_ids: list[str]) -> None:
+    """A red badge per run whose collapse early warning fired (first step and why), in an expander when many."""
+    if not run_ids:
+        return
+    firsts = report.first_warnings(data.collapse_warnings(run_ids))
+    lines = data.WARNING_LINES
+    if not firsts:
+        st.caption(f"No collapse warning: over every {lines.window}-step window, bad negative updates stayed under "
+                   f"{lines.bad_rate:.1%} of tokens and mean |pi - mu| under {lines.mismatch_growth:g}x its first "
+                   "window.")
+        return
+    where = st.expander(f":material/warning: Collapse warning on {len(firsts)} of {len(run_ids)} runs",
+                        expanded=len(firsts) <= 2) if len(firsts) > 1 else st.container()
+    with where:
+        for run_id, text in firsts.items():
+            st.badge(f"{run_id}: {text}", icon=":material/warning:", color="red")
+        st.caption(f"Lines: bad negative updates >= {lines.bad_rate:.1%} of the last {lines.window} steps' tokens, "
+                   f"or mean |pi - mu| >= {lines.mismatch_growth:g}x the run's first {lines.window} steps. On the "
+                   "sample logs most warnings were followed by no reward dip (docs/experiments.md): a prompt to "
+                   "look, not a verdict.")
+
+
+def count_of(n: float, total: float) -> str:
+    """``"8.3% (1 of 12)"``: a fraction always with the counts it is made of."""
+    return f"{n / total:.1%} ({int(n):,} of {int(total):,})" if total else "- (0 of 0)"

@@ -34,8 +34,8 @@ from app.launch import LOGDIR_ENV  # noqa: E402
 from trustscope import db, schema  # noqa: E402
 
 MAIN = ROOT / "app" / "main.py"
-PAGES = ["runs", "live", "bad_updates", "ratio_divergence", "rules", "clipped_tokens", "token_explorer",
-         "sql_console"]
+PAGES = ["runs", "live", "bad_updates", "ratio_divergence", "rules", "counterfactual", "clipped_tokens",
+         "token_explorer", "sql_console"]
 
 
 def _timed_run(at: AppTest) -> float:
@@ -69,7 +69,8 @@ def baseline(repeat: int) -> float:
 def _clear_results() -> None:
     st.cache_data.clear()
     data._analysis.clear()
-    data._sql_file.clear()
+    data._query.clear()
+    data._run_table.clear()
 
 
 def open_costs(logdir: Path) -> tuple[float, float]:

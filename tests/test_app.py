@@ -6,9 +6,11 @@ still being written, corrupt) must show a message, never a traceback.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -47,6 +49,13 @@ def _ok(at: AppTest, title: str) -> None:
     assert [t.value for t in at.title] == [title]
 
 
+def _array(values: object) -> np.ndarray:
+    """A trace's values from a chart's JSON: a list, or plotly's typed array (``{"dtype", "bdata"}``)."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
+    return np.asarray(values)
+
+
 def _charts(at: AppTest) -> list:
     return list(at.get("plotly_chart"))
 
@@ -55,10 +64,30 @@ def test_runs_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir)
     _ok(at, "Runs")
     table = at.dataframe[0].value
-    assert {"run_id", "status", "loss_rule", "n_steps"} <= set(table.columns) and len(table) >= 1
+    assert {"run_id", "status", "loss_rule", "n_steps", "tokens_generated", "tokens_logged",
+            "updated_at"} <= set(table.columns) and len(table) >= 1
+    assert "running" not in set(table["status"])  # every sample run's writer is long gone
     assert len(_charts(at)) == 2
-    assert at.multiselect(key="runs_picker").value == table.drop_duplicates("loss_rule")["run_id"].tolist()[:4]
+    picked = at.multiselect(key="group_picker").value
+    rules = table.drop_duplicates("group").set_index("group")["loss_rule"]
+    assert 1 <= len(picked) <= 4 and len({rules[g] for g in picked}) == len(picked)
+    if "ppo_clip" in set(table["loss_rule"]):
+        assert rules[picked[0]] == "ppo_clip"  # the baseline is always in the default selection
     assert f"`{logdir.resolve()}`" in at.sidebar.caption[0].value
+
+
+def test_runs_page_groups_seeds_and_smooths(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir)
+    fig = json.loads(_charts(at)[0].proto.spec)
+    groups = at.multiselect(key="group_picker").value
+    assert [t["name"] for t in fig["data"] if t.get("showlegend") is not False] == groups
+    at.select_slider(key="smoothing").set_value(0.9).run()
+    _ok(at, "Runs")
+    smoothed = json.loads(_charts(at)[0].proto.spec)
+    assert smoothed["data"][0]["y"] != fig["data"][0]["y"]
+    at.toggle(key="group_seeds").set_value(False).run()
+    _ok(at, "Runs")
+    assert at.multiselect(key="run_id_picker").value
 
 
 def test_runs_page_one_metric(monkeypatch, logdir):
@@ -67,6 +96,7 @@ def test_runs_page_one_metric(monkeypatch, logdir):
     _ok(at, "Runs")
     fig = json.loads(_charts(at)[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"] == "mismatch mean |pi - mu|"
+    assert fig["layout"]["yaxis"]["type"] == "log"
     assert all(len(trace["y"]) > 0 for trace in fig["data"])
 
 
@@ -74,7 +104,7 @@ def test_live_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "live")
     _ok(at, "Live")
     labels = [m.label for m in at.metric]
-    assert labels == ["Last step", "Response tokens", "Mean reward", "Status"]
+    assert labels == ["Last step", "Tokens logged", "Mean reward", "Status"]
     assert len(_charts(at)) == 1
     assert any("Refreshed" in c.value for c in at.caption)
 
@@ -100,8 +130,10 @@ def test_bad_updates_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "bad_updates")
     _ok(at, "Bad negative updates")
     assert [m.label for m in at.metric][:2] == ["Bad updates (all steps)", "Worst step"]
+    assert " of " in at.metric[0].value  # the fraction comes with its counts
     fig = json.loads(_charts(at)[0].proto.spec)
     assert [t["name"] for t in fig["data"]] == ["bad negative updates", "reward fluctuation"]
+    assert fig["layout"]["yaxis"]["rangemode"] == "tozero"
     assert {"step", "bad_rate", "reward_fluctuation"} <= set(at.dataframe[0].value.columns)
 
 
@@ -113,7 +145,8 @@ def test_ratio_divergence_page(monkeypatch, logdir):
     assert names == sorted(names) and len(names) >= 2  # one pair of traces per mu bucket, in bucket order
     assert figure2["layout"]["xaxis"]["type"] == "log"
     assert sum(len(t["x"]) for t in histogram["data"]) > 0
-    assert [t["name"] for t in spread["data"]] == ["|ratio - 1|", "binary TV"]
+    assert [t["name"] for t in spread["data"]] == ["|ratio - 1|", "binary TV |pi - mu|"]
+    assert any("Spearman" in c.value for c in at.caption)
     at.radio(key="divergence").set_value("topk_tv").run()
     _ok(at, "Ratio vs divergence")
     fig = json.loads(_charts(at)[0].proto.spec)
@@ -124,16 +157,30 @@ def test_rules_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "rules")
     _ok(at, "Rules side by side")
     picked = at.multiselect(key="rules_picker").value
-    assert picked and set(picked) <= {"ppo_clip", "grpo", "dppo_binary_tv", "dppo_topk_tv", "ppo_lowprob_relax",
-                                      "minimal_negative_mask"}
+    assert picked
     fig = json.loads(_charts(at)[0].proto.spec)
-    assert {t["name"] for t in fig["data"]} == set(picked)
+    assert {t["meta"]["rule"] for t in fig["data"]} == set(picked)
     assert [a["text"] for a in fig["layout"]["annotations"]] == ["advantage A>0", "advantage A<0"]
     table = at.dataframe[0].value
-    assert {"mu_bucket", "adv_sign", *picked} == set(table.columns)
+    assert {"mu_bucket", "adv_sign", "n_tokens", *picked} == set(table.columns)
+    assert all(" of " in v for v in table[picked[0]])  # every fraction with its counts
     at.multiselect(key="rules_picker").set_value(["grpo"]).run()
     _ok(at, "Rules side by side")
-    assert {t["name"] for t in json.loads(_charts(at)[0].proto.spec)["data"]} == {"grpo"}
+    assert {t["meta"]["rule"] for t in json.loads(_charts(at)[0].proto.spec)["data"]} == {"grpo"}
+
+
+def test_counterfactual_page(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "counterfactual")
+    _ok(at, "Counterfactual")
+    rule_a, rule_b = at.selectbox(key="cf_rule_a").value, at.selectbox(key="cf_rule_b").value
+    assert rule_b == ("ppo_clip" if rule_a == "dppo_binary_tv" else "dppo_binary_tv")
+    assert all(" of " in m.value for m in at.metric[:2])
+    tokens = at.dataframe[-1].value
+    assert {"token_text", "blocked_by", "kept_by", "mu_bucket", "adv_sign", "pos"} <= set(tokens.columns)
+    assert set(tokens["blocked_by"]) <= {rule_a, rule_b} and (tokens["blocked_by"] != tokens["kept_by"]).all()
+    fig = json.loads(_charts(at)[0].proto.spec)
+    assert {t["meta"]["rule"] for t in fig["data"]} == {rule_a, rule_b}
+    assert sum(_array(t["y"]).sum() for t in fig["data"]) == len(tokens)
 
 
 def test_clipped_tokens_page(monkeypatch, logdir):
@@ -142,31 +189,70 @@ def test_clipped_tokens_page(monkeypatch, logdir):
     at.selectbox(key="clip_rule").set_value("grpo").run()
     _ok(at, "Clipped tokens")
     table = at.dataframe[0].value
-    assert {"text", "n_blocked", "mean_mu", "mean_entropy"} <= set(table.columns)
-    assert 1 <= len(table) <= 20 and table["n_blocked"].is_monotonic_decreasing
+    assert {"text", "n_blocked", "n_occurrences", "block_rate", "mean_mu", "mean_entropy"} <= set(table.columns)
+    assert 1 <= len(table) <= 20 and table["block_rate"].is_monotonic_decreasing
+    assert (table["n_occurrences"] >= 5).all()
     fig = json.loads(_charts(at)[0].proto.spec)
-    assert fig["layout"]["xaxis"]["title"]["text"] == "tokens blocked by grpo"
+    assert "grpo blocks" in fig["layout"]["xaxis"]["title"]["text"]
+    at.radio(key="clip_sign").set_value("A<0").run()
+    _ok(at, "Clipped tokens")
 
 
 def test_token_explorer_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "token_explorer")
     _ok(at, "Token explorer")
     body = at.get("html")[0].proto.body
-    assert body.count('class="tok"') >= 1 and "&lt;- sampled" in body and "&#x27;" in body
+    assert body.count('class="tok"') >= 1 and "&lt;- sampled" in body and "&#x27;" in body and " pi " in body
+    run = at.selectbox(key="run_picker").value
+    step = at.number_input(key="explorer_step").value
+    assert step >= 0 and "blocked" in at.selectbox(key="explorer_sample").format_func(
+        at.selectbox(key="explorer_sample").value)
+    assert {"pos", "text", "mu", "pi", "ratio", "tv", "advantage", "blocked"} <= set(at.dataframe[0].value.columns)
+    assert run
     at.radio(key="explorer_colour").set_value("blocked").run()
     _ok(at, "Token explorer")
-    assert any(c.value.startswith("Red: the trainer's own rule blocked") for c in at.main.caption)
+    assert any(c.value.startswith("Red: the trainer's own rule") for c in at.main.caption)
+    at.selectbox(key="explorer_rule").set_value("ppo_clip").run()
+    _ok(at, "Token explorer")
+    assert any(c.value.startswith("Red: ppo_clip blocks") for c in at.main.caption)
+
+
+def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
+    monkeypatch.setenv(LOGDIR_ENV, str(logdir))
+    at = AppTest.from_file(str(MAIN), default_timeout=TIMEOUT)
+    at.run()
+    run = at.dataframe[0].value["run_id"].iloc[-1]
+    at.switch_page("views/counterfactual.py")
+    at.run()
+    at.selectbox(key="run_picker").set_value(run).run()
+    tokens = at.dataframe[-1].value
+    if tokens.empty:
+        pytest.skip("the two default rules agree on every token of this log")
+    row = tokens.iloc[0]
+    at.session_state["explorer_target"] = {"run": run, "step": int(row["step"]), "sample": int(row["sample_id"]),
+                                           "pos": int(row["pos"])}
+    at.switch_page("views/token_explorer.py")
+    at.run()
+    _ok(at, "Token explorer")
+    assert at.selectbox(key="run_picker").value == run
+    assert at.number_input(key="explorer_step").value == int(row["step"])
+    assert at.selectbox(key="explorer_sample").value == int(row["sample_id"])
+    assert at.selectbox(key="explorer_topk_pos").value == int(row["pos"])
 
 
 def test_sql_console_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "sql_console")
     _ok(at, "SQL console")
-    assert len(at.dataframe[0].value) >= 1
+    columns, rows = at.dataframe[0].value, at.dataframe[1].value
+    assert {"column", "type"} == set(columns.columns) and "run_id" in set(columns["column"])
+    assert at.selectbox(key="sql_view").options[0] != "bad_negative_updates_scan"
+    assert not any(o.endswith(("_partials", "_scan", "_core")) for o in at.selectbox(key="sql_view").options)
+    assert len(rows) >= 1
     assert len(at.get("download_button")) == 1
     at.text_area(key="sql_text").set_value("select count(*) as n from tokens").run()
     at.button(key="sql_run").click().run()
     _ok(at, "SQL console")
-    assert int(at.dataframe[0].value["n"].iloc[0]) > 0
+    assert int(at.dataframe[1].value["n"].iloc[0]) > 0
 
 
 def test_sql_console_refuses_writes_with_a_message(monkeypatch, logdir):

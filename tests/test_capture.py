@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trustscope.capture import CaptureHook, capture
+from trustscope.capture import CaptureHook, NoLogitsError, capture, fused_head_forward, top_k
 
 V, B, P, T, K = 300, 3, 5, 7, 4
 
@@ -141,3 +141,76 @@ def test_capture_rejects_bad_shapes(batch):
         capture(logits, response_ids, response_start=P, mu_topk_ids=mu_topk_ids[:, :2])
     with pytest.raises(ValueError, match="logits must be"):
         capture(logits[0], response_ids, response_start=P)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_capture_temperature_is_the_samplers_distribution(model, batch, temperature):
+    """logits / temperature before the log-softmax, as a sampler at that temperature draws; gradients too."""
+    input_ids, response_ids, mu_topk_ids = batch
+    logits = model(input_ids).logits.detach()
+    a = logits.clone().requires_grad_(True)
+    cap = capture(a, response_ids, response_start=P, mu_topk_ids=mu_topk_ids, temperature=temperature, chunk_tokens=4)
+    b = logits.clone().requires_grad_(True)
+    ref_lp, ref_topk, ref_ent = naive(b / temperature, response_ids, mu_topk_ids, [P] * B)
+    torch.testing.assert_close(cap.logprob, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cap.topk_logprobs, ref_topk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cap.entropy, ref_ent, atol=1e-5, rtol=1e-5)
+    cap.logprob.sum().backward()
+    ref_lp.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    plain = capture(logits, response_ids, response_start=P)
+    assert not torch.allclose(plain.logprob, cap.logprob)
+    with CaptureHook(model, response_ids, response_start=P, temperature=temperature) as hook:
+        model(input_ids)
+    torch.testing.assert_close(hook.result.logprob, ref_lp.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_capture_rejects_a_bad_temperature(batch, temperature):
+    _, response_ids, _ = batch
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        capture(torch.randn(B, P + T, V), response_ids, response_start=P, temperature=temperature)
+
+
+def test_top_k_matches_sorted_log_softmax(model, batch):
+    input_ids = batch[0]
+    logits = model(input_ids).logits.detach()
+    ids, lps = top_k(logits, 5, T=T, response_start=P, temperature=0.8, chunk_tokens=3)
+    ref = torch.log_softmax(logits[:, P - 1: P - 1 + T] / 0.8, -1).topk(5, dim=-1)
+    assert ids.shape == lps.shape == (B, T, 5)
+    assert torch.equal(ids, ref.indices)
+    torch.testing.assert_close(lps, ref.values, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="k must be in"):
+        top_k(logits, V + 1)
+
+
+class _LogprobsOnly(torch.nn.Module):
+    """A model whose output carries per-token log-probs and no logits, like TRL's FusedCausalLMOutput."""
+
+    def forward(self, input_ids):
+        return {"log_probs": torch.zeros(input_ids.shape)}
+
+
+def test_capture_hook_names_the_alternative_for_a_model_without_logits(batch):
+    input_ids, response_ids, _ = batch
+    with CaptureHook(_LogprobsOnly(), response_ids, response_start=P) as hook, \
+            pytest.raises(NoLogitsError, match=r"holds no logits.*capture\(\) on logits"):
+        hook.model(input_ids)
+
+
+def test_capture_hook_refuses_a_fused_lm_head_when_created(model, batch):
+    """TRL's add_fused_lm_head replaces the forward with one taking fused_lm_head=...: refused before any step."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    _, response_ids, _ = batch
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    fused = Qwen2ForCausalLM(cfg)
+    add_fused_lm_head(fused, outputs=("log_probs", "entropy"))
+    assert fused_head_forward(fused) is fused and fused_head_forward(model) is None
+    with pytest.raises(NoLogitsError, match=r"fused LM head.*integrations\.trl\.attach"):
+        CaptureHook(fused, response_ids, response_start=P)
+    wrapper = torch.nn.Sequential(fused)  # found inside a wrapper too
+    with pytest.raises(NoLogitsError):
+        CaptureHook(wrapper, response_ids, response_start=P)

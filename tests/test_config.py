@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trustscope.losses import list_losses
-from trustscope.train.config import ConfigError, TrainConfig, field_docs, load_config, parse_overrides
+from trustscope.train.config import ConfigError, TrainConfig, field_docs, load_config
 
 
 def test_defaults_are_valid_and_name_the_run():
@@ -47,7 +47,7 @@ def test_every_registered_loss_has_a_valid_config(name):
 def test_load_toml_then_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('loss = "cispo"\nlr = 1e-5\nsteps = 7\n[loss_params]\nis_cap = 4.0\n')
-    cfg = load_config(path, parse_overrides(["--steps", "9", "--std-normalize", "--engine-dtype=bfloat16"]))
+    cfg = load_config(path, {"steps": "9", "std_normalize": True, "engine_dtype": "bfloat16"})
     assert (cfg.loss, cfg.lr, cfg.steps, cfg.std_normalize, cfg.engine_dtype) == ("cispo", 1e-5, 9, True, "bfloat16")
     assert cfg.loss_params == {"is_cap": 4.0}
 
@@ -58,15 +58,6 @@ def test_load_json_and_string_overrides_are_typed(tmp_path):
     cfg = load_config(path, {"lr": "3e-4", "adam_betas": "0.9,0.99", "loss_params": '{"eps_low": 0.1}'})
     assert cfg.group_size == 4 and cfg.lr == 3e-4 and cfg.adam_betas == (0.9, 0.99)
     assert cfg.loss_params == {"eps_low": 0.1}
-
-
-def test_parse_overrides_bool_forms():
-    assert parse_overrides(["--no-log-tokens", "--resume", "--run-id", "x"]) == {
-        "log_tokens": "false", "resume": "true", "run_id": "x"}
-    with pytest.raises(ConfigError, match="needs a value"):
-        parse_overrides(["--lr"])
-    with pytest.raises(ConfigError, match="unexpected argument"):
-        parse_overrides(["lr", "1"])
 
 
 @pytest.mark.parametrize(

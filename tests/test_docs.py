@@ -65,3 +65,20 @@ def test_rule_tables_are_the_registry(doc):
     assert found.group(1) == catalogue_markdown(), (
         f"{doc}'s rule table differs from the registry; paste the output of "
         "python -c 'from trustscope.losses import catalogue_markdown; print(catalogue_markdown(), end=\"\")'")
+
+
+ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_architecture_names_every_module_page_sql_directory_and_command():
+    from trustscope.cli import app
+
+    package = ROOT / "trustscope"
+    modules = [p for p in package.iterdir() if (p.suffix == ".py" and p.stem != "__init__")
+               or (p.is_dir() and (p / "__init__.py").exists())]
+    names = [f"trustscope/{p.name}{'/' if p.is_dir() else ''}" for p in modules]
+    names += [f"trustscope/sql/{p.name}/" for p in (package / "sql").iterdir() if p.is_dir()]
+    names += [f"app/views/{p.name}" for p in (ROOT / "app" / "views").glob("*.py") if p.stem != "__init__"]
+    names += [f"trustscope {c.name or c.callback.__name__}" for c in app.registered_commands]
+    missing = [n for n in names if f"`{n}" not in ARCHITECTURE]
+    assert not missing, f"docs/architecture.md does not mention: {missing}"

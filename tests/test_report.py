@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from trustscope import db as tsdb
@@ -58,6 +60,33 @@ def test_sql_errors_go_to_stderr_with_exit_code(logdir):
     assert len(res.stdout.splitlines()) == 8 and "cut at 7 rows" in res.stderr
 
 
+def test_named_queries_bind_parameters_and_refuse_unknown_names(logdir, tmp_path):
+    with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
+        alpha = conn.query("rules_by_bucket", run_id="alpha", first_step=0, last_step=3)
+        none = conn.query("rules_by_bucket", run_id="alpha'; drop view tokens; --", first_step=0, last_step=3)
+        before = conn.version()
+        with pytest.raises(ValueError, match="unknown query 'nope'"):
+            conn.query("nope")
+    assert len(alpha) and none.empty  # a value, never SQL
+    assert set(alpha["adv_sign"]) <= {"A>0", "A<0"} and (alpha["n_blocked"] <= alpha["n_tokens"]).all()
+    import shutil
+
+    copy = shutil.copytree(logdir, tmp_path / "logs")
+    with tsdb.connect(copy, cache_dir=tmp_path) as conn:
+        same = conn.version()
+        generate_run(copy, "gamma", SyntheticConfig(tokens=300, steps=1, edge_cases=False))
+        assert conn.version() != same  # a new file changes the version the dashboard caches under
+    assert before
+
+
+def test_sql_prints_float32_at_float32_precision(logdir):
+    q = "select 0.3::float as f32, 0.3::double as f64"
+    res = runner.invoke(app, ["sql", str(logdir), q])
+    assert res.exit_code == 0 and "0.3 " in res.output and "0.300000011920929" not in res.output
+    rows = json.loads(runner.invoke(app, ["sql", str(logdir), q, "-f", "json"]).output)
+    assert rows == [{"f32": 0.3, "f64": 0.3}]
+
+
 def test_report_numbers_match_the_step_summary(logdir, tmp_path):
     with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
         reports = {r.run_id: r for r in report.build(conn)}
@@ -67,18 +96,107 @@ def test_report_numbers_match_the_step_summary(logdir, tmp_path):
     r = reports["alpha"]
     assert r.loss_rule == "grpo" and r.n_steps == 4 and r.n_tokens == alpha.n_tokens.sum()
     assert r.mismatch_last == pytest.approx(alpha.mismatch_mean.iloc[-1])
-    assert r.blocked_by_rule["pg_is"] == 0.0
-    assert r.trainer_blocked_frac == pytest.approx(r.blocked_by_rule["grpo"], abs=2e-3)
+    assert "pg_is" not in r.blocked_by_rule  # blocks nothing: left out
+    frac, n = r.blocked_by_rule["grpo"]
+    assert r.trainer_blocked_frac == pytest.approx(frac, abs=2e-3)
+    assert n == round((alpha.blocked_frac__grpo * alpha.n_tokens).sum())
     assert list(r.clipped.rule.unique()) == ["grpo"]
+
+
+def test_run_table_counts_tokens_and_groups_seeds(tmp_path):
+    cfg = SyntheticConfig(tokens=600, steps=2, edge_cases=False)
+    for seed in (0, 1):
+        generate_run(tmp_path / "logs", f"cfg-s{seed}", SyntheticConfig(**{**cfg.__dict__, "seed": seed}))
+    with tsdb.connect(tmp_path / "logs", cache_dir=tmp_path / "cache") as conn:
+        table = report.run_table(conn)
+        summary = conn.step_summary()
+    assert table["tokens_logged"].tolist() == summary.groupby("run_id")["n_tokens"].sum().tolist()
+    assert (table["tokens_generated"] >= table["tokens_logged"]).all()
+    assert table["status"].isin(["finished", "crashed", "stale", "running"]).all()
+
+
+def test_seed_group_drops_only_the_seed():
+    a = {"config": {"loss": "ppo_clip", "seed": 0, "run_id": "x-s0", "lr": 1e-3}}
+    b = {"config": {"loss": "ppo_clip", "seed": 1, "run_id": "x-s1", "lr": 1e-3}}
+    c = {"config": {"loss": "ppo_clip", "seed": 1, "run_id": "y-s1", "lr": 2e-3}}
+    assert report.seed_group(a, "x-s0") == report.seed_group(b, "x-s1")
+    assert report.seed_group(a, "x-s0")[1] == "x" and report.seed_group(c, "y-s1")[0] != report.seed_group(a, "x-s0")[0]
+
+
+def test_collapse_warning_fires_on_the_configured_line(logdir, tmp_path):
+    with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
+        never = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1.0, mismatch_growth=1e9,
+                                                                              window=1))
+        always = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1e-12,
+                                                                               mismatch_growth=1e-9, window=1))
+    assert not never["warning"].any()
+    assert always["warning"].tolist() == [False, True, True, True]  # the first window is the baseline
+    assert report.first_warnings(always)["alpha"].startswith("collapse warning from step 1")
+    with pytest.raises(ValueError, match="bad_rate"):
+        report.WarningLines(bad_rate=-1)
+
+
+def test_terminal_report_tells_runs_apart_at_80_columns(tmp_path):
+    cfg = SyntheticConfig(tokens=500, steps=2, edge_cases=False, loss_rule="dppo_binary_tv")
+    ids = [f"sanity-dppo_binary_tv-long-config-name-s{s}" for s in range(3)]
+    for i, run_id in enumerate(ids):
+        generate_run(tmp_path / "logs", run_id, SyntheticConfig(**{**cfg.__dict__, "seed": i}))
+    console = Console(width=80, record=True, file=io.StringIO())
+    with tsdb.connect(tmp_path / "logs", cache_dir=tmp_path / "cache") as conn:
+        report.print_report(conn, console)
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    overview = text.split("\n\n")[0] if "\n\n" in text else text
+    for seed in range(3):
+        assert any(line.lstrip().startswith(f"s{seed}") for line in overview.splitlines()), overview
 
 
 def test_report_command_and_html(logdir, tmp_path):
     page = tmp_path / "report.html"
     res = runner.invoke(app, ["report", str(logdir), "--html", str(page)])
     assert res.exit_code == 0, res.output
-    assert "alpha" in res.output and "beta" in res.output and "dppo_binary_kl" in res.output
+    assert "alpha" in res.output and "beta" in res.output
     text = page.read_text()
-    assert text.count("plotly") > 10 and "Mismatch" in text and "alpha" in text
-    assert "<script src=\"http" not in text and len(text) > 1_000_000  # plotly.js inlined: self-contained
+    assert "Reward and mismatch" in text and "Ratio against binary TV" in text and "alpha" in text
+    assert "{&#x27;" not in text and "{&quot;" not in text.split("<h2>")[0]  # no raw dicts at the top
+    assert (tmp_path / "plotly.min.js").exists() and "<script src='plotly.min.js'>" in text
+    assert len(text) < 1_500_000
+    inline = tmp_path / "inline.html"
+    assert runner.invoke(app, ["report", str(logdir), "--html", str(inline), "--inline-js"]).exit_code == 0
+    assert "<script src=" not in inline.read_text() and len(inline.read_text()) > 3_000_000
     res = runner.invoke(app, ["report", str(tmp_path / "missing")])
     assert res.exit_code == 2 and "missing" in res.stderr
+
+
+def test_report_and_sql_leave_a_corrupt_run_out_and_show_the_others(logdir, tmp_path):
+    import shutil
+
+    root = tmp_path / "logs"
+    shutil.copytree(logdir, root)
+    (root / "beta" / "tokens" / "rank000-999999.parquet").write_bytes(b"this is not parquet")
+    res = runner.invoke(app, ["report", str(root)])
+    assert res.exit_code == 0, res.output
+    assert "alpha" in res.stdout and "beta" in res.stdout and "left out, unreadable" in res.stdout
+    assert "Traceback" not in res.output and "select" not in res.output.lower()
+    res = runner.invoke(app, ["sql", str(root), "select distinct run_id from tokens"])
+    assert res.exit_code == 0 and "alpha" in res.stdout and "beta left out" in res.stderr
+
+
+def test_no_runs_found_exits_non_zero_with_a_message(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for command in ("report", "sql"):
+        args = [command, str(tmp_path / "empty")] + (["select 1"] if command == "sql" else [])
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1 and "no runs found" in res.stderr and "Traceback" not in res.output
+
+
+def test_demo_refuses_a_busy_port_before_training(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = runner.invoke(app, ["demo", "--logdir", str(tmp_path / "demo"), "--port", str(port)])
+    assert res.exit_code == 2 and f"port {port}" in res.stderr
+    assert not (tmp_path / "demo").exists()  # nothing trained

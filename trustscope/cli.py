@@ -2,13 +2,88 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from pathlib import Path
+from typing import Any
 
+import click
 import typer
+import typer.core
 
 from trustscope import __version__
 
+TRAIN_HELP = """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
+
+Every option is a TrainConfig field, its help the field's docstring; options override the --config file's values.
+"""
+METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT"}
+
+
+def train_command() -> click.Command:
+    """``trustscope train``: one option per :class:`~trustscope.train.config.TrainConfig` field, generated from the
+    dataclass. Values are handed on as given (text, or true/false for flags) and coerced once, by TrainConfig.
+    Built when first asked for, since reading TrainConfig imports torch."""
+    from trustscope.train.config import TrainConfig, field_docs
+
+    docs, defaults = field_docs(), TrainConfig(run_id="x").to_dict()
+    hints = typing.get_type_hints(TrainConfig)
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    params = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Path | None, default=typer.Option(
+            None, "--config", help="JSON or TOML file of TrainConfig fields.")),
+        inspect.Parameter("list_options", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+            False, "--list-options", help="List every option with its default and exit.")),
+    ]
+    for name in fields:
+        flag = "--" + name.replace("_", "-")
+        default = "" if name == "run_id" else defaults[name]
+        doc = f"{docs[name]} [default: {default!r}]"
+        if hints[name] is bool:
+            option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=doc, show_default=False)
+            annotation: Any = bool | None
+        else:
+            metavar = METAVARS.get(hints[name], "JSON" if typing.get_origin(hints[name]) is dict else "B1,B2")
+            option = typer.Option(None, flag, help=doc, metavar=metavar, show_default=False)
+            annotation = str | None
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=option))
+
+    def train(config: Path | None, list_options: bool, **values: Any) -> None:
+        from trustscope.logger import LogDirError
+        from trustscope.train.config import ConfigError, load_config
+        from trustscope.train.loop import print_options, train_with_progress
+
+        if list_options:
+            print_options()
+            return
+        try:
+            cfg = load_config(config, {k: v for k, v in values.items() if v is not None})
+            train_with_progress(cfg)
+        except (ConfigError, FileNotFoundError, FileExistsError, LogDirError) as exc:
+            typer.echo(f"trustscope train: {exc}", err=True)
+            raise typer.Exit(2) from exc
+
+    train.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    train.__doc__ = TRAIN_HELP
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    single.command(name="train")(train)
+    return typer.main.get_command(single)
+
+
+class Commands(typer.core.TyperGroup):
+    """The command group, with ``train`` built on demand (see :func:`train_command`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return [*names[:2], "train", *names[2:]]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return train_command() if name == "train" else super().get_command(ctx, name)
+
+
 app = typer.Typer(
+    cls=Commands,
     name="trustscope",
     help="Training-dynamics diagnostics for LLM reinforcement learning, with an integrated DPPO trainer.",
     no_args_is_help=True,
@@ -39,30 +114,6 @@ def dashboard(
         raise typer.Exit(2) from exc
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def train(
-    ctx: typer.Context,
-    config: Path | None = typer.Option(None, "--config", help="JSON or TOML file of TrainConfig fields."),
-    list_options: bool = typer.Option(False, "--list-options", help="List every option with its default and exit."),
-) -> None:
-    """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
-
-    Every TrainConfig field is an option: --loss cispo --lr 1e-5 --engine-dtype bfloat16 --policy-lag 2 ...
-    """
-    from trustscope.logger import LogDirError
-    from trustscope.train.config import ConfigError, load_config, parse_overrides
-    from trustscope.train.loop import print_options, train_with_progress
-
-    if list_options:
-        print_options()
-        return
-    try:
-        train_with_progress(load_config(config, parse_overrides(list(ctx.args))))
-    except (ConfigError, FileNotFoundError, FileExistsError, LogDirError) as exc:
-        typer.echo(f"trustscope train: {exc}", err=True)
-        raise typer.Exit(2) from exc
-
-
 @app.command()
 def demo(
     logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written."),
@@ -73,7 +124,11 @@ def demo(
     """Build the toy world, train a short DPPO run with the logger on, and serve the dashboard over it."""
     from trustscope.demo import run_demo
 
-    run_demo(logdir, steps=steps, serve=serve, port=port)
+    try:
+        run_demo(logdir, steps=steps, serve=serve, port=port)
+    except OSError as exc:
+        typer.echo(f"trustscope demo: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()
@@ -94,6 +149,19 @@ def validate(logdir: Path = typer.Argument(..., help="A log directory, or one ru
     typer.echo(f"ok: {len(runs)} run(s) in {logdir} match schema version {SCHEMA_VERSION}")
 
 
+def _first_line(exc: BaseException) -> str:
+    """An error's first line: DuckDB appends the failing SQL (views included) below it, which says nothing to a
+    user and is not theirs to read."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
+
+
+def _left_out(command: str, broken: dict[str, list[str]]) -> None:
+    for run_id, problems in broken.items():
+        typer.echo(f"trustscope {command}: run {run_id} left out, unreadable: {problems[0]}"
+                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), err=True)
+
+
 @app.command()
 def sql(
     logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
@@ -103,9 +171,12 @@ def sql(
     max_rows: int = typer.Option(10_000, help="Rows returned at most (the output says when rows were cut)."),
     timeout: float = typer.Option(30.0, help="Seconds before the query is interrupted."),
 ) -> None:
-    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded)."""
-    from trustscope.db import QueryRefused, QueryTimeout, connect
-    from trustscope.report import write_result
+    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded).
+
+    A run with an unreadable file is left out (named on stderr); the others are queried.
+    """
+    from trustscope.db import QueryRefused, QueryStopped
+    from trustscope.report import NoRunsFound, connect_readable, write_result
 
     if format not in ("table", "csv", "json", "parquet"):
         typer.echo(f"trustscope sql: --format {format!r} is not one of table, csv, json, parquet", err=True)
@@ -114,13 +185,15 @@ def sql(
         typer.echo("trustscope sql: --format parquet needs --out FILE", err=True)
         raise typer.Exit(2)
     try:
-        with connect(logdir, max_rows=max_rows, timeout_s=timeout) as db:
+        db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout)
+        _left_out("sql", broken)
+        with db:
             result = db.sql(query)
-    except (QueryRefused, QueryTimeout, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"trustscope sql: {exc}", err=True)
+    except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, ValueError) as exc:
+        typer.echo(f"trustscope sql: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
-        typer.echo(f"trustscope sql: {type(exc).__name__}: {exc}", err=True)
+        typer.echo(f"trustscope sql: {type(exc).__name__}: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     write_result(result, format, out)
 
@@ -128,20 +201,35 @@ def sql(
 @app.command()
 def report(
     logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
-    html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML page of charts."),
+    html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
+    inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
+                                   "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
+    warn_bad_rate: float = typer.Option(0.01, help="Collapse warning: bad negative-update rate over the last "
+                                        "--warn-window steps that fires it."),
+    warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
+                                               "run's first window that fires it."),
+    warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
 ) -> None:
-    """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens."""
-    from trustscope.db import connect
-    from trustscope.report import print_report, write_html
+    """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
+    collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
+    import duckdb
+
+    from trustscope.report import NoRunsFound, WarningLines, connect_readable, print_report, write_html
 
     try:
-        with connect(logdir) as db:
-            print_report(db)
+        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
+        db, broken = connect_readable(logdir)
+        with db:
+            print_report(db, broken=broken, lines=lines)
             if html is not None:
-                typer.echo(f"wrote {write_html(db, html)}")
-    except FileNotFoundError as exc:
-        typer.echo(f"trustscope report: {exc}", err=True)
-        raise typer.Exit(2) from exc
+                typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
+    except (FileNotFoundError, NoRunsFound, ValueError) as exc:
+        typer.echo(f"trustscope report: {_first_line(exc)}", err=True)
+        raise typer.Exit(2 if isinstance(exc, FileNotFoundError) else 1) from exc
+    except (duckdb.Error, OSError) as exc:
+        typer.echo(f"trustscope report: could not read {logdir}: {_first_line(exc)}; run `trustscope validate "
+                   f"{logdir}` to list broken files", err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command("import")

@@ -10,11 +10,12 @@ is still being written shows every step whose flush is complete, in every table 
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
 costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
 
-The database is locked down before any user SQL runs: only the log directories are readable, nothing else on
-disk or the network is, no extension can load, and the configuration is locked. User SQL must be a single
-SELECT; its rows are capped and it is interrupted after a timeout. Parameters (file lists, the rules' parameters:
-each run's own rule at the parameters in its run.json, every other rule at the defaults of :mod:`trustscope.losses`
-or the caller's choice, analysis settings) are bound through DuckDB variables, never formatted into SQL.
+User SQL never runs on this connection: :meth:`LogDB.sql` checks its whole parse tree and runs it in the
+worker of :mod:`trustscope.sandbox`, on a read-only copy of the views and macros that can write no file, within
+a memory and a time limit. This connection is locked down too (only the log directories readable, no extension
+loads, the configuration locked). Parameters (file lists, the rules' parameters: each run's own rule at the
+parameters in its run.json, every other rule at the defaults of :mod:`trustscope.losses` or the caller's choice,
+analysis settings) are bound through DuckDB variables, never formatted into SQL.
 
 The rule catalogue drives the SQL: ``rule_blocks`` gets one generated ``blocks_<rule>`` column per registered rule
 with a SQL mask family (:func:`rule_columns_sql`: identifiers only), and every per-rule aggregate reads those
@@ -31,6 +32,7 @@ import re
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +47,17 @@ import pyarrow.parquet as pq
 from trustscope import schema
 from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.paths import cache_root
+from trustscope.sandbox import QueryMemoryLimit as QueryMemoryLimit
+from trustscope.sandbox import QueryRefused as QueryRefused
+from trustscope.sandbox import QueryStopped as QueryStopped
+from trustscope.sandbox import QueryTimeout as QueryTimeout
+from trustscope.sandbox import Sandbox, check_statement, memory_limit_bytes
 
 SQL_DIR = Path(__file__).parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
 VIEW_DIR = SQL_DIR / "views"
+QUERY_DIR = SQL_DIR / "queries"
+"""Parameterised queries over the views (``$name`` parameters), run by :meth:`LogDB.query`."""
 
 DEFAULT_MAX_ROWS = 10_000
 """Rows a user query may return before it is cut (the result says it was truncated)."""
@@ -71,11 +80,8 @@ ANALYSIS_DEFAULTS: dict[str, float] = {
 }
 """Settings of the analysis views. The bad negative-update delta is minimal_negative_mask's own default."""
 
-ALLOWED_STATEMENTS = frozenset({duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN})
-"""Statement types user SQL may run (DESCRIBE, SUMMARIZE, FROM-first queries parse as SELECT)."""
-
 VIEWS = tuple(sorted(p.stem for p in VIEW_DIR.glob("*.sql")))
-MACROS = tuple(sorted(p.stem for p in MACRO_DIR.glob("*.sql")))
+QUERIES = tuple(sorted(p.stem for p in QUERY_DIR.glob("*.sql")))
 
 _CACHED_PARTIALS = {
     "step_partials": "step_partials_cache",
@@ -121,14 +127,6 @@ def _view_dependencies() -> dict[str, set[str]]:
 
 
 _CACHES_READ_BY = _view_dependencies()
-
-
-class QueryRefused(ValueError):
-    """User SQL that the sandbox does not run; the message says what was refused and why."""
-
-
-class QueryTimeout(RuntimeError):
-    """User SQL interrupted after its time limit."""
 
 
 @dataclass
@@ -211,12 +209,46 @@ def run_rule(manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def _run_dirs(paths: Sequence[Path]) -> list[Path]:
+    """The runs under ``paths``; a run directory that is a symlink is followed (its target is read)."""
     runs: list[Path] = []
     for path in paths:
         if not path.is_dir():
             raise FileNotFoundError(f"log directory {str(path)!r} does not exist or is not a directory")
         runs += schema.run_dirs(path)
     return sorted(set(runs))
+
+
+def _readable(paths: Sequence[Path], runs: Sequence[Path]) -> list[Path]:
+    """The resolved directories the views may read: the log directories and the targets of symlinked runs."""
+    resolved = {p.resolve() for p in paths}
+    for run in runs:
+        target = run.resolve()
+        if not any(target.is_relative_to(p) for p in resolved):
+            resolved.add(target)
+    return sorted(resolved)
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """Why a run's ``run.json`` cannot be read as a JSON object, or None when it can."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"unreadable {schema.MANIFEST} ({err})"
+    return None if isinstance(manifest, dict) else f"{schema.MANIFEST} is not a JSON object"
+
+
+class _Resources:
+    """What a :class:`LogDB` must release even when it is never closed: the private folder and the worker.
+    Held apart from the LogDB so that a finaliser can release it (see ``weakref.finalize`` in LogDB)."""
+
+    def __init__(self, private: Path) -> None:
+        self.private = private
+        self.sandbox: Sandbox | None = None
+
+    def release(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+        shutil.rmtree(self.private, ignore_errors=True)
 
 
 def _data_files(run: Path, table: str) -> list[Path]:
@@ -260,15 +292,22 @@ class LogDB:
 
     def __init__(self, paths: Sequence[Path], *, max_rows: int = DEFAULT_MAX_ROWS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True,
-                 cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None) -> None:
+                 cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None,
+                 memory_limit: float | None = None) -> None:
         self.paths = [Path(p).resolve() for p in paths]
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
         rendered = (VIEW_DIR / "rule_blocks.sql").read_text().replace(RULE_COLUMNS_MARKER, rule_columns_sql())
+        self._rule_blocks = rendered
+        """The ``rule_blocks`` view with one column per rule of the catalogue (the SQL worker loads it too)."""
         self._fingerprint = hashlib.sha256((_SQL_FINGERPRINT + rendered).encode()).hexdigest()
         self.max_rows = max_rows
         self.timeout_s = timeout_s
+        self.memory_bytes = memory_limit_bytes(memory_limit)
+        """Resident memory user SQL may use (see :func:`trustscope.sandbox.memory_limit_bytes`)."""
+        self.broken_runs: dict[str, str] = {}
+        """Runs whose manifest cannot be read: run directory name -> the reason. The other runs still work."""
         self.cache_enabled = cache
         self.partials_computed = 0
         """How many tokens files this connection aggregated (their partials not found in memory or on disk)."""
@@ -277,6 +316,11 @@ class LogDB:
         self._partials: dict[str, dict[Path, tuple[tuple[int, int], pa.Table]]] = {v: {} for v in _CACHED_PARTIALS}
         self._merged: dict[str, pa.Table] = {}
         self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
+        self._resources = _Resources(self._private)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self._cache_files: dict[str, tuple[pa.Table, int, str]] = {}
+        """Kept aggregate name -> (the table last written for the SQL worker, its version, its file)."""
+        self._late_links: dict[str, str] = {}
         self._write_empty_files()
         self.runs_dirs = _run_dirs(self.paths)
         self.con = duckdb.connect(config={"autoload_known_extensions": False,
@@ -315,8 +359,11 @@ class LogDB:
         lists["vocab"] = [str(self._private / "empty_vocab.parquet")] + [
             str(run / schema.VOCAB_FILE) for run in self.runs_dirs if (run / schema.VOCAB_FILE).is_file()
         ]
+        manifests = [run / schema.MANIFEST for run in self.runs_dirs if (run / schema.MANIFEST).is_file()]
+        problems = {m.parent.name: _manifest_problem(m) for m in manifests}
+        self.broken_runs = {**{run: problem for run, problem in problems.items() if problem}, **self._late_links}
         lists["manifests"] = [str(self._private / "empty_run.json")] + [
-            str(run / schema.MANIFEST) for run in self.runs_dirs if (run / schema.MANIFEST).is_file()
+            str(m) for m in manifests if m.parent.name not in self.broken_runs
         ]
         return lists
 
@@ -404,8 +451,10 @@ class LogDB:
         con.execute("set variable trustscope_params = ?", [self._params(**analysis)])
 
     def _lock_down(self) -> None:
-        """Only the log directories (and the private empty files) stay readable; then lock the configuration."""
-        allowed = [str(p) + os.sep for p in self.paths] + [str(self._private) + os.sep]
+        """Only the log directories, the targets of symlinked runs (the runs of this moment, kept in
+        ``_allowed``) and the private empty files stay readable; then lock the configuration."""
+        self._allowed = _readable(self.paths, self.runs_dirs)
+        allowed = [str(p) + os.sep for p in self._allowed] + [str(self._private) + os.sep]
         self.con.execute("set allowed_directories = ?", [allowed])
         self.con.execute("set enable_external_access = false")
         self.con.execute("set lock_configuration = true")
@@ -426,7 +475,7 @@ class LogDB:
         of the files not seen before (once per file, all partial views from one pass, see :meth:`_aggregate_file`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
-            self.runs_dirs = _run_dirs(self.paths)
+            self.runs_dirs = self._reachable(_run_dirs(self.paths))
             self._prepare(self.con)
             if not needed:
                 return
@@ -504,10 +553,19 @@ class LogDB:
         except OSError:
             pass
 
+    def _reachable(self, runs: list[Path]) -> list[Path]:
+        """``runs`` less the symlinked runs created after connect, whose targets this connection cannot read
+        (its allowed directories are locked): they are listed in :attr:`broken_runs` until a reconnect."""
+        late = {r for r in runs if not any(r.resolve().is_relative_to(a) for a in self._allowed)}
+        self._late_links = {r.name: "a symlinked run created after the log directory was opened; reopen it"
+                            for r in late}
+        return [r for r in runs if r not in late]
+
     def close(self) -> None:
-        """Close the connection and remove the private empty-table files."""
+        """Close the connection, end the SQL worker and remove the private files (also done when a LogDB that
+        was never closed is collected, or at exit)."""
         self.con.close()
-        shutil.rmtree(self._private, ignore_errors=True)
+        self._finalizer()
 
     def __enter__(self) -> LogDB:
         return self
@@ -518,32 +576,100 @@ class LogDB:
     # ------------------------------------------------------------------------------------------- user SQL
 
     def sql(self, query: str, *, max_rows: int | None = None, timeout_s: float | None = None) -> QueryResult:
-        """Run one read-only SELECT from a user; at most ``max_rows`` rows, interrupted after ``timeout_s``.
+        """Run one read from a user in the sandbox worker; at most ``max_rows`` rows, stopped after ``timeout_s``
+        or at :attr:`memory_bytes` of memory.
 
-        Raises :class:`QueryRefused` for anything but a single SELECT (and for reads outside the log
-        directories, extension loads, settings changes), :class:`QueryTimeout` when time runs out.
+        Raises :class:`QueryRefused` for anything but a read (the whole parse tree is checked: EXPLAIN ANALYZE,
+        CTEs and subqueries included) and for file paths, :class:`QueryTimeout` / :class:`QueryMemoryLimit`
+        when a limit stops it, DuckDB's own error for a query that does not bind or run.
         """
         max_rows = self.max_rows if max_rows is None else max_rows
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if max_rows < 1:
             raise ValueError(f"max_rows={max_rows} must be >= 1")
-        check_statement(query)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        check_statement(query, self._allowed)
+        return self._run_in_sandbox(query, max_rows, timeout_s)
+
+    def _run_in_sandbox(self, query: str, max_rows: int, timeout_s: float) -> QueryResult:
+        """Run ``query`` in the worker, unchecked (its engine cannot write either way: see the tests)."""
         words = set(re.findall(r"[a-z_]+", query.lower()))
         self.refresh(words & set(VIEWS))
-        cur = self.cursor()
-        timer = threading.Timer(timeout_s, cur.interrupt)
-        timer.start()
-        try:
-            table = cur.sql(query).limit(max_rows + 1).to_arrow_table()
-        except duckdb.InterruptException:
-            raise QueryTimeout(f"query interrupted after the time limit of {timeout_s:g} s") from None
-        except duckdb.PermissionException as err:
-            raise QueryRefused(f"refused: the query reads outside the log directories ({err})") from None
-        finally:
-            timer.cancel()
-            cur.close()
+        with self._lock:
+            sandbox = self._sandbox()
+            request = {"roots": [*self._allowed, self._private], "files": self._file_lists(),
+                       "params": self._params(), "caches": self._write_caches()}
+        table = sandbox.run(query, max_rows=max_rows, timeout_s=timeout_s, **request)
         truncated = table.num_rows > max_rows
         return QueryResult(table.slice(0, max_rows), truncated, max_rows)
+
+    # ------------------------------------------------------------------------------------------- queries
+
+    def query(self, name: str, **params: Any) -> pd.DataFrame:
+        """Run ``sql/queries/<name>.sql`` with ``params`` bound to its ``$name`` parameters, as pandas.
+
+        The kept aggregates the query's views read are brought up to date first. Unknown names raise ValueError.
+        """
+        if name not in QUERIES:
+            raise ValueError(f"unknown query {name!r}; known: {', '.join(QUERIES)}")
+        text = (QUERY_DIR / f"{name}.sql").read_text()
+        self.refresh(set(re.findall(r"[a-z_]+", _strip_comments(text))) & set(VIEWS))
+        cur = self.cursor()
+        try:
+            return cur.execute(text, params).df()
+        finally:
+            cur.close()
+
+    def version(self) -> str:
+        """A hash of every run file's path, size and modification time: it changes whenever a file lands,
+        grows or goes, so callers may cache results under it."""
+        h = hashlib.blake2b(digest_size=12)
+        for run in _run_dirs(self.paths):
+            files = [run / schema.MANIFEST, run / schema.VOCAB_FILE]
+            files += [f for table in schema.TABLES for f in _data_files(run, table)]
+            for f in files:
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue
+                h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+
+    def _sandbox(self) -> Sandbox:
+        """The SQL worker, with its read-only catalogue (this connection's macros and views, stored once)."""
+        if self._resources.sandbox is None:
+            folder = self._private / "sandbox"
+            folder.mkdir()
+            database = folder / "catalogue.duckdb"
+            con = duckdb.connect(str(database), config={"autoload_known_extensions": False,
+                                                        "autoinstall_known_extensions": False})
+            try:
+                self._prepare(con)
+                for name, table in self._merged.items():
+                    con.register(name, table.schema.empty_table())
+                _load_sql(con, sorted(MACRO_DIR.glob("*.sql")), "macro")
+                _load_sql(con, sorted(VIEW_DIR.glob("*.sql")), "view", texts={"rule_blocks": self._rule_blocks})
+            finally:
+                con.close()
+            self._resources.sandbox = Sandbox(database, self.memory_bytes)
+        return self._resources.sandbox
+
+    def _write_caches(self) -> dict[str, tuple[int, str]]:
+        """The kept aggregates as Arrow files the worker maps: name -> (version, path); rewritten on change."""
+        out = {}
+        for name, table in self._merged.items():
+            written, version, path = self._cache_files.get(name, (None, 0, ""))
+            if written is not table:
+                if path:
+                    Path(path).unlink(missing_ok=True)
+                version += 1
+                path = str(self._private / "sandbox" / f"{name}.{version}.arrow")
+                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                    writer.write_table(table)
+                self._cache_files[name] = (table, version, path)
+            out[name] = (version, path)
+        return out
 
     # ------------------------------------------------------------------------------------------- analyses
 
@@ -570,8 +696,17 @@ class LogDB:
 
     def runs(self) -> pd.DataFrame:
         """One row per run: run_id, status, schema_version, n_steps, first_step, last_step, n_samples,
-        n_response_tokens, mean_reward, manifest (JSON text)."""
-        return self._frame("runs", refresh=True)
+        n_response_tokens, mean_reward, manifest (JSON text). A run whose manifest cannot be read has status
+        ``broken`` (the reason is in :attr:`broken_runs`); the other runs are unaffected."""
+        df = self._frame("runs", refresh=True)
+        if not self.broken_runs:
+            return df
+        missing = sorted(set(self.broken_runs) - set(df["run_id"]))
+        df = pd.concat([df, pd.DataFrame({"run_id": missing, "n_steps": 0, "n_samples": 0,
+                                                            "n_response_tokens": 0})], ignore_index=True) if missing else df
+        df.loc[df["run_id"].isin(list(self.broken_runs)), "status"] = "broken"
+        df["manifest"] = df["manifest"].astype(object).where(df["manifest"].notna(), None)  # no NaN for "none"
+        return df.sort_values("run_id").reset_index(drop=True)
 
     def step_summary(self, run_ids: Sequence[str] | str | None = None) -> pd.DataFrame:
         """One row per (run, step), from the kept per-file aggregates (see ``sql/views/step_summary.sql``).
@@ -669,7 +804,7 @@ def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
 def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int = DEFAULT_MAX_ROWS,
             timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True, cache_dir: str | Path | None = None,
             rule_params: dict[str, dict[str, Any]] | None = None,
-            rules: str | Sequence[str] | None = None) -> LogDB:
+            rules: str | Sequence[str] | None = None, memory_limit: float | None = None) -> LogDB:
     """Open a log directory, one run directory, or a list of them, as a locked-down :class:`LogDB`.
 
     ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
@@ -680,28 +815,16 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
     step_summary, clipped_tokens, ratio_vs_divergence, ...); ``db.cursor()`` gives a cursor with everything bound.
     Per-file partial aggregates are kept in memory and under ``cache_dir`` (default :func:`default_cache_dir`),
     so a new process does not recompute them; ``cache=False`` recomputes them on every refresh.
+    ``memory_limit`` bounds user SQL (:meth:`LogDB.sql`): a fraction of physical memory up to 1, else bytes
+    (default ``$TRUSTSCOPE_SQL_MEMORY``, else a quarter of the memory).
     """
     paths = [logdir_or_runs] if isinstance(logdir_or_runs, str | Path) else list(logdir_or_runs)
     if not paths:
         raise ValueError("connect: no log directory given")
     load_rules(rules)
     return LogDB([Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s, cache=cache,
-                 cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params)
-
-
-def check_statement(query: str) -> None:
-    """Refuse anything but one SELECT (or EXPLAIN): COPY, ATTACH, INSTALL/LOAD, EXPORT, SET, PRAGMA, CALL,
-    CREATE, INSERT, ... The message names the statement type that was refused."""
-    try:
-        statements = duckdb.extract_statements(query)
-    except duckdb.Error as err:
-        raise QueryRefused(f"refused: the query does not parse ({err})") from None
-    if len(statements) != 1:
-        raise QueryRefused(f"refused: expected exactly one statement, got {len(statements)}")
-    kind = statements[0].type
-    if kind not in ALLOWED_STATEMENTS:
-        name = str(kind).rsplit(".", 1)[-1]
-        raise QueryRefused(f"refused: {name} statements are not allowed; user SQL is read-only (one SELECT)")
+                 cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
+                 memory_limit=memory_limit)
 
 
 CONTRACTS_FILE = SQL_DIR / "contracts.yml"

@@ -6,6 +6,7 @@ rollouts against the fp32 trainer (so there is mismatch to look at), and serves 
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -20,8 +21,21 @@ def demo_config(logdir: Path, steps: int) -> TrainConfig:
                        logdir=str(logdir), run_id=f"demo-dppo-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def check_port(host: str, port: int) -> None:
+    """Raise OSError naming the port when nothing can listen on ``host:port`` (checked before the demo trains, so
+    a busy port is found in a second, not after the run)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"port {port} on {host} is not free ({exc.strerror}); pick another with --port") from None
+
+
 def run_demo(logdir: Path, steps: int = 30, serve: bool = True, port: int = 8501) -> Path:
-    """Train the demo run into ``logdir`` and, when ``serve``, replace this process with the dashboard."""
+    """Train the demo run into ``logdir`` and, when ``serve``, replace this process with the dashboard (its port
+    checked first)."""
+    if serve:
+        check_port("127.0.0.1", port)
     cfg = demo_config(Path(logdir), steps)
     train_with_progress(cfg)
     if serve:

@@ -1,7 +1,9 @@
-"""A run report: a readable terminal summary of every run of a log directory, and a self-contained HTML page.
+"""A run report: a readable terminal summary of every run of a log directory, and an HTML page of charts.
 
-Everything comes from :mod:`trustscope.db`'s named analyses (per-step summaries from the kept per-file
-aggregates), so a report over 100M tokens costs about what it costs over 1M once the aggregates are kept.
+Everything comes from :mod:`trustscope.db`'s named analyses and queries (per-step summaries from the kept per-file
+aggregates), so a report over 100M tokens costs about what it costs over 1M once the aggregates are kept. The
+charts are :mod:`trustscope.figures`' builders, the same the dashboard draws. The run table, the grouping of seeds
+and the collapse early warning defined here are shared with the dashboard.
 """
 
 from __future__ import annotations
@@ -9,21 +11,240 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
+import re
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trustscope.db import ANALYSIS_DEFAULTS, LogDB, QueryResult
+from trustscope import figures, schema
+from trustscope.db import ANALYSIS_DEFAULTS, LogDB, QueryResult, connect
 
 MISMATCH_WARN = 0.01
 """Mean |pi - mu| above which a run is flagged: the paper's DPPO runs stay near 0.003."""
 BAD_NEGATIVE_WARN = 0.005
 """Bad negative-update rate above which a run is flagged (the paper finds < 0.5% of tokens drive collapse)."""
 CLIPPED_TOP = 10
+STALE_AFTER_S = 600.0
+"""A ``running`` run whose manifest has not been touched for this long reads ``stale`` (its writer may be on
+another host, where its process cannot be checked)."""
+SEED_KEYS = ("seed", "run_id", "logdir", "resume")
+"""Config fields that do not make a different configuration: runs differing only in these are seeds of one."""
+
+
+@dataclass(frozen=True)
+class WarningLines:
+    """The collapse early warning: a step warns when, over the last ``window`` steps, the bad negative-update rate
+    reaches ``bad_rate`` or the mean |pi - mu| has grown ``mismatch_growth`` times over the run's first window.
+
+    The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
+    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``)."""
+
+    bad_rate: float = 0.01
+    mismatch_growth: float = 2.0
+    window: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("bad_rate", "mismatch_growth"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"WarningLines.{name}={value!r} must be a finite number > 0")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ValueError(f"WarningLines.window={self.window!r} must be an integer >= 1")
+
+
+# ------------------------------------------------------------------------------------------------ shared tables
+
+
+def _manifest(text: object) -> dict[str, Any]:
+    try:
+        parsed = json.loads(text) if isinstance(text, str) else {}
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _timestamp(value: object) -> pd.Timestamp | None:
+    if not isinstance(value, str):
+        return None
+    stamp = pd.to_datetime(value, utc=True, errors="coerce")
+    return None if pd.isna(stamp) else stamp
+
+
+def _status(run_dir: Path, manifest: dict[str, Any], now: datetime) -> str:
+    """``finished``, ``crashed``, ``stale`` or ``running``: the logger's reading of the writer, then staleness."""
+    from trustscope.logger import run_status
+
+    try:
+        status = run_status(run_dir)
+    except (schema.SchemaError, OSError, ValueError):
+        status = str(manifest.get("status") or "unknown")
+    updated = _timestamp(manifest.get("updated_at"))
+    if status == "running" and updated is not None and (now - updated).total_seconds() > STALE_AFTER_S:
+        return "stale"
+    return status
+
+
+def _count(manifest: dict[str, Any], *keys: str) -> float | None:
+    """The first of ``keys`` the manifest holds as a number (at the top level or under ``tokens``)."""
+    for key in keys:
+        for where in (manifest, manifest.get("tokens") if isinstance(manifest.get("tokens"), dict) else {}):
+            value = where.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def seed_group(manifest: dict[str, Any], run_id: str) -> tuple[str, str]:
+    """``(key, label)`` of the configuration a run belongs to: its config without :data:`SEED_KEYS`; the label is
+    the run id without a trailing seed (``-s0``, ``-seed1``)."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else None
+    label = re.sub(r"[-_](s|seed)\d+$", "", run_id)
+    if config is None:
+        return run_id, run_id
+    key = json.dumps({k: v for k, v in config.items() if k not in SEED_KEYS}, sort_keys=True, default=str)
+    return key, label
+
+
+def run_table(db: LogDB) -> pd.DataFrame:
+    """One row per run with a logged step: run_id, loss_rule, status, n_steps, first_step, last_step,
+    tokens_generated, tokens_logged, logged_frac, mean_reward, updated_at (from the manifest, UTC), group (the
+    seed group's label), group_key.
+
+    ``tokens_generated``/``tokens_logged`` come from the manifest when the logger wrote them, else from the data:
+    the response lengths of every sample, and the token rows on disk.
+    """
+    runs = db.runs()
+    runs = runs[runs["n_steps"] > 0].reset_index(drop=True)
+    summary = db.step_summary()
+    logged_rows = summary.groupby("run_id")["n_tokens"].sum() if len(summary) else pd.Series(dtype=float)
+    dirs = {p.name: p for p in db.runs_dirs}
+    token_rules: dict[str, str] | None = None
+    now = datetime.now(UTC)
+    rows = []
+    for r in runs.itertuples(index=False):
+        manifest = _manifest(r.manifest)
+        config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+        key, label = seed_group(manifest, r.run_id)
+        generated = _count(manifest, "tokens_generated", "n_tokens_generated", "generated")
+        logged = _count(manifest, "tokens_logged", "n_tokens_logged", "logged")
+        generated = float(r.n_response_tokens) if generated is None else generated
+        logged = float(logged_rows.get(r.run_id, 0)) if logged is None else logged
+        run_dir = dirs.get(r.run_id, next((p for p in db.runs_dirs if p.name == r.run_id), Path(r.run_id)))
+        rule = manifest.get("loss_rule") or config.get("loss")
+        if rule is None:  # a third-party run whose manifest does not say: the rule its tokens were logged under
+            if token_rules is None:
+                found = db.query("token_loss_rules")
+                token_rules = dict(zip(found["run_id"], found["loss_rule"], strict=True))
+            rule = token_rules.get(r.run_id)
+        rows.append({
+            "run_id": r.run_id,
+            "loss_rule": rule,
+            "status": _status(run_dir, manifest, now),
+            "n_steps": int(r.n_steps), "first_step": int(r.first_step), "last_step": int(r.last_step),
+            "tokens_generated": int(generated), "tokens_logged": int(logged),
+            "logged_frac": logged / generated if generated else float("nan"),
+            "mean_reward": r.mean_reward,
+            "updated_at": _timestamp(manifest.get("updated_at")),
+            "group": label, "group_key": key,
+        })
+    out = pd.DataFrame(rows, columns=["run_id", "loss_rule", "status", "n_steps", "first_step", "last_step",
+                                      "tokens_generated", "tokens_logged", "logged_frac", "mean_reward",
+                                      "updated_at", "group", "group_key"])
+    # two configurations that read the same after dropping the seed keep apart by their first run
+    clash = out.groupby("group")["group_key"].transform("nunique") > 1
+    out.loc[clash, "group"] = out.loc[clash, "run_id"]
+    return out
+
+
+def collapse_warnings(db: LogDB, run_ids: list[str], lines: WarningLines | None = None) -> pd.DataFrame:
+    """Per run and step, the early warning of :class:`WarningLines`: run_id, step, reward_mean, bad_rate_recent,
+    mismatch_growth, warn_bad_rate, warn_mismatch, warning."""
+    lines = lines or WarningLines()
+    if not run_ids:
+        return pd.DataFrame(columns=["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth",
+                                     "warn_bad_rate", "warn_mismatch", "warning"])
+    return db.query("collapse_warnings", run_ids=list(run_ids), window=lines.window, bad_rate_line=lines.bad_rate,
+                    mismatch_growth_line=lines.mismatch_growth)
+
+
+def first_warnings(warnings: pd.DataFrame) -> dict[str, str]:
+    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent)."""
+    out = {}
+    for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
+        row = part.sort_values("step").iloc[0]
+        why = []
+        if row["warn_bad_rate"]:
+            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens")
+        if row["warn_mismatch"]:
+            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps")
+        out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ opening logs
+
+
+class NoRunsFound(Exception):
+    """A log directory with no readable run; the message says where and what to do."""
+
+
+def _file_problem(path: Path) -> str | None:
+    try:
+        pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as exc:
+        return f"{path.name}: not a readable Parquet file ({str(exc).splitlines()[0][:200]})"
+    return None
+
+
+def run_problems(run_dir: Path) -> list[str]:
+    """What makes a run unreadable: a manifest that is not JSON, a data file whose Parquet footer does not read."""
+    problems = []
+    manifest = run_dir / schema.MANIFEST
+    if manifest.exists():
+        try:
+            json.loads(manifest.read_text())
+        except (ValueError, OSError) as exc:
+            problems.append(f"{schema.MANIFEST}: not valid JSON ({exc})")
+    files = [run_dir / schema.VOCAB_FILE] if (run_dir / schema.VOCAB_FILE).exists() else []
+    for table in schema.TABLES:
+        folder = run_dir / table
+        if folder.is_dir():
+            files += sorted(p for p in folder.iterdir() if schema.is_data_file(p))
+    problems += [p for p in map(_file_problem, files) if p]
+    return problems
+
+
+def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str, list[str]]]:
+    """Open the runs of ``logdir`` that read cleanly; return the handle and ``{run: problems}`` of those left out.
+
+    Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
+    FileNotFoundError when it does not exist.
+    """
+    logdir = Path(logdir)
+    if not logdir.is_dir():
+        raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
+    dirs = schema.run_dirs(logdir)
+    broken = {d.name: p for d in dirs if (p := run_problems(d))}
+    readable = [d for d in dirs if d.name not in broken]
+    if not readable:
+        where = f"{logdir}: " + ("every run is unreadable" if broken else "no runs found (no <run>/run.json)")
+        raise NoRunsFound(f"{where}; point at a directory a trainer with a TokenLogger writes to"
+                          + (f", or run `trustscope validate {logdir}`" if broken else ""))
+    return connect(readable, **kwargs), broken
+
+
+# ------------------------------------------------------------------------------------------------ the report
 
 
 @dataclass
@@ -33,8 +254,10 @@ class RunReport:
     run_id: str
     status: str | None
     loss_rule: str | None
+    group: str
     n_steps: int
     n_tokens: int
+    tokens_generated: int
     reward_first: float | None
     reward_last: float | None
     reward_max: float | None
@@ -43,9 +266,11 @@ class RunReport:
     mismatch_max: float | None
     bad_negative_rate_mean: float | None
     trainer_blocked_frac: float | None
-    blocked_by_rule: dict[str, float] = field(default_factory=dict)
+    blocked_by_rule: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """rule -> (blocked fraction, tokens blocked), rules that block nothing left out."""
     clipped: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
+    collapse_warning: str | None = None
 
 
 def _first_last(series: pd.Series) -> tuple[float | None, float | None]:
@@ -55,29 +280,41 @@ def _first_last(series: pd.Series) -> tuple[float | None, float | None]:
     return float(values.iloc[0]), float(values.iloc[-1])
 
 
-def build(db: LogDB) -> list[RunReport]:
+def blocked_counts(steps: pd.DataFrame) -> dict[str, tuple[float, int]]:
+    """rule -> (fraction, count) over a run's steps, from the step summary's ``n_blocked__<rule>`` columns: the
+    fraction is the blocked count over the tokens that carry gradient (``n_nonzero_advantage``, A != 0)."""
+    n_grad = max(float(steps["n_nonzero_advantage"].sum()), 1.0)
+    out = {}
+    for column in (c for c in steps.columns if c.startswith("n_blocked__")):
+        count = float(steps[column].fillna(0).sum())
+        out[column.removeprefix("n_blocked__")] = (count / n_grad, round(count))
+    return out
+
+
+def build(db: LogDB, lines: WarningLines | None = None) -> list[RunReport]:
     """One :class:`RunReport` per run that has tokens logged."""
     summary = db.step_summary()
-    runs = db.runs().set_index("run_id")
-    loss_rules = db.sql("select run_id, any_value(loss_rule) as loss_rule from tokens group by run_id",
-                        max_rows=100_000).to_pandas().set_index("run_id")["loss_rule"]
+    table = run_table(db).set_index("run_id")
     clipped = db.clipped_tokens(top=CLIPPED_TOP)
+    alerts = first_warnings(collapse_warnings(db, sorted(summary["run_id"].unique()), lines))
     reports = []
     for run_id, steps in summary.groupby("run_id", sort=True):
         steps = steps.sort_values("step")
-        rule = loss_rules.get(run_id)
+        info = table.loc[run_id] if run_id in table.index else None
+        rule = None if info is None else info["loss_rule"]
         weights = steps.n_tokens / steps.n_tokens.sum()
+        blocked = {k: v for k, v in blocked_counts(steps).items() if v[1] > 0}
         n_grad = max(int(steps.n_nonzero_advantage.sum()), 1)  # blocked fractions are over the tokens with A != 0
-        blocked = {c.removeprefix("n_blocked__"): float(steps[c].sum() / n_grad)
-                   for c in steps.columns if c.startswith("n_blocked__")}
         r_first, r_last = _first_last(steps.reward_mean)
         m_first, m_last = _first_last(steps.mismatch_mean)
         report = RunReport(
             run_id=str(run_id),
-            status=runs.status.get(run_id) if "status" in runs else None,
+            status=None if info is None else info["status"],
             loss_rule=rule,
+            group=str(run_id) if info is None else info["group"],
             n_steps=len(steps),
             n_tokens=int(steps.n_tokens.sum()),
+            tokens_generated=0 if info is None else int(info["tokens_generated"]),
             reward_first=r_first,
             reward_last=r_last,
             reward_max=float(steps.reward_mean.max()) if steps.reward_mean.notna().any() else None,
@@ -86,8 +323,9 @@ def build(db: LogDB) -> list[RunReport]:
             mismatch_max=float(steps.mismatch_max.max()),
             bad_negative_rate_mean=float((steps.bad_negative_rate * weights).sum()),
             trainer_blocked_frac=float(steps.n_trainer_blocked.sum() / n_grad),
-            blocked_by_rule=dict(sorted(blocked.items(), key=lambda kv: -kv[1])),
+            blocked_by_rule=dict(sorted(blocked.items(), key=lambda kv: -kv[1][0])),
             clipped=clipped[(clipped.run_id == run_id) & (clipped.rule == (rule or "ppo_clip"))],
+            collapse_warning=alerts.get(str(run_id)),
         )
         if m_last is not None and m_last > MISMATCH_WARN:
             report.warnings.append(
@@ -99,6 +337,8 @@ def build(db: LogDB) -> list[RunReport]:
             )
         if r_last is not None and report.reward_max is not None and report.reward_max - r_last > 0.3:
             report.warnings.append(f"reward fell from a peak of {report.reward_max:.3f} to {r_last:.3f}")
+        if report.collapse_warning:
+            report.warnings.append(report.collapse_warning)
         reports.append(report)
     return reports
 
@@ -107,114 +347,230 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None or pd.isna(value) else format(value, spec)
 
 
-def render(reports: list[RunReport]) -> Group:
-    """The terminal summary as rich renderables."""
+def short_names(run_ids: list[str]) -> tuple[str, dict[str, str]]:
+    """The prefix every run id shares (cut at a ``-`` or ``_``) and each id without it, so narrow tables keep
+    the part that tells runs apart."""
+    if len(run_ids) < 2:
+        return "", {r: r for r in run_ids}
+    prefix = run_ids[0]
+    for run_id in run_ids[1:]:
+        while not run_id.startswith(prefix):
+            prefix = prefix[:-1]
+    cut = max(prefix.rfind("-"), prefix.rfind("_"))
+    prefix = prefix[:cut + 1] if cut >= 0 else ""
+    return prefix, {r: r[len(prefix):] or r for r in run_ids}
+
+
+def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None) -> Group:
+    """The terminal summary as rich renderables (readable at 80 columns: run ids lose their shared prefix)."""
     parts: list = []
-    overview = Table(title="Runs", title_justify="left")
-    for col in ("run", "rule", "steps", "tokens", "reward", "|pi - mu|", "bad neg.", "blocked"):
-        overview.add_column(col, justify="left" if col in ("run", "rule") else "right")
+    prefix, short = short_names([r.run_id for r in reports])
+    statuses = {r.status for r in reports}
+    lengths = {r.n_steps for r in reports}
+    title = "Runs" + (f" (ids without the shared prefix {prefix!r})" if prefix else "")
+    if len(statuses) == 1:
+        title += f", all {next(iter(statuses))}"
+    if len(lengths) == 1:
+        title += f", {next(iter(lengths))} steps each"
+    named = all(r.loss_rule and r.loss_rule in r.run_id for r in reports)  # the rule already in every run id
+    overview = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    overview.add_column("run", no_wrap=True)
+    if not named:
+        overview.add_column("rule", overflow="fold", min_width=10)
+    if len(statuses) > 1:
+        overview.add_column("status", no_wrap=True)
+    for col in ("steps", "tokens", "reward", "|pi-mu|", "bad neg", "blocked"):
+        if col != "steps" or len(lengths) > 1:
+            overview.add_column(col, justify="right", no_wrap=True)
     delta = ANALYSIS_DEFAULTS["bad_negative_delta"]
-    overview.caption = (f"reward and |pi - mu|: first step -> last step; bad neg.: A < 0 and mu - pi >= {delta:g}; "
-                        "blocked: the run's own mask")
+    overview.caption = (f"tokens: logged; reward: first -> last step; |pi-mu|: last step; bad neg: A < 0 and "
+                        f"mu - pi >= {delta:g}; blocked: by the run's own rule; ! marks a collapse warning")
     for r in reports:
-        overview.add_row(
-            f"{r.run_id} ({r.status or '-'})", r.loss_rule or "-", str(r.n_steps), f"{r.n_tokens:,}",
-            f"{_fmt(r.reward_first, '.3f')} -> {_fmt(r.reward_last, '.3f')}",
-            f"{_fmt(r.mismatch_first)} -> {_fmt(r.mismatch_last)}",
-            _fmt(r.bad_negative_rate_mean, ".3%"), _fmt(r.trainer_blocked_frac, ".2%"),
-        )
+        row = [short[r.run_id] + (" !" if r.collapse_warning else "")]
+        if not named:
+            row.append(r.loss_rule or "-")
+        if len(statuses) > 1:
+            row.append(r.status or "-")
+        if len(lengths) > 1:
+            row.append(str(r.n_steps))
+        row += [f"{r.n_tokens:,}", f"{_fmt(r.reward_first, '.2f')}->{_fmt(r.reward_last, '.2f')}",
+                _fmt(r.mismatch_last, ".4f"), _fmt(r.bad_negative_rate_mean, ".2%"),
+                _fmt(r.trainer_blocked_frac, ".1%")]
+        overview.add_row(*row)
     parts.append(overview)
     for r in reports:
-        rules = Table(title=f"{r.run_id}: what every rule would block on these tokens", title_justify="left")
-        rules.add_column("rule")
+        rules = Table(title=f"{r.run_id}: what each rule would block on its {r.n_tokens:,} tokens",
+                      title_justify="left", caption="rules that block nothing left out" if r.blocked_by_rule else
+                      "no rule blocks any token of this run")
+        rules.add_column("rule", no_wrap=True)
         rules.add_column("blocked", justify="right")
-        for rule, frac in r.blocked_by_rule.items():
-            style = "bold" if rule == r.loss_rule else None
-            rules.add_row(Text(rule, style=style or ""), _fmt(frac, ".3%"))
+        rules.add_column("tokens", justify="right")
+        for rule, (frac, n) in r.blocked_by_rule.items():
+            own = rule == r.loss_rule
+            rules.add_row(Text(rule + (" (applied)" if own else ""), style="bold" if own else ""), _fmt(frac, ".2%"),
+                          f"{n:,}")
         parts.append(rules)
         if r.clipped is not None and not r.clipped.empty:
             tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most", title_justify="left")
-            for col in ("rank", "token", "blocked", "rate", "mean mu", "mu bucket", "entropy"):
-                tokens.add_column(col, justify="left" if col in ("token", "mu bucket") else "right")
+            for col in ("token", "blocked", "of", "rate", "mean mu", "entropy"):
+                tokens.add_column(col, justify="left" if col == "token" else "right", no_wrap=True)
             for row in r.clipped.itertuples():
-                tokens.add_row(str(row.rank), repr(row.token_text), str(row.n_blocked), _fmt(row.block_rate, ".2%"),
-                               _fmt(row.mu_prob_mean, ".3f"), str(row.mu_bucket), _fmt(row.entropy_mean, ".2f"))
+                tokens.add_row(repr(row.token_text), f"{row.n_blocked:,}", f"{row.n_occurrences:,}",
+                               _fmt(row.block_rate, ".1%"), _fmt(row.mu_prob_mean, ".3f"),
+                               _fmt(row.entropy_mean, ".2f"))
             parts.append(tokens)
         for warning in r.warnings:
             parts.append(Text(f"! {r.run_id}: {warning}", style="yellow"))
+    for run_id, problems in (broken or {}).items():
+        parts.append(Text(f"! {run_id}: left out, unreadable: {problems[0]}"
+                          + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), style="red"))
     if not reports:
         parts.append(Text("no tokens logged yet", style="yellow"))
     return Group(*parts)
 
 
-def print_report(db: LogDB, console: Console | None = None) -> list[RunReport]:
+def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
+                 lines: WarningLines | None = None) -> list[RunReport]:
     """Print the terminal summary; return the reports."""
-    reports = build(db)
-    (console or Console()).print(render(reports))
+    reports = build(db, lines)
+    (console or Console()).print(render(reports, broken))
     return reports
 
 
-def figures(db: LogDB) -> list[tuple[str, object]]:
-    """The report's plotly figures, titled: reward and mismatch per step, blocked fractions by rule, bad negative
-    updates against reward change, ratio against binary TV, the most-blocked tokens."""
-    import plotly.express as px
+# ------------------------------------------------------------------------------------------------ html
 
+
+def _group_colours(table: pd.DataFrame) -> dict[str, str]:
+    """Each seed group drawn in its rule's colour when no two groups share a rule, else in series colours."""
+    groups = table.drop_duplicates("group")
+    if groups["loss_rule"].notna().all() and groups["loss_rule"].is_unique:
+        return {g: figures.rule_colour(r) for g, r in zip(groups["group"], groups["loss_rule"], strict=True)}
+    return {g: figures.series_colour(i) for i, g in enumerate(groups["group"])}
+
+
+def figures_for(db: LogDB) -> list[tuple[str, str, object]]:
+    """The report's figures: ``(title, caption, figure)``, seeds of one configuration drawn as their mean with a
+    min-max band; built by :mod:`trustscope.figures`, as the dashboard's."""
+    table = run_table(db)
+    groups = dict(zip(table["run_id"], table["group"], strict=True))
+    applied = dict(zip(table["group"], table["loss_rule"], strict=False))
+    colours = _group_colours(table)
+    order = table.sort_values("group")["group"].drop_duplicates().tolist()
     summary = db.step_summary()
-    out: list[tuple[str, object]] = []
-    out.append(("Reward per step", px.line(summary, x="step", y="reward_mean", color="run_id")))
-    out.append(("Mismatch: mean |pi - mu| per step",
-                px.line(summary, x="step", y="mismatch_mean", color="run_id", log_y=True)))
+    out: list[tuple[str, str, object]] = []
+    long = summary[["run_id", "step", "reward_mean", "mismatch_mean"]].rename(
+        columns={"reward_mean": "reward", "mismatch_mean": "mismatch"}).melt(["run_id", "step"], var_name="name")
+    banded = figures.seed_band(long.dropna(subset=["value"]), groups)
+    banded = banded.set_index("run_id").loc[[g for g in order if g in set(banded["run_id"])]].reset_index()
+    out.append(("Reward and mismatch per step", "Mean over the seeds of each configuration; the band spans their "
+                "min and max.", figures.metrics_over_steps(
+                    banded, ["reward", "mismatch"], {"reward": "mean reward", "mismatch": "mean |pi - mu|"},
+                    colours=colours)))
     blocked = db.blocked_fractions()
     blocked = blocked[blocked.advantage_side == "all"]
-    out.append(("Fraction of tokens each rule would block", px.line(
-        blocked, x="step", y="blocked_frac", color="rule", facet_row="run_id")))
+    blocking = blocked.groupby("rule")["blocked_frac"].max()
+    blocked = blocked[blocked["rule"].isin(blocking[blocking > 0].index)]
+    blocked = blocked.assign(run_id=blocked["run_id"].map(lambda r: groups.get(r, r)))
+    blocked = blocked.groupby(["run_id", "rule", "step"], as_index=False)["blocked_frac"].mean()
+    out.append(("Share of tokens each rule would block", "Every rule on the same tokens, mean over seeds; the "
+                "thick line is the rule the trainer applied.",
+                figures.blocked_fraction_by_rule(blocked, applied=applied, max_cols=3)))
     bad = db.bad_negative_updates()
-    out.append(("Bad negative updates against reward change", px.scatter(
-        bad, x="bad_negative_rate", y="reward_change", color="run_id", hover_data=["step"])))
+    bad = bad.assign(run_id=bad["run_id"].map(lambda r: groups.get(r, r))).dropna(subset=["reward_change"])
+    out.append(("Bad negative updates against reward change", "One point per step and run, coloured by "
+                "configuration.", figures.bad_rate_vs_reward_change(bad, colours=colours)))
     hist = db.ratio_vs_divergence(divergences="binary_tv")
-    if not hist.empty:
-        cells = hist.groupby(["ratio_lo", "divergence_lo"], as_index=False)["n"].sum()
-        out.append(("Ratio against binary TV (token counts, log bins)", px.density_heatmap(
-            cells, x="ratio_lo", y="divergence_lo", z="n", histfunc="sum", log_x=True, log_y=True)))
-    clipped = db.clipped_tokens(rules="ppo_clip", top=20)
+    tv = figures.ratio_tv_heatmap(hist) if not hist.empty else None
+    if tv is not None and figures.has_data(tv):
+        out.append(("Ratio against binary TV", "Every logged token of every run on log bins; the ratio spreads over "
+                    "orders of magnitude at TVs where little probability moved.", tv))
+    clipped = db.clipped_tokens(rules="ppo_clip", top=1_000)
     if not clipped.empty:
-        out.append(("Tokens the PPO clip blocks most", px.bar(
-            clipped, x="token_text", y="n_blocked", color="mu_bucket", facet_row="run_id")))
+        agg = clipped.groupby("token_text", as_index=False).agg(
+            n_blocked=("n_blocked", "sum"), n_occurrences=("n_occurrences", "sum"),
+            mean_mu=("mu_prob_mean", "mean"), mean_entropy=("entropy_mean", "mean"))
+        agg["block_rate"] = agg["n_blocked"] / agg["n_occurrences"]
+        agg = agg[agg["n_occurrences"] >= 5].sort_values(["block_rate", "n_blocked"], ascending=False).head(20)
+        agg = agg.rename(columns={"token_text": "text"})
+        if not agg.empty:
+            out.append(("Tokens the PPO clip blocks at the highest rate", "Over every run, tokens seen at least "
+                        "5 times; the bar label is blocked of seen.", figures.clipped_tokens(agg, "ppo_clip")))
     return out
 
 
-def write_html(db: LogDB, path: Path | str) -> Path:
-    """Write a self-contained HTML page (plotly.js inlined once) with the summary and the figures."""
+PLOTLY_JS = "plotly.min.js"
+
+
+def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: dict[str, list[str]] | None = None,
+               lines: WarningLines | None = None) -> Path:
+    """Write the report page: the summary and the figures. plotly.js is written once beside the page
+    (``plotly.min.js``, shared by every report in that folder, no network needed) unless ``inline_js``, which
+    makes one self-contained file (about 5 MB more)."""
     path = Path(path)
-    reports = build(db)
-    console = Console(record=True, width=120, file=io.StringIO())
-    console.print(render(reports))
+    reports = build(db, lines)
+    console = Console(record=True, width=110, file=io.StringIO())
+    console.print(render(reports, broken))
     summary_html = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
     blocks = []
-    for i, (title, fig) in enumerate(figures(db)):
-        fig.update_layout(title=title, height=420)
-        blocks.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
-    meta = json.dumps({r.run_id: r.n_tokens for r in reports})
+    for i, (title, caption, fig) in enumerate(figures_for(db)):
+        include: bool | str = (i == 0) if inline_js else False
+        blocks.append(f"<h2>{html.escape(title)}</h2><p>{html.escape(caption)}</p>"
+                      + fig.to_html(full_html=False, include_plotlyjs=include, config={"displaylogo": False}))
+    if not inline_js:
+        import plotly
+
+        source = Path(plotly.__file__).parent / "package_data" / PLOTLY_JS
+        target = path.parent / PLOTLY_JS
+        if not target.exists() or target.stat().st_size != source.stat().st_size:
+            target.write_bytes(source.read_bytes())
+    head = "" if inline_js else f"<script src='{PLOTLY_JS}'></script>"
+    alerts = [f"<li>{html.escape(r.run_id)}: {html.escape(r.collapse_warning)}</li>" for r in reports
+              if r.collapse_warning]
+    n_tokens = sum(r.n_tokens for r in reports)
+    intro = (f"<p>{len(reports)} runs, {n_tokens:,} logged tokens.</p>"
+             + (f"<ul>{''.join(alerts)}</ul>" if alerts else "<p>No run crossed the collapse early-warning line.</p>"))
     page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>trustscope report</title></head><body>"
-        f"<h1>trustscope report</h1><p>tokens per run: {html.escape(meta)}</p>{summary_html}"
-        + "".join(blocks)
-        + "</body></html>"
+        "<!doctype html><html><head><meta charset='utf-8'><title>trustscope report</title>"
+        f"{head}<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}</style></head><body>"
+        f"<h1>trustscope report</h1>{intro}{''.join(blocks)}<h2>Summary</h2>{summary_html}</body></html>"
     )
     path.write_text(page, encoding="utf-8")
     return path
 
 
+# ------------------------------------------------------------------------------------------------ user sql
+
+
+def _cell(value: object, float32: bool) -> str:
+    if value is None:
+        return "NULL"
+    if float32 and isinstance(value, float):
+        return str(np.float32(value))
+    return str(value)
+
+
+def _float32_columns(table: pa.Table) -> list[bool]:
+    return [pa.types.is_float32(f.type) for f in table.schema]
+
+
 def result_table(result: QueryResult) -> Table:
-    """A user query's rows as a rich table, with a caption when rows were cut."""
+    """A user query's rows as a rich table (float32 columns at float32 precision), with a caption when rows
+    were cut."""
     table = Table(show_lines=False)
     for name in result.table.column_names:
         table.add_column(name, overflow="fold")
+    narrow = _float32_columns(result.table)
     for row in result.table.to_pylist():
-        table.add_row(*("NULL" if v is None else str(v) for v in row.values()))
+        table.add_row(*(_cell(v, f) for v, f in zip(row.values(), narrow, strict=True)))
     if result.truncated:
         table.caption = f"first {result.max_rows} rows shown (--max-rows)"
     return table
+
+
+def _json_rows(table: pa.Table) -> list[dict[str, Any]]:
+    narrow = dict(zip(table.column_names, _float32_columns(table), strict=True))
+    return [{k: float(str(np.float32(v))) if narrow[k] and isinstance(v, float) else v for k, v in row.items()}
+            for row in table.to_pylist()]
 
 
 def write_result(result: QueryResult, fmt: str, out: Path | None = None) -> None:
@@ -222,7 +578,6 @@ def write_result(result: QueryResult, fmt: str, out: Path | None = None) -> None
     import sys
 
     import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
 
     if fmt == "parquet":
         if out is None:
@@ -233,8 +588,7 @@ def write_result(result: QueryResult, fmt: str, out: Path | None = None) -> None
         pacsv.write_csv(result.table, buf)
         _emit(buf.getvalue().decode(), out)
     elif fmt == "json":
-        rows = result.table.to_pylist()
-        _emit(json.dumps(rows, default=str, indent=1) + "\n", out)
+        _emit(json.dumps(_json_rows(result.table), default=str, indent=1) + "\n", out)
     elif fmt == "table":
         if out is None:
             Console().print(result_table(result))

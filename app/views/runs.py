@@ -1,28 +1,79 @@
 """Runs: reward, accuracy, mismatch, entropy and blocked fraction by rule over steps, several runs side by side."""
 
+import pandas as pd
 import streamlit as st
 
-from app import charts, data, widgets
+from app import data, widgets
 from app.views import doctor
+from trustscope import figures
 
 st.title("Runs")
 runs = widgets.require_runs()
-st.dataframe(runs, hide_index=True, key="runs_table")
-chosen = widgets.pick_runs(runs)
-if not chosen:
-    st.info("Pick at least one run.")
-    st.stop()
+table = runs.drop(columns=["group_key"]).assign(
+    updated_at=runs["updated_at"].map(lambda t: "-" if t is None or pd.isna(t) else f"{t:%Y-%m-%d %H:%M} UTC"))
+st.dataframe(table, hide_index=True, key="runs_table", column_config={
+    "tokens_generated": st.column_config.NumberColumn("tokens generated", format="localized"),
+    "tokens_logged": st.column_config.NumberColumn("tokens logged", format="localized"),
+    "logged_frac": st.column_config.NumberColumn("logged", format="percent"),
+    "updated_at": st.column_config.TextColumn("updated (manifest)"),
+    "mean_reward": st.column_config.NumberColumn("mean reward", format="%.3f"),
+})
+st.caption("Status reads the writer: a run whose process is gone reads crashed, one whose manifest has not "
+           f"changed for {data.report.STALE_AFTER_S / 60:.0f} minutes reads stale. Tokens logged are the token "
+           "rows on disk (a run may log a fraction of what it generated).")
 
-metrics = st.multiselect("Metrics", data.METRIC_TITLES, default=list(data.METRIC_TITLES),
-                         format_func=data.METRIC_TITLES.get, key="metrics_picker")
-st.plotly_chart(charts.metrics_over_steps(data.step_metrics(chosen), metrics, data.METRIC_TITLES),
-                key="metrics_chart")
 
-st.subheader("Blocked fraction by rule")
-st.caption("Share of tokens each trust-region rule would block on the same tokens (the trainer applied only "
-           "the run's own rule).")
-blocked = data.blocked_by_rule(chosen)
-rules = widgets.pick_rules(sorted(set(blocked["rule"]), key=blocked["rule"].tolist().index))
-st.plotly_chart(charts.blocked_fraction_by_rule(blocked[blocked["rule"].isin(rules)]), key="blocked_chart")
+def compare(chosen: list[str], grouped: bool) -> None:
+    """Metrics and blocked fractions over steps of the chosen configurations (or runs)."""
+    column = "group" if grouped else "run_id"
+    members = runs[runs[column].isin(chosen)]
+    labels = dict(zip(members["run_id"], members[column], strict=True))
+    widgets.warning_badge(members["run_id"].tolist())
 
-doctor.doctor_section(chosen)
+    left, right = st.columns([3, 1])
+    with left:
+        metrics = st.multiselect("Metrics", data.METRIC_TITLES, default=list(data.METRIC_TITLES),
+                                 format_func=data.METRIC_TITLES.get, key="metrics_picker")
+    with right:
+        weight = st.select_slider("Smoothing (EMA weight)", options=[0.0, 0.5, 0.8, 0.9, 0.95], value=0.0,
+                                  key="smoothing")
+    rules_of = members.drop_duplicates(column).set_index(column)["loss_rule"]
+    colours = ({g: figures.rule_colour(r) for g, r in rules_of.items()}
+               if rules_of.notna().all() and rules_of.is_unique else None)
+    long = figures.smooth(data.step_metrics(members["run_id"].tolist()), weight, ["run_id", "name"])
+    series = figures.seed_band(long, labels)
+    series = series.set_index("run_id").loc[[c for c in chosen if c in set(series["run_id"])]].reset_index()
+    logged = [m for m in metrics if m in set(series["name"])]
+    if logged:
+        widgets.chart(data.figure("metrics_over_steps", series, logged, data.METRIC_TITLES, colours=colours),
+                      "metrics_chart", "None of these runs has logged a step with these metrics yet.")
+    missing = [data.METRIC_TITLES[m] for m in metrics if m not in logged]
+    if missing:
+        st.caption("Not logged by these runs: " + ", ".join(missing)
+                   + " (the accuracy comes from held-out evaluation, every `--eval-every` steps).")
+    if grouped:
+        sizes = members.groupby(column)["run_id"].size()
+        st.caption("Lines are the mean over each configuration's seeds, the band their min..max; "
+                   + ", ".join(f"{g}: {n} seed{'s' * (n > 1)}" for g, n in sizes.items()) + ".")
+
+    st.subheader("Blocked fraction by rule")
+    blocked = data.blocked_by_rule(members["run_id"].tolist())
+    applied = rules_of.to_dict()
+    rules = widgets.pick_rules(blocked["rule"].unique().tolist(), key="runs_rules")
+    blocked = blocked[blocked["rule"].isin(rules)].assign(run_id=lambda d: d["run_id"].map(labels))
+    blocked = blocked.groupby(["run_id", "rule", "step"], as_index=False).agg(
+        blocked_frac=("blocked_frac", "mean"), n_blocked=("n_blocked", "sum"), n_tokens=("n_tokens", "sum"))
+    blocked = figures.smooth(blocked, weight, ["run_id", "rule"], column="blocked_frac")
+    widgets.chart(data.figure("blocked_fraction_by_rule", blocked, applied=applied), "blocked_chart",
+                  "No rule would block any token of these runs (the policy never moved far from the rollouts). "
+                  "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
+    st.caption("Share of the logged tokens each rule would block on the same tokens; the thick line is the rule the "
+               "trainer applied (only that one shaped the update). Hover a line for the token counts.")
+
+
+chosen, grouped = widgets.pick_groups(runs)
+if chosen:
+    compare(chosen, grouped)
+    doctor.doctor_section(runs.loc[runs["group" if grouped else "run_id"].isin(chosen), "run_id"].tolist())
+else:
+    st.info("Pick at least one configuration or run above.")

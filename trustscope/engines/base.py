@@ -24,8 +24,8 @@ LOGPROB_FLOOR = -1.0e4
 """Top-K logprobs of tokens the sampler could not draw (outside the top-p nucleus: ``-inf``) are stored as this
 finite floor, so ``0 * log 0`` terms downstream stay 0 instead of NaN. ``exp(-1e4)`` is 0 in float32."""
 
-FINISH_REASONS = ("stop", "length")
-"""``stop``: the response ended with the EOS token (it is the last response token); ``length``: ``max_tokens``."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Parameter dtypes of the trainer and the engines, by the name a config gives them."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Rollout:
     mu_logprobs: list[list[float]]
     mu_topk_ids: list[list[list[int]]]
     mu_topk_logprobs: list[list[list[float]]]
-    finish_reasons: list[str]
+    finish_reasons: list[str]  # "stop": ended with the EOS token (its last token); "length": max_tokens
     texts: list[str]  # decoded response, special tokens (EOS) skipped
     sampling: dict[str, Any] = field(default_factory=dict)  # what the sampler used, see Engine.sampling_info
 

@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from trustscope.engines.base import (
+    DTYPES,
     Engine,
     Rollout,
     RolloutTensors,
     finalize_topk,
 )
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class HFEngine(Engine):

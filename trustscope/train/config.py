@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trustscope.engines import DTYPES, ENGINES
 from trustscope.losses import AGGREGATIONS, get_loss
 from trustscope.train.tasks import get_task
 
-ENGINES = ("vllm", "hf")
-DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -196,8 +195,8 @@ def _validate(c: TrainConfig) -> None:
             raise _fail(name, value, f"set {name} to a value >= {low}")
 
     choice("engine", ENGINES)
-    choice("engine_dtype", DTYPES)
-    choice("trainer_dtype", DTYPES)
+    choice("engine_dtype", tuple(DTYPES))
+    choice("trainer_dtype", tuple(DTYPES))
     choice("device", DEVICES)
     choice("lr_schedule", LR_SCHEDULES)
     for name in ("prompts_per_step", "group_size", "max_tokens", "topk", "sync_every", "mini_batches",
@@ -249,6 +248,15 @@ def _validate(c: TrainConfig) -> None:
     if "old_logprob" in rule.needs and not c.recompute_old:
         raise _fail("recompute_old", c.recompute_old,
                     f"loss {c.loss!r} is anchored on pi_old: set recompute_old=true")
+
+
+def check_world(c: TrainConfig, world: int) -> None:
+    """A data-parallel run of ``world`` ranks gives each rank an equal block of whole groups (so GRPO advantages
+    stay within a rank): ``prompts_per_step`` must be a multiple of ``world``. Checked when the ranks are known."""
+    if c.prompts_per_step % world:
+        raise _fail("prompts_per_step", c.prompts_per_step,
+                    f"set prompts_per_step to a multiple of the {world} data-parallel ranks (each rank trains an "
+                    f"equal share of whole groups)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,7 +362,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """A validated :class:`TrainConfig` from an optional file, then ``overrides`` (strings are parsed by type)."""
+    """A validated :class:`TrainConfig` from an optional file, then ``overrides``; strings (the command line's)
+    are coerced to each field's type by TrainConfig itself, once."""
     values: dict[str, Any] = {}
     if path is not None:
         values = read_config_file(path)
@@ -362,41 +371,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     overrides = dict(overrides or {})
     _check_names(overrides, "override")
     values.update(overrides)
-    types_ = _field_types()
-    return TrainConfig(**{k: _coerce(k, v, types_[k]) for k, v in values.items()})
-
-
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """``["--lr", "1e-5", "--std-normalize", "--loss=cispo"]`` -> ``{"lr": "1e-5", "std_normalize": "true", ...}``.
-
-    Dashes and underscores are interchangeable; a bool flag without a value means true, ``--no-<flag>`` false.
-    """
-    bools = {n for n, tp in _field_types().items() if tp is bool}
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: options look like --field value")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if not eq:
-            if key.startswith("no_") and key[3:] in bools:
-                key, value = key[3:], "false"
-            elif key in bools and (i + 1 >= len(args) or args[i + 1].startswith("--")):
-                value = "true"
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                raise ConfigError(f"option --{key.replace('_', '-')} needs a value")
-        out[key] = value
-        i += 1
-    return out
+    return TrainConfig(**values)
 
 
 def field_docs() -> dict[str, str]:
-    """Each field's docstring, read from this module's source (used by ``trustscope train --help``)."""
+    """Each field's docstring, read from this module's source (the help of ``trustscope train``'s options)."""
     tree = ast.parse(inspect.getsource(TrainConfig))
     body = tree.body[0].body
     docs: dict[str, str] = {}

@@ -8,6 +8,7 @@ Run it::
     trustscope train --run-id my-run --resume         # continue a run from its newest checkpoint, same log
     trustscope train --model Qwen/Qwen3-1.7B-Base --task add2 --max-tokens 64 --lr 1e-6   # a real model, GPU
     trustscope train --list-options                   # every field, its default and its meaning
+    torchrun --nproc-per-node 2 -m trustscope.cli train --engine hf   # data-parallel: DDP, gloo on CPU, NCCL on GPU
 
 On a GPU the trainer and vLLM find the device themselves; vLLM's context defaults to 128 tokens, so a real model
 needs ``--engine-options '{"max_model_len": 1024}'`` or so. From Python: ``train(TrainConfig(loss="dppo_topk_tv"))``.
@@ -18,6 +19,11 @@ One step, top to bottom: rollouts from the engine (mu's logprob and top-K at eve
 group advantages -> optional pi_old recompute -> mini-batch updates with the rule ``get_loss(cfg.loss)`` and
 ``aggregate(..., cfg.aggregation)``, gradient clipping, a learning-rate schedule -> weight sync into the engine ->
 tokens, samples and scalars into the TokenLogger -> periodic evaluation on held-out problems -> checkpoints.
+
+Data-parallel (torchrun): rank 0 samples each step's whole batch as one process would and scatters equal blocks
+of whole groups; every rank trains its share under DistributedDataParallel and logs its own files into the run;
+rank 0 alone syncs the engine, evaluates, logs the scalars and checkpoints. A 2-rank run equals the 1-rank run at
+the same ``prompts_per_step`` to float tolerance (see :func:`update_policy` and ``docs/scale.md``).
 
 Mismatch knobs: ``engine_dtype`` (bf16 rollouts against an fp32 trainer), ``policy_lag`` (step s trains on
 rollouts sampled with the weights of step s - lag, as in asynchronous RL), ``sync_every`` (the engine's weights
@@ -50,17 +56,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from trustscope import schema
 from trustscope.capture import Capture, capture
 from trustscope.divergence import binary_tv
-from trustscope.engines import Rollout, make_engine
+from trustscope.engines import DTYPES, Rollout, make_engine
 from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
-from trustscope.train.config import TrainConfig
+from trustscope.train.config import TrainConfig, check_world
 from trustscope.train.tasks import Problem, Task, get_task
 
 CHECKPOINTS = "checkpoints"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -68,9 +75,10 @@ class Batch:
     """One step's rollouts: the problems (one per group), the engine's samples and their rewards."""
 
     weights_step: int  # the trainer step whose weights the engine sampled with (older when lagging)
-    problems: list[Problem]  # (prompts_per_step,)
-    rollout: Rollout  # B = prompts_per_step * group_size samples, grouped by problem
+    problems: list[Problem]  # (prompts_per_step,), or this rank's share of them
+    rollout: Rollout  # B = len(problems) * group_size samples, grouped by problem
     rewards: torch.Tensor  # (B,) float32
+    first_group: int = 0  # the step-wide index of problems[0]: its samples start at first_group * group_size
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -128,6 +136,122 @@ def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int, pending
             pending.append(sample_batch(engine, task, cfg, step + len(pending), now=step))
         yield pending.popleft()
         step += 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data parallelism (torchrun)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a data-parallel run: ``rank`` of ``world`` (0 of 1 in a plain run).
+
+    Every collective is the identity when ``world == 1``, so one code path trains both, and a one-rank run computes
+    exactly what it computed before data parallelism existed.
+    """
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that samples rollouts, evaluates, logs the step scalars and writes checkpoints."""
+        return self.rank == 0
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks (a new tensor when ``world > 1``)."""
+        if self.world == 1:
+            return x
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s element-wise maximum over the ranks."""
+        if self.world == 1:
+            return x
+        x = x.detach().clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        if self.world > 1:
+            dist.barrier()
+
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; for small things such as the run id)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def share(self, batch: Batch | None) -> Batch:
+        """This rank's share of rank 0's step batch (``batch`` is None on the other ranks): see :func:`shard_batch`."""
+        if self.world == 1:
+            assert batch is not None
+            return batch
+        parts = [shard_batch(batch, r, self.world) for r in range(self.world)] if self.main else None
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, parts, src=0)
+        return box[0]
+
+
+def join_ranks(device: torch.device) -> tuple[Ranks, torch.device, bool]:
+    """Join the data-parallel group: an initialised ``torch.distributed`` group as it is, else under torchrun
+    (``WORLD_SIZE > 1``) a new one, NCCL on GPU and gloo on CPU; else a plain one-rank run. Returns the ranks, the
+    trainer's device (``cuda:<LOCAL_RANK>`` on GPU) and whether this call created the group (and must destroy it)."""
+    created = False
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return Ranks(), device, False
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        created = True
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return Ranks(dist.get_rank(), dist.get_world_size()), device, created
+
+
+def shard_batch(batch: Batch, rank: int, world: int) -> Batch:
+    """Rank ``rank``'s share of a step batch: the ``rank``-th of ``world`` equal contiguous blocks of whole groups
+    (``prompts_per_step % world == 0``, checked at start), so every group's advantages are those of the one-rank
+    run. The block's samples are rows ``first_group * group_size ..`` of the step."""
+    per_rank = len(batch.problems) // world
+    g0 = rank * per_rank  # first group of the block, within the batch
+    s0, s1 = g0 * batch.rollout.n, (g0 + per_rank) * batch.rollout.n  # its sample rows
+    ro = batch.rollout
+    rollout = Rollout(prompts=ro.prompts[g0 : g0 + per_rank], n=ro.n, topk=ro.topk,
+                      prompt_index=[i - g0 for i in ro.prompt_index[s0:s1]], prompt_ids=ro.prompt_ids[s0:s1],
+                      response_ids=ro.response_ids[s0:s1], mu_logprobs=ro.mu_logprobs[s0:s1],
+                      mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
+                      finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling)
+    return Batch(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
+                 first_group=batch.first_group + g0)
+
+
+def aggregate_weight(mode: str, mask: torch.Tensor, max_len: int) -> float:
+    """What ``aggregate(loss, mask, mode, max_len)`` divides its masked sum by (before its clamp at 1): tokens,
+    sequences with tokens, or sequences (times ``max_len``). ``mask`` ``(b, T)``.
+
+    A mini-batch split over ranks is aggregated exactly by weighting each rank's ``aggregate`` with its weight
+    over the ranks' total: ``sum_r aggregate_r * w_r / sum_r w_r`` is the one-rank ``aggregate`` of the whole.
+    """
+    if mode == "token_mean":
+        return float(mask.sum())
+    if mode == "seq_mean_token_mean":
+        return float((mask.sum(-1) > 0).sum())
+    if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        return float(mask.shape[0] * (max_len if mode == "seq_mean_token_sum_norm" else 1))
+    raise ValueError(f"aggregate_weight: mode={mode!r} has no known weight; add it next to AGGREGATIONS' entry")
+
+
+def local_rows(idx: torch.Tensor, rank: int, b: int) -> torch.Tensor:
+    """The rows of this rank's block among a mini-batch's step-wide sample indices ``idx``, in ``idx``'s order.
+    The rank holds step rows ``rank * b .. rank * b + b - 1``; the result indexes its own ``(b, ...)`` tensors."""
+    mine = idx[(idx >= rank * b) & (idx < rank * b + b)]
+    return mine - rank * b
 
 
 def policy_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], response_ids: torch.Tensor,
@@ -230,162 +354,299 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
     return cfg.model
 
 
-def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
-    """Train as ``cfg`` says; call ``on_step(step, scalars)`` after every step; return the last step's scalars."""
-    # ---- setup -------------------------------------------------------------------------------------------------
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class Start:
+    """Where a run starts: a new run from the model at step 0, a resumed one from its newest checkpoint."""
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    rule = get_loss(cfg.loss)
-    task = get_task(cfg.task)
-    model_dir = resolve_model(cfg)
-    start_step, pending, engine_state = 0, deque(), None
-    ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume else None
-    if not cfg.resume and (cfg.run_dir / "run.json").exists():
-        raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue it, "
-                              f"or another run_id")
-    if cfg.resume and ckpt is None:
+    step: int  # the first step to train
+    weights_dir: Path | str  # the weights (and tokenizer) the trainer loads
+    pending: deque[Batch]  # rollouts sampled ahead (policy_lag > 0)
+    engine_state: dict[str, torch.Tensor] | None  # a lagging engine's weights at the checkpoint
+    trainer_state: dict[str, Any] | None  # the optimizer's and the scheduler's state at the checkpoint
+
+
+def restore(cfg: TrainConfig, model_dir: Path | str, main: bool = True) -> Start:
+    """A new run (refused when its log exists already) or, with ``resume``, the newest checkpoint's state; log
+    files written after that checkpoint (a crashed continuation) are dropped, by rank 0 (``main``) for all ranks."""
+    if not cfg.resume:
+        if (cfg.run_dir / schema.MANIFEST).exists():
+            raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue "
+                                  f"it, or another run_id")
+        return Start(0, model_dir, deque(), None, None)
+    ckpt = latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
         raise FileNotFoundError(f"resume=true but {cfg.run_dir / CHECKPOINTS} holds no checkpoint; set save_every > 0 "
                                 f"in the first run, or resume=false")
-    weights_dir = ckpt or model_dir
-    tokenizer = AutoTokenizer.from_pretrained(weights_dir)
-    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=DTYPES[cfg.trainer_dtype]).to(device)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if main:
+        drop_log_after(cfg.run_dir, state["step"])
+    return Start(state["step"] + 1, ckpt, deque(state["pending"]), state["engine_state"], state)
+
+
+def build_policy(cfg: TrainConfig, start: Start, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
+    """The tokenizer, the trainable model, AdamW and its learning-rate schedule, at ``start``'s state."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(start.weights_dir)
+    model = AutoModelForCausalLM.from_pretrained(start.weights_dir, dtype=DTYPES[cfg.trainer_dtype]).to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if ckpt is not None:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step, pending, engine_state = state["step"] + 1, deque(state["pending"]), state["engine_state"]
-        drop_log_after(cfg.run_dir, state["step"])
+    if start.trainer_state is not None:
+        optimizer.load_state_dict(start.trainer_state["optimizer"])
+        scheduler.load_state_dict(start.trainer_state["scheduler"])
+    return tokenizer, model, optimizer, scheduler
+
+
+@dataclass
+class StepInputs:
+    """One step's rollouts as trainer tensors on the device, with advantages and (optionally) pi_old."""
+
+    mask: torch.Tensor  # (B, T)
+    adv_seq: torch.Tensor  # (B,) group advantages
+    adv: torch.Tensor  # (B, T) the sample's advantage at each of its tokens
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask, position_ids: (B, P + T) each
+    response_ids: torch.Tensor  # (B, T)
+    mu_lp: torch.Tensor  # (B, T)
+    mu_topk_lp: torch.Tensor  # (B, T, K)
+    topk_ids: torch.Tensor  # (B, T, K)
+    old_lp: torch.Tensor | None  # (B, T) pi_old, when recomputed
+
+
+def step_inputs(batch: Batch, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
+                device: torch.device) -> StepInputs:
+    """Pad the batch into tensors, compute group advantages, recompute pi_old when ``cfg.recompute_old``."""
+    ro = batch.rollout.to_tensors(pad_id)
+    mask = ro.mask.to(device)  # (B, T)
+    adv_seq = group_advantages(batch.rewards, cfg.group_size, cfg.std_normalize).to(device)  # (B,)
+    inputs = dict(input_ids=ro.input_ids.to(device), attention_mask=ro.attention_mask.to(device),
+                  position_ids=ro.position_ids.to(device))  # (B, P + T) each
+    x = StepInputs(mask=mask, adv_seq=adv_seq, adv=adv_seq[:, None].expand_as(mask).float(), inputs=inputs,
+                   response_ids=ro.response_ids.to(device), mu_lp=ro.mu_logprob.to(device),
+                   mu_topk_lp=ro.mu_topk_logprobs.to(device), topk_ids=ro.mu_topk_ids.to(device), old_lp=None)
+    if cfg.recompute_old:
+        with torch.no_grad():
+            rows = torch.arange(mask.shape[0], device=device)
+            x.old_lp = policy_forward(model, inputs, x.response_ids, None, rows, cfg.temperature).logprob
+    return x
+
+
+@dataclass
+class Update:
+    """What the step's updates did; pi, its top-K, the entropy and the keep-mask are each token's last update's."""
+
+    pi_lp: torch.Tensor  # (B, T)
+    pi_topk_lp: torch.Tensor  # (B, T, K)
+    entropy: torch.Tensor  # (B, T)
+    kept: torch.Tensor  # (B, T)
+    losses: list[float]  # one per optimizer update
+    grad_norms: list[float]  # one per update when clipping is on
+    metrics: dict[str, float]  # the rule's metrics, averaged over the updates
+
+
+def update_policy(model: torch.nn.Module, optimizer: Any, rule: Any, cfg: TrainConfig, step: int,
+                  x: StepInputs, ranks: Ranks) -> Update:
+    """``epochs`` passes over the step's responses in ``mini_batches`` shuffled mini-batches, one AdamW update
+    each: pi at the sampled tokens and at mu's top-K, the rule's loss, ``aggregate``, gradient clipping.
+
+    Data-parallel (``model`` wrapped in DistributedDataParallel): the shuffle is over the whole step's samples,
+    the same on every rank, and each rank trains the part of every mini-batch it holds, weighted by its share of
+    the mini-batch's ``aggregate`` normaliser (:func:`aggregate_weight`), times ``world`` because DDP averages the
+    gradients: the summed gradient, the loss and the update are the one-rank run's. A rank holding none of a
+    mini-batch runs one row at weight 0, since every rank must take part in the gradient all-reduce. The rule's
+    metrics are averaged over the ranks weighted by their valid tokens (``*_max`` ones: the maximum).
+    """
+    b = x.mask.shape[0]  # this rank's rows; the step has b * world
+    up = Update(pi_lp=torch.zeros_like(x.mu_lp), pi_topk_lp=torch.zeros_like(x.mu_topk_lp),
+                entropy=torch.zeros_like(x.mu_lp), kept=torch.zeros_like(x.mask), losses=[], grad_norms=[],
+                metrics={})
+    plan = []  # (epoch, mini-batch) -> this rank's rows
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(b * ranks.world,
+                               generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 3 + epoch)))
+        plan += [local_rows(idx, ranks.rank, b).to(x.mask.device) for idx in order.chunk(cfg.mini_batches)]
+    weights = torch.tensor([aggregate_weight(cfg.aggregation, x.mask[idx], cfg.max_tokens) for idx in plan],
+                           dtype=torch.float64)  # (epochs * mini_batches,)
+    totals = ranks.sum(weights)
+    for idx, weight, total in zip(plan, weights.tolist(), totals.tolist(), strict=True):
+        rows = idx if len(idx) else torch.zeros(1, dtype=torch.long, device=x.mask.device)
+        cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, rows, cfg.temperature)
+        pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=x.mu_lp[rows], advantages=x.adv[rows],
+                         mask=x.mask[rows], old_logprob=None if x.old_lp is None else x.old_lp[rows],
+                         mu_topk_logprobs=x.mu_topk_lp[rows], pi_topk_logprobs=cap.topk_logprobs)
+        out = rule(pb, **cfg.loss_params)
+        loss = aggregate(out.loss, x.mask[rows], cfg.aggregation, max_len=cfg.max_tokens)
+        if ranks.world > 1:  # this rank's part of the mini-batch's loss; 1.0 exactly on one rank
+            loss = loss * (weight / max(total, 1.0))
+        optimizer.zero_grad(set_to_none=True)
+        (loss * ranks.world if ranks.world > 1 else loss).backward()
+        if cfg.grad_clip > 0:
+            up.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        optimizer.step()
+        up.losses.append(float(ranks.sum(loss.detach())))
+        for name, value in reduce_metrics(out.metrics, float(x.mask[idx].sum()), ranks).items():
+            up.metrics[name] = up.metrics.get(name, 0.0) + value
+        up.pi_lp[idx] = cap.logprob.detach()[: len(idx)]
+        up.pi_topk_lp[idx] = cap.topk_logprobs.detach()[: len(idx)]
+        up.entropy[idx] = cap.entropy.detach()[: len(idx)]
+        up.kept[idx] = out.keep[: len(idx)]
+    up.metrics = {name: total / len(up.losses) for name, total in up.metrics.items()}
+    return up
+
+
+def reduce_metrics(metrics: dict[str, torch.Tensor], n_valid: float, ranks: Ranks) -> dict[str, float]:
+    """One update's rule metrics over the ranks: means weighted by each rank's valid tokens ``n_valid``, the
+    maximum for ``*_max`` names; as they are on one rank."""
+    if ranks.world == 1:
+        return {name: float(value) for name, value in metrics.items()}
+    names = sorted(metrics)
+    maxes = [n for n in names if n.endswith("_max")]
+    means = [n for n in names if not n.endswith("_max")]
+    weighted = ranks.sum(torch.tensor([n_valid, *(float(metrics[n]) * n_valid for n in means)], dtype=torch.float64))
+    top = ranks.max(torch.tensor([float(metrics[n]) if n_valid else -math.inf for n in maxes], dtype=torch.float64))
+    n = max(float(weighted[0]), 1.0)
+    return {**{name: float(v) / n for name, v in zip(means, weighted[1:], strict=True)},
+            **{name: float(v) for name, v in zip(maxes, top, strict=True)}}
+
+
+def step_totals(x: StepInputs, up: Update, ranks: Ranks) -> dict[str, float]:
+    """The step's token sums over all ranks: tokens, entropy and (when recomputed) the pi_old-mu mismatch."""
+    sums = [x.mask.sum().double(), (up.entropy * x.mask).sum().double()]
+    if x.old_lp is not None:
+        sums.append((binary_tv(x.mu_lp, x.old_lp) * x.mask).sum().double())
+    total = ranks.sum(torch.stack(sums)).tolist()
+    return {"tokens": total[0], "entropy": total[1], **({} if x.old_lp is None else {"old_mismatch": total[2]})}
+
+
+def step_scalars(batch: Batch, totals: dict[str, float], up: Update, step: int, lr: float,
+                 times: dict[str, float]) -> dict[str, float]:
+    """The step's scalars for the log and the progress bar, from the whole step's ``batch`` and the ranks'
+    ``totals`` (:func:`step_totals`); ``times``: rollout, train, sync, step seconds (rank 0's)."""
+    b, n_tokens = len(batch.rollout), int(totals["tokens"])
+    scalars = {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()),
+        "loss": float(np.mean(up.losses)),
+        "lr": lr,
+        "grad_norm": float(np.mean(up.grad_norms)) if up.grad_norms else float("nan"),
+        "updates": len(up.losses),
+        "policy_lag": step - batch.weights_step,
+        "response/length_mean": n_tokens / b,
+        "response/stop_frac": float(np.mean([f == "stop" for f in batch.rollout.finish_reasons])),
+        "entropy/mean": totals["entropy"] / max(1, n_tokens),
+        "tokens": n_tokens,
+        **{f"time/{name}_s": seconds for name, seconds in times.items()},
+        "throughput/tokens_per_s": n_tokens / times["step"],
+        **up.metrics,
+    }
+    if "old_mismatch" in totals:
+        scalars["mismatch/old_abs_mean"] = totals["old_mismatch"] / max(1, n_tokens)
+    return scalars
+
+
+def log_step(logger: Any, step: int, batch: Batch, x: StepInputs, up: Update,
+             scalars: dict[str, float] | None) -> None:
+    """This rank's tokens and responses of the step, and the step's scalars (rank 0 only), into its TokenLogger.
+    Sample ids and prompt ids are step-wide (``first_group`` on), so the ranks' rows form one run's step."""
+    b = x.mask.shape[0]
+    first_sample = batch.first_group * batch.rollout.n
+    logger.log_step(
+        step,
+        tokens={"token_id": x.response_ids, "mu_logprob": x.mu_lp, "pi_logprob": up.pi_lp, "advantage": x.adv,
+                "entropy": up.entropy, "mu_topk_ids": x.topk_ids, "mu_topk_logprobs": x.mu_topk_lp,
+                "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept,
+                **({} if x.old_lp is None else {"old_logprob": x.old_lp})},
+        mask=x.mask,
+        samples={"sample_id": first_sample + np.arange(b),
+                 "prompt_id": batch.first_group + np.asarray(batch.rollout.prompt_index),
+                 "prompt": [batch.problems[i].prompt for i in batch.rollout.prompt_index],
+                 "response": batch.rollout.texts, "reward": batch.rewards, "advantage": x.adv_seq,
+                 "finish_reason": batch.rollout.finish_reasons},
+        scalars=scalars,
+    )
+
+
+def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    """Train as ``cfg`` says; call ``on_step(step, scalars)`` after every step; return the last step's scalars.
+
+    Under ``torchrun`` (or in an initialised ``torch.distributed`` group) it trains data-parallel: rank 0 samples
+    each step's whole batch exactly as a one-rank run would and scatters whole groups to the ranks, every rank
+    trains its share under DistributedDataParallel and logs its own files into the same run, and rank 0 alone
+    syncs the engine, evaluates, logs the step scalars, writes checkpoints and calls ``on_step``; the other ranks
+    return ``{}``.
+    """
+    # ---- setup -------------------------------------------------------------------------------------------------
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    ranks, device, joined = join_ranks(resolve_device(cfg.device))
+    check_world(cfg, ranks.world)
+    cfg = cfg.replace(run_id=ranks.from_main(cfg.run_id))  # a default run id holds the time, which ranks differ on
+    rule = get_loss(cfg.loss)
+    task = get_task(cfg.task)
+    model_dir = resolve_model(cfg) if ranks.main else None  # rank 0 builds (or finds) the toy world first
+    ranks.barrier()
+    model_dir = model_dir or resolve_model(cfg)
+    start = restore(cfg, model_dir, main=ranks.main)
+    ranks.barrier()  # every rank has checked for an existing run before any rank's logger creates it
+    tokenizer, model, optimizer, scheduler = build_policy(cfg, start, device)
+    trained = model if ranks.world == 1 else torch.nn.parallel.DistributedDataParallel(model)
     keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights
-    engine_copy = engine_state if engine_state is not None else (_snapshot(model) if keep_engine_copy else None)
+    engine_copy = start.engine_state if start.engine_state is not None else (
+        _snapshot(model) if keep_engine_copy else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scalars: dict[str, float] = {}
 
-    with contextlib.ExitStack() as running:  # closes the logger (finished or crashed) and the engine
-        engine = running.enter_context(make_engine(cfg.engine, str(weights_dir), dtype=cfg.engine_dtype,
-                                                   seed=cfg.seed, **cfg.engine_options))
-        if engine_state is not None:  # the engine was lagging behind the trainer when the checkpoint was taken
-            engine.update_weights(_with_weights(weights_dir, cfg, engine_state))
-        logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model))
-        stream = rollout_stream(engine, task, cfg, start_step, pending)
+    with contextlib.ExitStack() as running:  # closes the logger (finished or crashed), the engine, the group
+        if joined:
+            running.callback(dist.destroy_process_group)
+        engine = stream = None
+        if ranks.main:  # the one engine: it samples every step's whole batch
+            engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
+                                                       seed=cfg.seed, **cfg.engine_options))
+            if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
+                engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
+            stream = rollout_stream(engine, task, cfg, start.step, start.pending)
+        logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks))
 
         # ---- steps ---------------------------------------------------------------------------------------------
-        for step in range(start_step, cfg.steps):
+        for step in range(start.step, cfg.steps):
             t0 = time.perf_counter()
-            batch = next(stream)
+            batch = next(stream) if stream is not None else None  # the whole step, on rank 0
+            mine = ranks.share(batch)
             t_rollout = time.perf_counter() - t0
-            ro = batch.rollout.to_tensors(pad_id)
-            mask = ro.mask.to(device)  # (B, T)
-            b = mask.shape[0]
-            adv_seq = group_advantages(batch.rewards, cfg.group_size, cfg.std_normalize).to(device)  # (B,)
-            adv = adv_seq[:, None].expand_as(mask).float()  # (B, T)
-            inputs = dict(input_ids=ro.input_ids.to(device), attention_mask=ro.attention_mask.to(device),
-                          position_ids=ro.position_ids.to(device))  # (B, P + T) each
-            response_ids = ro.response_ids.to(device)  # (B, T)
-            mu_lp, mu_topk_lp = ro.mu_logprob.to(device), ro.mu_topk_logprobs.to(device)  # (B, T), (B, T, K)
-            topk_ids = ro.mu_topk_ids.to(device)  # (B, T, K)
+            x = step_inputs(mine, cfg, model, pad_id, device)
 
-            old_lp = None
-            if cfg.recompute_old:
-                with torch.no_grad():
-                    rows = torch.arange(b, device=device)
-                    old_lp = policy_forward(model, inputs, response_ids, None, rows, cfg.temperature).logprob
-
-            # mini-batch updates; the log keeps each token's pi / mask / entropy from its last update
-            pi_lp = torch.zeros_like(mu_lp)  # (B, T)
-            pi_topk_lp = torch.zeros_like(mu_topk_lp)  # (B, T, K)
-            entropy = torch.zeros_like(mu_lp)  # (B, T)
-            kept = torch.zeros_like(mask)  # (B, T)
-            sums: dict[str, float] = {}
-            losses, grad_norms, updates = [], [], 0
             t1 = time.perf_counter()
-            for epoch in range(cfg.epochs):
-                order = torch.randperm(b, generator=torch.Generator().manual_seed(step_seed(cfg.seed, step, 3 + epoch)))
-                for idx in order.to(device).chunk(cfg.mini_batches):
-                    cap = policy_forward(model, inputs, response_ids, topk_ids, idx, cfg.temperature)
-                    pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=mu_lp[idx], advantages=adv[idx], mask=mask[idx],
-                                     old_logprob=None if old_lp is None else old_lp[idx],
-                                     mu_topk_logprobs=mu_topk_lp[idx], pi_topk_logprobs=cap.topk_logprobs)
-                    out = rule(pb, **cfg.loss_params)
-                    loss = aggregate(out.loss, mask[idx], cfg.aggregation, max_len=cfg.max_tokens)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if cfg.grad_clip > 0:
-                        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-                    optimizer.step()
-                    updates += 1
-                    losses.append(float(loss.detach()))
-                    for name, value in out.metrics.items():
-                        sums[name] = sums.get(name, 0.0) + float(value)
-                    pi_lp[idx] = cap.logprob.detach()
-                    pi_topk_lp[idx] = cap.topk_logprobs.detach()
-                    entropy[idx] = cap.entropy.detach()
-                    kept[idx] = out.keep
+            up = update_policy(trained, optimizer, rule, cfg, step, x, ranks)
             scheduler.step()
             t_train = time.perf_counter() - t1
 
             t2 = time.perf_counter()
             synced = (step + 1) % cfg.sync_every == 0
-            if synced:
+            if synced and engine is not None:
                 engine.update_weights(model)
                 engine_copy = _snapshot(model) if keep_engine_copy else None
             t_sync = time.perf_counter() - t2
-            step_time = time.perf_counter() - t0
+            times = {"rollout": t_rollout, "train": t_train, "sync": t_sync, "step": time.perf_counter() - t0}
 
             last = step + 1 == cfg.steps
             evals = {}
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
+            if ranks.main and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
                 t3 = time.perf_counter()
                 evals = {**evaluate(model, tokenizer, task, cfg, device), "time/eval_s": time.perf_counter() - t3}
 
-            # ---- log ---------------------------------------------------------------------------------------
-            n_tokens = int(mask.sum())
-            scalars = {
-                "reward/mean": float(batch.rewards.mean()),
-                "reward/std": float(batch.rewards.std()),
-                "loss": float(np.mean(losses)),
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-                "updates": updates,
-                "policy_lag": step - batch.weights_step,
-                "response/length_mean": n_tokens / b,
-                "response/stop_frac": float(np.mean([f == "stop" for f in batch.rollout.finish_reasons])),
-                "entropy/mean": float((entropy * mask).sum() / max(1, n_tokens)),
-                "tokens": n_tokens,
-                "time/rollout_s": t_rollout,
-                "time/train_s": t_train,
-                "time/sync_s": t_sync,
-                "time/step_s": step_time,
-                "throughput/tokens_per_s": n_tokens / step_time,
-                **{name: total / updates for name, total in sums.items()},
-                **evals,
-            }
-            if old_lp is not None:
-                scalars["mismatch/old_abs_mean"] = float((binary_tv(mu_lp, old_lp) * mask).sum() / max(1, n_tokens))
-            logger.log_step(
-                step,
-                tokens={"token_id": ro.response_ids, "mu_logprob": mu_lp, "pi_logprob": pi_lp, "advantage": adv,
-                        "entropy": entropy, "mu_topk_ids": topk_ids, "mu_topk_logprobs": mu_topk_lp,
-                        "pi_topk_logprobs": pi_topk_lp, "kept": kept,
-                        **({} if old_lp is None else {"old_logprob": old_lp})},
-                mask=mask,
-                samples={"sample_id": np.arange(b), "prompt_id": np.asarray(batch.rollout.prompt_index),
-                         "prompt": [batch.problems[i].prompt for i in batch.rollout.prompt_index],
-                         "response": batch.rollout.texts, "reward": batch.rewards, "advantage": adv_seq,
-                         "finish_reason": batch.rollout.finish_reasons},
-                scalars=scalars,
-            )
+            # ---- log, checkpoint ---------------------------------------------------------------------------
+            totals = step_totals(x, up, ranks)
+            if batch is not None:
+                scalars = {**step_scalars(batch, totals, up, step, scheduler.get_last_lr()[0], times), **evals}
+            log_step(logger, step, mine, x, up, scalars if ranks.main else None)
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
-                logger.flush()
-                save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, pending,
-                                None if synced else engine_copy)
-            if on_step is not None:
+                logger.flush()  # on every rank: each log file then ends at or before the checkpoint
+                if ranks.main:
+                    save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, start.pending,
+                                    None if synced else engine_copy)
+            if on_step is not None and ranks.main:
                 on_step(step, scalars)
     return scalars
 
@@ -404,18 +665,22 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer: Any, model: torch.nn.Module) -> Any:
-    """The run's TokenLogger (or the no-op logger), with the config, model and sampler in the manifest."""
+def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer: Any, model: torch.nn.Module,
+                 ranks: Ranks) -> Any:
+    """This rank's TokenLogger (or the no-op logger), with the config, model and sampler in the manifest (rank 0
+    has the engine; the other ranks' manifests keep only their status)."""
     if not cfg.log_tokens:
         return NullLogger()
-    sampling = {**engine.sampling_info(), "temperature": cfg.temperature, "top_p": cfg.top_p, "topk_logprobs": cfg.topk}
+    sampling = None if engine is None else {**engine.sampling_info(), "temperature": cfg.temperature,
+                                             "top_p": cfg.top_p, "topk_logprobs": cfg.topk}
     model_info = {"name": cfg.model, "path": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
                   "dtype": cfg.trainer_dtype, "architecture": type(model).__name__}
     os.makedirs(cfg.logdir, exist_ok=True)
     return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=cfg.to_dict(), model=model_info, sampling=sampling,
                        tokenizer={"name": getattr(tokenizer, "name_or_path", ""), "vocab_size": len(tokenizer)},
-                       vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, resume=cfg.resume, token_fraction=cfg.log_token_fraction,
-                       log_topk=cfg.log_topk, topk_precision=cfg.log_topk_precision)
+                       vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, rank=ranks.rank, resume=cfg.resume,
+                       token_fraction=cfg.log_token_fraction, log_topk=cfg.log_topk,
+                       topk_precision=cfg.log_topk_precision)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -427,6 +692,8 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun, rank 0 alone shows the run
+        return train(cfg)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the engine's per-sync log lines off the bar
     from transformers.utils import logging as hf_logging
 
@@ -436,6 +703,7 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
                   f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, lag {cfg.policy_lag})")
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                TimeElapsedColumn())
+    every = max(1, cfg.steps // 20)  # steps between two progress lines when stderr is not a terminal
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=cfg.steps, completed=0, stats="starting (engine, toy world) ...")
 
@@ -446,6 +714,8 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
             if "eval/reward" in s:
                 stats += f"  eval {s['eval/reward']:.3f}"
             bar.update(task, completed=step + 1, stats=stats)
+            if not console.is_terminal and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+                console.print(f"step {step + 1}/{cfg.steps}  {stats}")  # a log file gets a line, not a bar
 
         result = train(cfg, on_step=on_step)
     console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")

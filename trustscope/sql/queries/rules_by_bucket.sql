@@ -1,16 +1,17 @@
 -- what every rule would block on the same tokens of run $run_id, steps $first_step..$last_step, by mu bucket and
--- advantage side (a > 0 against a < 0), over the tokens that carry gradient (a != 0), with the counts.
+-- advantage sign. only tokens that carry gradient (a <> 0) count: an a = 0 token moves nothing whichever rule
+-- looks at it, so the fractions are over a > 0 and a < 0 tokens, with their counts beside them.
 with window_blocks as (
     select
         mu_bucket,
         case when advantage > 0 then 'A>0' else 'A<0' end as adv_sign,
         columns('^blocks_.*$')
     from rule_blocks
-    where run_id = $run_id and step between $first_step and $last_step and advantage != 0
+    where run_id = $run_id and step between $first_step and $last_step and advantage <> 0
 ),
 
 counts as (
-    select mu_bucket, adv_sign, count(*) as n_tokens, count_if(columns('^blocks_.*$'))
+    select mu_bucket, adv_sign, count(*) as n_tokens, sum(columns('^blocks_.*$')::integer)
     from window_blocks
     group by mu_bucket, adv_sign
 ),

@@ -1,0 +1,689 @@
+"""Log a run of TRL's ``GRPOTrainer`` with trustscope: two lines of user code.
+
+    from trustscope.integrations.trl import attach
+    attach(trainer, "logs")        # after building the trainer, before trainer.train()
+    trainer.train()
+
+Written and tested against TRL 1.16.0 (the ``[trl]`` extra pins it). Per optimizer step (``step`` is TRL's
+``state.global_step`` before the update; micro-batches of one step share it) and per rank it logs:
+
+- **tokens**: the completion tokens TRL's loss covers, ``completion_mask * tool_mask`` (padding and tool results are
+  left out; ``pos`` is the column in TRL's completion tensor), each with
+  - ``mu_logprob``: the engine's log-prob of the sampled token when TRL has one (vLLM's ``sampling_per_token_logps``,
+    or a ``rollout_func``'s ``logprobs``): ``mu_source = "engine"``. TRL's transformers path keeps none; mu is then
+    TRL's ``old_per_token_logps`` (the trainer's recompute at the rollout's weights) when TRL computed them, else pi
+    itself, and ``run.json`` records ``mu_source = "trainer_recompute"``: mismatch (mu against pi_old) reads zero
+    there, and attach warns. Tokens whose mu or pi is NaN (vLLM could not score them) are left out of the log and
+    counted in the ``trustscope/unscored_tokens`` scalar; training is never interrupted for them.
+  - ``pi_logprob`` and ``entropy``: from the loss's own forward (TRL's fused LM head, at TRL's temperature); no
+    second forward is run for them.
+  - ``old_logprob``: TRL's ``old_per_token_logps`` when it computed them; ``advantage``: TRL's.
+  - ``kept``: the mask TRL's loss applied, from its settings (:func:`trl_kept`: the clip region of ``epsilon_low``
+    / ``epsilon_high`` / ``delta`` for the clipped loss types, and the off-policy, high-entropy and vLLM
+    importance-sampling masks when they are on). Tokens with A = 0 are kept, as TRL counts them, so
+    ``1 - mean(kept)`` over a step's tokens is TRL's ``clip_ratio/region_mean`` when only the clip is on (and one
+    micro-batch makes the step: with gradient accumulation TRL averages the micro-batches' ratios).
+- **samples**: a sample id stable over the iterations that reuse a rollout, the prompt group, TRL's weighted reward
+  (``sum_i w_i r_i``, the figure TRL logs as ``reward``), the sequence's advantage, prompt and completion text and
+  finish reason (``stop`` when the completion ends in an EOS token, else ``length``).
+- **steps**: every number TRL logs, as ``trl/<name>``, at the step it describes.
+- **run.json**: TRL's loss and sampling settings (``config["trl"]``, :func:`trl_settings`), ``loss_rule =
+  "trl:<loss_type>"``, ``mu_source``, ``source = {"framework": "trl", "version": trl.__version__}``, the sampler's
+  temperature under ``sampling``.
+
+Top-K (``topk=K``). On the vLLM path attach asks the engine for K log-probs per token (``VLLMGeneration.logprobs``)
+and keeps their ids, handing TRL the sampled token's log-prob first as it expects. On the transformers path there
+is no engine distribution, so ``topk=K`` needs ``topk_forward=True``: one extra no-grad forward right after each
+rollout gives the trainer's own top-K at the rollout's weights; it stands in for mu's top-K (a recompute, like mu
+on that path: top-K TV measures how far pi moved since the rollout, not training-inference mismatch). Either way
+pi's log-probs at those ids need logits, which TRL's fused head does not produce, so ``topk`` adds one no-grad
+forward per micro-batch on the loss side. Without ``topk`` nothing is recomputed.
+
+How it hooks in. TRL's callbacks mark step boundaries (used for the scalars and to close the log) but no public
+hook sees a batch's tokens or the loss's log-probs, so :class:`_Hooks` wraps four methods of this one trainer
+instance (never the class), and for top-K on vLLM its engine's ``generate``; each wrapper calls TRL's method
+unchanged and reads its inputs or outputs (only the engine's log-prob lists are reordered). attach first
+checks that every method, parameter and attribute this relies on exists (:func:`check_trainer`) and raises
+:class:`TRLVersionError` naming the TRL version and what is missing; tests/test_integration_trl.py pins the logged
+values against TRL's own, so a TRL upgrade that changes them fails in CI rather than in a user's run.
+
+``RLOOTrainer`` does not share this code path in TRL 1.16 (its loss is sequence-level on ``old_logps`` and it keeps
+no per-token rollout log-probs), so attach refuses it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trustscope.capture import capture, top_k
+from trustscope.divergence import force_sampled_into_topk
+from trustscope.logger import LogWarning, TokenLogger
+
+TESTED_TRL = "1.16.0"
+"""The TRL version this module reads the internals of (the ``[trl]`` extra pins it)."""
+
+CLIPPED_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
+"""TRL loss types whose loss is PPO's clipped surrogate: their mask is the clip region."""
+UNMASKED_LOSS_TYPES = frozenset({"cispo", "sapo", "vespo"})
+"""TRL loss types that weight tokens (truncated or soft IS weights) but block none."""
+
+_METHODS: dict[str, tuple[str, ...]] = {
+    "_generate_and_score_completions": ("inputs",),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "compute_entropy"),
+    "compute_loss": ("model", "inputs"),
+    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
+                            "off_policy_threshold"),
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+}
+"""GRPOTrainer methods attach wraps or calls, with the parameters it relies on."""
+_ATTRIBUTES = ("loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "temperature", "top_p",
+               "top_k", "min_p", "repetition_penalty", "max_completion_length", "top_entropy_quantile",
+               "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction", "num_generations",
+               "reward_weights", "beta", "eos_token_ids", "rollout_func", "tools", "accelerator",
+               "processing_class", "state", "args", "model")
+"""GRPOTrainer attributes attach reads."""
+_CONFIG_FIELDS = ("delta", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
+                  "per_device_train_batch_size", "scale_rewards", "mask_truncated_completions",
+                  "multi_objective_aggregation", "learning_rate")
+"""GRPOConfig fields attach reads."""
+
+# Keys attach adds to TRL's batch dict; TRL shuffles and splits them with the rest (they are (B, ...) tensors).
+_SAMPLE_ID, _PROMPT_ID, _REWARD = "trustscope_sample_id", "trustscope_prompt_id", "trustscope_reward"
+_TOPK_IDS, _TOPK_LOGPROBS, _MU_RECOMPUTE = "trustscope_mu_topk_ids", "trustscope_mu_topk_logprobs", "trustscope_mu"
+
+
+class TRLVersionError(RuntimeError):
+    """The installed TRL lacks an internal this integration reads (it was written against :data:`TESTED_TRL`)."""
+
+
+def check_trainer(trainer: Any) -> None:
+    """Raise if ``trainer`` is not a ``GRPOTrainer`` whose internals are where TRL 1.16 has them.
+
+    :class:`TRLVersionError` names the installed TRL version and every missing method, parameter or attribute;
+    a ``TypeError`` names a trainer class attach does not support. A TRL version other than :data:`TESTED_TRL`
+    that has everything only warns.
+    """
+    import trl
+    from trl import GRPOTrainer
+
+    version = trl.__version__
+    if not isinstance(trainer, GRPOTrainer):
+        hint = (" RLOOTrainer's loss is sequence-level and it keeps no per-token rollout log-probs, so it does not "
+                "share GRPOTrainer's code path." if type(trainer).__name__ == "RLOOTrainer" else "")
+        raise TypeError(f"trustscope.integrations.trl.attach supports trl.GRPOTrainer (and subclasses), got "
+                        f"{type(trainer).__name__}.{hint}")
+    missing = []
+    for name, params in _METHODS.items():
+        method = getattr(trainer, name, None)
+        if not callable(method):
+            missing.append(f"GRPOTrainer.{name}()")
+            continue
+        have = inspect.signature(method).parameters
+        lost = [p for p in params if p not in have]
+        if lost:
+            missing.append(f"parameter(s) {', '.join(lost)} of GRPOTrainer.{name}()")
+    missing += [f"GRPOTrainer.{name}" for name in _ATTRIBUTES if not hasattr(trainer, name)]
+    if hasattr(trainer, "args"):
+        missing += [f"GRPOConfig.{name}" for name in _CONFIG_FIELDS if not hasattr(trainer.args, name)]
+    if getattr(trainer, "use_vllm", False):
+        engine = getattr(trainer, "vllm_generation", None)
+        if not callable(getattr(engine, "generate", None)) or not hasattr(engine, "logprobs"):
+            missing.append("GRPOTrainer.vllm_generation.generate() / .logprobs")
+    if missing:
+        raise TRLVersionError(
+            f"trustscope.integrations.trl reads TRL internals as of TRL {TESTED_TRL}; the installed TRL {version} "
+            f"lacks {'; '.join(missing)}. Install trl=={TESTED_TRL} (pip install 'trustscope[trl]'), or log with "
+            f"trustscope.logger.TokenLogger from your own code.")
+    known = CLIPPED_LOSS_TYPES | UNMASKED_LOSS_TYPES
+    if trainer.loss_type not in known:
+        raise TRLVersionError(f"GRPOTrainer.loss_type {trainer.loss_type!r} (TRL {version}) is not one whose mask "
+                              f"trustscope knows; known: {sorted(known)}")
+    if version != TESTED_TRL:
+        warnings.warn(f"trustscope.integrations.trl was tested with TRL {TESTED_TRL}, this is TRL {version}; the "
+                      f"internals it reads are present, but check the log against TRL's own metrics",
+                      LogWarning, stacklevel=3)
+
+
+def trl_settings(trainer: Any) -> dict[str, Any]:
+    """TRL's loss and sampling settings as plain values, for ``run.json`` (``config["trl"]``)."""
+    args = trainer.args
+    return {
+        "trainer": type(trainer).__name__,
+        "loss_type": trainer.loss_type,
+        "epsilon_low": float(trainer.epsilon_low),
+        "epsilon_high": float(trainer.epsilon_high),
+        "delta": None if args.delta is None else float(args.delta),
+        "beta": float(trainer.beta),
+        "importance_sampling_level": trainer.importance_sampling_level,
+        "top_entropy_quantile": float(trainer.top_entropy_quantile),
+        "off_policy_mask_threshold": trainer.off_policy_mask_threshold,
+        "use_vllm": bool(trainer.use_vllm),
+        "vllm_mode": getattr(args, "vllm_mode", None) if trainer.use_vllm else None,
+        "vllm_importance_sampling_correction": bool(trainer.vllm_importance_sampling_correction),
+        "vllm_importance_sampling_mode": getattr(trainer, "vllm_importance_sampling_mode", None),
+        "vllm_importance_sampling_clip_min": getattr(trainer, "vllm_importance_sampling_clip_min", None),
+        "vllm_importance_sampling_clip_max": getattr(trainer, "vllm_importance_sampling_clip_max", None),
+        "num_generations": int(trainer.num_generations),
+        "num_iterations": int(args.num_iterations),
+        "steps_per_generation": int(args.steps_per_generation),
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "per_device_train_batch_size": int(args.per_device_train_batch_size),
+        "scale_rewards": args.scale_rewards,
+        "multi_objective_aggregation": args.multi_objective_aggregation,
+        "mask_truncated_completions": bool(args.mask_truncated_completions),
+        "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
+        "learning_rate": float(args.learning_rate),
+        "temperature": float(trainer.temperature),
+        "top_p": float(trainer.top_p),
+        "top_k": None if trainer.top_k is None else int(trainer.top_k),
+        "min_p": None if trainer.min_p is None else float(trainer.min_p),
+        "repetition_penalty": float(trainer.repetition_penalty),
+        "max_completion_length": int(trainer.max_completion_length),
+    }
+
+
+def trl_kept(
+    pi: Tensor,
+    old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+) -> Tensor:
+    """The tokens TRL 1.16's policy loss lets through, from its ratio against ``old``: ``(B, T)`` bool.
+
+    ``pi``, ``old``: ``(B, T)`` log-probs (``old`` is TRL's ``old_per_token_logps``, or pi itself when TRL skips
+    them); ``advantages`` ``(B,)`` or ``(B, T)``; ``mask`` ``(B, T)`` the tokens the loss covers. For the clipped
+    loss types (:data:`CLIPPED_LOSS_TYPES`) a token is blocked where TRL counts it clipped, ``r < 1 - epsilon_low``
+    with A < 0 or ``r > 1 + epsilon_high`` with A > 0 (``r`` capped at ``delta`` as TRL caps it), and where
+    ``delta`` freezes the ratio of an A < 0 token (``r > delta``: its gradient is zero, though TRL's clip metrics
+    do not count it). ``r`` is per token, or per sequence (the masked mean log-ratio) with
+    ``importance_sampling_level="sequence"``. The other loss types block nothing here.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # (B, 1)
+    keep = torch.ones_like(pi, dtype=torch.bool)  # (B, T)
+    if loss_type in UNMASKED_LOSS_TYPES:
+        return keep
+    if loss_type not in CLIPPED_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} is not a TRL loss type trustscope knows: "
+                         f"{sorted(CLIPPED_LOSS_TYPES | UNMASKED_LOSS_TYPES)}")
+    log_ratio = (pi - old).float()  # (B, T)
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    elif importance_sampling_level == "sequence":
+        m = mask.float()
+        log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+    else:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    ratio = torch.exp(log_w)
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    blocked = ((capped < 1 - epsilon_low) & (advantages < 0)) | ((capped > 1 + epsilon_high) & (advantages > 0))
+    if delta is not None:
+        blocked |= (ratio > delta) & (advantages < 0)
+    return keep & ~blocked
+
+
+def split_engine_logprobs(
+    completion_ids: list[list[int]], logprobs: list[list[list[float | None]]], logprob_ids: list[list[list[int]]],
+    k: int,
+) -> tuple[list[list[list[float | None]]], list[list[list[int]]], list[list[list[float]]]]:
+    """vLLM's per-token log-prob lists (sorted by rank, as TRL returns them) -> what TRL reads, and mu's top-K.
+
+    TRL 1.16 keeps ``lp[0]`` of each token's list as the sampled token's log-prob, which holds only when vLLM was
+    asked for no top-K. This returns the lists reordered with the sampled token's entry first (``None`` when vLLM
+    did not score it), and per sequence the first ``k`` ids and log-probs by rank (NaN where missing); shapes
+    ``(B, T_i, ...)``, ragged like the input.
+    """
+    trl_view, topk_ids, topk_lps = [], [], []
+    for seq, seq_lps, seq_ids in zip(completion_ids, logprobs, logprob_ids, strict=True):
+        view, ids_rows, lps_rows = [], [], []
+        for token, lps, ids in zip(seq, seq_lps, seq_ids, strict=True):
+            j = ids.index(token) if token in ids else None
+            view.append([None if j is None else lps[j]] + [lp for i, lp in enumerate(lps) if i != j])
+            row_ids = list(ids[:k]) + [0] * (k - min(k, len(ids)))
+            row_lps = [math.nan if lp is None else float(lp) for lp in lps[:k]] + [math.nan] * (k - min(k, len(lps)))
+            ids_rows.append(row_ids)
+            lps_rows.append(row_lps)
+        trl_view.append(view)
+        topk_ids.append(ids_rows)
+        topk_lps.append(lps_rows)
+    return trl_view, topk_ids, topk_lps
+
+
+def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
+    """The ids of each row where ``mask`` is set: ``(B, L)`` -> B tuples (one transfer, no per-row tensors)."""
+    ids_np, mask_np = ids.cpu().numpy(), mask.bool().cpu().numpy()
+    return [tuple(r[m].tolist()) for r, m in zip(ids_np, mask_np, strict=True)]
+
+
+def _decode(processing_class: Any, rows: list[tuple[int, ...]]) -> list[str]:
+    """Texts of token-id rows, special tokens skipped; through the Rust tokenizer when there is one (the Python
+    ``batch_decode`` converts every id on its own)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
+    return tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
+
+
+def _pad_rows(rows: list[list[Any]], width: int, k: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
+    """Ragged ``(B, T_i, K)`` rows -> ``(B, width, K)``, right-padded with ``fill``."""
+    out = torch.full((len(rows), width, k), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)[:width]
+    return out.to(device)
+
+
+class _Hooks:
+    """The wrappers around one trainer's methods, and what they pass from the rollout side to the loss side.
+
+    Rollout side: ``_calculate_rewards`` (keeps the reward matrix), ``vllm_generation.generate`` (top-K, vLLM
+    only), ``_generate_and_score_completions`` (tags the batch with sample ids, prompt groups, weighted rewards and
+    top-K). Loss side: ``compute_loss`` opens a window in which ``_get_per_token_logps_and_entropies`` keeps the
+    loss forward's log-probs and entropy, then logs the micro-batch.
+    """
+
+    def __init__(self, attachment: Attachment):
+        self.a = attachment
+        self.installed: list[tuple[Any, str]] = []
+        self._rewards: Tensor | None = None
+        self._engine_topk: tuple[list, list] | None = None
+        self._capturing = False
+        self.forward: tuple[Tensor, Tensor | None] | None = None
+
+    def install(self, trainer: Any) -> None:
+        self._wrap(trainer, "_calculate_rewards", self.calculate_rewards)
+        self._wrap(trainer, "_generate_and_score_completions", self.generate_and_score)
+        self._wrap(trainer, "_get_per_token_logps_and_entropies", self.per_token_logps)
+        self._wrap(trainer, "compute_loss", self.compute_loss)
+        if trainer.use_vllm and self.a.topk:
+            self._wrap(trainer.vllm_generation, "generate", self.vllm_generate)
+
+    def remove(self) -> None:
+        for obj, name in reversed(self.installed):
+            del obj.__dict__[name]  # the class's method shows through again
+        self.installed.clear()
+
+    def _wrap(self, obj: Any, name: str, wrapper: Callable) -> None:
+        original = getattr(obj, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(original, *args, **kwargs)
+
+        wrapped.__wrapped__ = original  # inspect.signature sees TRL's parameters
+        setattr(obj, name, wrapped)
+        self.installed.append((obj, name))
+
+    # ------------------------------------------------------------------------------------------------ rollout side
+
+    def calculate_rewards(self, original: Callable, *args: Any, **kwargs: Any) -> Tensor:
+        rewards = original(*args, **kwargs)  # (N_global, F): every process's completions
+        self._rewards = rewards
+        return rewards
+
+    def vllm_generate(self, original: Callable, *args: Any, **kwargs: Any) -> tuple:
+        prompt_ids, completion_ids, logprobs, logprob_ids = original(*args, **kwargs)
+        if logprobs is None or logprob_ids is None:
+            self._engine_topk = None
+            return prompt_ids, completion_ids, logprobs, logprob_ids
+        view, ids, lps = split_engine_logprobs(completion_ids, logprobs, logprob_ids, self.a.topk)
+        self._engine_topk = (ids, lps)
+        return prompt_ids, completion_ids, view, logprob_ids
+
+    def generate_and_score(self, original: Callable, inputs: Any) -> dict[str, Any]:
+        self._rewards, self._engine_topk = None, None
+        out = original(inputs)
+        if self.a.active and self.a.trainer.model.training:
+            self.a.tag_rollout(out, self._rewards, self._engine_topk)
+        return out
+
+    # --------------------------------------------------------------------------------------------------- loss side
+
+    def per_token_logps(self, original: Callable, *args: Any, **kwargs: Any) -> tuple:
+        out = original(*args, **kwargs)
+        if self._capturing and self.forward is None:
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise TRLVersionError(f"GRPOTrainer._get_per_token_logps_and_entropies returned "
+                                      f"{type(out).__name__}; TRL {TESTED_TRL} returns (logps, entropies, aux_loss)")
+            self.forward = (out[0].detach(), None if out[1] is None else out[1].detach())
+        return out
+
+    def compute_loss(self, original: Callable, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (self.a.active and self.a.trainer.model.training):
+            return original(model, inputs, *args, **kwargs)
+        self.forward, self._capturing = None, True
+        try:
+            loss = original(model, inputs, *args, **kwargs)
+        finally:
+            self._capturing = False
+        if self.forward is None:
+            raise TRLVersionError(f"GRPOTrainer.compute_loss did not call _get_per_token_logps_and_entropies, as "
+                                  f"TRL {TESTED_TRL} does; trustscope cannot read pi")
+        self.a.log_micro_batch(inputs, *self.forward)
+        self.forward = None
+        return loss
+
+
+class Attachment:
+    """What :func:`attach` returns: the trainer, its :class:`~trustscope.logger.TokenLogger` (``logger``) and the
+    installed hooks. :meth:`detach` removes the hooks and closes the log (done at the end of ``train()``)."""
+
+    def __init__(self, trainer: Any, logger: TokenLogger, topk: int, topk_forward: bool):
+        self.trainer = trainer
+        self.logger = logger
+        self.topk = topk
+        self.topk_forward = topk_forward
+        self.active = True
+        self.hooks = _Hooks(self)
+        self.engine_logprobs: int | None = None  # vLLM's logprobs setting before attach raised it to topk
+        self._rollouts = 0  # completions tagged so far, over all ranks
+        self._unscored = 0  # tokens left out since the last scalars were written
+        self._scalar_step: int | None = None
+        self._scalar_names: set[str] = set()  # scalar names written at _scalar_step
+        self._warned: set[str] = set()
+
+    def detach(self) -> None:
+        """Remove the hooks and close the log. Safe to call twice."""
+        if not self.active:
+            return
+        self.active = False
+        self.hooks.remove()
+        if self.engine_logprobs is not None:  # TRL reads lp[0] as the sampled token's only with logprobs=0
+            self.trainer.vllm_generation.logprobs = self.engine_logprobs
+        self.logger.close()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"trustscope: {message}", LogWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------------------------------------ rollout side
+
+    def tag_rollout(self, out: dict[str, Any], rewards_global: Tensor | None,
+                    engine_topk: tuple[list, list] | None) -> None:
+        """Add sample ids, prompt groups, weighted rewards and mu's top-K to TRL's batch (rows stay aligned when
+        TRL shuffles and splits it)."""
+        t = self.trainer
+        ids = out["completion_ids"]  # (B, T)
+        B, T = ids.shape
+        rank, world = t.accelerator.process_index, t.accelerator.num_processes
+        first = self._rollouts + rank * B
+        rows = torch.arange(first, first + B, device=ids.device)  # (B,) global completion index
+        out[_SAMPLE_ID] = rows
+        out[_PROMPT_ID] = rows // t.num_generations  # TRL repeats each prompt num_generations times in a row
+        self._rollouts += world * B
+        if rewards_global is not None:
+            local = rewards_global[rank * B : (rank + 1) * B]  # (B, F), TRL's process slice
+            w = t.reward_weights.to(local.device)
+            reward = (local * w).nansum(dim=1)  # (B,) TRL's weighted reward
+            reward[torch.isnan(local).all(dim=1)] = torch.nan  # unscorable: TRL logs NaN too
+            out[_REWARD] = reward.to(ids.device)
+        if not self.topk:
+            return
+        if engine_topk is not None:
+            out[_TOPK_IDS] = _pad_rows(engine_topk[0], T, self.topk, 0, torch.long, ids.device)  # (B, T, K)
+            out[_TOPK_LOGPROBS] = _pad_rows(engine_topk[1], T, self.topk, math.nan, torch.float32, ids.device)
+        elif self.topk_forward:
+            self._rollout_forward(out)
+
+    @torch.no_grad()
+    def _rollout_forward(self, out: dict[str, Any]) -> None:
+        """The trainer's own top-K (and sampled-token log-prob) at the rollout's weights: one no-grad forward."""
+        t = self.trainer
+        model = t.accelerator.unwrap_model(t.model)
+        ids, lps, mu = [], [], []
+        for _rows, logits, completion in self._forward_logits(model, out):
+            cap = capture(logits, completion, response_start=1, temperature=t.temperature)
+            k_ids, k_lps = top_k(logits, self.topk, T=completion.shape[1], response_start=1,
+                                 temperature=t.temperature)
+            ids.append(k_ids)
+            lps.append(k_lps)
+            mu.append(cap.logprob)
+        out[_TOPK_IDS], out[_TOPK_LOGPROBS], out[_MU_RECOMPUTE] = torch.cat(ids), torch.cat(lps), torch.cat(mu)
+
+    def _forward_logits(self, model: Any, batch: Mapping[str, Any]):
+        """Plain-logits forwards over ``batch`` in chunks of the per-device batch size: yields (rows, logits
+        ``(b, T + 1, V)`` whose column t predicts completion token t, completion ids ``(b, T)``)."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (B, P + T)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # (B, P + T)
+        T = batch["completion_ids"].shape[1]
+        step = self.trainer.args.per_device_train_batch_size
+        for start in range(0, input_ids.shape[0], step):
+            sl = slice(start, start + step)
+            logits = model(input_ids=input_ids[sl], attention_mask=attention[sl], logits_to_keep=T + 1).logits
+            yield sl, logits, batch["completion_ids"][sl]
+
+    # --------------------------------------------------------------------------------------------------- loss side
+
+    def log_micro_batch(self, inputs: Mapping[str, Any], pi: Tensor, entropy: Tensor | None) -> None:
+        """Log one micro-batch of TRL's loss: its tokens, mu, pi, entropy, advantages and applied mask."""
+        t = self.trainer
+        if _SAMPLE_ID not in inputs:
+            self._warn_once("untagged", "a batch generated before attach() was not logged")
+            return
+        completion = inputs["completion_ids"]  # (B, T)
+        if pi.shape != completion.shape:
+            raise TRLVersionError(f"the loss forward's log-probs have shape {tuple(pi.shape)}, the completions "
+                                  f"{tuple(completion.shape)}; TRL {TESTED_TRL} scores every completion token")
+        loss_mask = inputs["completion_mask"]  # (B, T)
+        if "tool_mask" in inputs:
+            loss_mask = loss_mask * inputs["tool_mask"]
+        old = inputs.get("old_per_token_logps")
+        engine = inputs.get("sampling_per_token_logps")
+        if self.logger.mu_source == "engine":
+            if engine is None:
+                self._warn_once("no-engine", "mu_source is 'engine' but TRL's batch holds no "
+                                "sampling_per_token_logps (a rollout_func without logprobs?): batch not logged")
+                return
+            mu = engine
+        else:
+            mu = old if old is not None else inputs.get(_MU_RECOMPUTE, pi)
+        kept = self._kept(inputs, pi, entropy, loss_mask)  # (B, T)
+        mask = loss_mask.bool() & torch.isfinite(mu) & torch.isfinite(pi)  # (B, T)
+        tokens: dict[str, Any] = {"token_id": completion, "mu_logprob": torch.nan_to_num(mu), "pi_logprob": pi,
+                                  "advantage": inputs["advantages"], "kept": kept}
+        if entropy is not None:
+            tokens["entropy"] = entropy
+        if old is not None:
+            tokens["old_logprob"] = torch.nan_to_num(old)
+        if _TOPK_IDS in inputs:
+            mu_ids, mu_lps = force_sampled_into_topk(inputs[_TOPK_IDS], inputs[_TOPK_LOGPROBS], completion.long(),
+                                                     mu.float())
+            mask &= torch.isfinite(mu_lps).all(-1)
+            tokens["mu_topk_ids"] = mu_ids
+            tokens["mu_topk_logprobs"] = torch.nan_to_num(mu_lps)
+            tokens["pi_topk_logprobs"] = self._pi_topk(inputs, mu_ids)
+        self._unscored += int((loss_mask.bool() & ~mask).sum())
+        self.logger.log_step(t.state.global_step, tokens=tokens, mask=mask,
+                             samples=self._samples(inputs))
+
+    def _kept(self, inputs: Mapping[str, Any], pi: Tensor, entropy: Tensor | None, loss_mask: Tensor) -> Tensor:
+        """TRL's applied mask: the clip region (:func:`trl_kept`) and, when on, TRL's own off-policy,
+        high-entropy and vLLM importance-sampling masks, computed by TRL's own methods on the same tensors."""
+        t = self.trainer
+        old = inputs.get("old_per_token_logps")
+        old = pi if old is None else old
+        keep = trl_kept(pi, old, inputs["advantages"], loss_mask, loss_type=t.loss_type,
+                        epsilon_low=t.epsilon_low, epsilon_high=t.epsilon_high, delta=t.args.delta,
+                        importance_sampling_level=t.importance_sampling_level)
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        if t.off_policy_mask_threshold is not None:
+            keep = keep & t.get_off_policy_mask(
+                advantages=advantages, per_token_logps=pi,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old), mask=loss_mask,
+                off_policy_threshold=t.off_policy_mask_threshold).bool()
+        if t.top_entropy_quantile < 1.0 and entropy is not None:
+            keep = keep & t.get_high_entropy_mask(entropy, loss_mask, 1 - t.top_entropy_quantile)
+        if t.use_vllm and t.vllm_importance_sampling_correction and t.loss_type != "vespo":
+            keep = keep & (inputs["importance_sampling_ratio"] > 0)
+        return keep
+
+    @torch.no_grad()
+    def _pi_topk(self, inputs: Mapping[str, Any], mu_ids: Tensor) -> Tensor:
+        """pi's log-probs at mu's top-K ids ``(B, T, K)``: one no-grad forward at the current weights."""
+        t = self.trainer
+        model = t.accelerator.unwrap_model(t.model)
+        parts = []
+        for sl, logits, completion in self._forward_logits(model, inputs):
+            cap = capture(logits, completion, response_start=1, mu_topk_ids=mu_ids[sl], temperature=t.temperature)
+            parts.append(cap.topk_logprobs)
+        return torch.cat(parts)
+
+    def _samples(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The micro-batch's samples rows: ids, prompt group, texts, finish reason, advantage, weighted reward."""
+        t = self.trainer
+        prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
+        responses = _rows(inputs["completion_ids"], inputs["completion_mask"])
+        unique = sorted(set(prompts))  # a prompt repeats num_generations times
+        texts = dict(zip(unique, _decode(t.processing_class, unique), strict=True))
+        eos = set(t.eos_token_ids)
+        samples: dict[str, Any] = {
+            "sample_id": inputs[_SAMPLE_ID], "prompt_id": inputs[_PROMPT_ID],
+            "prompt": [texts[p] for p in prompts],
+            "response": _decode(t.processing_class, responses),
+            "finish_reason": ["stop" if r and r[-1] in eos else "length" for r in responses],
+        }
+        if inputs["advantages"].dim() == 1:
+            samples["advantage"] = inputs["advantages"]
+        reward = inputs.get(_REWARD)
+        if reward is not None:
+            if torch.isfinite(reward).all():
+                samples["reward"] = reward
+            else:
+                self._warn_once("nan-reward", "a batch with unscorable completions (every reward function returned "
+                                "None) is logged without rewards")
+        return samples
+
+    # ------------------------------------------------------------------------------------------------- callbacks
+
+    def on_log(self, step: int, logs: Mapping[str, Any]) -> None:
+        """TRL's logged numbers as ``trl/<name>`` scalars at ``step`` (a name TRL logs twice at one step, as
+        ``epoch`` in the end-of-training summary, keeps its first value)."""
+        if not self.active:
+            return
+        if step != self._scalar_step:
+            self._scalar_step, self._scalar_names = step, set()
+        scalars = {f"trl/{k}": float(v) for k, v in logs.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and f"trl/{k}" not in self._scalar_names}
+        self._scalar_names.update(scalars)
+        if self._unscored:
+            scalars["trustscope/unscored_tokens"] = float(self._unscored)
+            self._unscored = 0
+        if scalars:
+            self.logger.log_step(step, scalars=scalars)
+
+
+def _callback(attachment: Attachment) -> Any:
+    from transformers import TrainerCallback
+
+    class TrustscopeCallback(TrainerCallback):
+        """Writes TRL's logged metrics as scalars and closes the trustscope log when training ends."""
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
+                   **kwargs: Any) -> None:
+            # TRL logs after the optimizer step: global_step has moved past the step the numbers describe
+            attachment.on_log(max(state.global_step - 1, 0), logs or {})
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            attachment.detach()
+
+    return TrustscopeCallback()
+
+
+def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = False,
+           **logger_options: Any) -> Attachment:
+    """Log ``trainer`` (a TRL ``GRPOTrainer``) to ``logdir`` with trustscope. Call before ``trainer.train()``.
+
+    Args:
+        trainer: a ``trl.GRPOTrainer`` of TRL :data:`TESTED_TRL` (checked: :func:`check_trainer`).
+        logdir: the log directory; the run is ``<logdir>/<run_id>/``.
+        topk: log mu's top-K ids and log-probs and pi's at the same ids (0: none). On the vLLM path the engine
+            reports them; on the transformers path it needs ``topk_forward=True``. Costs one extra no-grad forward
+            per micro-batch (pi's log-probs at the ids need logits, which TRL's fused head does not make).
+        topk_forward: on the transformers path, stand the trainer's own top-K at the rollout's weights in for
+            the engine's (one more no-grad forward per rollout). Ignored with vLLM.
+        **logger_options: passed to :class:`~trustscope.logger.TokenLogger` (``run_id``, ``token_fraction``,
+            ``strict``, ...). Defaults set here: ``loss_rule="trl:<loss_type>"``, ``mu_source`` as the module
+            docstring says, ``source``, ``sampling``, ``model``, ``tokenizer``, ``vocab``, ``rank`` (the
+            accelerator's process index), and ``strict=False`` (a bad row is dropped with a warning rather than
+            stopping the training). A given ``config`` is stored beside TRL's settings.
+
+    Returns:
+        :class:`Attachment` (``.logger`` is the run's logger; ``.detach()`` undoes attach early).
+    """
+    import trl
+
+    check_trainer(trainer)
+    if "compute_loss" in vars(trainer):
+        raise ValueError("this trainer already has an attachment (or another wrapper of compute_loss); attach once "
+                         "per trainer, or detach() the first")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        raise ValueError(f"topk must be an int >= 0, got {topk!r}")
+    engine_logprobs = trainer.use_vllm or trainer.rollout_func is not None
+    if topk and not trainer.use_vllm:
+        if trainer.rollout_func is not None:
+            raise ValueError("topk with a rollout_func: TRL's rollout_func returns no top-K; use topk=0")
+        if not topk_forward:
+            raise ValueError(f"topk={topk} on TRL's transformers path (use_vllm=False) has no engine top-K to read; "
+                             f"pass topk_forward=True to recompute it with one extra forward per rollout (a "
+                             f"recompute, like mu on this path), or topk=0")
+    if topk and trainer.use_vllm:
+        config = getattr(getattr(getattr(trainer.vllm_generation, "llm", None), "llm_engine", None), "model_config",
+                         None)
+        most = getattr(config, "max_logprobs", None)  # colocate mode; a server checks its own
+        if most is not None and 0 <= most < topk:
+            raise ValueError(f"topk={topk} exceeds the colocated vLLM engine's max_logprobs={most} (TRL starts it "
+                             f"with vLLM's default); use topk <= {most}")
+    if topk and trainer.use_vllm and trainer.tools:
+        raise ValueError("topk with tool calls on the vLLM path is not supported: the tool loop generates again "
+                         "and extends the log-prob lists; use topk=0")
+    mu_source = logger_options.pop("mu_source", "engine" if engine_logprobs else "trainer_recompute")
+    if mu_source == "trainer_recompute":
+        warnings.warn("trustscope: TRL keeps no rollout log-probs without vLLM (use_vllm=False), so mu is the "
+                      "trainer's own recompute (mu_source='trainer_recompute'): training-inference mismatch will "
+                      "read zero and the dashboard cannot compare anchoring to mu against pi_old",
+                      LogWarning, stacklevel=2)
+    settings = trl_settings(trainer)
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    options: dict[str, Any] = {
+        "loss_rule": f"trl:{trainer.loss_type}",
+        "source": {"framework": "trl", "version": trl.__version__},
+        "sampling": {"engine": "vllm" if trainer.use_vllm else "transformers",
+                     **{k: settings[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+                     "max_tokens": settings["max_completion_length"], "logprobs": topk,
+                     "logprobs_mode": "processed_logprobs" if trainer.use_vllm else None},
+        "model": {"name": getattr(model, "name_or_path", type(model).__name__)},
+        "tokenizer": {"name": getattr(tokenizer, "name_or_path", type(tokenizer).__name__)},
+        "vocab": tokenizer,
+        "rank": trainer.accelerator.process_index,
+        "strict": False,
+    }
+    user_config = logger_options.pop("config", None)
+    options.update(logger_options)
+    options["config"] = {"trl": settings, **({"user": dict(user_config)} if user_config else {})}
+    logger = TokenLogger(logdir, mu_source=mu_source, **options)
+    attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm)
+    if trainer.use_vllm and topk:
+        attachment.engine_logprobs = trainer.vllm_generation.logprobs
+        trainer.vllm_generation.logprobs = topk
+    attachment.hooks.install(trainer)
+    trainer.add_callback(_callback(attachment))
+    return attachment
