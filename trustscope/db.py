@@ -315,6 +315,8 @@ class LogDB:
         self._lock = threading.Lock()
         self._partials: dict[str, dict[Path, tuple[tuple[int, int], pa.Table]]] = {v: {} for v in _CACHED_PARTIALS}
         self._merged: dict[str, pa.Table] = {}
+        self._merged_files: list[Path] | None = None
+        """The tokens files the merged kept aggregates were last built from."""
         self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
         self._resources = _Resources(self._private)
         self._finalizer = weakref.finalize(self, self._resources.release)
@@ -480,7 +482,9 @@ class LogDB:
             if not needed:
                 return
             files = [f for run in self.runs_dirs for f in _data_files(run, "tokens")]
-            self._update_partials(files)
+            if not self._update_partials(files) and self._merged_files == files:
+                return  # the merged tables stay the same objects (the sandbox rewrites only what changed)
+            self._merged_files = files
             for view, cache_name in _CACHED_PARTIALS.items():
                 empty = self._merged[cache_name].schema.empty_table()
                 parts = [self._partials[view][f][1] for f in files if f in self._partials[view]]
@@ -488,9 +492,10 @@ class LogDB:
                                             if parts else empty)
                 self.con.register(cache_name, self._merged[cache_name])
 
-    def _update_partials(self, files: list[Path]) -> None:
+    def _update_partials(self, files: list[Path]) -> bool:
         """Bring every partial view's kept rows up to date with ``files``: drop files that are gone, read what is
-        kept on disk, aggregate the files that still miss a view."""
+        kept on disk, aggregate the files that still miss a view. Returns whether any kept rows changed."""
+        changed = False
         current = {}
         for f in files:
             st = f.stat()
@@ -498,9 +503,11 @@ class LogDB:
         for kept in self._partials.values():
             for gone in set(kept) - set(current):
                 del kept[gone]
+                changed = True
         for f, key in current.items():
             missing = [v for v, kept in self._partials.items()
                        if not self.cache_enabled or f not in kept or kept[f][0] != key]
+            changed = changed or bool(missing)
             if self.cache_dir is not None:
                 for view in list(missing):
                     stored = self._disk_path(view, f, key)
@@ -514,6 +521,7 @@ class LogDB:
                 self._partials[view][f] = (key, table)
                 if self.cache_dir is not None:
                     self._store(self._disk_path(view, f, key), table)
+        return changed
 
     def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
         """Every partial view's rows for one tokens file, from one pass over it.
