@@ -127,6 +127,10 @@ def _view_dependencies() -> dict[str, set[str]]:
 
 
 _CACHES_READ_BY = _view_dependencies()
+_PARTIAL_WORDS = set().union(*(re.findall(r"[a-z_]+", _strip_comments((VIEW_DIR / f"{v}.sql").read_text()))
+                               for v in _CACHED_PARTIALS))
+"""Every name the partial views' SQL mentions: the ``rule_blocks`` columns among them (and every ``blocks_<rule>``
+column, read through ``columns('^blocks_...')``) are the ones the cold pass materialises."""
 
 
 @dataclass
@@ -526,16 +530,18 @@ class LogDB:
     def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
         """Every partial view's rows for one tokens file, from one pass over it.
 
-        A cursor whose token list holds only ``file`` materialises the file's ``rule_blocks`` (every rule's flag
-        and the responses' sequence context, computed once) into a temporary table of the same name; DuckDB finds
-        the temporary table before the view, so each partial view then reads those rows instead of recomputing
-        the metrics and the sequence windows (the cold pass used to do that once per partial view).
+        A cursor whose token list holds only ``file`` materialises the file's ``rule_blocks`` (every rule's flag,
+        the sequence rules' windows computed once), only the columns the partial views read, into a temporary
+        table of the same name; DuckDB finds the temporary table before the view, so each partial view then reads
+        those rows instead of recomputing the metrics and the sequence windows once per partial view.
         """
         cur = self.cursor()
         try:
             lists = self._file_lists()
             cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], str(file)]}])
-            cur.execute("create temp table rule_blocks as select * from rule_blocks")
+            inputs = [_quote(c) for c in cur.view("rule_blocks").columns
+                      if c in _PARTIAL_WORDS or c.startswith("blocks_")]
+            cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
             return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
         finally:
             cur.close()
