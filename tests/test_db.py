@@ -198,3 +198,16 @@ def test_decoupled_rules_never_block_tokens_without_pi_old(tmp_path):
             "or blocks_dppo_decoupled) as blocked, count(*) filter (where blocks_ppo_clip) as ppo from rule_blocks"
         ).to_pandas().iloc[0]
     assert counts["n"] == b * t and counts["ppo"] > 0 and counts["blocked"] == 0
+
+
+def test_one_pass_per_file_fills_every_partial_view(logdir, tmp_path):
+    """The first analysis aggregates each tokens file once for every kept aggregate: the others compute nothing."""
+    n_files = sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
+        conn.step_summary()
+        assert conn.partials_computed == n_files
+        conn.clipped_tokens()
+        conn.ratio_vs_divergence()
+        assert conn.partials_computed == n_files
+    for view in ("step_partials", "clipped_partials", "histogram_partials"):
+        assert len(list((tmp_path / view).glob("*.parquet"))) == n_files
