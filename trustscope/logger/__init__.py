@@ -79,7 +79,7 @@ on a writer thread that has died.
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
 vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
 topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
-fsync=True, write_threads=None)``:
+fsync=True, write_threads=None, summaries=True)``:
 
 - ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
   or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
@@ -108,7 +108,9 @@ fsync=True, write_threads=None)``:
 Every call with tokens also yields exact per-step summaries over all its tokens, before ``token_fraction``
 sampling: blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and
 histograms, top-K TV/KL histograms, bad-negative counts, entropy (:mod:`trustscope.logger.summaries`), written
-to the ``summaries`` table in the same flushes as the other tables.
+to the ``summaries`` table in the same flushes as the other tables. They cost about as much CPU as encoding the
+token rows (``docs/performance.md``); ``summaries=False`` leaves them out (recorded in the manifest's
+``logging``), and then torch is imported only for tensors or top-K divergences.
 
 Files are ``<table>/r<rank>-s<first step>-<last step>-f<flush>.parquet``, row groups of ``row_group_size`` rows
 (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``. A flush
@@ -124,7 +126,7 @@ What was sampled is written into the manifest (``logging`` key). The writer upda
 process that dies leaves ``running`` with a dead writer pid, which :func:`run_status` reads as ``crashed``, and a
 writer that stopped updating reads ``stale``. :func:`run_summary` gives the Runs table's fields over all ranks.
 
-The first ``log_step`` with tokens imports torch: the summaries (``summaries`` table,
+With summaries on, the first ``log_step`` with tokens imports torch: the summaries (``summaries`` table,
 :mod:`trustscope.logger.summaries`) run every registered rule's keep-mask, which are torch functions.
 """
 

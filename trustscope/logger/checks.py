@@ -265,9 +265,9 @@ class InputChecker:
     calls: the last step, the sample ids and scalar names already logged at it, and the run's top-K K."""
 
     def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
-                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None):
+                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True):
         self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
-        self.token_fraction, self.seed = token_fraction, seed
+        self.token_fraction, self.seed, self.summaries = token_fraction, seed, summaries
         self.vocab_size = vocab_size
         self._k = topk_k
         self._disk_last_step = disk_last_step
@@ -492,7 +492,7 @@ class InputChecker:
             tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
             cols.setdefault("topk_tv", tv)
             cols.setdefault("topk_kl", kl)
-        summaries = summarize(cols)
+        summaries = summarize(cols) if self.summaries else []
         if self.token_fraction < 1.0:
             sampled = _keep_hash(self.seed, step, sid) < self.token_fraction
             if not sampled.all():

@@ -46,6 +46,7 @@ MU_BUCKET_EDGES = _mu_bucket_edges()
 MU_LOWS = np.concatenate([[0.0], MU_BUCKET_EDGES])
 """``(6,)`` lower edge of each mu bucket."""
 SIGNS = ("positive", "negative", "zero")
+
 HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]])
 """``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
 
@@ -73,6 +74,9 @@ def _grouped(metric: str, group: np.ndarray, where: np.ndarray | None, signs: in
 def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
+    The rules' masks run with one torch intra-op thread (restored after): measured on this 2-core machine under
+    load, 65k tokens x 13 rules took 0.25 CPU s on one thread and 3.6-6.4 s with two (``docs/performance.md``).
+
     Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
     """
     import torch
@@ -94,18 +98,24 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     def tensor(name: str) -> torch.Tensor | None:
         return torch.from_numpy(cols[name]).unsqueeze(0) if name in cols else None  # (1, N) / (1, N, K)
 
-    batch = PolicyBatch(pi_logprob=tensor("pi_logprob"), mu_logprob=tensor("mu_logprob"),
-                        advantages=tensor("advantage"), mask=torch.ones(1, n, dtype=torch.bool),
-                        old_logprob=tensor("old_logprob"), mu_topk_logprobs=tensor("mu_topk_logprobs"),
-                        pi_topk_logprobs=tensor("pi_topk_logprobs"))
+    inputs = {"pi_logprob": tensor("pi_logprob"), "mu_logprob": tensor("mu_logprob"),
+              "advantages": tensor("advantage"), "mask": torch.ones(1, n, dtype=torch.bool),
+              "old_logprob": tensor("old_logprob"), "mu_topk_logprobs": tensor("mu_topk_logprobs"),
+              "pi_topk_logprobs": tensor("pi_topk_logprobs")}
+    batch = PolicyBatch(**inputs)
     signed = sign < 2
-    with torch.no_grad():
-        for name in list_losses():
-            rule = get_loss(name)
-            if any(getattr(batch, need) is None for need in rule.needs):
-                continue
-            blocked = ~rule(batch).keep[0].numpy()  # (N,)
-            rows += _grouped("blocked", group, blocked & signed, 2, rule=name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for name in list_losses():
+                rule = get_loss(name)
+                if any(inputs[need] is None for need in rule.needs):
+                    continue
+                keep = rule.fn(batch, **rule.resolve()).keep[0].numpy()  # (N,); inputs checked finite already
+                rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
+    finally:
+        torch.set_num_threads(threads)
 
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])
     bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())

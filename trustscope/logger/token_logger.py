@@ -61,6 +61,7 @@ class TokenLogger:
         row_group_size: int = 1 << 17,
         fsync: bool = True,
         write_threads: int | None = None,
+        summaries: bool = True,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -103,7 +104,7 @@ class TokenLogger:
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
                         "tokenizer": jsonable(tokenizer)}
             logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
-                            "topk_precision": topk_precision, "topk_k": None, "seed": int(seed), "strict": strict,
+                            "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds)}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
@@ -117,7 +118,7 @@ class TokenLogger:
         self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
-                                     disk_last_step=self._files.disk_last_step)
+                                     disk_last_step=self._files.disk_last_step, summaries=summaries)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
                               flush_seconds=float(flush_seconds), max_queue=int(max_queue),
