@@ -50,8 +50,8 @@ Arguments of :meth:`TokenLogger.log_step`:
   within the step over all ranks (e.g. ``rank * B + i``). It defaults to ``rank * 2**32 + i``, ``i`` counting on
   over the micro-batches of the step, so ranks that pass none never collide. ``kept`` defaults to
   True. ``run_id``, ``step``, ``rank``, ``pos``, ``loss_rule`` are filled in by the logger. ``topk_tv`` /
-  ``topk_kl`` are computed (:mod:`trustscope.divergence`, at the call, for every token: the summaries need them)
-  when both top-K logprob lists are given and they are not. mu's top-K must already hold the sampled token
+  ``topk_kl`` are computed (:mod:`trustscope.divergence`, in the writer thread; for every token, as the summaries
+  need them) when both top-K logprob lists are given and they are not. mu's top-K must already hold the sampled token
   (:func:`trustscope.divergence.force_sampled_into_topk`). Logprobs up to 1e-5 above 0 are stored as 0.
 - ``mask``: ``(B, T)`` bool, True on real response tokens (padded form only). ``pos`` is the column index.
 - ``samples`` (dict): columns of the ``samples`` table, each of length B (row i describes tokens row i). May be
@@ -106,7 +106,7 @@ fsync=True, write_threads=None, summaries=True)``:
   files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.
 
 Every call with tokens also yields exact per-step summaries over all its tokens, before ``token_fraction``
-sampling: blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and
+sampling (computed on the writer thread from the call's checked copy, then the sample is applied): blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and
 histograms, top-K TV/KL histograms, bad-negative counts, entropy (:mod:`trustscope.logger.summaries`), written
 to the ``summaries`` table in the same flushes as the other tables. They cost about as much CPU as encoding the
 token rows (``docs/performance.md``); ``summaries=False`` leaves them out (recorded in the manifest's
@@ -126,7 +126,7 @@ What was sampled is written into the manifest (``logging`` key). The writer upda
 process that dies leaves ``running`` with a dead writer pid, which :func:`run_status` reads as ``crashed``, and a
 writer that stopped updating reads ``stale``. :func:`run_summary` gives the Runs table's fields over all ranks.
 
-With summaries on, the first ``log_step`` with tokens imports torch: the summaries (``summaries`` table,
+With summaries on, the writer thread imports torch at the first call with tokens: the summaries (``summaries`` table,
 :mod:`trustscope.logger.summaries`) run every registered rule's keep-mask, which are torch functions.
 """
 

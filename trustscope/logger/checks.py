@@ -16,7 +16,7 @@ import numpy as np
 
 from trustscope import schema as S
 from trustscope.logger.errors import LogWarning
-from trustscope.logger.summaries import summarize
+from trustscope.logger.summaries import summarize_call
 from trustscope.schema import SchemaError
 
 TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
@@ -125,11 +125,25 @@ class Batch:
     n_generated: int = 0  # masked response tokens handed in, before sampling and dropping
     dropped_rows: int = 0  # bad token rows dropped (strict=False)
     part: int = 0  # this call's number within (step, rank)
+    summarize: bool = False  # the writer computes the summaries over every token row, then applies ``sampled``
+    sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
     summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
+
+    def summarize_and_sample(self) -> None:
+        """On the writer thread: the summaries over every token row, then the token_fraction sample."""
+        if self.summarize and self.tokens is not None:
+            self.summaries = summarize_call(self.tokens)
+        self.summarize = False
+        if self.sampled is not None and self.tokens is not None:
+            self.tokens = {name: arr[self.sampled] for name, arr in self.tokens.items()}
+        self.sampled = None
 
     @property
     def n_tokens(self) -> int:
-        return 0 if self.tokens is None else len(self.tokens["token_id"])
+        """Token rows to write (after the token_fraction sample)."""
+        if self.tokens is None:
+            return 0
+        return int(self.sampled.sum()) if self.sampled is not None else len(self.tokens["token_id"])
 
 
 class Rejected(Exception):
@@ -306,8 +320,9 @@ class InputChecker:
             if samples:
                 batch.samples = self._check_samples(samples, n_seq, lengths, sample_ids)
             if tokens:
-                batch.tokens, batch.dropped_rows, batch.summaries = self._check_tokens(step, cols, b, t, sample_ids,
-                                                                                       samples)
+                batch.tokens, batch.dropped_rows, batch.sampled = self._check_tokens(step, cols, b, t, sample_ids,
+                                                                                     samples)
+                batch.summarize = self.summaries
             new_ids = sample_ids["sample_id"].tolist()
         if new_step:  # accepted: remember what this step holds
             self._step_sample_ids, self._step_scalars, self._next_default_id, self._step_calls = set(), set(), 0, 0
@@ -434,9 +449,10 @@ class InputChecker:
 
     def _check_tokens(self, step: int, cols: dict[str, np.ndarray], b: np.ndarray, t: np.ndarray,
                       ids: dict[str, np.ndarray], samples: Mapping[str, Any] | None
-                      ) -> tuple[dict[str, np.ndarray], int, list[dict]]:
-        """Check flat token rows; returns the columns of the rows to write (bad rows dropped when not strict), how
-        many rows were dropped, and the summary rows over every good row (before ``token_fraction`` sampling)."""
+                      ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
+        """Check flat token rows; returns the columns of the good rows (bad rows dropped when not strict), how many
+        rows were dropped, and which rows ``token_fraction`` keeps when the writer must first summarize them all
+        (None: all of the returned rows are written)."""
         for name in ("mu_logprob", "pi_logprob"):
             if name not in cols:
                 raise Rejected(f"tokens[{name!r}] is required")
@@ -486,18 +502,15 @@ class InputChecker:
         if dropped:
             cols = {name: arr[keep] for name, arr in cols.items()}
             sid = cols["sample_id"]
-        if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
-            from trustscope.logger.writer import topk_divergences  # the summaries need them for every token
-
-            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
-            cols.setdefault("topk_tv", tv)
-            cols.setdefault("topk_kl", kl)
-        summaries = summarize(cols) if self.summaries else []
+        sampled = None
         if self.token_fraction < 1.0:
             sampled = _keep_hash(self.seed, step, sid) < self.token_fraction
-            if not sampled.all():
+            if sampled.all():
+                sampled = None
+            elif not self.summaries:
                 cols = {name: arr[sampled] for name, arr in cols.items()}
-        return cols, dropped, summaries
+                sampled = None
+        return cols, dropped, sampled
 
     def _check_ids(self, cols: dict[str, np.ndarray], name: str, check: _RowChecker) -> None:
         """Token ids as int32 in ``[0, vocab size)``; one reduction when all are fine (the common case)."""

@@ -1,7 +1,9 @@
-"""Exact per-step summaries over every token of a ``log_step`` call, computed at the call before any sampling.
+"""Exact per-step summaries over every token of a ``log_step`` call, taken before the ``token_fraction`` sample.
 
 ``token_fraction`` keeps the token rows of a sample of sequences; these aggregates are taken over all of them (bad
-rows dropped with ``strict=False`` excepted), so the ``summaries`` table reads the same at any fraction. Every
+rows dropped with ``strict=False`` excepted), so the ``summaries`` table reads the same at any fraction. The call
+checks and copies the rows; the writer thread computes the summaries over all of them and only then applies the
+sample (:meth:`trustscope.logger.checks.Batch.summarize_and_sample`), so ``log_step`` itself stays short. Every
 figure is mergeable (a count, a sum, a sum of squares, a min, a max, a histogram bin's count): the ``summaries``
 view adds up the micro-batches of a step and the ranks of a run.
 
@@ -25,7 +27,9 @@ that file: one definition. A bucket is stored as its lower edge (``mu_low``), wh
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +55,25 @@ HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]
 """``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread, then restore the caller's setting.
+
+    Measured on this 2-core machine under load: 65k tokens x 13 rule masks took 0.25 CPU s on one thread and
+    3.6-6.4 s with two, and a 512-token call's top-K divergences 8 ms per logsumexp (``docs/performance.md``).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
 def _moments(name: str, x: np.ndarray) -> dict:
     x = x.astype(np.float64)
     return {"metric": name, "count": len(x), "sum": float(x.sum()), "sum_sq": float(np.dot(x, x)),
@@ -71,11 +94,23 @@ def _grouped(metric: str, group: np.ndarray, where: np.ndarray | None, signs: in
             for g in np.flatnonzero(counts[: signs * len(MU_LOWS)])]
 
 
+def summarize_call(cols: dict[str, np.ndarray]) -> list[dict]:
+    """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
+    lists are there and the divergences are not (computed once, for every row, and written with the rows)."""
+    if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
+        from trustscope.logger.writer import topk_divergences
+
+        with one_torch_thread():
+            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
+        cols.setdefault("topk_tv", tv)
+        cols.setdefault("topk_kl", kl)
+    return summarize(cols)
+
+
 def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
-    The rules' masks run with one torch intra-op thread (restored after): measured on this 2-core machine under
-    load, 65k tokens x 13 rules took 0.25 CPU s on one thread and 3.6-6.4 s with two (``docs/performance.md``).
+    The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`).
 
     Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
     """
@@ -104,18 +139,13 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
               "pi_topk_logprobs": tensor("pi_topk_logprobs")}
     batch = PolicyBatch(**inputs)
     signed = sign < 2
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for name in list_losses():
-                rule = get_loss(name)
-                if any(inputs[need] is None for need in rule.needs):
-                    continue
-                keep = rule.fn(batch, **rule.resolve()).keep[0].numpy()  # (N,); inputs checked finite already
-                rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), torch.no_grad():
+        for name in list_losses():
+            rule = get_loss(name)
+            if any(inputs[need] is None for need in rule.needs):
+                continue
+            keep = rule.fn(batch, **rule.resolve()).keep[0].numpy()  # (N,); inputs checked finite already
+            rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
 
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])
     bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())

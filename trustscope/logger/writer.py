@@ -491,6 +491,7 @@ class Writer:
     def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
+        batch.summarize_and_sample()
         if batch.tokens is not None and batch.n_tokens:
             out["tokens"] = self._tokens_table(batch)
             if "mu_topk_ids" in batch.tokens:
@@ -520,6 +521,10 @@ class Writer:
             parts = [Batch(batch.step, batch.loss_rule, {c: a[i: i + max_rows] for c, a in cols.items()}, None)
                      for i in range(0, n, max_rows)]
             return pa.concat_tables([self._tokens_table(part) for part in parts])
+        if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
+            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])  # summaries=False
+            cols.setdefault("topk_tv", tv)
+            cols.setdefault("topk_kl", kl)
         out: dict[str, pa.Array] = {
             "run_id": self._constants.repeat(self.run_id, n),
             "step": pa.array(np.full(n, batch.step, np.int64)),
