@@ -8,8 +8,8 @@ target), raw pyarrow (zstd, no dictionary on float columns), TokenLogger with it
 summaries, two encoding threads), TokenLogger with ``summaries=False``, and with ``topk_precision="float16"``; and
 what float16 top-K costs in TV/KL recomputed from the stored lists (``topk_tv``/``topk_kl`` are computed before
 rounding). All variants run in this one process, interleaved in rotating order, ``--repeat`` times; the ratios to
-polars are taken per repeat (the two runs of a pair are next to each other in time, so a slow phase of a shared
-machine hits both) and their median is reported. polars' frames are built from the same Arrow tables before its
+polars are taken per repeat (the runs of one repeat follow each other within a minute or so, so a slow phase of a
+shared machine tends to hit both) and their median is reported, with the CPU-time ratio, which load disturbs less. polars' frames are built from the same Arrow tables before its
 timer starts; the logger's timer covers every ``log_step`` call and the close.
 The synthetic data imitate a rollout: top-K ids Zipf-distributed over a 152k vocabulary, sorted top-K logprobs,
 pi within ~1e-3 of mu. Bytes/row depend on the data; the ratios are what to compare.
