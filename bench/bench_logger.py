@@ -1,11 +1,16 @@
-"""Write throughput and size of TokenLogger against raw pyarrow writing the same columns, in one process.
+"""Write throughput and size of TokenLogger against polars' and raw pyarrow's Parquet writers on the same rows.
 
     .venv/bin/python bench/bench_logger.py                 # 10M token rows, K = 20
     .venv/bin/python bench/bench_logger.py --rows 1000000 --repeat 3  # a quick run
 
-Reports rows/s and bytes/row for: raw pyarrow (zstd, no dictionary on float columns: the baseline), TokenLogger
-with its defaults, and TokenLogger with ``topk_precision="float16"``; the logger/raw ratio; and what float16 top-K
-costs in TV/KL recomputed from the stored lists (the ``topk_tv``/``topk_kl`` columns are computed before rounding).
+Reports rows/s, CPU seconds and bytes/row for: polars ``DataFrame.write_parquet`` (zstd, its defaults: the
+target), raw pyarrow (zstd, no dictionary on float columns), TokenLogger with its defaults (every check, exact
+summaries, two encoding threads), TokenLogger with ``summaries=False``, and with ``topk_precision="float16"``; and
+what float16 top-K costs in TV/KL recomputed from the stored lists (``topk_tv``/``topk_kl`` are computed before
+rounding). All variants run in this one process, interleaved in rotating order, ``--repeat`` times; the ratios to
+polars are taken per repeat (the runs of one repeat follow each other within a minute or so, so a slow phase of a
+shared machine tends to hit both) and their median is reported, with the CPU-time ratio, which load disturbs less. polars' frames are built from the same Arrow tables before its
+timer starts; the logger's timer covers every ``log_step`` call and the close.
 The synthetic data imitate a rollout: top-K ids Zipf-distributed over a 152k vocabulary, sorted top-K logprobs,
 pi within ~1e-3 of mu. Bytes/row depend on the data; the ratios are what to compare.
 """
@@ -14,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -106,6 +113,17 @@ def bench_raw(out: Path, steps: list[dict], n_steps: int, rows_per_file: int) ->
     return time.perf_counter() - t0, dir_bytes(out)
 
 
+def bench_polars(out: Path, frames: list, n_steps: int, rows_per_file: int) -> tuple[float, int]:
+    """polars' own writer on the same rows, ``rows_per_file`` rows a file (frames prebuilt, outside the timer)."""
+    out.mkdir(parents=True)
+    per_file = max(1, rows_per_file // frames[0].height)
+    t0 = time.perf_counter()
+    for files, start in enumerate(range(0, n_steps, per_file)):
+        chunk = [frames[s % len(frames)] for s in range(start, min(n_steps, start + per_file))]
+        pl.concat(chunk, rechunk=False).write_parquet(out / f"{files:05d}.parquet", compression="zstd")
+    return time.perf_counter() - t0, dir_bytes(out)
+
+
 def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int, **kw) -> tuple[float, int]:
     B, T, _ = steps[0]["mu_topk_ids"].shape
     mask = np.ones((B, T), dtype=bool)
@@ -152,15 +170,20 @@ def main() -> None:
     n_steps = max(1, round(args.rows / rows_per_step))
     rows = n_steps * rows_per_step
     scratch = Path(tempfile.mkdtemp(dir=args.dir))
+    frames = [pl.from_arrow(raw_table(s, steps[s], "polars")) for s in range(len(steps))]
     print(f"{rows:,} token rows, K = {args.topk}, {n_steps} steps of B = {args.batch}, T = {args.seq}")
     try:
         variants = [
+            ("polars", lambda d: bench_polars(d, frames, n_steps, args.rows_per_file)),
             ("raw pyarrow", lambda d: bench_raw(d, steps, n_steps, args.rows_per_file)),
             ("TokenLogger", lambda d: bench_logger(d, steps, n_steps, args.rows_per_file)),
+            ("TokenLogger no summaries",
+             lambda d: bench_logger(d, steps, n_steps, args.rows_per_file, summaries=False)),
             ("TokenLogger float16 top-K",
              lambda d: bench_logger(d, steps, n_steps, args.rows_per_file, topk_precision="float16")),
         ]
         best: dict[str, tuple[float, int, float]] = {}
+        runs: dict[str, list[tuple[float, float]]] = {}  # name -> [(wall s, CPU s)] per repeat
         for rep in range(args.repeat):
             order = variants[rep % len(variants):] + variants[: rep % len(variants)]  # rotate: fair under load
             for name, fn in order:
@@ -171,6 +194,7 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 print(f"  run {rep}: {name:28s} {rows / seconds / 1e6:6.3f} M rows/s ({seconds:.1f} s wall, "
                       f"{cpu:.1f} s CPU)", flush=True)
+                runs.setdefault(name, []).append((seconds, cpu))
                 if name not in best or seconds < best[name][0]:
                     best[name] = (seconds, size, best.get(name, (0, 0, cpu))[2])
                 best[name] = (*best[name][:2], min(best[name][2], cpu))
@@ -180,11 +204,14 @@ def main() -> None:
             results[name] = (rows / seconds, size / rows, rows / cpu)
             print(f"{name:28s} {rows / seconds / 1e6:6.3f} M rows/s  {size / rows:7.1f} bytes/row  "
                   f"{rows / cpu / 1e6:6.3f} M rows per CPU-second")
-        base_speed, base_size, base_cpu = results["raw pyarrow"]
-        for name in ("TokenLogger", "TokenLogger float16 top-K"):
-            speed, size, cpu = results[name]
-            print(f"{name:28s} throughput x{speed / base_speed:.2f} of raw pyarrow (per CPU-second "
-                  f"x{cpu / base_cpu:.2f}), size x{size / base_size:.2f}")
+        base_speed, base_size, _ = results["polars"]
+        for name in [n for n in results if n != "polars"]:
+            speed, size, _ = results[name]
+            paired = [p[0] / r[0] for p, r in zip(runs["polars"], runs[name], strict=True)]
+            paired_cpu = [p[1] / r[1] for p, r in zip(runs["polars"], runs[name], strict=True)]
+            print(f"{name:28s} vs polars: throughput x{statistics.median(paired):.2f} (median of {len(paired)} "
+                  f"paired repeats, range x{min(paired):.2f}-x{max(paired):.2f}; best-of x{speed / base_speed:.2f}), "
+                  f"per CPU-second x{statistics.median(paired_cpu):.2f}, size x{size / base_size:.2f}")
         cost = float16_cost(steps)
         print("float16 top-K: TV/KL recomputed from the stored lists vs float32 "
               f"(mean TV {cost['tv_mean']:.2e}, mean KL {cost['kl_mean']:.2e})")

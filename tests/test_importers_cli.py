@@ -34,9 +34,9 @@ def test_import_then_validate_and_report(tmp_path, fmt, write):
     assert manifest["status"] == "finished" and manifest["mu_source"] == "imported"
     result = runner.invoke(app, ["validate", str(tmp_path / "logs")])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["report", str(tmp_path / "logs")])
+    result = runner.invoke(app, ["report", str(tmp_path / "logs")], env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
-    assert "what every rule would" in result.output and "dppo_binary_tv" in result.output
+    assert "what each rule would block" in result.output and "tokens with A != 0" in result.output
 
 
 def test_bad_input_exits_1_naming_file_and_line(tmp_path):

@@ -471,7 +471,7 @@ def test_unreadable_values_are_dropped_with_a_warning_when_not_strict(tmp_path):
 
 def test_files_rotate_at_flush_rows_and_name_their_steps(tmp_path):
     tokens, mask, samples = make_step(11)
-    with TokenLogger(tmp_path, "rot", flush_rows=int(mask.sum()) * 2, row_group_size=7) as lg:
+    with TokenLogger(tmp_path, "rot", flush_rows=int(mask.sum()) * 2, row_group_size=7, write_threads=1) as lg:
         for step in range(5):
             lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
     files = sorted((tmp_path / "rot" / "tokens").glob("*.parquet"))
@@ -480,3 +480,19 @@ def test_files_rotate_at_flush_rows_and_name_their_steps(tmp_path):
                                                         ["s00000004", "00000004"]], spans
     assert pq.ParquetFile(files[0]).metadata.num_row_groups == -(-2 * int(mask.sum()) // 7)
     assert read(tmp_path / "rot", "tokens").num_rows == 5 * mask.sum()
+
+
+def test_two_write_threads_split_a_flush_into_parts_committed_together(tmp_path):
+    tokens, mask, samples = make_step(11)
+    with TokenLogger(tmp_path, "one", row_group_size=7, write_threads=1) as lg:
+        for step in range(3):
+            lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
+    with TokenLogger(tmp_path, "two", row_group_size=7, write_threads=2) as lg:
+        for step in range(3):
+            lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
+    names = sorted(p.name for p in (tmp_path / "two" / "tokens").glob("*.parquet"))
+    assert names == ["r0000-s00000000-00000002-f00000001-p00.parquet", "r0000-s00000000-00000002-f00000001-p01.parquet"]
+    assert {S.parse_data_file(n).flush for n in names} == {1}
+    one, two = read(tmp_path / "one", "tokens"), read(tmp_path / "two", "tokens")
+    assert one.drop(["run_id"]).equals(two.drop(["run_id"]))
+    assert not S.validate_run(tmp_path / "two")

@@ -130,17 +130,21 @@ def test_values_that_would_fail_on_the_writer_are_refused_at_the_call(tmp_path, 
 
 
 def test_a_batch_that_fails_on_the_writer_loses_only_itself(tmp_path, monkeypatch):
-    def broken(*args):
-        raise RuntimeError("divergence kernel failed")
+    tokens_table = writer_module.Writer._tokens_table
 
-    monkeypatch.setattr(writer_module, "topk_divergences", broken)
+    def broken(self, batch):
+        if "mu_topk_ids" in batch.tokens:
+            raise RuntimeError("divergence kernel failed")
+        return tokens_table(self, batch)
+
+    monkeypatch.setattr(writer_module.Writer, "_tokens_table", broken)
     lg = TokenLogger(tmp_path, "one-bad", flush_seconds=3600, strict=False)  # the failure warns, when it comes
     topk = step_data(1)
     lp = topk["tokens"]["mu_logprob"][..., None]
     topk["tokens"].update(mu_topk_ids=topk["tokens"]["token_id"][..., None], mu_topk_logprobs=lp, pi_topk_logprobs=lp)
     with pytest.warns(LogWarning, match="divergence kernel failed"):
         lg.log_step(0, **step_data(0))
-        lg.log_step(1, **topk)  # its top-K divergences are computed on the writer thread, and fail
+        lg.log_step(1, **topk)  # its Arrow conversion on the writer thread fails
         lg.log_step(2, **step_data(2))  # same flush as steps 0 and 1
         lg.flush()
     lg.close()
@@ -148,7 +152,9 @@ def test_a_batch_that_fails_on_the_writer_loses_only_itself(tmp_path, monkeypatc
     assert steps_in(run, "tokens") == steps_in(run, "samples") == [0, 2]
     manifest = json.loads((run / S.MANIFEST).read_text())
     assert manifest["status"] == "crashed" and "divergence kernel failed" in manifest["error"]
-    assert manifest["lost"]["rows"] == {"tokens": B * T, "samples": B, "steps": 0}
+    lost = manifest["lost"]["rows"]
+    assert lost["summaries"] > 0 and {**lost, "summaries": 0} == {"tokens": B * T, "samples": B, "steps": 0,
+                                                                   "summaries": 0}
     assert manifest["lost"]["first_step"] == manifest["lost"]["last_step"] == 1
     assert S.validate_logdir(tmp_path) == []
 
@@ -177,7 +183,9 @@ def test_disk_full_is_recorded_and_the_run_does_not_end_finished(tmp_path, monke
         lg.log_step(3, **step_data(3))
     resumed = json.loads((tmp_path / "full" / S.MANIFEST).read_text())
     assert resumed["lost"] == manifest["lost"] and resumed["status"] == "finished"
-    assert resumed["error"] == f"an earlier session lost {B * T + B} row(s) of steps 1-1 (see lost)"
+    lost_rows = sum(manifest["lost"]["rows"].values())  # tokens, samples and the step's summary rows
+    assert lost_rows > B * T + B
+    assert resumed["error"] == f"an earlier session lost {lost_rows} row(s) of steps 1-1 (see lost)"
 
 
 def test_disk_full_during_close_raises_log_dir_error_and_leaves_no_temporary_manifest(tmp_path, monkeypatch):

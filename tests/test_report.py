@@ -99,7 +99,8 @@ def test_report_numbers_match_the_step_summary(logdir, tmp_path):
     assert "pg_is" not in r.blocked_by_rule  # blocks nothing: left out
     frac, n = r.blocked_by_rule["grpo"]
     assert r.trainer_blocked_frac == pytest.approx(frac, abs=2e-3)
-    assert n == round((alpha.blocked_frac__grpo * alpha.n_tokens).sum())
+    assert n == alpha.n_blocked__grpo.sum()
+    assert frac == pytest.approx(n / alpha.n_nonzero_advantage.sum())
     assert list(r.clipped.rule.unique()) == ["grpo"]
 
 

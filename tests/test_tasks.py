@@ -9,9 +9,12 @@ import pytest
 from trustscope.train.tasks import (
     Problem,
     Task,
+    column_addition_reward,
     exact_number_reward,
     get_task,
     list_tasks,
+    parse_column_addition,
+    worked_column_addition,
 )
 
 
@@ -123,7 +126,7 @@ def test_get_task_errors():
         get_task("trustscope.train.tasks:SPLITS")
     with pytest.raises(ValueError, match="split must be one of"):
         get_task("add1").split("test")
-    assert {"add1", "add2", "sub2", "addsub2", "arith"} <= set(list_tasks())
+    assert {"add1", "add2", "sub2", "addsub2", "arith", "addcol2", "addcol3"} <= set(list_tasks())
 
 
 def test_task_definition_errors():
@@ -132,3 +135,97 @@ def test_task_definition_errors():
     bad = Task("bad", "eval too big", make_problems=lambda: [Problem("1=", "1", "bad")], eval_size=5)
     with pytest.raises(ValueError, match="eval_size"):
         bad.split("eval")
+
+
+# --- worked column addition (addcol2, addcol3) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "worked"),
+    [
+        (47, 38, "7+8=15 c1,4+3+1=8,=85"),
+        (12, 34, "2+4=6,1+3=4,=46"),
+        (95, 17, "5+7=12 c1,9+1+1=11 c1,=112"),
+        (473, 958, "3+8=11 c1,7+5+1=13 c1,4+9+1=14 c1,=1431"),
+        (999, 1, "9+1=10 c1,9+0+1=10 c1,9+0+1=10 c1,=1000"),
+        (0, 0, "0+0=0,=0"),
+    ],
+)
+def test_worked_column_addition(a, b, worked):
+    assert worked_column_addition(a, b) == worked
+    assert column_addition_reward(worked, worked, "stop") == 1.0
+
+
+REF = "7+8=15 c1,4+3+1=8,=85"  # 47+38=
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        ("7+8=15 c1,4+3+1=8,=85", 1.0),
+        ("8+7=15 c1,3+4+1=8,=85", 1.0),  # another valid working of the same sum
+        ("7+8=15 c1,4+3+1=8,=86", 0.0),  # wrong total
+        ("7+8=15 c1,4+3+1=8,=085", 0.0),  # not canonical
+        ("=85", 0.0),  # no working
+        ("7+8=15 c1,=85", 0.0),  # a column missing
+        ("7+8=15 c1,4+3+1=8,0+0=0,=85", 0.0),  # a column too many
+        ("7+8=15,4+3+1=8,=85", 0.0),  # carry out not marked
+        ("7+8=15 c1,4+3=8,=85", 0.0),  # carry in not added
+        ("7+8=15 c1,4+3+1=9,=85", 0.0),  # false step
+        ("7+8=16 c1,4+3+1=8,=86", 0.0),  # false step, consistent total
+        ("7+1=8,4+3+1=8,=85", 0.0),  # carry in without a carry out before it
+        ("7+8=15 c1,4+4=8,=85", 0.0),  # the steps spell 85 but drop the carry
+        ("6+9=15 c1,4+3+1=8,=85", 1.0),  # operands are not checked against the prompt; arithmetic and total are
+        ("7+8=15 c1, 4+3+1=8,=85", 0.0),  # a space
+        ("7+8=15 c1,4+3+1=8,=85 ", 0.0),  # trailing space
+        ("7+8=15 c1,4+3+1=8,85", 0.0),  # no '=' before the total
+        ("85", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_column_addition_reward_hand_computed(response, reward):
+    assert column_addition_reward(response, REF, "stop") == reward
+
+
+def test_column_addition_reward_needs_eos():
+    assert column_addition_reward(REF, REF, "length") == 0.0
+
+
+def test_parse_column_addition():
+    assert parse_column_addition(REF) == ([(7, 8, False, 15, True), (4, 3, True, 8, False)], 85)
+    assert parse_column_addition("7+8=15 c1") is None
+    assert parse_column_addition("12+3=15,=15") is None  # one digit per operand and column
+
+
+def test_column_addition_tasks():
+    two = get_task("addcol2")
+    assert len(two.problems) == 90 * 90 and len(two.split("eval")) == 200
+    three = get_task("addcol3")
+    assert len(three.problems) == len(set(three.problems)) == 20_000
+    for task in (two, three):
+        for p in task.problems[::97]:
+            a, b = p.prompt[:-1].split("+")
+            assert p.prompt.endswith("=") and p.answer == worked_column_addition(int(a), int(b))
+            assert p.answer.endswith(f",={int(a) + int(b)}")
+            assert task.reward(p.answer, p.answer, "stop") == 1.0
+    lengths = [len(p.answer) for p in two.problems]
+    assert (min(lengths), max(lengths)) == (15, 26)
+    assert max(len(p.answer) for p in three.problems) == 39
+
+
+def test_column_addition_generator_is_deterministic():
+    from trustscope.train.tasks import _column_addition
+
+    make = _column_addition("addcol3", 3, 20_000)
+    first = make()
+    assert first == make() == list(get_task("addcol3").problems)
+    assert first[:2] == [Problem("100+100=", "0+0=0,0+0=0,1+1=2,=200", "addcol3"),
+                         Problem("100+168=", "0+8=8,0+6=6,1+1=2,=268", "addcol3")]
+    other = _column_addition("other", 3, 20_000)()  # the sample is seeded by the task's name
+    assert [p.prompt for p in other] != [p.prompt for p in first]
+    assert get_task("addcol3").split("eval", seed=0) == get_task("addcol3").split("eval", seed=0)
+
+
+def test_worked_column_addition_rejects_negative():
+    with pytest.raises(ValueError, match="non-negative"):
+        worked_column_addition(-1, 2)

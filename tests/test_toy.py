@@ -119,3 +119,26 @@ def test_expected_accuracy_is_probability_of_exact_answer(toy_model_dir):
         target = torch.tensor(ids[n_prompt:])
         manual = lp[n_prompt - 1 :].gather(-1, target[:, None]).sum().exp().item()
         assert prob == pytest.approx(manual, rel=1e-4)
+
+
+def test_presets():
+    assert toy.TOY_PRESETS["toy"] == toy.ToyConfig()
+    v2 = toy.TOY_PRESETS["toy-v2"]
+    assert v2.task == "addcol2" and v2.num_hidden_layers > toy.ToyConfig().num_hidden_layers
+    assert len({c.key() for c in toy.TOY_PRESETS.values()}) == len(toy.TOY_PRESETS)
+    assert toy.TOY_PRESETS["toy-gpu"].device == "cuda"
+    # the device the warm start ran on does not name a different model
+    assert dataclasses.replace(v2, device="cuda").key() == v2.key()
+    with pytest.raises(ValueError, match="device must be"):
+        toy.ToyConfig(device="tpu")
+
+
+def test_warm_start_on_worked_answers(tmp_path):
+    """The warm start teacher-forces the whole worked solution (tens of tokens) of a column-addition task."""
+    tok = toy.toy_tokenizer()
+    problems = get_task("addcol2").split("train")[:3]
+    target = toy.encode_problems(tok, problems)[2]
+    assert target.sum(-1).tolist() == [len(p.answer) + 1 for p in problems]  # the answer's characters and EOS
+    with pytest.raises(RuntimeError, match="short of target_accuracy"):
+        toy.build_toy_model(task="addcol2", target_accuracy=0.9, max_steps=2, eval_every=1, batch_size=8,
+                            hidden_size=64, num_attention_heads=2, cache_dir=tmp_path)

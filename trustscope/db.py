@@ -735,6 +735,19 @@ class LogDB:
         """
         return self._frame("step_summary", where={"run_id": run_ids}, refresh=True)
 
+    def summaries(self, run_ids: Sequence[str] | str | None = None,
+                  metrics: Sequence[str] | str | None = None) -> pd.DataFrame:
+        """The exact per-step summaries the logger computed over every token (whatever ``token_fraction`` kept),
+        merged over micro-batches and ranks (see ``sql/views/summaries.sql`` and :mod:`trustscope.logger.summaries`).
+
+        Columns: run_id, step, metric, rule, advantage_sign, mu_bucket, mu_low, bin_low, bin_high, threshold,
+        count, sum, sum_sq, min, max, mean, fraction, cum_fraction, step_tokens. For example the blocked fraction
+        of rule R on A < 0 tokens of mu bucket b is ``fraction`` of the row (metric 'blocked', rule R, advantage_sign
+        'negative', mu_bucket b); the median |pi - mu| is the bin_high of the first 'abs_prob_diff_hist' row with
+        cum_fraction >= 0.5. Runs logged before the summaries table existed have no rows.
+        """
+        return self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
+
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
         """Long form of the blocked counts: run_id, step, rule, advantage_side ('all': A != 0, 'positive',

@@ -257,6 +257,8 @@ class RunReport:
     group: str
     n_steps: int
     n_tokens: int
+    n_grad_tokens: int
+    """tokens with A != 0: the denominator of every blocked fraction"""
     tokens_generated: int
     reward_first: float | None
     reward_last: float | None
@@ -314,6 +316,7 @@ def build(db: LogDB, lines: WarningLines | None = None) -> list[RunReport]:
             group=str(run_id) if info is None else info["group"],
             n_steps=len(steps),
             n_tokens=int(steps.n_tokens.sum()),
+            n_grad_tokens=int(steps.n_nonzero_advantage.sum()),
             tokens_generated=0 if info is None else int(info["tokens_generated"]),
             reward_first=r_first,
             reward_last=r_last,
@@ -393,18 +396,21 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
             row.append(r.status or "-")
         if len(lengths) > 1:
             row.append(str(r.n_steps))
-        row += [f"{r.n_tokens:,}", f"{_fmt(r.reward_first, '.2f')}->{_fmt(r.reward_last, '.2f')}",
+        reward = ("-" if r.reward_first is None and r.reward_last is None
+                  else f"{_fmt(r.reward_first, '.2f')}->{_fmt(r.reward_last, '.2f')}")
+        row += [f"{r.n_tokens:,}", reward,
                 _fmt(r.mismatch_last, ".4f"), _fmt(r.bad_negative_rate_mean, ".2%"),
                 _fmt(r.trainer_blocked_frac, ".1%")]
         overview.add_row(*row)
     parts.append(overview)
     for r in reports:
-        rules = Table(title=f"{r.run_id}: what each rule would block on its {r.n_tokens:,} tokens",
-                      title_justify="left", caption="rules that block nothing left out" if r.blocked_by_rule else
+        parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0",
+                          style="italic"))
+        rules = Table(caption="rules that block nothing left out" if r.blocked_by_rule else
                       "no rule blocks any token of this run")
         rules.add_column("rule", no_wrap=True)
         rules.add_column("blocked", justify="right")
-        rules.add_column("tokens", justify="right")
+        rules.add_column("tokens blocked", justify="right")
         for rule, (frac, n) in r.blocked_by_rule.items():
             own = rule == r.loss_rule
             rules.add_row(Text(rule + (" (applied)" if own else ""), style="bold" if own else ""), _fmt(frac, ".2%"),

@@ -50,8 +50,8 @@ Arguments of :meth:`TokenLogger.log_step`:
   within the step over all ranks (e.g. ``rank * B + i``). It defaults to ``rank * 2**32 + i``, ``i`` counting on
   over the micro-batches of the step, so ranks that pass none never collide. ``kept`` defaults to
   True. ``run_id``, ``step``, ``rank``, ``pos``, ``loss_rule`` are filled in by the logger. ``topk_tv`` /
-  ``topk_kl`` are computed (:mod:`trustscope.divergence`, in the writer thread) when both top-K logprob lists are
-  given and they are not. mu's top-K must already hold the sampled token
+  ``topk_kl`` are computed (:mod:`trustscope.divergence`, in the writer thread; for every token, as the summaries
+  need them) when both top-K logprob lists are given and they are not. mu's top-K must already hold the sampled token
   (:func:`trustscope.divergence.force_sampled_into_topk`). Logprobs up to 1e-5 above 0 are stored as 0.
 - ``mask``: ``(B, T)`` bool, True on real response tokens (padded form only). ``pos`` is the column index.
 - ``samples`` (dict): columns of the ``samples`` table, each of length B (row i describes tokens row i). May be
@@ -79,7 +79,7 @@ on a writer thread that has died.
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
 vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
 topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
-fsync=True)``:
+fsync=True, write_threads=None, summaries=True)``:
 
 - ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
   or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
@@ -101,6 +101,17 @@ fsync=True)``:
   schema does not change), which makes them compress much better; ``topk_tv``/``topk_kl`` are computed before the
   rounding. The precision it costs is in ``docs/performance.md``.
 
+- ``write_threads``: how many files of the ``tokens`` table each flush encodes side by side, each on its own
+  thread (default 2 where the process may use two cores, else 1); the row groups go to them in turn and the
+  files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.
+
+Every call with tokens also yields exact per-step summaries over all its tokens, before ``token_fraction``
+sampling (computed on the writer thread from the call's checked copy, then the sample is applied): blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and
+histograms, top-K TV/KL histograms, bad-negative counts, entropy (:mod:`trustscope.logger.summaries`), written
+to the ``summaries`` table in the same flushes as the other tables. They cost about as much CPU as encoding the
+token rows (``docs/performance.md``); ``summaries=False`` leaves them out (recorded in the manifest's
+``logging``), and then torch is imported only for tensors or top-K divergences.
+
 Files are ``<table>/r<rank>-s<first step>-<last step>-f<flush>.parquet``, row groups of ``row_group_size`` rows
 (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``. A flush
 becomes visible when the rank's manifest records its number as ``committed_flush``, together with the ``rows``,
@@ -115,7 +126,8 @@ What was sampled is written into the manifest (``logging`` key). The writer upda
 process that dies leaves ``running`` with a dead writer pid, which :func:`run_status` reads as ``crashed``, and a
 writer that stopped updating reads ``stale``. :func:`run_summary` gives the Runs table's fields over all ranks.
 
-This module imports torch only when it is handed tensors or must compute top-K divergences.
+With summaries on, the writer thread imports torch at the first call with tokens: the summaries (``summaries`` table,
+:mod:`trustscope.logger.summaries`) run every registered rule's keep-mask, which are torch functions.
 """
 
 from trustscope.logger.errors import LogDirError, LogWarning

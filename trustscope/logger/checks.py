@@ -16,6 +16,7 @@ import numpy as np
 
 from trustscope import schema as S
 from trustscope.logger.errors import LogWarning
+from trustscope.logger.summaries import summarize_call
 from trustscope.schema import SchemaError
 
 TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
@@ -123,10 +124,26 @@ class Batch:
     scalars: list[tuple[str, float]] = field(default_factory=list)
     n_generated: int = 0  # masked response tokens handed in, before sampling and dropping
     dropped_rows: int = 0  # bad token rows dropped (strict=False)
+    part: int = 0  # this call's number within (step, rank)
+    summarize: bool = False  # the writer computes the summaries over every token row, then applies ``sampled``
+    sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
+    summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
+
+    def summarize_and_sample(self) -> None:
+        """On the writer thread: the summaries over every token row, then the token_fraction sample."""
+        if self.summarize and self.tokens is not None:
+            self.summaries = summarize_call(self.tokens)
+        self.summarize = False
+        if self.sampled is not None and self.tokens is not None:
+            self.tokens = {name: arr[self.sampled] for name, arr in self.tokens.items()}
+        self.sampled = None
 
     @property
     def n_tokens(self) -> int:
-        return 0 if self.tokens is None else len(self.tokens["token_id"])
+        """Token rows to write (after the token_fraction sample)."""
+        if self.tokens is None:
+            return 0
+        return int(self.sampled.sum()) if self.sampled is not None else len(self.tokens["token_id"])
 
 
 class Rejected(Exception):
@@ -262,9 +279,9 @@ class InputChecker:
     calls: the last step, the sample ids and scalar names already logged at it, and the run's top-K K."""
 
     def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
-                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None):
+                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True):
         self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
-        self.token_fraction, self.seed = token_fraction, seed
+        self.token_fraction, self.seed, self.summaries = token_fraction, seed, summaries
         self.vocab_size = vocab_size
         self._k = topk_k
         self._disk_last_step = disk_last_step
@@ -272,6 +289,7 @@ class InputChecker:
         self._step_sample_ids: set[int] = set()
         self._step_scalars: set[str] = set()
         self._next_default_id = 0  # default sample ids count on over the micro-batches of a step
+        self._step_calls = 0  # calls accepted at the last step
 
     def prepare(self, step: Any, tokens: Mapping[str, Any] | None, mask: Any, samples: Mapping[str, Any] | None,
                 scalars: Mapping[str, Any] | None, loss_rule: str | None) -> Batch:
@@ -289,7 +307,7 @@ class InputChecker:
         if mask is not None and tokens is None:
             raise Rejected("mask given without tokens")
         batch = Batch(step=step, loss_rule=loss_rule, tokens=None, samples=None,
-                      scalars=self._check_scalars(step, new_step, scalars))
+                      scalars=self._check_scalars(step, new_step, scalars), part=0 if new_step else self._step_calls)
         new_ids: list[int] = []
         defaults = 0
         if tokens or samples:
@@ -302,10 +320,13 @@ class InputChecker:
             if samples:
                 batch.samples = self._check_samples(samples, n_seq, lengths, sample_ids)
             if tokens:
-                batch.tokens, batch.dropped_rows = self._check_tokens(step, cols, b, t, sample_ids, samples)
+                batch.tokens, batch.dropped_rows, batch.sampled = self._check_tokens(step, cols, b, t, sample_ids,
+                                                                                     samples)
+                batch.summarize = self.summaries
             new_ids = sample_ids["sample_id"].tolist()
         if new_step:  # accepted: remember what this step holds
-            self._step_sample_ids, self._step_scalars, self._next_default_id = set(), set(), 0
+            self._step_sample_ids, self._step_scalars, self._next_default_id, self._step_calls = set(), set(), 0, 0
+        self._step_calls += 1
         self._step_sample_ids.update(new_ids)
         self._step_scalars.update(name for name, _ in batch.scalars)
         self._next_default_id += defaults
@@ -428,9 +449,10 @@ class InputChecker:
 
     def _check_tokens(self, step: int, cols: dict[str, np.ndarray], b: np.ndarray, t: np.ndarray,
                       ids: dict[str, np.ndarray], samples: Mapping[str, Any] | None
-                      ) -> tuple[dict[str, np.ndarray], int]:
-        """Check flat token rows; returns the columns of the rows to write (bad rows dropped when not strict) and
-        how many rows were dropped."""
+                      ) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
+        """Check flat token rows; returns the columns of the good rows (bad rows dropped when not strict), how many
+        rows were dropped, and which rows ``token_fraction`` keeps when the writer must first summarize them all
+        (None: all of the returned rows are written)."""
         for name in ("mu_logprob", "pi_logprob"):
             if name not in cols:
                 raise Rejected(f"tokens[{name!r}] is required")
@@ -477,11 +499,18 @@ class InputChecker:
         if check.messages:
             warnings.warn(f"trustscope: dropped {int(check.bad.sum())} token row(s): " + "; ".join(check.messages),
                           LogWarning, stacklevel=4)
-        if self.token_fraction < 1.0:
-            keep &= _keep_hash(self.seed, step, sid) < self.token_fraction
-        if not keep.all():
+        if dropped:
             cols = {name: arr[keep] for name, arr in cols.items()}
-        return cols, dropped
+            sid = cols["sample_id"]
+        sampled = None
+        if self.token_fraction < 1.0:
+            sampled = _keep_hash(self.seed, step, sid) < self.token_fraction
+            if sampled.all():
+                sampled = None
+            elif not self.summaries:
+                cols = {name: arr[sampled] for name, arr in cols.items()}
+                sampled = None
+        return cols, dropped, sampled
 
     def _check_ids(self, cols: dict[str, np.ndarray], name: str, check: _RowChecker) -> None:
         """Token ids as int32 in ``[0, vocab size)``; one reduction when all are fine (the common case)."""

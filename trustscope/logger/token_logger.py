@@ -24,7 +24,7 @@ from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
-from trustscope.logger.writer import Writer
+from trustscope.logger.writer import Writer, default_write_threads
 from trustscope.schema import SchemaError
 
 MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
@@ -60,12 +60,15 @@ class TokenLogger:
         seed: int = 0,
         row_group_size: int = 1 << 17,
         fsync: bool = True,
+        write_threads: int | None = None,
+        summaries: bool = True,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
         if topk_precision not in ("float32", "float16"):
             raise ValueError(f"topk_precision must be 'float32' or 'float16', got {topk_precision!r}")
-        for name, value in (("flush_rows", flush_rows), ("max_queue", max_queue), ("row_group_size", row_group_size)):
+        for name, value in (("flush_rows", flush_rows), ("max_queue", max_queue), ("row_group_size", row_group_size),
+                            ("write_threads", 1 if write_threads is None else write_threads)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not isinstance(loss_rule, str) or not loss_rule:
@@ -101,7 +104,7 @@ class TokenLogger:
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
                         "tokenizer": jsonable(tokenizer)}
             logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
-                            "topk_precision": topk_precision, "topk_k": None, "seed": int(seed), "strict": strict,
+                            "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds)}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
@@ -115,11 +118,12 @@ class TokenLogger:
         self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
-                                     disk_last_step=self._files.disk_last_step)
+                                     disk_last_step=self._files.disk_last_step, summaries=summaries)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
                               flush_seconds=float(flush_seconds), max_queue=int(max_queue),
-                              row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k)
+                              row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k,
+                              write_threads=default_write_threads() if write_threads is None else int(write_threads))
         self._atexit = _close_at_exit(self)
         atexit.register(self._atexit)
 

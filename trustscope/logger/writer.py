@@ -20,6 +20,7 @@ import queue
 import secrets
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,26 +33,70 @@ from trustscope import schema as S
 from trustscope.logger.checks import Batch
 from trustscope.logger.runfiles import RunFiles
 
+
+def default_write_threads() -> int:
+    """How many files of the tokens table a flush encodes side by side by default: two where two cores are
+    available to this process (measured in ``docs/performance.md``), else one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return min(2, cores)
+
+
 POLL_S = 0.1
 """How often a wait on the writer thread checks that the thread is still alive."""
 MAX_ERRORS_KEPT = 5
 
 
-class _Table:
-    """One table's open temporary file and its pending rows (writer thread only)."""
+class _Part:
+    """One of the temporary files a table's flush writes; its row groups are encoded on its own thread when the
+    table has several parts (pyarrow releases the GIL while it encodes), so parts encode side by side."""
 
-    def __init__(self, name: str, directory: Path, row_group_size: int, prefix: str):
+    def __init__(self, pool: ThreadPoolExecutor | None):
+        self.pool = pool
+        self.writer: pq.ParquetWriter | None = None
+        self.tmp: Path | None = None
+        self.busy: Future | None = None  # the row group being encoded (one at a time: bounded memory)
+
+    def wait(self) -> None:
+        """Wait for the row group in flight; raises its error."""
+        busy, self.busy = self.busy, None
+        if busy is not None:
+            busy.result()
+
+    def write(self, table: _Table, data: pa.Table) -> None:
+        self.wait()
+        if self.writer is None:
+            self.tmp = S.tmp_path(table.directory / f"{table.prefix}-open-{secrets.token_hex(6)}.parquet")
+            self.writer = pq.ParquetWriter(self.tmp, table.schema, **table.options.writer_kwargs())
+        if self.pool is None:
+            self.writer.write_table(data, row_group_size=table.row_group_size)
+        else:
+            self.busy = self.pool.submit(self.writer.write_table, data, row_group_size=table.row_group_size)
+
+
+class _Table:
+    """One table's open temporary files and its pending rows (writer thread only).
+
+    Whole row groups go to the table's parts in turn; with ``parts > 1`` each part is a file encoded on its own
+    thread, and a flush publishes one file per part that received rows.
+    """
+
+    def __init__(self, name: str, directory: Path, row_group_size: int, prefix: str, parts: int = 1):
         self.name = name
         self.directory = directory
         self.prefix = prefix
         self.schema = S.with_metadata(name)
         self.options = S.WRITE_OPTIONS[name]
         self.row_group_size = row_group_size
+        self._pools = [ThreadPoolExecutor(1, f"trustscope-encode-{name}-{i}") for i in range(parts)] \
+            if parts > 1 else [None]
+        self.parts = [_Part(pool) for pool in self._pools]
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
-        self.writer: pq.ParquetWriter | None = None
-        self.tmp: Path | None = None
-        self.rows = 0  # rows in the open file, written or pending
+        self.next_part = 0
+        self.rows = 0  # rows in the open files, written or pending
         self.first_step: int | None = None
         self.last_step: int | None = None
 
@@ -67,52 +112,75 @@ class _Table:
             self._write_pending(whole_groups=True)
 
     def _write_pending(self, whole_groups: bool) -> None:
-        data = pa.concat_tables(self.pending)
+        data = pa.concat_tables(self.pending) if len(self.pending) > 1 else self.pending[0]
         keep = data.num_rows % self.row_group_size if whole_groups else 0
-        if self.writer is None:
-            self.tmp = S.tmp_path(self.directory / f"{self.prefix}-open-{secrets.token_hex(6)}.parquet")
-            self.writer = pq.ParquetWriter(self.tmp, self.schema, **self.options.writer_kwargs())
-        self.writer.write_table(data.slice(0, data.num_rows - keep), row_group_size=self.row_group_size)
+        for start in range(0, data.num_rows - keep, self.row_group_size):
+            group = data.slice(start, min(self.row_group_size, data.num_rows - keep - start))
+            self.parts[self.next_part].write(self, group)
+            self.next_part = (self.next_part + 1) % len(self.parts)
         self.pending = [data.slice(data.num_rows - keep)] if keep else []
         self.pending_rows = keep
 
     def close_file(self, fsync: bool, metadata: dict[str, str]) -> None:
-        """Write what is pending, add ``metadata`` to the footer, close the temporary file and fsync it (it keeps
-        its temporary name)."""
+        """Write what is pending, add ``metadata`` to every footer, close the temporary files and fsync them (they
+        keep their temporary names)."""
         if self.pending_rows:
             self._write_pending(whole_groups=False)
-        assert self.writer is not None and self.tmp is not None
-        self.writer.add_key_value_metadata(metadata)
-        self.writer.close()
-        self.writer = None
-        if fsync:
-            fd = os.open(self.tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        for part in self.parts:
+            part.wait()
+        for part in self.parts:
+            if part.writer is None:
+                continue
+            part.writer.add_key_value_metadata(metadata)
+            part.writer.close()
+            part.writer = None
+            if fsync:
+                fd = os.open(part.tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
-    def publish(self, flush: int, rank: int) -> Path:
-        """Rename the closed file to its final name (still invisible to readers until ``flush`` is committed)."""
-        assert self.tmp is not None and self.first_step is not None and self.last_step is not None
-        final = self.directory / S.data_file_name(rank, self.first_step, self.last_step, flush)
-        os.replace(self.tmp, final)
+    def publish(self, flush: int, rank: int) -> list[Path]:
+        """Rename the closed files to their final names (still invisible to readers until ``flush`` is
+        committed)."""
+        assert self.first_step is not None and self.last_step is not None
+        written = [part for part in self.parts if part.tmp is not None]
+        finals = []
+        for i, part in enumerate(written):
+            assert part.tmp is not None
+            final = self.directory / S.data_file_name(rank, self.first_step, self.last_step, flush,
+                                                      i if len(self.parts) > 1 else None)
+            os.replace(part.tmp, final)
+            part.tmp = None
+            finals.append(final)
         self.reset()
-        return final
+        return finals
 
     def abort(self) -> None:
-        """Drop the open file and pending rows (after a write error); never raises."""
-        if self.writer is not None:
-            with contextlib.suppress(Exception):  # the file is being thrown away
-                self.writer.close()
-        if self.tmp is not None:
-            with contextlib.suppress(OSError):  # the directory may have turned read-only
-                self.tmp.unlink(missing_ok=True)
+        """Drop the open files and pending rows (after a write error); never raises."""
+        for part in self.parts:
+            with contextlib.suppress(Exception):  # the row group in flight is being thrown away
+                part.wait()
+            if part.writer is not None:
+                with contextlib.suppress(Exception):  # the file is being thrown away
+                    part.writer.close()
+            if part.tmp is not None:
+                with contextlib.suppress(OSError):  # the directory may have turned read-only
+                    part.tmp.unlink(missing_ok=True)
         self.reset()
 
     def reset(self) -> None:
-        self.pending, self.pending_rows, self.writer, self.tmp = [], 0, None, None
+        for part in self.parts:
+            part.writer, part.tmp, part.busy = None, None, None
+        self.pending, self.pending_rows, self.next_part = [], 0, 0
         self.rows, self.first_step, self.last_step = 0, None, None
+
+    def shutdown(self) -> None:
+        """End the encoding threads (when the writer thread ends)."""
+        for pool in self._pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 @dataclass
@@ -126,16 +194,36 @@ class _Flush:
     files: list[Path]
 
 
-def _list_array(values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    n, k = values.shape
-    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)),
-                                    type=pa.list_(pa.field("element", value_type, nullable=False)))
+class _Constants:
+    """Arrays that every batch repeats (the run id, the loss rule, list offsets), built once at the largest length
+    seen and handed out as zero-copy slices."""
+
+    def __init__(self) -> None:
+        self._strings: dict[str, pa.Array] = {}
+        self._offsets: dict[int, pa.Array] = {}
+
+    def repeat(self, value: str, n: int) -> pa.Array:
+        """``value`` ``n`` times, a string array."""
+        have = self._strings.get(value)
+        if have is None or len(have) < n:
+            have = self._strings[value] = pa.repeat(pa.scalar(value, pa.string()), max(n, 2 * len(have or ())))
+        return have.slice(0, n)
+
+    def list_array(self, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+        """``(N, K)`` ``values`` as a list array over the same buffer (no copy)."""
+        n, k = values.shape
+        have = self._offsets.get(k)
+        if have is None or len(have) < n + 1:
+            rows = max(n, 2 * (len(have) - 1 if have is not None else 0))
+            have = self._offsets[k] = pa.array(np.arange(0, (rows + 1) * k, k, dtype=np.int32))
+        return pa.ListArray.from_arrays(have.slice(0, n + 1), pa.array(values.reshape(-1)),
+                                        type=pa.list_(pa.field("element", value_type, nullable=False)))
 
 
 def _batch_rows(batch: Batch) -> dict[str, int]:
     samples = 0 if batch.samples is None else len(batch.samples["sample_id"])
-    return {"tokens": batch.n_tokens, "samples": samples, "steps": len(batch.scalars)}
+    return {"tokens": batch.n_tokens, "samples": samples, "steps": len(batch.scalars),
+            "summaries": len(batch.summaries)}
 
 
 class Writer:
@@ -143,13 +231,15 @@ class Writer:
 
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
-                 topk_k: int | None):
+                 topk_k: int | None, write_threads: int = 1):
         self.files = files
         self.run_id, self.rank = run_id, rank
         self.log_topk, self.topk_precision = log_topk, topk_precision
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
         self._k = topk_k
-        self._tables = {t: _Table(t, files.run_dir / t, row_group_size, f"r{rank:04d}") for t in S.TABLES}
+        self._constants = _Constants()
+        self._tables = {t: _Table(t, files.run_dir / t, row_group_size, f"r{rank:04d}",
+                                  write_threads if t == "tokens" else 1) for t in S.TABLES}
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
         self._uncommitted: list[_Flush] = []
@@ -246,6 +336,9 @@ class Writer:
             with contextlib.suppress(Exception):  # readers see at once that nothing more will be written
                 self.files.save(status="crashed", error=f"writer thread stopped: {type(err).__name__}: {err}",
                                 lost=self.files.all_lost(self.lost))
+        finally:
+            for table in self._tables.values():
+                table.shutdown()
 
     def _drain_lost(self) -> None:
         """Count the batches left on the queue of a thread that is gone as lost."""
@@ -349,7 +442,7 @@ class Writer:
             for table in open_tables:
                 table.close_file(self.fsync, footer)
             for table in open_tables:
-                published.append(table.publish(number, self.rank))
+                published.extend(table.publish(number, self.rank))
         except Exception as err:
             for path in published:  # renamed but never committed: remove, so no later commit shows them
                 with contextlib.suppress(OSError):
@@ -398,12 +491,15 @@ class Writer:
     def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
+        batch.summarize_and_sample()
         if batch.tokens is not None and batch.n_tokens:
             out["tokens"] = self._tokens_table(batch)
             if "mu_topk_ids" in batch.tokens:
                 self._k = int(batch.tokens["mu_topk_ids"].shape[1])
         if batch.samples is not None:
             out["samples"] = self._samples_table(batch)
+        if batch.summaries:
+            out["summaries"] = self._summaries_table(batch)
         if batch.scalars:
             n = len(batch.scalars)
             out["steps"] = pa.table({
@@ -426,11 +522,11 @@ class Writer:
                      for i in range(0, n, max_rows)]
             return pa.concat_tables([self._tokens_table(part) for part in parts])
         if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
-            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
+            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])  # summaries=False
             cols.setdefault("topk_tv", tv)
             cols.setdefault("topk_kl", kl)
         out: dict[str, pa.Array] = {
-            "run_id": pa.repeat(pa.scalar(self.run_id), n),
+            "run_id": self._constants.repeat(self.run_id, n),
             "step": pa.array(np.full(n, batch.step, np.int64)),
             "rank": pa.array(np.full(n, self.rank, np.int32)),
         }
@@ -438,7 +534,7 @@ class Writer:
             if f.name in out:
                 continue
             if f.name == "loss_rule":
-                out[f.name] = pa.repeat(pa.scalar(batch.loss_rule), n)
+                out[f.name] = self._constants.repeat(batch.loss_rule, n)
             elif f.name == "kept" and "kept" not in cols:
                 out[f.name] = pa.array(np.ones(n, dtype=bool))
             elif f.name in S.TOPK_COLUMNS:
@@ -448,12 +544,19 @@ class Writer:
                     continue
                 if f.name != "mu_topk_ids" and self.topk_precision == "float16":
                     values = round_mantissa(values, 10)
-                out[f.name] = _list_array(values, f.type.value_type)
+                out[f.name] = self._constants.list_array(values, f.type.value_type)
             elif f.name in cols:
                 out[f.name] = pa.array(cols[f.name].astype(f.type.to_pandas_dtype(), copy=False))
             else:
                 out[f.name] = pa.nulls(n, f.type)
         return pa.table(out, schema=self._tables["tokens"].schema)
+
+    def _summaries_table(self, batch: Batch) -> pa.Table:
+        n = len(batch.summaries)
+        given = {"run_id": [self.run_id] * n, "step": [batch.step] * n, "rank": [self.rank] * n,
+                 "part": [batch.part] * n}
+        columns = {f.name: given.get(f.name) or [row.get(f.name) for row in batch.summaries] for f in S.SUMMARIES}
+        return pa.table(columns, schema=self._tables["summaries"].schema)
 
     def _samples_table(self, batch: Batch) -> pa.Table:
         s = batch.samples

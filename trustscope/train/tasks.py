@@ -10,11 +10,18 @@ Built-in tasks (arithmetic, several difficulties)::
     sub2     a-b=   a, b in 0..99, answers may be negative (10,000 problems)
     addsub2  add2 and sub2 together          (20,000 problems)
     arith    add1, add2 and sub2 mixed, each drawn equally often in training
+    addcol2  a+b=   a, b in 10..99, answered as worked column addition (8,100 problems)
+    addcol3  a+b=   a, b in 100..999, the same, a fixed seeded sample of 20,000 problems
 
-The response must be the answer's digits (with a leading '-' when negative) followed by EOS: ``"12+7="`` ->
+For add1 .. arith the response must the answer's digits (with a leading '-' when negative) followed by EOS: ``"12+7="`` ->
 ``"19"`` + EOS scores 1; ``" 19"``, ``"019"``, ``"19."`` or ``"19"`` cut off by the length limit score 0.
 A user's task is any :class:`Task` (or a zero-argument callable returning one) importable by dotted path, e.g.
 ``get_task("mypkg.tasks:parity")`` or ``get_task("mypkg.tasks.parity")``.
+
+The column-addition tasks (``addcol*``) have responses of tens of tokens: the sum worked out column by column, ones
+first, each column ``x+y=s`` with ``+1`` when a carry comes in and `` c1`` when one goes out, then ``=`` and the
+sum. ``"47+38="`` -> ``"7+8=15 c1,4+3+1=8,=85"``. A problem's ``answer`` is that canonical worked solution (what
+the toy's warm start imitates); the reward, :func:`column_addition_reward`, parses the response and checks it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,74 @@ def exact_number_reward(response: str, answer: str, finish_reason: str = "stop")
     if finish_reason != "stop" or _NUMBER.fullmatch(response) is None:
         return 0.0
     return 1.0 if response == answer else 0.0
+
+
+_STEP = re.compile(r"([0-9])\+([0-9])(\+1)?=(1?[0-9])( c1)?")
+_SUM = re.compile(r"=(0|[1-9][0-9]*)")
+
+
+def parse_column_addition(response: str) -> tuple[list[tuple[int, int, bool, int, bool]], int] | None:
+    """The steps and the final sum of a worked column addition, or None when ``response`` is not exactly one.
+
+    ``"7+8=15 c1,4+3+1=8,=85"`` -> ``([(7, 8, False, 15, True), (4, 3, True, 8, False)], 85)``: per step the two
+    digits, whether a carry came in, the column sum, whether a carry goes out. Only the grammar is checked here
+    (steps joined by ``,``, then ``=`` and a canonical non-negative integer; nothing before, between or after).
+    """
+    *steps, total = response.split(",")
+    m = _SUM.fullmatch(total)
+    if m is None or not steps:
+        return None
+    parsed = []
+    for step in steps:
+        s = _STEP.fullmatch(step)
+        if s is None:
+            return None
+        parsed.append((int(s[1]), int(s[2]), s[3] is not None, int(s[4]), s[5] is not None))
+    return parsed, int(m[1])
+
+
+def column_addition_reward(response: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 when ``response`` is a valid worked column addition reaching the reference sum, else 0.0.
+
+    ``answer`` is the reference worked solution (a problem's ``answer``). Valid means: it parses
+    (:func:`parse_column_addition`), ended with EOS, has one step per column of the reference, every step is true
+    arithmetic (``x+y(+1)=s``), a carry comes into a column exactly when the previous one sent one out, a column
+    sends one out exactly when its sum is >= 10, and the final sum is the reference's and is spelled by the steps
+    (their units digits, last carry first). The operand digits themselves are not compared with the prompt: a
+    response that works a different sum correctly still ends on a wrong total and scores 0.
+    """
+    if finish_reason != "stop":
+        return 0.0
+    got, ref = parse_column_addition(response), parse_column_addition(answer)
+    if got is None or ref is None:
+        return 0.0
+    steps, total = got
+    if len(steps) != len(ref[0]) or total != ref[1]:
+        return 0.0
+    carry, digits = False, []
+    for x, y, carry_in, s, carry_out in steps:
+        if carry_in != carry or x + y + carry_in != s or carry_out != (s >= 10):
+            return 0.0
+        carry = carry_out
+        digits.append(str(s % 10))
+    spelled = ("1" if carry else "") + "".join(reversed(digits))
+    return 1.0 if int(spelled) == total else 0.0
+
+
+def worked_column_addition(a: int, b: int) -> str:
+    """The canonical worked solution of ``a + b`` (non-negative), ones first: ``(47, 38)`` -> ``"7+8=15 c1,4+3+1=8,=85"``.
+
+    Both numbers are written with the longer one's digit count (the shorter padded with zeros on the left)."""
+    if a < 0 or b < 0:
+        raise ValueError(f"column addition needs non-negative numbers, got a={a}, b={b}")
+    width = max(len(str(a)), len(str(b)))
+    xs, ys = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]
+    steps, carry = [], 0
+    for x, y in zip(xs, ys, strict=True):
+        s = int(x) + int(y) + carry
+        steps.append(f"{x}+{y}{'+1' if carry else ''}={s}{' c1' if s >= 10 else ''}")
+        carry = int(s >= 10)
+    return ",".join(steps) + f",={a + b}"
 
 
 @dataclass(frozen=True)
@@ -176,6 +251,24 @@ def _binary(name: str, op: str, lo: int, hi: int) -> Callable[[], list[Problem]]
     return make
 
 
+def _column_addition(name: str, digits: int, count: int | None) -> Callable[[], list[Problem]]:
+    """All ``digits``-digit sums (``count`` None), or ``count`` distinct ones drawn with a generator seeded by the
+    task name, in a fixed order; each answered by :func:`worked_column_addition`."""
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+
+    def make() -> list[Problem]:
+        if count is None:
+            pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+        else:
+            rng = random.Random(f"{name}:problems")
+            n = hi - lo + 1
+            pairs = [divmod(i, n) for i in sorted(rng.sample(range(n * n), count))]
+            pairs = [(lo + a, lo + b) for a, b in pairs]
+        return [Problem(f"{a}+{b}=", worked_column_addition(a, b), name) for a, b in pairs]
+
+    return make
+
+
 ADD1 = register_task(Task("add1", "a+b= with one-digit a, b", make_problems=_binary("add1", "+", 0, 9), eval_size=20))
 ADD2 = register_task(
     Task("add2", "a+b= with a, b in 0..99", make_problems=_binary("add2", "+", 0, 99), eval_size=500)
@@ -185,3 +278,11 @@ SUB2 = register_task(
 )
 ADDSUB2 = register_task(Task("addsub2", "add2 and sub2 mixed", components=(ADD2, SUB2)))
 ARITH = register_task(Task("arith", "add1, add2 and sub2, drawn equally often", components=(ADD1, ADD2, SUB2)))
+ADDCOL2 = register_task(
+    Task("addcol2", "a+b= with a, b in 10..99, worked column by column", reward=column_addition_reward,
+         make_problems=_column_addition("addcol2", 2, None), eval_size=200)
+)
+ADDCOL3 = register_task(
+    Task("addcol3", "a+b= with a, b in 100..999, worked column by column (20,000 of them)",
+         reward=column_addition_reward, make_problems=_column_addition("addcol3", 3, 20_000), eval_size=500)
+)

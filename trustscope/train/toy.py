@@ -13,6 +13,12 @@ tokens followed by EOS, one teacher-forced forward pass.
     from trustscope.train.toy import build_toy_model
     model_dir = build_toy_model()                 # cached; about 20-30 s the first time on 2 busy CPU cores
     model_dir = build_toy_model(task="add2", target_accuracy=0.3)
+    model_dir = build_toy_model(TOY_PRESETS["toy-v2"])  # the larger toy world: worked column addition
+
+Presets (``TOY_PRESETS``): ``toy``, the default (437k parameters, one-digit addition, answers of 1-2 tokens);
+``toy-v2``, a deeper model (3 layers, 650k parameters) warm-started on ``addcol2``, whose responses are 15-26
+tokens of worked column addition: long enough for per-token mismatch to add up over a response, which the
+default is not; ``toy-gpu``, for a GPU machine (see ``scripts/gpu_sanity.sh``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class ToyConfig:
     seed: int = 0
     num_threads: int = 1
     """torch threads while building (one thread is steadier on a shared 2-core machine). Not part of the key."""
+    device: str = "cpu"
+    """Where the warm start runs (``cpu`` or ``cuda``, for the GPU preset). Not part of the key."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_accuracy < 1.0:
@@ -83,6 +91,8 @@ class ToyConfig:
         head_dim = self.hidden_size // self.num_attention_heads
         if head_dim not in (32, 64):
             raise ValueError(f"head_dim = hidden_size / num_attention_heads must be 32 or 64 for vLLM, got {head_dim}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         for name in ("intermediate_size", "num_hidden_layers", "batch_size", "max_steps", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -90,9 +100,22 @@ class ToyConfig:
 
     def key(self) -> str:
         """Cache key: a hash of the fields, ``TOY_VERSION`` and the source of this module."""
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "num_threads"}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("num_threads", "device")}
         blob = json.dumps(fields, sort_keys=True) + TOY_VERSION + Path(__file__).read_text()
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+TOY_PRESETS: dict[str, ToyConfig] = {
+    "toy": ToyConfig(),
+    "toy-v2": ToyConfig(task="addcol2", target_accuracy=0.3, num_hidden_layers=3, max_steps=4000),
+    "toy-gpu": ToyConfig(task="addcol3", target_accuracy=0.35, hidden_size=512, intermediate_size=1536,
+                         num_hidden_layers=6, num_attention_heads=8, batch_size=256, lr=1e-3, max_steps=6000,
+                         device="cuda"),
+}
+"""Named toy worlds. ``toy-gpu`` (20M parameters, three-digit column addition, warm-started on the GPU) is the
+model of ``scripts/gpu_sanity.sh``. The column-addition presets' target is the probability of the canonical worked
+solution, a lower bound of the temperature-1 reward (:func:`trustscope.train.tasks.column_addition_reward` also
+accepts other valid workings)."""
 
 
 def toy_tokenizer():
@@ -158,7 +181,7 @@ def encode_problems(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, t
 
 def answer_logprobs(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Log-probability of each problem's ``answer + EOS`` given its prompt, ``(B,)``; differentiable."""
-    input_ids, attention_mask, target_mask = batch
+    input_ids, attention_mask, target_mask = (t.to(model.device) for t in batch)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, L-1, V)
     token_lp = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, L-1)
     return (token_lp * target_mask[:, 1:]).sum(-1)
@@ -203,7 +226,7 @@ def warm_start(model: torch.nn.Module, tokenizer, config: ToyConfig) -> dict[str
         for group in opt.param_groups:
             group["lr"] = config.lr * min(1.0, step / warmup)
         batch = encode_problems(tokenizer, [train[rng.randrange(len(train))] for _ in range(config.batch_size)])
-        loss = -answer_logprobs(model, batch).sum() / batch[2].sum()
+        loss = -answer_logprobs(model, batch).sum() / batch[2].sum().to(model.device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -253,7 +276,7 @@ def build_toy_model(
     try:
         start = time.perf_counter()
         tokenizer = toy_tokenizer()
-        model = new_toy_model(config, tokenizer)
+        model = new_toy_model(config, tokenizer).to(config.device)
         threads = torch.get_num_threads()
         torch.set_num_threads(config.num_threads)
         try:

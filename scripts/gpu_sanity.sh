@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The sanity test at a larger scale, on a GPU machine: plain vLLM (CUDA) rollouts in bf16 against the fp32 trainer,
+# the 20M-parameter `toy-gpu` model built and warm-started locally on the GPU (no download), three-digit column
+# addition, 8 rules x 3 seeds plus the anchoring probe (preset `sanity-gpu` of scripts/experiments.py).
+#
+#   bash scripts/gpu_sanity.sh                  # everything: setup, model, sweep, summary, figures
+#   bash scripts/gpu_sanity.sh --calibrate      # 30 steps of PG-IS and DPPO binary TV, seed 0: check the setting first
+#   bash scripts/gpu_sanity.sh --set lr=1e-4    # any field of the shared setting (after --calibrate, for example)
+#
+# Runs go to runs/sanity-gpu (runs/sanity-gpu-calibrate for --calibrate); a finished run is skipped when the script
+# is run again, so an interrupted sweep continues. Never needed by CI; needs nvidia-smi and a CUDA GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+calibrate=0
+sets=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --calibrate) calibrate=1; shift ;;
+        --set) shift; while [[ $# -gt 0 && "$1" != --* ]]; do sets+=("$1"); shift; done ;;
+        *) echo "gpu_sanity.sh: unknown argument $1 (use --calibrate, --set FIELD=VALUE ...)" >&2; exit 2 ;;
+    esac
+done
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_sanity.sh: no GPU here (nvidia-smi -L failed); this script is for a CUDA machine" >&2
+    exit 1
+fi
+nvidia-smi -L
+
+# scripts/setup.sh installs trustscope[gpu] (plain vLLM and its CUDA torch) when it sees a GPU
+bash scripts/setup.sh
+PY=.venv/bin/python
+"$PY" -c "import torch, vllm; assert torch.cuda.is_available(), 'torch sees no GPU'; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the toy-gpu build (cached under $TRUSTSCOPE_CACHE, default ~/.cache/trustscope) before any run needs it
+"$PY" -c "
+from trustscope.train.toy import TOY_PRESETS, build_toy_model, toy_meta
+path = build_toy_model(TOY_PRESETS['toy-gpu'])
+meta = toy_meta(path)
+print(path, meta['parameters'], 'parameters, warm start', meta['warm_start']['steps'], 'steps,',
+      round(meta['warm_start']['eval_expected_accuracy'], 3), 'expected accuracy,', meta['build_seconds'], 's')
+"
+
+start=$(date +%s)
+if [[ $calibrate == 1 ]]; then
+    logdir=runs/sanity-gpu-calibrate
+    "$PY" scripts/experiments.py run --preset sanity-gpu --logdir "$logdir" --rules pg_is dppo_binary_tv --seeds 0 \
+        --no-probe --set steps=30 eval_every=10 "${sets[@]}"
+else
+    logdir=runs/sanity-gpu
+    "$PY" scripts/experiments.py run --preset sanity-gpu --logdir "$logdir" --set "${sets[@]}"
+fi
+echo "gpu_sanity.sh: runs took $(( $(date +%s) - start )) s" >&2
+"$PY" scripts/experiments.py summarize --logdir "$logdir" | tee "$logdir/calibration.md"
+if [[ $calibrate == 0 ]]; then
+    "$PY" scripts/experiments.py plot --logdir "$logdir" --out "$logdir/img" | tee "$logdir/summary.md"
+fi
+echo "gpu_sanity.sh: done; open the runs with: $PY -m trustscope.cli dashboard $logdir" >&2

@@ -1,0 +1,129 @@
+"""The summaries table: exact per-step aggregates over every token, whatever token_fraction keeps."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pytest
+
+from trustscope import db as tsdb
+from trustscope import schema as S
+from trustscope.logger import TokenLogger
+from trustscope.logger.summaries import HIST_EDGES, MU_BUCKET_SQL, MU_LOWS
+from trustscope.losses import list_losses
+
+B, T, K, V = 32, 24, 4, 200
+
+
+def rollout(seed: int) -> tuple[dict, np.ndarray, dict]:
+    """A padded step with every kind of token: A > 0, A < 0, A = 0, mu over all buckets, pi far from mu at places."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((B, T)) > 0.1
+    mask[:, 0] = True
+    mu_topk = -np.sort(rng.exponential(2.0, (B, T, K)).astype(np.float32), axis=-1)  # (B, T, K) descending
+    mu_topk[..., 0] = np.log(rng.uniform(1e-4, 1.0, (B, T))).astype(np.float32)
+    mu_topk = -np.sort(-mu_topk, axis=-1)
+    shift = np.where(rng.random((B, T, K)) < 0.1, rng.normal(0, 1.0, (B, T, K)), rng.normal(0, 0.01, (B, T, K)))
+    pi_topk = np.minimum(mu_topk + shift.astype(np.float32), 0)
+    adv = rng.normal(size=B).astype(np.float32)
+    adv[:4] = 0.0
+    tokens = {
+        "token_id": rng.integers(0, V, (B, T)),
+        "mu_logprob": mu_topk[..., 0],
+        "pi_logprob": pi_topk[..., 0],
+        "old_logprob": np.minimum(mu_topk[..., 0] + rng.normal(0, 0.05, (B, T)).astype(np.float32), 0),
+        "entropy": rng.exponential(1.0, (B, T)).astype(np.float32),
+        "advantage": adv,
+        "mu_topk_ids": rng.integers(0, V, (B, T, K)),
+        "mu_topk_logprobs": mu_topk,
+        "pi_topk_logprobs": pi_topk,
+        "kept": rng.random((B, T)) > 0.2,
+    }
+    samples = {"sample_id": np.arange(B), "prompt_id": np.arange(B) // 4, "reward": rng.random(B)}
+    return tokens, mask, samples
+
+
+def log_run(logdir, run_id: str, fraction: float, steps: int = 3) -> None:
+    with TokenLogger(logdir, run_id, token_fraction=fraction, flush_rows=1, loss_rule="dppo_binary_tv") as lg:
+        for step in range(steps):
+            tokens, mask, samples = rollout(step)
+            half = B // 2  # two micro-batches per step
+            for part in (slice(0, half), slice(half, B)):
+                lg.log_step(step, tokens={k: v[part] for k, v in tokens.items()}, mask=mask[part],
+                            samples={k: v[part] for k, v in samples.items()})
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("summaries")
+    log_run(logdir, "full", 1.0)
+    log_run(logdir, "tenth", 0.1)
+    return logdir
+
+
+@pytest.fixture(scope="module")
+def db(logdir):
+    with tsdb.connect(logdir) as conn:
+        yield conn
+
+
+def test_a_tenth_of_the_tokens_gives_the_same_summaries_exactly(db):
+    full = db.summaries("full").drop(columns="run_id")
+    tenth = db.summaries("tenth").drop(columns="run_id")
+    assert len(full) > 100 and set(full.metric) >= {"tokens", "blocked", "bad_negative", "abs_prob_diff_hist"}
+    pd.testing.assert_frame_equal(full.reset_index(drop=True), tenth.reset_index(drop=True), check_exact=True)
+    assert db.step_summary("tenth").n_tokens.sum() < 0.3 * db.step_summary("full").n_tokens.sum()
+
+
+def test_summaries_agree_with_the_sql_over_the_full_token_rows(db):
+    """At token_fraction 1.0 the rows hold every token: the SQL's counts over them equal the summaries'."""
+    summ = db.summaries("full")
+    sql = db.step_summary("full").set_index("step")
+    tokens = summ[summ.metric == "tokens"].groupby("step")["count"].sum()
+    assert (tokens == sql.n_tokens).all()
+    bad = summ[summ.metric == "bad_negative"].set_index("step")["count"]
+    assert (bad == sql.n_bad_negative).all()
+    moments = summ[summ.metric == "abs_prob_diff"].set_index("step")
+    np.testing.assert_allclose(moments["mean"], sql.mismatch_mean, rtol=1e-5)
+    np.testing.assert_allclose(moments["max"], sql.mismatch_max, rtol=1e-5)
+    blocked = summ[summ.metric == "blocked"]
+    rules = set(blocked.rule)
+    assert {"dppo_binary_tv", "dppo_topk_kl", "minirl", "ppo_clip"} <= rules <= set(list_losses())
+    for rule in rules:
+        pos = blocked[(blocked.rule == rule) & (blocked.advantage_sign == "positive")].groupby("step")["count"].sum()
+        expected = (sql[f"blocked_frac_pos__{rule}"] * sql.n_positive).round()
+        assert (pos.reindex(sql.index, fill_value=0) == expected).all(), rule
+    cur = db.cursor()
+    by_bucket = cur.execute("select step, mu_bucket, count(*) as n from token_metrics where run_id = 'full' "
+                            "and advantage != 0 group by all").df().set_index(["step", "mu_bucket"]).n
+    ours = summ[(summ.metric == "tokens") & (summ.advantage_sign != "zero")].groupby(["step", "mu_bucket"])["count"]
+    pd.testing.assert_series_equal(ours.sum().sort_index(), by_bucket.sort_index(), check_names=False,
+                                   check_dtype=False)
+
+
+def test_fractions_and_quantiles_follow_from_the_rows(db):
+    summ = db.summaries("full", metrics=["blocked", "tokens", "topk_tv_hist"])
+    hist = summ[(summ.metric == "topk_tv_hist") & (summ.step == 0)].sort_values("bin_low")
+    assert hist.cum_fraction.is_monotonic_increasing and hist.cum_fraction.iloc[-1] == pytest.approx(1.0)
+    assert set(hist.bin_low) <= set(HIST_EDGES)
+    blocked = summ[(summ.metric == "blocked") & (summ.rule == "dppo_binary_tv")]
+    assert blocked.advantage_sign.isin(["positive", "negative"]).all()  # A = 0 is left out
+    assert ((blocked.fraction > 0) & (blocked.fraction <= 1)).all()
+
+
+def test_mu_buckets_are_the_sql_macro_buckets():
+    con = duckdb.connect()
+    con.execute(MU_BUCKET_SQL.read_text())
+    labels = [con.execute("select mu_bucket(?)", [float(low)]).fetchone()[0] for low in MU_LOWS]
+    below = [con.execute("select mu_bucket(?)", [float(np.nextafter(low, 0))]).fetchone()[0] for low in MU_LOWS[1:]]
+    assert len(set(labels)) == len(MU_LOWS) and labels == sorted(labels)
+    assert below == labels[:-1]  # each edge is where the macro changes bucket
+
+
+def test_summaries_commit_with_the_other_tables(logdir):
+    run = logdir / "full"
+    files = S.committed_files(run)
+    flush_of = {t: {S.parse_data_file(p.name).flush for p in files[t]} for t in ("tokens", "summaries")}
+    assert flush_of["tokens"] == flush_of["summaries"] and flush_of["summaries"]
+    assert not S.validate_run(run)

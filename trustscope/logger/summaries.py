@@ -1,0 +1,160 @@
+"""Exact per-step summaries over every token of a ``log_step`` call, taken before the ``token_fraction`` sample.
+
+``token_fraction`` keeps the token rows of a sample of sequences; these aggregates are taken over all of them (bad
+rows dropped with ``strict=False`` excepted), so the ``summaries`` table reads the same at any fraction. The call
+checks and copies the rows; the writer thread computes the summaries over all of them and only then applies the
+sample (:meth:`trustscope.logger.checks.Batch.summarize_and_sample`), so ``log_step`` itself stays short. Every
+figure is mergeable (a count, a sum, a sum of squares, a min, a max, a histogram bin's count): the ``summaries``
+view adds up the micro-batches of a step and the ranks of a run.
+
+Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
+
+- ``tokens``: token count per advantage sign (positive, negative, zero) and mu bucket.
+- ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`, default parameters), the tokens its
+  keep-mask blocks, per advantage sign (positive, negative: A = 0 is left out, a blocked A = 0 token carries no
+  gradient either way) and mu bucket. A rule that needs a column the call lacks (top-K, old_logprob) has no rows.
+- ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
+- ``bad_negative``: tokens with A < 0 and mu - pi >= ``threshold`` (minimal_negative_mask's default delta, the
+  SQL's ``bad_negative_delta``).
+- ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``:
+  count, sum, sum of squares, min and max;
+- ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``: the count per fixed bin
+  ``[bin_low, bin_high)`` of :data:`HIST_EDGES`, so quantiles follow exactly to bin resolution (8 bins a decade).
+
+The mu buckets are those of the SQL macro ``mu_bucket`` (``sql/macros/mu_bucket.sql``), whose edges are read from
+that file: one definition. A bucket is stored as its lower edge (``mu_low``), which the view labels with the macro.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+MU_BUCKET_SQL = Path(__file__).resolve().parents[1] / "sql" / "macros" / "mu_bucket.sql"
+
+
+def _mu_bucket_edges() -> np.ndarray:
+    """The probability edges of the SQL macro ``mu_bucket`` (``when p < X``), in order."""
+    edges = [float(x) for x in re.findall(r"when\s+p\s*<\s*([0-9.eE+-]+)", MU_BUCKET_SQL.read_text())]
+    if not edges or edges != sorted(edges):
+        raise RuntimeError(f"{MU_BUCKET_SQL}: expected increasing 'when p < X' edges, found {edges}")
+    return np.array(edges)
+
+
+MU_BUCKET_EDGES = _mu_bucket_edges()
+"""``(5,)`` upper edges of the mu buckets but the last: bucket i holds ``MU_LOWS[i] <= mu_prob < edge i``."""
+MU_LOWS = np.concatenate([[0.0], MU_BUCKET_EDGES])
+"""``(6,)`` lower edge of each mu bucket."""
+SIGNS = ("positive", "negative", "zero")
+
+HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]])
+"""``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread, then restore the caller's setting.
+
+    Measured on this 2-core machine under load: 65k tokens x 13 rule masks took 0.25 CPU s on one thread and
+    3.6-6.4 s with two, and a 512-token call's top-K divergences 8 ms per logsumexp (``docs/performance.md``).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _moments(name: str, x: np.ndarray) -> dict:
+    x = x.astype(np.float64)
+    return {"metric": name, "count": len(x), "sum": float(x.sum()), "sum_sq": float(np.dot(x, x)),
+            "min": float(x.min()), "max": float(x.max())}
+
+
+def _hist(name: str, x: np.ndarray) -> list[dict]:
+    counts = np.bincount(np.searchsorted(HIST_EDGES, x, side="right") - 1, minlength=len(HIST_EDGES) - 1)
+    return [{"metric": f"{name}_hist", "bin_low": float(HIST_EDGES[i]), "bin_high": float(HIST_EDGES[i + 1]),
+             "count": int(counts[i])} for i in np.flatnonzero(counts)]
+
+
+def _grouped(metric: str, group: np.ndarray, where: np.ndarray | None, signs: int, **extra: object) -> list[dict]:
+    """Counts of ``group`` (sign * 6 + bucket) over the rows ``where``, one row per non-empty group."""
+    counts = np.bincount(group if where is None else group[where], minlength=len(SIGNS) * len(MU_LOWS))
+    return [{"metric": metric, "advantage_sign": SIGNS[g // len(MU_LOWS)], "mu_low": float(MU_LOWS[g % len(MU_LOWS)]),
+             "count": int(counts[g]), **extra}
+            for g in np.flatnonzero(counts[: signs * len(MU_LOWS)])]
+
+
+def summarize_call(cols: dict[str, np.ndarray]) -> list[dict]:
+    """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
+    lists are there and the divergences are not (computed once, for every row, and written with the rows)."""
+    if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
+        from trustscope.logger.writer import topk_divergences
+
+        with one_torch_thread():
+            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
+        cols.setdefault("topk_tv", tv)
+        cols.setdefault("topk_kl", kl)
+    return summarize(cols)
+
+
+def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
+    """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
+
+    The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`).
+
+    Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
+    """
+    import torch
+
+    from trustscope.losses import PolicyBatch, get_loss, list_losses
+
+    n = len(cols["mu_logprob"])
+    if n == 0:
+        return []
+    mu_prob = np.exp(cols["mu_logprob"].astype(np.float64))  # (N,)
+    pi_prob = np.exp(cols["pi_logprob"].astype(np.float64))  # (N,)
+    adv = cols["advantage"]
+    sign = np.where(adv > 0, 0, np.where(adv < 0, 1, 2))  # (N,) index into SIGNS
+    group = sign * len(MU_LOWS) + np.searchsorted(MU_BUCKET_EDGES, mu_prob, side="right")  # (N,)
+    rows = _grouped("tokens", group, None, 3)
+    if "kept" in cols:
+        rows += _grouped("trainer_blocked", group, ~cols["kept"], 3)
+
+    def tensor(name: str) -> torch.Tensor | None:
+        return torch.from_numpy(cols[name]).unsqueeze(0) if name in cols else None  # (1, N) / (1, N, K)
+
+    inputs = {"pi_logprob": tensor("pi_logprob"), "mu_logprob": tensor("mu_logprob"),
+              "advantages": tensor("advantage"), "mask": torch.ones(1, n, dtype=torch.bool),
+              "old_logprob": tensor("old_logprob"), "mu_topk_logprobs": tensor("mu_topk_logprobs"),
+              "pi_topk_logprobs": tensor("pi_topk_logprobs")}
+    batch = PolicyBatch(**inputs)
+    signed = sign < 2
+    with one_torch_thread(), torch.no_grad():
+        for name in list_losses():
+            rule = get_loss(name)
+            if any(inputs[need] is None for need in rule.needs):
+                continue
+            keep = rule.fn(batch, **rule.resolve()).keep[0].numpy()  # (N,); inputs checked finite already
+            rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
+
+    delta = float(get_loss("minimal_negative_mask").defaults["delta"])
+    bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())
+    rows.append({"metric": "bad_negative", "advantage_sign": "negative", "count": bad, "threshold": delta})
+    diff = pi_prob - mu_prob
+    rows += [_moments("prob_diff", diff), _moments("abs_prob_diff", np.abs(diff)), *_hist("abs_prob_diff", np.abs(diff))]
+    for name in ("topk_tv", "topk_kl"):
+        if name in cols:
+            rows += [_moments(name, cols[name]), *_hist(name, cols[name])]
+    if "entropy" in cols:
+        rows.append(_moments("entropy", cols["entropy"]))
+    return rows
