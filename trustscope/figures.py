@@ -282,8 +282,8 @@ def blocked_fraction_by_rule(df: pd.DataFrame, applied: Mapping[str, str | None]
             extra = {}
             if counts:
                 extra = {"customdata": one[["n_blocked", "n_tokens"]].to_numpy(),
-                         "hovertemplate": f"{rule}<br>step %{{x}}<br>%{{y:.2%}} "
-                                          "(%{customdata[0]:,.0f} of %{customdata[1]:,.0f} tokens)<extra></extra>"}
+                         "hovertemplate": f"{rule}<br>step %{{x}}<br>%{{y:.2%}} (%{{customdata[0]:,.0f}} of "
+                                          "%{customdata[1]:,.0f} tokens with A != 0)<extra></extra>"}
             traces.append(go.Scatter(x=one["step"], y=one["blocked_frac"], mode="lines", name=rule,
                                      legendgroup=rule, showlegend=rule not in shown, meta={"rule": rule},
                                      line={"color": rule_colour(rule), "width": 4 if own else 1.5}, **extra))
@@ -295,7 +295,7 @@ def blocked_fraction_by_rule(df: pd.DataFrame, applied: Mapping[str, str | None]
     step_axis(fig, df["step"])
     fig.update_xaxes(title_text="step", row=rows)
     percent_axis(fig)
-    fig.update_yaxes(title_text="blocked (% of tokens)", col=1)
+    fig.update_yaxes(title_text="blocked (% of A != 0 tokens)", col=1)
     return _finish(fig, 120 + 260 * rows, top=90)
 
 

@@ -67,8 +67,9 @@ def compare(chosen: list[str], grouped: bool) -> None:
     widgets.chart(data.figure("blocked_fraction_by_rule", blocked, applied=applied), "blocked_chart",
                   "No rule would block any token of these runs (the policy never moved far from the rollouts). "
                   "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
-    st.caption("Share of the logged tokens each rule would block on the same tokens; the thick line is the rule the "
-               "trainer applied (only that one shaped the update). Hover a line for the token counts.")
+    st.caption("Share of the logged tokens that carry gradient (A != 0) each rule would block, every rule on the "
+               "same tokens; the thick line is the rule the trainer applied (only that one shaped the update). "
+               "Hover a line for the token counts.")
 
 
 chosen, grouped = widgets.pick_groups(runs)
