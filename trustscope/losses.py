@@ -90,7 +90,7 @@ RuleFn = Callable[..., LossOutput]
 SQL_COLUMNS = frozenset({
     "ratio", "old_ratio", "log_ratio", "mu_prob", "pi_prob", "old_prob", "mu_logprob", "pi_logprob", "old_logprob",
     "binary_tv", "binary_kl", "topk_tv", "topk_kl", "old_binary_tv", "old_binary_kl", "advantage", "pos",
-    "seq_log_ratio", "seq_len", "seq_p90_binary_tv", "prefix_binary_tv", "prefix_pos_binary_tv",
+    "seq_log_ratio", "seq_pos", "seq_len", "seq_p90_binary_tv", "prefix_binary_tv", "prefix_pos_binary_tv",
 })
 """Columns the SQL view ``rule_blocks`` hands to the mask macros (``old_*``: anchored on pi_old). The ``seq_*`` and
 ``prefix_*`` columns are the response's context, computed once over the window ``(run_id, step, rank,
@@ -142,7 +142,7 @@ NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("
 RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"))
 SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
 SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True)
-CPPO_PREFIX = SqlMask("cppo", ("pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
+CPPO_PREFIX = SqlMask("cppo", ("seq_pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
                                "prefix_pos_binary_tv", "pi_logprob", "mu_logprob", "advantage"),
                       ("delta", "w_min", "delta_b"), sequence=True)
 DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",))

@@ -130,11 +130,24 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     if "kept" in cols:
         rows += _grouped("trainer_blocked", group, ~cols["kept"], 3)
 
+    # The rules see the call's padded (B, T) batch, rebuilt from (sample_id, pos): the sequence-level rules
+    # (GSPO, geometric-mean masking, CPPO's prefix budget) need each response as one row, as the trainer had it.
+    seq_ids, row = np.unique(cols["sample_id"], return_inverse=True)  # row: (N,) index into B
+    pos = cols["pos"]
+    shape = (len(seq_ids), int(pos.max()) + 1)  # (B, T)
+    valid = np.zeros(shape, dtype=bool)
+    valid[row, pos] = True
+
     def tensor(name: str) -> torch.Tensor | None:
-        return torch.from_numpy(cols[name]).unsqueeze(0) if name in cols else None  # (1, N) / (1, N, K)
+        if name not in cols:
+            return None
+        dtype = np.float64 if cols[name].dtype.kind == "f" else cols[name].dtype  # as the SQL computes
+        padded = np.zeros(shape + cols[name].shape[1:], dtype=dtype)  # (B, T) / (B, T, K)
+        padded[row, pos] = cols[name]
+        return torch.from_numpy(padded)
 
     inputs = {"pi_logprob": tensor("pi_logprob"), "mu_logprob": tensor("mu_logprob"),
-              "advantages": tensor("advantage"), "mask": torch.ones(1, n, dtype=torch.bool),
+              "advantages": tensor("advantage"), "mask": torch.from_numpy(valid),
               "old_logprob": tensor("old_logprob"), "mu_topk_logprobs": tensor("mu_topk_logprobs"),
               "pi_topk_logprobs": tensor("pi_topk_logprobs")}
     batch = PolicyBatch(**inputs)
@@ -144,7 +157,7 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
             rule = get_loss(name)
             if any(inputs[need] is None for need in rule.needs):
                 continue
-            keep = rule.fn(batch, **rule.resolve()).keep[0].numpy()  # (N,); inputs checked finite already
+            keep = rule.fn(batch, **rule.resolve()).keep.numpy()[row, pos]  # (N,); inputs checked finite already
             rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
 
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])

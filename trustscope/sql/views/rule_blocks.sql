@@ -5,7 +5,8 @@
 -- token's run's entry in trustscope_params.run_sets (1: the defaults or the caller's choice; a run's own set holds
 -- its own rule at the parameters it trained with, from its run.json). a run without an entry uses set 1.
 -- the sequence families read the response's context, computed once here over the window (run_id, step, rank,
--- sample_id): the mean log-ratio, the length, and for cppo the p90 and the prefix sums of binary tv. the kept
+-- sample_id): the mean log-ratio, the length, and for cppo the position among the response's tokens, the p90 and the
+-- prefix sums of binary tv. the kept
 -- aggregates' cold pass materialises this view once per tokens file and every partial view reads those rows.
 with run_sets as (
     select run_set.run_id, run_set.rule_set
@@ -20,7 +21,10 @@ metrics as (
         binary_tv, binary_kl, topk_tv, topk_kl,
         binary_tv(old_logprob, pi_logprob) as old_binary_tv,
         binary_kl_probs(old_prob, pi_prob, old_logprob, pi_logprob) as old_binary_kl,
-        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file
+        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file,
+        -- the token's place among its response's logged tokens (pos counts masked-out columns too), as the torch
+        -- rules count positions over the valid tokens
+        row_number() over (partition by run_id, step, rank, sample_id order by pos) - 1 as seq_pos
     from token_metrics_core
 ),
 
@@ -31,7 +35,7 @@ sequences as (
         count(*) over response as seq_len,
         quantile_cont(binary_tv, 0.9) over response as seq_p90_binary_tv,
         coalesce(sum(binary_tv) over prefix, 0.0) as prefix_binary_tv,
-        coalesce(sum(pos * binary_tv) over prefix, 0.0) as prefix_pos_binary_tv
+        coalesce(sum(seq_pos * binary_tv) over prefix, 0.0) as prefix_pos_binary_tv
     from metrics
     window
         -- both windows share the partition and the order, so the rows are sorted once
