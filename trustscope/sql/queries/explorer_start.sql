@@ -1,12 +1,12 @@
 -- where the token explorer opens on run $run_id: the latest step holding a token the trainer's own rule blocked,
 -- else the latest step holding a token some rule would block, else the latest step; in that step the response
--- with the most such tokens, then the longest.
+-- with the most such tokens (counted over A != 0: an A = 0 token moves nothing), then the longest.
 with per_sample as (
     select
         step,
         sample_id,
-        count(*) filter (where not kept) as n_blocked,
-        count(*) filter (where greatest(*columns('^blocks_.*$'))) as n_would_block,
+        count(*) filter (where not kept and advantage <> 0) as n_blocked,
+        count(*) filter (where advantage <> 0 and greatest(*columns('^blocks_.*$'))) as n_would_block,
         count(*) as n_logged
     from rule_blocks
     where run_id = $run_id
