@@ -4,9 +4,11 @@ the module, gives the local pass's rows and answers; an unreachable cluster warn
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -15,7 +17,7 @@ from typer.testing import CliRunner
 
 from trustscope import db as tsdb
 from trustscope.cli import app
-from trustscope.distributed import RayUnavailable, RayUnavailableWarning
+from trustscope.distributed import RayUnavailable, RayUnavailableWarning, TaskSpec, aggregate_files
 from trustscope.synthetic import SyntheticConfig, generate_run
 
 pytestmark = pytest.mark.slow  # Ray's start-up alone takes 10-30 s on the shared 2-core machine
@@ -151,3 +153,28 @@ def test_report_on_ray_prints_the_local_report(logdir, local_ray, tmp_path):
     failed = report("--ray", UNREACHABLE, "--ray-fallback", "error", cache="failed")
     assert failed.exit_code == 2 and failed.stdout == ""
     assert f"trustscope report: Ray cluster '{UNREACHABLE}' cannot be reached: no connection" in failed.stderr
+
+
+def test_a_task_error_is_raised_as_its_own_class(logdir, local_ray, tmp_path):
+    """A tokens file that cannot be read fails the pass with DuckDB's error naming the file, as the local pass
+    does (Ray's error is also an instance of the task's exception class), so callers handle both alike."""
+    for ray_address in (None, "auto"):
+        logs = tmp_path / str(ray_address) / "logs"
+        shutil.copytree(logdir, logs)
+        with tsdb.connect(logs, cache=False, ray=ray_address) as db:
+            broken = sorted((logs / "run_a" / "tokens").glob("*.parquet"))[1]  # broken once the views are bound
+            broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+            with pytest.raises(duckdb.Error, match=broken.name):
+                db.step_summary()
+
+
+def test_a_task_refuses_sql_other_than_the_drivers(logdir):
+    """A node whose trustscope has other SQL would compute other rows: its tasks refuse, naming the fingerprints."""
+    with tsdb.connect(logdir, cache=False) as db:
+        spec = TaskSpec(db._rule_blocks, "0" * 64, db._params())
+        files = sorted(_tokens_files(db))[:1]
+        with pytest.raises(RuntimeError, match=r"differs from the driver's .* install the driver's trustscope"):
+            aggregate_files(spec, files)
+        good = TaskSpec(db._rule_blocks, db._fingerprint, db._params())
+        [(name, tables)] = aggregate_files(good, files)
+        assert name == files[0] and set(tables) == set(tsdb._CACHED_PARTIALS)
