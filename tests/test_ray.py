@@ -7,6 +7,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import duckdb
 import numpy as np
@@ -17,13 +18,19 @@ from typer.testing import CliRunner
 
 from trustscope import db as tsdb
 from trustscope.cli import app
-from trustscope.distributed import RayUnavailable, RayUnavailableWarning, TaskSpec, aggregate_files
+from trustscope.distributed import (
+    RayUnavailable,
+    RayUnavailableWarning,
+    TaskSpec,
+    _unreachable,
+    aggregate_files,
+)
 from trustscope.synthetic import SyntheticConfig, generate_run
 
 pytestmark = pytest.mark.slow  # Ray's start-up alone takes 10-30 s on the shared 2-core machine
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = SyntheticConfig(tokens=2_400, steps=4, rows_per_file=500, edge_cases=True, seed=11)  # a file per step
+CFG = SyntheticConfig(tokens=1_600, steps=4, rows_per_file=300, edge_cases=True, seed=11)  # a file per step
 UNREACHABLE = "127.0.0.1:1"  # nothing listens on port 1: the connection is refused at once
 ANALYSES = ("step_summary", "blocked_fractions", "clipped_tokens", "ratio_vs_divergence", "bad_negative_updates")
 
@@ -72,7 +79,7 @@ def _assert_same_rows(got: pa.Table, want: pa.Table, what: str) -> None:
 
 
 def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_path):
-    local = tsdb.connect(logdir, cache=False)
+    local = tsdb.connect(logdir, cache_dir=tmp_path / "local")
     on_ray = tsdb.connect(logdir, cache_dir=tmp_path / "cache", ray="auto")
     try:
         assert on_ray.ray is not None and local.ray is None
@@ -85,7 +92,7 @@ def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_p
 
         files = _tokens_files(on_ray)
         tasks = on_ray.ray.tasks
-        assert len(files) >= 8 and on_ray.partials_computed == len(files)
+        assert len(files) >= 8 and on_ray.partials_computed == local.partials_computed == len(files)
         # every file was aggregated by exactly one task, each task in a Ray worker process, not in this one
         assert sorted(f for t in tasks for f in t.files) == sorted(files)
         assert len(tasks) >= 4 and len({t.task_id for t in tasks}) == len(tasks)
@@ -111,7 +118,7 @@ def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_p
 def test_an_unreachable_cluster_warns_and_the_local_pass_answers(logdir, tmp_path):
     with pytest.warns(RayUnavailableWarning, match=rf"'{UNREACHABLE}' cannot be reached: no connection to "
                                                    r"127\.0\.0\.1:1 .*aggregating on this machine"):
-        db = tsdb.connect(logdir, cache_dir=tmp_path, ray=UNREACHABLE)
+        db = tsdb.connect(logdir / "run_a", cache_dir=tmp_path, ray=UNREACHABLE)
     with db:
         assert db.ray is None
         assert db.step_summary().n_tokens.sum() > 0 and db.partials_computed == len(_tokens_files(db))
@@ -121,6 +128,15 @@ def test_an_unreachable_cluster_with_fallback_error_raises_at_connect(logdir, tm
     for address in (UNREACHABLE, f"ray://{UNREACHABLE}"):
         with pytest.raises(RayUnavailable, match=rf"Ray cluster '{address}' cannot be reached: no connection"):
             tsdb.connect(logdir, cache_dir=tmp_path, ray=address, ray_fallback="error")
+
+
+def test_auto_probes_the_address_ray_would_join(monkeypatch):
+    """``ray="auto"`` in a process not attached to Ray probes what ``ray.init("auto")`` would join: RAY_ADDRESS."""
+    detached = SimpleNamespace(is_initialized=lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", UNREACHABLE)
+    assert _unreachable(detached, "auto").startswith(f"no connection to {UNREACHABLE} (")
+    monkeypatch.setenv("RAY_ADDRESS", "headnode")
+    assert _unreachable(detached, "auto") == "RAY_ADDRESS='headnode' is not HOST:PORT or ray://HOST:PORT"
 
 
 def test_bad_ray_settings_name_the_value(logdir, tmp_path):
@@ -135,7 +151,7 @@ def test_report_on_ray_prints_the_local_report(logdir, local_ray, tmp_path):
     runner = CliRunner()
 
     def report(*flags: str, cache: str):  # a cache folder of its own: every invocation aggregates afresh
-        return runner.invoke(app, ["report", str(logdir), *flags], terminal_width=200,
+        return runner.invoke(app, ["report", str(logdir / "run_b"), *flags], terminal_width=200,
                              env={"TRUSTSCOPE_CACHE": str(tmp_path / cache)})
 
     here = report(cache="here")
@@ -146,7 +162,7 @@ def test_report_on_ray_prints_the_local_report(logdir, local_ray, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the command reports the warning itself, on stderr
-        fallback = report("--ray", UNREACHABLE, cache="fallback")
+        fallback = report("--ray", UNREACHABLE, cache="here")  # kept: only the warning is new
     assert fallback.exit_code == 0 and fallback.stdout == here.stdout
     assert f"Ray cluster '{UNREACHABLE}' cannot be reached" in fallback.stderr
 

@@ -8,7 +8,8 @@ the named analyses the CLI, the report and the dashboard call.
 Views read the runs' Parquet files that the logger has committed (listed afresh for every cursor), so a run that
 is still being written shows every step whose flush is complete, in every table at once. Per-step summaries come from
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
-costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
+costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL. Given a Ray
+cluster (``connect(..., ray="auto")``), the new files are aggregated as Ray tasks (:mod:`trustscope.distributed`).
 
 User SQL never runs on this connection: :meth:`LogDB.sql` checks its whole parse tree and runs it in the
 worker of :mod:`trustscope.sandbox`, on a read-only copy of the views and macros that can write no file, within

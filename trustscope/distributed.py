@@ -217,7 +217,10 @@ def _unreachable(ray: Any, address: str) -> str | None:
                 target = canonicalize_bootstrap_address_or_die("auto")
             except ConnectionError as err:
                 return str(err)
-    host, port = _host_port(target)
+    try:
+        host, port = _host_port(target)
+    except ValueError:  # only RAY_ADDRESS can be malformed here: attach_ray checked the address it was given
+        return f"RAY_ADDRESS={target!r} is not HOST:PORT or ray://HOST:PORT"
     try:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as err:
