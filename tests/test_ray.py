@@ -103,13 +103,16 @@ def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_p
         on_ray.close()
         local.close()
 
-    # what the tasks computed went through the same kept-aggregate path: on disk, a new connection reads it
-    again = tsdb.connect(logdir, cache_dir=tmp_path / "cache", ray="auto")
+    # what the tasks computed went through the same kept-aggregate path: on disk, a new connection reads it (this
+    # one names the cluster by its GCS address, which the TCP probe reaches)
+    gcs = ray.get_runtime_context().gcs_address
+    again = tsdb.connect(logdir, cache_dir=tmp_path / "cache", ray=gcs)
     plain = tsdb.connect(logdir, cache_dir=tmp_path / "cache")
     try:
         again.step_summary()
         plain.step_summary()
-        assert again.ray.tasks == [] and again.partials_computed == 0 and plain.partials_computed == 0
+        assert again.ray.address == gcs and again.ray.tasks == []
+        assert again.partials_computed == 0 and plain.partials_computed == 0
     finally:
         again.close()
         plain.close()
