@@ -209,23 +209,35 @@ def report(
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
+    ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
+                                   "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
+                                   "storage they share)."),
+    ray_fallback: str = typer.Option("warn", "--ray-fallback", help="When the --ray cluster cannot be reached: "
+                                     "warn (and aggregate here) or error."),
 ) -> None:
     """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
     collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
+    import warnings
+
     import duckdb
 
+    from trustscope.distributed import RayUnavailable, RayUnavailableWarning
     from trustscope.report import NoRunsFound, WarningLines, connect_readable, print_report, write_html
 
     try:
         lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
-        db, broken = connect_readable(logdir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RayUnavailableWarning)
+            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback)
+        for warning in caught:
+            typer.echo(f"trustscope report: {warning.message}", err=True)
         with db:
             print_report(db, broken=broken, lines=lines)
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
-    except (FileNotFoundError, NoRunsFound, ValueError) as exc:
+    except (FileNotFoundError, NoRunsFound, ValueError, RayUnavailable) as exc:
         typer.echo(f"trustscope report: {_first_line(exc)}", err=True)
-        raise typer.Exit(2 if isinstance(exc, FileNotFoundError) else 1) from exc
+        raise typer.Exit(2 if isinstance(exc, FileNotFoundError | RayUnavailable) else 1) from exc
     except (duckdb.Error, OSError) as exc:
         typer.echo(f"trustscope report: could not read {logdir}: {_first_line(exc)}; run `trustscope validate "
                    f"{logdir}` to list broken files", err=True)

@@ -8,7 +8,8 @@ the named analyses the CLI, the report and the dashboard call.
 Views read the runs' Parquet files that the logger has committed (listed afresh for every cursor), so a run that
 is still being written shows every step whose flush is complete, in every table at once. Per-step summaries come from
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
-costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
+costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL. Given a Ray
+cluster (``connect(..., ray="auto")``), the new files are aggregated as Ray tasks (:mod:`trustscope.distributed`).
 
 User SQL never runs on this connection: :meth:`LogDB.sql` checks its whole parse tree and runs it in the
 worker of :mod:`trustscope.sandbox`, on a read-only copy of the views and macros that can write no file, within
@@ -33,10 +34,10 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pandas as pd
@@ -52,6 +53,9 @@ from trustscope.sandbox import QueryRefused as QueryRefused
 from trustscope.sandbox import QueryStopped as QueryStopped
 from trustscope.sandbox import QueryTimeout as QueryTimeout
 from trustscope.sandbox import Sandbox, check_statement, memory_limit_bytes
+
+if TYPE_CHECKING:
+    from trustscope.distributed import RayAggregator
 
 SQL_DIR = Path(__file__).parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
@@ -288,6 +292,31 @@ def _load_sql(con: duckdb.DuckDBPyConnection, files: Iterable[Path], kind: str,
             raise RuntimeError(f"cannot load {kind} {name!r} from {pending[name]}: {err}")
 
 
+def write_empty_files(folder: Path) -> dict[str, list[str]]:
+    """An empty file of every table in ``folder``, always first in each file list: the views have every column
+    even before the first file of a table lands, and a glob list is never empty. Returns the file lists that
+    hold only them (table -> [its empty file]; ``manifests`` -> [an empty run.json])."""
+    lists = {}
+    for table in (*schema.TABLES, "vocab"):
+        lists[table] = [str(folder / f"empty_{table}.parquet")]
+        pq.write_table(schema.with_metadata(table).empty_table(), lists[table][0])
+    (folder / "empty_run.json").write_text("")
+    return {**lists, "manifests": [str(folder / "empty_run.json")]}
+
+
+def aggregate_partials(cur: duckdb.DuckDBPyConnection) -> dict[str, pa.Table]:
+    """Every partial view's rows over the tokens ``cur`` has bound, from one pass over them.
+
+    Materialises ``rule_blocks`` (every rule's flag, the sequence rules' windows computed once), only the columns
+    the partial views read, into a temporary table of the same name; DuckDB finds the temporary table before the
+    view, so each partial view then reads those rows instead of recomputing the metrics and the sequence windows
+    once per partial view. Shared by the local pass and the Ray tasks (:mod:`trustscope.distributed`).
+    """
+    inputs = [_quote(c) for c in cur.view("rule_blocks").columns if c in _PARTIAL_WORDS or c.startswith("blocks_")]
+    cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
+    return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+
+
 class LogDB:
     """A DuckDB connection over one or many runs, with trustscope's macros, views and named analyses.
 
@@ -297,8 +326,10 @@ class LogDB:
     def __init__(self, paths: Sequence[Path], *, max_rows: int = DEFAULT_MAX_ROWS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True,
                  cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None,
-                 memory_limit: float | None = None) -> None:
+                 memory_limit: float | None = None, ray: RayAggregator | None = None) -> None:
         self.paths = [Path(p).resolve() for p in paths]
+        self.ray = ray
+        """The Ray cluster the files that miss partial aggregates are aggregated on, or None: here."""
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
@@ -327,7 +358,7 @@ class LogDB:
         self._cache_files: dict[str, tuple[pa.Table, int, str]] = {}
         """Kept aggregate name -> (the table last written for the SQL worker, its version, its file)."""
         self._late_links: dict[str, str] = {}
-        self._write_empty_files()
+        write_empty_files(self._private)
         self.runs_dirs = _run_dirs(self.paths)
         self.con = duckdb.connect(config={"autoload_known_extensions": False,
                                           "autoinstall_known_extensions": False,
@@ -346,14 +377,6 @@ class LogDB:
             self.con.register(cache_name, self._merged[cache_name])
 
     # ------------------------------------------------------------------------------------------- set-up
-
-    def _write_empty_files(self) -> None:
-        """An empty file of every table, always first in each file list: the views have every column even
-        before the first file of a table lands, and a glob list is never empty."""
-        for table in (*schema.TABLES, "vocab"):
-            empty = schema.with_metadata(table).empty_table()
-            pq.write_table(empty, self._private / f"empty_{table}.parquet")
-        (self._private / "empty_run.json").write_text("")
 
     def _file_lists(self) -> dict[str, list[str]]:
         """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
@@ -500,7 +523,7 @@ class LogDB:
         """Bring every partial view's kept rows up to date with ``files``: drop files that are gone, read what is
         kept on disk, aggregate the files that still miss a view. Returns whether any kept rows changed."""
         changed = False
-        current = {}
+        current, todo = {}, []
         for f in files:
             st = f.stat()
             current[f] = (st.st_size, st.st_mtime_ns)
@@ -518,31 +541,34 @@ class LogDB:
                     if stored.is_file():
                         self._partials[view][f] = (key, pq.read_table(stored))
                         missing.remove(view)
-            if not missing:
-                continue
+            if missing:
+                todo.append(f)
+        for f, tables in self._aggregate_files(todo):
             self.partials_computed += 1
-            for view, table in self._aggregate_file(f).items():
-                self._partials[view][f] = (key, table)
+            for view, table in tables.items():
+                self._partials[view][f] = (current[f], table)
                 if self.cache_dir is not None:
-                    self._store(self._disk_path(view, f, key), table)
+                    self._store(self._disk_path(view, f, current[f]), table)
         return changed
 
-    def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
-        """Every partial view's rows for one tokens file, from one pass over it.
+    def _aggregate_files(self, files: list[Path]) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
+        """``(file, every partial view's rows)`` for each of ``files``: as Ray tasks when a cluster is attached
+        (in the order they finish), else here, one file after the other."""
+        if self.ray is not None and files:
+            yield from self.ray.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
+                                          params=self._params())
+            return
+        for f in files:
+            yield f, self._aggregate_file(f)
 
-        A cursor whose token list holds only ``file`` materialises the file's ``rule_blocks`` (every rule's flag,
-        the sequence rules' windows computed once), only the columns the partial views read, into a temporary
-        table of the same name; DuckDB finds the temporary table before the view, so each partial view then reads
-        those rows instead of recomputing the metrics and the sequence windows once per partial view.
-        """
+    def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
+        """Every partial view's rows for one tokens file, from one pass over it (:func:`aggregate_partials` on a
+        cursor whose token list holds only ``file``)."""
         cur = self.cursor()
         try:
             lists = self._file_lists()
             cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], str(file)]}])
-            inputs = [_quote(c) for c in cur.view("rule_blocks").columns
-                      if c in _PARTIAL_WORDS or c.startswith("blocks_")]
-            cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
-            return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+            return aggregate_partials(cur)
         finally:
             cur.close()
 
@@ -831,7 +857,8 @@ def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
 def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int = DEFAULT_MAX_ROWS,
             timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True, cache_dir: str | Path | None = None,
             rule_params: dict[str, dict[str, Any]] | None = None,
-            rules: str | Sequence[str] | None = None, memory_limit: float | None = None) -> LogDB:
+            rules: str | Sequence[str] | None = None, memory_limit: float | None = None,
+            ray: str | None = None, ray_fallback: str = "warn") -> LogDB:
     """Open a log directory, one run directory, or a list of them, as a locked-down :class:`LogDB`.
 
     ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
@@ -844,14 +871,21 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
     so a new process does not recompute them; ``cache=False`` recomputes them on every refresh.
     ``memory_limit`` bounds user SQL (:meth:`LogDB.sql`): a fraction of physical memory up to 1, else bytes
     (default ``$TRUSTSCOPE_SQL_MEMORY``, else a quarter of the memory).
+    ``ray``: ``"auto"``, ``HOST:PORT`` or ``ray://HOST:PORT`` aggregates the files that miss partial aggregates as
+    Ray tasks on that cluster (see :mod:`trustscope.distributed`); a cluster that cannot be reached warns and
+    aggregates here (``ray_fallback="warn"``) or raises :class:`~trustscope.distributed.RayUnavailable` now
+    (``"error"``).
     """
     paths = [logdir_or_runs] if isinstance(logdir_or_runs, str | Path) else list(logdir_or_runs)
     if not paths:
         raise ValueError("connect: no log directory given")
     load_rules(rules)
+    from trustscope.distributed import attach_ray  # here: it imports this module (and ray only when named)
+
+    cluster = attach_ray(ray, fallback=ray_fallback)
     return LogDB([Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s, cache=cache,
                  cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
-                 memory_limit=memory_limit)
+                 memory_limit=memory_limit, ray=cluster)
 
 
 CONTRACTS_FILE = SQL_DIR / "contracts.yml"
