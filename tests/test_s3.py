@@ -1,0 +1,225 @@
+"""Logs on object storage: the real TokenLogger writes to ``s3://`` and every reader reads it back, against a local
+S3 endpoint (moto in server mode on 127.0.0.1), with the commit protocol kept: no reader sees half a flush."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+from moto.server import ThreadedMotoServer
+from typer.testing import CliRunner
+
+from trustscope import schema as S
+from trustscope import storage
+from trustscope.cli import app
+from trustscope.db import connect
+from trustscope.logger import LogDirError, LogWarning, TokenLogger
+
+pytestmark = pytest.mark.filterwarnings("ignore:trustscope. object storage has no locks:UserWarning")
+
+B, T = 4, 6
+BUCKET = "trustscope-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """A moto S3 server on a free local port with one bucket; AWS_* variables point every client at it."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_ENDPOINT_URL", url)
+        storage.s3_filesystem().mkdir(BUCKET)
+        yield url
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Mirrors and kept aggregates go to the test's own folder."""
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+
+
+def step_data(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    mu = -rng.random((B, T)).astype(np.float32) * 3
+    pi = mu + rng.normal(0, 0.3, (B, T)).astype(np.float32)
+    tokens = {"token_id": rng.integers(0, 10, (B, T)), "mu_logprob": mu, "pi_logprob": np.minimum(pi, 0),
+              "advantage": rng.normal(size=B)}
+    return {"tokens": tokens, "mask": np.ones((B, T), bool),
+            "samples": {"sample_id": np.arange(B), "prompt_id": np.zeros(B, int), "reward": rng.random(B)},
+            "scalars": {"loss": float(step)}}
+
+
+def log_run(logdir, run_id: str, steps, **kwargs) -> dict:
+    """Log ``steps``, one flush each; returns the rank's manifest."""
+    with TokenLogger(logdir, run_id, vocab=[str(i) for i in range(10)], flush_seconds=3600, **kwargs) as lg:
+        for step in steps:
+            lg.log_step(step, **step_data(step))
+            lg.flush()
+    return lg.manifest
+
+
+def objects(prefix: str) -> list[str]:
+    return sorted(storage.s3_filesystem().find(prefix))
+
+
+def test_a_run_logged_to_s3_reads_as_the_same_run_logged_to_disk(endpoint, tmp_path):
+    url = f"s3://{BUCKET}/same"
+    manifest = log_run(url, "r1", range(3), storage_options={"endpoint_url": endpoint})
+    log_run(tmp_path / "local", "r1", range(3))
+    assert manifest["committed_flush"] == 3 and manifest["rows"]["tokens"] == 3 * B * T
+    names = [o.rsplit("/", 2)[-2:] for o in objects(f"{BUCKET}/same/r1")]
+    assert ["r1", "run.json"] in names and ["r1", "vocab.parquet"] in names
+    assert not [n for n in names if n[-1].endswith(S.TMP_SUFFIX)], "no temporary object is left behind"
+
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as remote, \
+            connect(tmp_path / "local", cache=False) as local:
+        pd.testing.assert_frame_equal(remote.step_summary(), local.step_summary())
+        count = "select count(*) as n, count(distinct step) as steps from tokens"
+        assert remote.sql(count).to_pandas().equals(local.sql(count).to_pandas())
+        assert remote.sql(count).table.column("n")[0].as_py() == 3 * B * T
+        runs = remote.runs()
+        assert runs["run_id"].tolist() == ["r1"] and runs["status"].tolist() == ["finished"]
+
+
+def test_validate_and_report_read_s3(endpoint):
+    url = f"s3://{BUCKET}/cli"
+    log_run(url, "r1", range(2))  # the endpoint from AWS_ENDPOINT_URL
+    runner = CliRunner()
+    result = runner.invoke(app, ["validate", url])
+    assert result.exit_code == 0, result.output
+    assert f"ok: 1 run(s) in {url}" in result.output
+    result = runner.invoke(app, ["report", url])
+    assert result.exit_code == 0, result.output
+    assert "r1" in result.output
+
+
+def test_readers_see_only_committed_flushes(endpoint, tmp_path):
+    """A part object whose commit never landed (a writer killed between its uploads and its manifest PUT) is
+    read by nobody, validate stays clean, and resuming the run removes it."""
+    url = f"s3://{BUCKET}/uncommitted"
+    log_run(url, "r1", range(2))
+    fs = storage.s3_filesystem()
+    tokens = [o for o in objects(f"{BUCKET}/uncommitted/r1/tokens")]
+    orphan = f"{BUCKET}/uncommitted/r1/tokens/{S.data_file_name(0, 7, 7, 3)}"
+    fs.copy(tokens[0], orphan)
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        assert len(db._file_lists()["tokens"]) == 1 + 2  # the empty file, then the two committed flushes
+        assert db.runs()["n_steps"].tolist() == [2]
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
+    with TokenLogger(url, "r1", resume=True) as lg:
+        lg.log_step(2, **step_data(2))
+    assert orphan not in objects(f"{BUCKET}/uncommitted/r1/tokens")
+    assert lg.manifest["committed_flush"] == 3 and lg.manifest["rows"]["tokens"] == 3 * B * T
+
+
+def test_a_reader_during_logging_never_sees_half_a_flush(endpoint, tmp_path):
+    """While a writer flushes step after step, every refresh of a reader sees whole steps, the same ones in
+    every table."""
+    url = f"s3://{BUCKET}/live"
+    steps = 8
+    done = threading.Event()
+
+    def write():
+        try:
+            log_run(url, "r1", range(steps))
+        finally:
+            done.set()
+
+    log_run(url, "r0", range(1))  # so that the reader has a run to open
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen = set()
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        while True:
+            finished = done.is_set()
+            db.refresh()
+            cur = db.cursor()
+            try:
+                tokens = cur.execute("select step, count(*) from tokens where run_id = 'r1' group by step").fetchall()
+                samples = cur.execute("select distinct step from samples where run_id = 'r1'").fetchall()
+                summaries = cur.execute("select distinct step from summaries where run_id = 'r1'").fetchall()
+            finally:
+                cur.close()
+            assert all(n == B * T for _, n in tokens), tokens
+            assert {s for s, _ in tokens} == {s for (s,) in samples} == {s for (s,) in summaries}
+            seen.add(len(tokens))
+            if finished:
+                break
+    writer.join()
+    assert max(seen) == steps
+
+
+def test_an_unreachable_endpoint_fails_at_open_with_the_url_and_the_cause(endpoint, tmp_path):
+    url = f"s3://{BUCKET}/unreachable"
+    options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(LogDirError, match=rf"{re.escape(url)}.*cannot be reached: EndpointConnectionError"):
+        TokenLogger(url, "r1", storage_options=options)
+    with pytest.raises(storage.StorageError, match=rf"{re.escape(url)}.*cannot be reached"):
+        connect(url, storage_options=options, mirror_dir=tmp_path)
+
+
+def test_a_missing_bucket_fails_at_open_with_the_url_and_the_cause(endpoint, tmp_path):
+    url = "s3://no-such-bucket/logs"
+    with pytest.raises(LogDirError, match=r"s3://no-such-bucket/logs.*bucket 'no-such-bucket' does not exist"):
+        TokenLogger(url, "r1")
+    with pytest.raises(storage.StorageError, match="bucket 'no-such-bucket' does not exist"):
+        connect(url, mirror_dir=tmp_path)
+    result = CliRunner().invoke(app, ["validate", url])
+    assert result.exit_code == 2 and "bucket 'no-such-bucket' does not exist" in result.output
+
+
+def test_a_bad_url_or_options_are_refused_naming_them(tmp_path):
+    with pytest.raises(ValueError, match="bucket name 'Bad_Bucket'"):
+        TokenLogger("s3://Bad_Bucket/logs", "r1")
+    with pytest.raises(ValueError, match="storage_options are for s3://"):
+        TokenLogger(tmp_path, "r1", storage_options={"endpoint_url": "http://127.0.0.1:1"})
+
+
+def test_object_storage_warns_that_it_has_no_lock(endpoint):
+    with pytest.warns(LogWarning, match="object storage has no locks"), \
+            TokenLogger(f"s3://{BUCKET}/lock", "r1") as lg:
+        lg.log_step(0, **step_data(0))
+
+
+def test_a_failed_upload_loses_its_flush_alone(endpoint, tmp_path, monkeypatch):
+    """A flush whose upload fails is lost (counted in the manifest's ``lost``, the rank ends ``crashed``); the
+    flushes before it stay committed and readable, the ones after it commit as usual."""
+    url = f"s3://{BUCKET}/failing"
+    real = storage.ObjectStore.publish
+
+    def unreachable(self, tmp, final, fsync):
+        raise storage.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LogWarning)
+        lg = TokenLogger(url, "r1", strict=False, flush_seconds=3600)
+        for step in range(4):
+            if step == 2:
+                monkeypatch.setattr(storage.ObjectStore, "publish", unreachable)
+            lg.log_step(step, **step_data(step))
+            lg.flush()
+            monkeypatch.setattr(storage.ObjectStore, "publish", real)
+        lg.close()
+    manifest = lg.manifest
+    assert manifest["status"] == "crashed" and "connection reset" in manifest["error"]
+    assert manifest["lost"]["rows"]["tokens"] == B * T and manifest["lost"]["first_step"] == 2
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        assert sorted(db.step_summary()["step"]) == [0, 1, 3]
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
