@@ -130,23 +130,29 @@ def test_readers_see_only_committed_flushes(endpoint, tmp_path):
 
 
 def test_a_reader_during_logging_never_sees_half_a_flush(endpoint, tmp_path):
-    """While a writer flushes step after step, every refresh of a reader sees whole steps, the same ones in
-    every table."""
+    """While a writer uploads flush after flush, every refresh of a reader sees whole steps, the same ones in
+    every table. The writer waits (at most 5 s) for one refresh after each flush, so the reader's listings
+    overlap the next flush's uploads and it sees the run grow."""
     url = f"s3://{BUCKET}/live"
-    steps = 8
-    done = threading.Event()
+    steps = 6
+    refreshed, done = threading.Event(), threading.Event()
 
     def write():
         try:
-            log_run(url, "r1", range(steps))
+            with TokenLogger(url, "r1", flush_seconds=3600) as lg:
+                for step in range(steps):
+                    lg.log_step(step, **step_data(step))
+                    lg.flush()
+                    refreshed.wait(5)
+                    refreshed.clear()
         finally:
             done.set()
 
     log_run(url, "r0", range(1))  # so that the reader has a run to open
-    writer = threading.Thread(target=write)
-    writer.start()
-    seen = set()
+    seen = []
     with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        writer = threading.Thread(target=write)
+        writer.start()
         while True:
             finished = done.is_set()
             db.refresh()
@@ -157,13 +163,15 @@ def test_a_reader_during_logging_never_sees_half_a_flush(endpoint, tmp_path):
                 summaries = cur.execute("select distinct step from summaries where run_id = 'r1'").fetchall()
             finally:
                 cur.close()
+            refreshed.set()
             assert all(n == B * T for _, n in tokens), tokens
             assert {s for s, _ in tokens} == {s for (s,) in samples} == {s for (s,) in summaries}
-            seen.add(len(tokens))
+            seen.append(len(tokens))
             if finished:
                 break
-    writer.join()
-    assert max(seen) == steps
+        writer.join()
+    assert seen == sorted(seen) and seen[-1] == steps
+    assert len(set(seen)) >= 3, f"the reader saw too few states of the run: {seen}"
 
 
 def test_an_unreachable_endpoint_fails_at_open_with_the_url_and_the_cause(endpoint, tmp_path):

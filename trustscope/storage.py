@@ -284,7 +284,7 @@ def mirror_dir(url: str, root: Path) -> Path:
 
 
 def _listing(fsspec_fs: Any, folder: str) -> dict[str, dict]:
-    """name -> the object's listing entry (``ETag``, ``size``, ``type``) of the objects and prefixes in ``folder``."""
+    """name -> listing entry (``type``; objects also ``ETag``, ``size``) of what lies directly in ``folder``."""
     try:
         entries = fsspec_fs.ls(folder, detail=True)
     except FileNotFoundError:
@@ -307,14 +307,53 @@ def _remote_runs(fsspec_fs: Any, top: str) -> list[str]:
     return runs
 
 
+def _run_objects(fsspec_fs: Any, run: str) -> dict[str, dict]:
+    """Every object of a run, by its path inside the run (``tokens/r0000-...parquet``, ``run.json``, ...): one
+    paginated listing of the whole prefix."""
+    found = fsspec_fs.find(run, detail=True)
+    return {key[len(run) + 1:]: entry for key, entry in found.items() if entry.get("type") == "file"}
+
+
+def _manifest_rank(rel: str) -> int | None:
+    """The rank whose manifest lies at ``rel`` inside a run (``run.json``: 0, ``ranks/rank0003.json``: 3)."""
+    if rel == S.MANIFEST:
+        return 0
+    m = re.fullmatch(rf"{S.RANKS_DIR}/rank(\d+)\.json", rel)
+    return int(m[1]) if m else None
+
+
+def _committed_objects(fsspec_fs: Any, run: str) -> tuple[dict[str, bytes], dict[str, dict]]:
+    """A consistent view of one run: (its manifests' bytes, the objects those manifests commit), by path inside
+    the run. The manifests are read first and the objects listed after, so every object a manifest commits is
+    in the listing (a flush's parts land before its commit). Data files of a rank whose manifest appeared after
+    the manifests were read are left out: nothing read commits them."""
+    manifests = {}
+    for rel in [rel for rel in _run_objects(fsspec_fs, run) if _manifest_rank(rel) is not None]:
+        with contextlib.suppress(FileNotFoundError):
+            manifests[rel] = fsspec_fs.cat_file(f"{run}/{rel}")
+    marks = S.committed_marks(manifests.values())
+    listed = _run_objects(fsspec_fs, run)
+    read = {_manifest_rank(rel) for rel in manifests}
+    late = {rank for rel in listed if (rank := _manifest_rank(rel)) is not None} - read
+    objects = {}
+    for rel, entry in listed.items():
+        folder, _, name = rel.rpartition("/")
+        parsed = S.parse_data_file(name)
+        if rel == S.VOCAB_FILE or (folder in S.TABLES and S.is_committed(name, marks)
+                                   and (parsed is None or parsed.rank not in late)):
+            objects[rel] = entry
+    return manifests, objects
+
+
 def mirror(url: str, root: Path | None = None, storage_options: Mapping[str, Any] | None = None,
            store: ObjectStore | None = None) -> Path:
     """Bring the local mirror of ``url`` up to date and return its folder (see :func:`mirror_dir`).
 
-    For each run: read every rank's manifest, list the tables, download the objects whose flush those manifests
-    commit (again only when the ETag changed), remove local files whose object is gone or no longer visible, and
-    write the manifests last, so the mirror too never shows a flush without its commit or a commit without its
-    files. Raises :class:`StorageError` naming the URL when the store cannot be read.
+    For each run: read every rank's manifest, list the run's objects (one paginated listing), download the
+    objects whose flush those manifests commit (again only when the ETag changed), write the manifests, and only
+    then remove local files whose object is gone or no longer visible; so the mirror too never shows a flush
+    without its commit or a commit without its files. Raises :class:`StorageError` naming the URL when the store
+    cannot be read.
     """
     store = store or ObjectStore(url, storage_options, write=False)
     local_top = mirror_dir(store.url, root or default_mirror_root())
@@ -323,52 +362,37 @@ def mirror(url: str, root: Path | None = None, storage_options: Mapping[str, Any
         index = json.loads(index_path.read_text())
     except (OSError, ValueError):
         index = {}
-    fs = store.fsspec
-    top = str(store.logdir)
+    fs, top = store.fsspec, str(store.logdir)
+    wanted: dict[str, str] = {}  # path inside the mirror -> ETag
+    manifests: dict[str, bytes] = {}
     try:
-        runs = _remote_runs(fs, top)
-        wanted: dict[str, tuple[str, str]] = {}  # relative local path -> (object key, ETag)
-        manifests: dict[str, bytes] = {}
-        for run in runs:
-            rel_run = run[len(top):].strip("/")
-            paths = [f"{run}/{S.MANIFEST}"]
-            paths += [f"{run}/{S.RANKS_DIR}/{n}" for n, e in _listing(fs, f"{run}/{S.RANKS_DIR}").items()
-                      if n.startswith("rank") and n.endswith(".json") and e.get("type") == "file"]
-            texts = {}
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    texts[path] = fs.cat_file(path)
-            marks = S.committed_marks(texts.values())
-            for path, data in texts.items():
-                manifests[path[len(top):].strip("/")] = data
-            for folder in S.TABLES:
-                for name, entry in _listing(fs, f"{run}/{folder}").items():
-                    if entry.get("type") == "file" and S.is_committed(name, marks):
-                        wanted[str(PurePosixPath(rel_run, folder, name))] = (entry["name"], entry.get("ETag", ""))
-            vocab = _listing(fs, run).get(S.VOCAB_FILE)
-            if vocab is not None and vocab.get("type") == "file":
-                wanted[str(PurePosixPath(rel_run, S.VOCAB_FILE))] = (vocab["name"], vocab.get("ETag", ""))
-        for rel, (key, etag) in wanted.items():
-            local = local_top / rel
-            if index.get(rel) == etag and etag and local.is_file():
-                continue
-            local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = S.tmp_path(local)
-            fs.get_file(key, str(tmp))
-            os.replace(tmp, local)
-            index[rel] = etag
+        for run in _remote_runs(fs, top):
+            inside = run[len(top):].strip("/")
+            run_manifests, run_objects = _committed_objects(fs, run)
+            manifests.update({str(PurePosixPath(inside, rel)): data for rel, data in run_manifests.items()})
+            for rel, entry in run_objects.items():
+                local_rel, etag = str(PurePosixPath(inside, rel)), entry.get("ETag", "")
+                wanted[local_rel] = etag
+                local = local_top / local_rel
+                if etag and index.get(local_rel) == etag and local.is_file():
+                    continue
+                local.parent.mkdir(parents=True, exist_ok=True)
+                tmp = S.tmp_path(local)
+                fs.get_file(entry["name"], str(tmp))
+                os.replace(tmp, local)
+                index[local_rel] = etag
     except StorageError:
         raise
     except Exception as err:
         raise StorageError(f"{store.url}: cannot read the object store: {type(err).__name__}: {err}") from None
+    disk = LocalStore(local_top)
     for rel, data in manifests.items():
-        local = local_top / rel
-        local.parent.mkdir(parents=True, exist_ok=True)
-        LocalStore(local_top).write_atomic(local, data)
+        (local_top / rel).parent.mkdir(parents=True, exist_ok=True)
+        disk.write_atomic(local_top / rel, data)
         index[rel] = MANIFEST_TAG
     for rel in set(index) - set(wanted) - set(manifests):  # gone from the store, or no longer visible
         (local_top / rel).unlink(missing_ok=True)
         del index[rel]
     local_top.mkdir(parents=True, exist_ok=True)
-    LocalStore(local_top).write_atomic(index_path, json.dumps(index))
+    disk.write_atomic(index_path, json.dumps(index))
     return local_top
