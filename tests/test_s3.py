@@ -110,6 +110,22 @@ def test_validate_and_report_read_s3(endpoint):
     assert "r1" in result.output
 
 
+def test_the_dashboard_reads_s3(endpoint, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV, MAIN
+
+    url = f"s3://{BUCKET}/dashboard"
+    log_run(url, "r1", range(2))
+    monkeypatch.setenv(LOGDIR_ENV, url)
+    at = AppTest.from_file(str(MAIN), default_timeout=120)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert f"`{url}`" in at.sidebar.caption[0].value
+    assert "r1" in str([t.value for t in at.get("markdown")] + [str(d.value) for d in at.dataframe])
+
+
 def test_readers_see_only_committed_flushes(endpoint, tmp_path):
     """A part object whose commit never landed (a writer killed between its uploads and its manifest PUT) is
     read by nobody, validate stays clean, and resuming the run removes it."""

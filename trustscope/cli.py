@@ -100,7 +100,8 @@ def version() -> None:
 
 @app.command()
 def dashboard(
-    logdir: Path | None = typer.Argument(None, help="Log directory (default: the sample logs)."),
+    logdir: str | None = typer.Argument(None, help="Log directory or s3://bucket/prefix (default: the sample "
+                                                  "logs)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the dashboard to the network."),
     port: int = typer.Option(8501, help="Port to serve on."),
 ) -> None:
