@@ -79,6 +79,7 @@ def objects(prefix: str) -> list[str]:
     return sorted(storage.s3_filesystem().find(prefix))
 
 
+@pytest.mark.slow
 def test_a_run_logged_to_s3_reads_as_the_same_run_logged_to_disk(endpoint, tmp_path):
     url = f"s3://{BUCKET}/same"
     manifest = log_run(url, "r1", range(3), storage_options={"endpoint_url": endpoint})
@@ -110,6 +111,7 @@ def test_validate_and_report_read_s3(endpoint):
     assert "r1" in result.output
 
 
+@pytest.mark.slow
 def test_the_dashboard_reads_s3(endpoint, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
@@ -124,6 +126,17 @@ def test_the_dashboard_reads_s3(endpoint, monkeypatch):
     assert not at.error, [e.value for e in at.error]
     assert f"`{url}`" in at.sidebar.caption[0].value
     assert "r1" in str([t.value for t in at.get("markdown")] + [str(d.value) for d in at.dataframe])
+
+
+def test_validate_names_problems_by_their_s3_path(endpoint):
+    url = f"s3://{BUCKET}/broken"
+    log_run(url, "r1", range(1))
+    storage.s3_filesystem().pipe_file(f"{BUCKET}/broken/r1/ranks/rank0001.json", b"{not json")
+    result = CliRunner().invoke(app, ["validate", url])
+    assert result.exit_code == 1
+    assert f"{url}/r1/ranks/rank0001.json: unreadable rank manifest" in result.output
+    result = CliRunner().invoke(app, ["validate", f"s3://{BUCKET}/empty"])
+    assert result.exit_code == 1 and f"s3://{BUCKET}/empty: no run found" in result.output
 
 
 def test_readers_see_only_committed_flushes(endpoint, tmp_path):
@@ -145,6 +158,7 @@ def test_readers_see_only_committed_flushes(endpoint, tmp_path):
     assert lg.manifest["committed_flush"] == 3 and lg.manifest["rows"]["tokens"] == 3 * B * T
 
 
+@pytest.mark.slow
 def test_a_reader_during_logging_never_sees_half_a_flush(endpoint, tmp_path):
     """While a writer uploads flush after flush, every refresh of a reader sees whole steps, the same ones in
     every table. The writer waits (at most 5 s) for one refresh after each flush, so the reader's listings

@@ -155,7 +155,8 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
             raise typer.Exit(2)
         problems = validate_logdir(local)
         for problem in problems:
-            where = problem.path if local == Path(logdir) else f"{logdir}/{problem.path.relative_to(local)}"
+            inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
+            where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
             typer.echo(f"{where}: {problem.message}")
         runs = run_dirs(local)
     if problems:
