@@ -128,6 +128,44 @@ def test_the_dashboard_reads_s3(endpoint, monkeypatch):
     assert "r1" in str([t.value for t in at.get("markdown")] + [str(d.value) for d in at.dataframe])
 
 
+def test_a_flush_cut_off_mid_upload_stays_invisible_until_its_parts_are_gone(endpoint, tmp_path, monkeypatch):
+    """The store fails after a flush uploaded its tokens object and before the rest (and the delete of what was
+    uploaded fails too): that object would turn visible with the next commit, so no commit happens until it is
+    deleted. Then the run reads as if the failed flush had never been written."""
+    url = f"s3://{BUCKET}/cutoff"
+    publish, delete = storage.ObjectStore.publish, storage.ObjectStore.delete
+    down = {"publish": False, "delete": False}
+
+    def flaky_publish(self, tmp, final, fsync):
+        if down["publish"] and final.parent.name != "tokens":
+            raise storage.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
+        publish(self, tmp, final, fsync)
+
+    def flaky_delete(self, path):
+        if down["delete"]:
+            raise storage.StorageError(f"cannot delete {self.url_of(path)}: connection reset")
+        delete(self, path)
+
+    monkeypatch.setattr(storage.ObjectStore, "publish", flaky_publish)
+    monkeypatch.setattr(storage.ObjectStore, "delete", flaky_delete)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LogWarning)
+        lg = TokenLogger(url, "r1", strict=False, flush_seconds=3600)
+        for step in range(5):
+            down["publish"], down["delete"] = step == 2, step in (2, 3)
+            lg.log_step(step, **step_data(step))
+            lg.flush()
+            if step == 3:  # flush 3 is uploaded, but not committed while step 2's tokens object remains
+                assert lg.manifest["committed_flush"] == 2
+                assert len(objects(f"{BUCKET}/cutoff/r1/tokens")) == 4
+        lg.close()
+    assert lg.manifest["committed_flush"] == 4 and lg.manifest["lost"]["first_step"] == 2
+    assert len(objects(f"{BUCKET}/cutoff/r1/tokens")) == 4  # steps 0, 1, 3, 4
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        assert sorted(db.step_summary()["step"]) == [0, 1, 3, 4]
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
+
+
 def test_validate_names_problems_by_their_s3_path(endpoint):
     url = f"s3://{BUCKET}/broken"
     log_run(url, "r1", range(1))

@@ -177,7 +177,8 @@ class ObjectStore:
         self.logdir = PurePosixPath(self.bucket, *prefix.split("/")) if prefix else PurePosixPath(self.bucket)
         self.fsspec = s3_filesystem(storage_options)
         self.fs = PyFileSystem(FSSpecHandler(self.fsspec))
-        """pyarrow's view of the store: what the schema's listings and the writer use."""
+        """pyarrow's view of the store: reads, listings (the schema's too) and deletes go through it; uploads go
+        through s3fs itself (see :meth:`publish`)."""
         check_store(self.url, self.fsspec, write)
         self._spool = Path(tempfile.mkdtemp(prefix="trustscope-spool-")) if write else None
 
@@ -203,8 +204,8 @@ class ObjectStore:
 
     def write_atomic(self, path: PurePosixPath, data: str | bytes) -> None:
         """One PUT: readers see the old object or the new one, whole."""
-        with self._failing("write", path), self.fs.open_output_stream(str(path)) as out:
-            out.write(data.encode() if isinstance(data, str) else data)
+        with self._failing("write", path):
+            self.fsspec.pipe_file(str(path), data.encode() if isinstance(data, str) else data)
 
     def read_bytes(self, path: PurePosixPath) -> bytes:
         with self._failing("read", path), self.fs.open_input_stream(str(path)) as f:
@@ -235,10 +236,14 @@ class ObjectStore:
         return local
 
     def publish(self, tmp: Path, final: PurePosixPath, fsync: bool) -> None:
-        """Upload the finished local file ``tmp`` as the object ``final`` (a PUT, or a multipart upload that
-        completes at once), then remove ``tmp``. ``fsync`` is moot: the store has the object once this returns."""
-        with self._failing("upload", final), open(tmp, "rb") as src, self.fs.open_output_stream(str(final)) as out:
-            shutil.copyfileobj(src, out, 8 << 20)
+        """Upload the finished local file ``tmp`` as the object ``final``, then remove ``tmp``. ``fsync`` is moot:
+        the store has the object once this returns.
+
+        Through s3fs's ``put_file``, not a pyarrow output stream: a stream is completed by its close even after a
+        failed write (a truncated object would appear), while ``put_file`` is one PUT, or a multipart upload (parts
+        sent concurrently) that it aborts on any failure, so the object appears whole or not at all."""
+        with self._failing("upload", final):
+            self.fsspec.put_file(str(tmp), str(final))
         tmp.unlink()
 
     def close(self) -> None:

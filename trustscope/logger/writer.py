@@ -241,6 +241,9 @@ class Writer:
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
         self._uncommitted: list[_Flush] = []
+        self._orphans: list[Path | PurePosixPath] = []
+        """Files of a failed flush that could not be removed: no commit may happen while they exist, since the
+        next committed flush number would make them visible."""
         self._lost_rows = dict.fromkeys(S.TABLES, 0)
         self._lost_steps: tuple[int, int] | None = None
         self._errors: list[str] = []
@@ -443,8 +446,8 @@ class Writer:
                 published.extend(table.publish(number, self.rank, self.fsync))
         except Exception as err:
             for path in published:  # published but never committed: remove, so no later commit shows them
-                with contextlib.suppress(OSError):
-                    self.files.store.delete(path)
+                if not self._remove(path):
+                    self._orphans.append(path)  # retried before every commit
             self._lose_open(err)
             self._lose(err, {t: n for t, n in rows.items() if any(p.parent.name == t for p in published)},
                        first_step, last_step)
@@ -462,8 +465,22 @@ class Writer:
         except OSError as err:
             self._report(err)
 
+    def _remove(self, path: Path | PurePosixPath) -> bool:
+        """Remove a file of a failed flush; returns whether it is gone (the error is reported if not)."""
+        try:
+            self.files.store.delete(path)
+        except OSError as err:
+            self._report(err)
+            return False
+        return True
+
     def _commit(self) -> None:
-        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later."""
+        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later.
+
+        Never while files of a failed flush remain (``_orphans``): the commit would make them visible."""
+        self._orphans = [path for path in self._orphans if not self._remove(path)]
+        if self._orphans:
+            return
         rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
         counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
         try:
