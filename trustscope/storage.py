@@ -56,7 +56,7 @@ def parse_url(url: str) -> tuple[str, str]:
         raise ValueError(f"{url!r}: bucket name {bucket!r} is not a valid S3 bucket name (3-63 characters: "
                          f"lowercase letters, digits, '.', '-')")
     prefix = prefix.strip("/")
-    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ValueError(f"{url!r}: prefix {prefix!r} has an empty, '.' or '..' part")
     return bucket, prefix
 
