@@ -55,14 +55,14 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
 
 
-def step_data(step: int) -> dict:
+def step_data(step: int, rank: int = 0) -> dict:
     rng = np.random.default_rng(step)
     mu = -rng.random((B, T)).astype(np.float32) * 3
     pi = mu + rng.normal(0, 0.3, (B, T)).astype(np.float32)
     tokens = {"token_id": rng.integers(0, 10, (B, T)), "mu_logprob": mu, "pi_logprob": np.minimum(pi, 0),
               "advantage": rng.normal(size=B)}
     return {"tokens": tokens, "mask": np.ones((B, T), bool),
-            "samples": {"sample_id": np.arange(B), "prompt_id": np.zeros(B, int), "reward": rng.random(B)},
+            "samples": {"sample_id": rank * B + np.arange(B), "prompt_id": np.zeros(B, int), "reward": rng.random(B)},
             "scalars": {"loss": float(step)}}
 
 
@@ -70,7 +70,7 @@ def log_run(logdir, run_id: str, steps, **kwargs) -> dict:
     """Log ``steps``, one flush each; returns the rank's manifest."""
     with TokenLogger(logdir, run_id, vocab=[str(i) for i in range(10)], flush_seconds=3600, **kwargs) as lg:
         for step in steps:
-            lg.log_step(step, **step_data(step))
+            lg.log_step(step, **step_data(step, lg.rank))
             lg.flush()
     return lg.manifest
 
@@ -97,6 +97,22 @@ def test_a_run_logged_to_s3_reads_as_the_same_run_logged_to_disk(endpoint, tmp_p
         assert remote.sql(count).table.column("n")[0].as_py() == 3 * B * T
         runs = remote.runs()
         assert runs["run_id"].tolist() == ["r1"] and runs["status"].tolist() == ["finished"]
+
+
+def test_two_ranks_on_s3_read_as_one_run(endpoint, tmp_path):
+    url = f"s3://{BUCKET}/ranks"
+    for rank in (0, 1):
+        log_run(url, "r1", range(2), rank=rank)
+    assert f"{BUCKET}/ranks/r1/ranks/rank0001.json" in objects(f"{BUCKET}/ranks/r1/ranks")
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        cur = db.cursor()
+        try:
+            assert cur.execute("select rank, count(*) from tokens group by rank order by rank").fetchall() == [
+                (0, 2 * B * T), (1, 2 * B * T)]
+        finally:
+            cur.close()
+    result = CliRunner().invoke(app, ["validate", url])
+    assert result.exit_code == 0, result.output
 
 
 def test_validate_and_report_read_s3(endpoint):
