@@ -144,6 +144,7 @@ def test_the_dashboard_reads_s3(endpoint, monkeypatch):
     assert "r1" in str([t.value for t in at.get("markdown")] + [str(d.value) for d in at.dataframe])
 
 
+@pytest.mark.slow
 def test_a_flush_cut_off_mid_upload_stays_invisible_until_its_parts_are_gone(endpoint, tmp_path, monkeypatch):
     """The store fails after a flush uploaded its tokens object and before the rest (and the delete of what was
     uploaded fails too): that object would turn visible with the next commit, so no commit happens until it is
@@ -193,6 +194,7 @@ def test_validate_names_problems_by_their_s3_path(endpoint):
     assert result.exit_code == 1 and f"s3://{BUCKET}/empty: no run found" in result.output
 
 
+@pytest.mark.slow
 def test_readers_see_only_committed_flushes(endpoint, tmp_path):
     """A part object whose commit never landed (a writer killed between its uploads and its manifest PUT) is
     read by nobody, validate stays clean, and resuming the run removes it."""
