@@ -24,7 +24,7 @@ import pyarrow as pa
 import streamlit as st
 
 from app.launch import LOGDIR_ENV, default_logdir
-from trustscope import db, figures, report, schema
+from trustscope import db, figures, report, schema, storage
 from trustscope.losses import list_losses
 
 METRIC_TITLES = {
@@ -73,12 +73,16 @@ class LogDirError(Exception):
 # ------------------------------------------------------------------------------------------------ the log dir
 
 
-def resolve_logdir(argv: Sequence[str]) -> Path:
-    """``--logdir`` from the script's arguments, else ``$TRUSTSCOPE_LOGDIR``, else the sample logs."""
+def resolve_logdir(argv: Sequence[str]) -> Path | str:
+    """``--logdir`` from the script's arguments, else ``$TRUSTSCOPE_LOGDIR``, else the sample logs; an
+    ``s3://`` prefix stays a URL (LogDB reads it through its mirror)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--logdir")
     known, _ = parser.parse_known_args(list(argv))
     chosen = known.logdir or os.environ.get(LOGDIR_ENV) or default_logdir()
+    if storage.is_remote(chosen):
+        st.session_state["logdir"] = chosen
+        return chosen
     path = Path(chosen).expanduser().resolve()
     st.session_state["logdir"] = str(path)
     return path
@@ -90,9 +94,16 @@ def current_logdir() -> str:
     return st.session_state["logdir"]
 
 
-def check_logdir(logdir: Path) -> None:
+def check_logdir(logdir: Path | str) -> None:
     """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all; show an
     error naming each run whose manifest is unreadable (the other runs are still shown)."""
+    if storage.is_remote(logdir):
+        try:
+            handle = _db(logdir)
+            handle.refresh()  # the mirror, brought up to date
+            logdir = handle.paths[0]
+        except (storage.StorageError, ValueError) as exc:
+            raise LogDirError(f"The object store prefix cannot be read: {exc}") from None
     if not logdir.exists():
         raise LogDirError(f"The log directory `{logdir}` does not exist. Start the dashboard with "
                           "`trustscope dashboard LOGDIR` pointing at a directory a run writes to.")

@@ -2,6 +2,7 @@
 the named analyses the CLI, the report and the dashboard call.
 
     db = connect("logs/")                    # a log directory, one run directory, or a list of either
+    db = connect("s3://bucket/logs")         # an object store prefix (read through a local mirror)
     db.step_summary()                        # pandas DataFrame, one row per (run, step)
     db.sql("select rule, count(*) from clipped_tokens group by rule")   # read-only, row limit, timeout
 
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trustscope import schema
+from trustscope import schema, storage
 from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.paths import cache_root
 from trustscope.sandbox import QueryMemoryLimit as QueryMemoryLimit
@@ -323,13 +324,23 @@ class LogDB:
     Use :func:`connect`. Every method opens its own cursor, so one ``LogDB`` may serve several threads.
     """
 
-    def __init__(self, paths: Sequence[Path], *, max_rows: int = DEFAULT_MAX_ROWS,
+    def __init__(self, paths: Sequence[Path | str], *, max_rows: int = DEFAULT_MAX_ROWS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True,
                  cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None,
-                 memory_limit: float | None = None, ray: RayAggregator | None = None) -> None:
-        self.paths = [Path(p).resolve() for p in paths]
+                 memory_limit: float | None = None, storage_options: dict[str, Any] | None = None,
+                 mirror_dir: Path | None = None, ray: RayAggregator | None = None) -> None:
         self.ray = ray
         """The Ray cluster the files that miss partial aggregates are aggregated on, or None: here."""
+        self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
+        self._resources = _Resources(self._private)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self.mirror_dir = mirror_dir or (storage.default_mirror_root() if cache else self._private / "s3")
+        """Where ``s3://`` paths are mirrored (see :func:`trustscope.storage.mirror`)."""
+        self._stores = [storage.ObjectStore(str(p), storage_options, write=False)
+                        for p in paths if storage.is_remote(p)]
+        """The object store prefixes among ``paths``, mirrored again at every refresh."""
+        mirrors = iter(self._sync_mirrors())
+        self.paths = [(next(mirrors) if storage.is_remote(p) else Path(p)).resolve() for p in paths]
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
@@ -352,9 +363,6 @@ class LogDB:
         self._merged: dict[str, pa.Table] = {}
         self._merged_files: list[Path] | None = None
         """The tokens files the merged kept aggregates were last built from."""
-        self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
-        self._resources = _Resources(self._private)
-        self._finalizer = weakref.finalize(self, self._resources.release)
         self._cache_files: dict[str, tuple[pa.Table, int, str]] = {}
         """Kept aggregate name -> (the table last written for the SQL worker, its version, its file)."""
         self._late_links: dict[str, str] = {}
@@ -369,6 +377,10 @@ class LogDB:
         _load_sql(self.con, sorted(VIEW_DIR.glob("*.sql")), "view", on_stuck=self._register_empty_caches,
                   texts={"rule_blocks": rendered})
         self._lock_down()
+
+    def _sync_mirrors(self) -> list[Path]:
+        """Bring the local mirror of every object store path up to date (raises StorageError naming the URL)."""
+        return [storage.mirror(store.url, self.mirror_dir, store=store) for store in self._stores]
 
     def _register_empty_caches(self) -> None:
         """Register each kept-aggregate name, empty, with its partial view's columns (views reading it can load)."""
@@ -504,6 +516,7 @@ class LogDB:
         of the files not seen before (once per file, all partial views from one pass, see :meth:`_aggregate_file`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
+            self._sync_mirrors()
             self.runs_dirs = self._reachable(_run_dirs(self.paths))
             self._prepare(self.con)
             if not needed:
@@ -665,6 +678,8 @@ class LogDB:
         """A hash of every run file's path, size and modification time: it changes whenever a file lands,
         grows or goes, so callers may cache results under it."""
         h = hashlib.blake2b(digest_size=12)
+        with self._lock:
+            self._sync_mirrors()
         for run in _run_dirs(self.paths):
             files = [run / schema.MANIFEST, run / schema.VOCAB_FILE]
             files += [f for table in schema.TABLES for f in _data_files(run, table)]
@@ -858,8 +873,15 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
             timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True, cache_dir: str | Path | None = None,
             rule_params: dict[str, dict[str, Any]] | None = None,
             rules: str | Sequence[str] | None = None, memory_limit: float | None = None,
+            storage_options: dict[str, Any] | None = None, mirror_dir: str | Path | None = None,
             ray: str | None = None, ray_fallback: str = "warn") -> LogDB:
     """Open a log directory, one run directory, or a list of them, as a locked-down :class:`LogDB`.
+
+    Any of them may be an object store prefix, ``s3://bucket/prefix`` (``storage_options`` for
+    ``s3fs.S3FileSystem``, else the usual AWS variables): its committed objects are mirrored into ``mirror_dir``
+    (default :func:`trustscope.storage.default_mirror_root`; with ``cache=False`` a private folder) keyed by
+    ETag, again at every refresh, and read there. A store that cannot be reached, or a missing bucket, raises
+    :class:`trustscope.storage.StorageError` naming the URL and the cause.
 
     ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
     ``rule_params``: rule -> parameters for the counterfactual columns (default: each rule's defaults); a run's
@@ -883,9 +905,10 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
     from trustscope.distributed import attach_ray  # here: it imports this module (and ray only when named)
 
     cluster = attach_ray(ray, fallback=ray_fallback)
-    return LogDB([Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s, cache=cache,
-                 cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
-                 memory_limit=memory_limit, ray=cluster)
+    return LogDB([p if storage.is_remote(p) else Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s,
+                 cache=cache, cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
+                 memory_limit=memory_limit, storage_options=storage_options,
+                 mirror_dir=Path(mirror_dir) if mirror_dir is not None else None, ray=cluster)
 
 
 CONTRACTS_FILE = SQL_DIR / "contracts.yml"

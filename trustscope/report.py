@@ -27,7 +27,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trustscope import figures, schema
+from trustscope import figures, schema, storage
 from trustscope.db import ANALYSIS_DEFAULTS, LogDB, QueryResult, connect
 
 MISMATCH_WARN = 0.01
@@ -229,9 +229,10 @@ def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str
     """Open the runs of ``logdir`` that read cleanly; return the handle and ``{run: problems}`` of those left out.
 
     Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
-    FileNotFoundError when it does not exist.
+    FileNotFoundError when it does not exist. An ``s3://`` prefix is read through its local mirror
+    (:func:`trustscope.storage.mirror`; StorageError when the store cannot be read).
     """
-    logdir = Path(logdir)
+    logdir = storage.mirror(logdir) if storage.is_remote(logdir) else Path(logdir)
     if not logdir.is_dir():
         raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
     dirs = schema.run_dirs(logdir)
