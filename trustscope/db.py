@@ -821,25 +821,32 @@ class LogDB:
         :attr:`Overview.sources` says). Token rows are read only for the runs without summaries.
         """
         wanted = None if run_ids is None else [run_ids] if isinstance(run_ids, str) else list(run_ids)
-        runs = self.runs()
-        runs = runs[runs["n_steps"] > 0]
-        if wanted is not None:
-            runs = runs[runs["run_id"].isin(wanted)]
-        ids = runs["run_id"].tolist()
+        self.refresh()
+        fractions = {}
+        for run in self.runs_dirs:  # run.json only: the overview reads no samples or token file to list runs
+            try:
+                manifest = json.loads((run / schema.MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict):
+                fractions[manifest.get("run_id") or run.name] = _logged_fraction(manifest)
+        ids = [r for r in fractions if wanted is None or r in wanted]
         if not ids:
             return Overview(pd.DataFrame(columns=list(OVERVIEW_COLUMNS)), pd.DataFrame(columns=list(BLOCKED_COLUMNS)),
                             pd.DataFrame(columns=["run_id", "exact", "token_fraction", "source"]))
-        steps = [self._frame("summary_steps", where={"run_id": ids}, refresh=True)]
-        blocked = [self._frame("summary_blocked", where={"run_id": ids}, refresh=True)]
+        steps = [self._frame("summary_steps", where={"run_id": ids})]
+        blocked = [self._frame("summary_blocked", where={"run_id": ids})]
         exact = set(steps[0]["run_id"])
         rest = [r for r in ids if r not in exact]
         if rest:
             logged = self.step_summary(rest).assign(bad_negative_delta=ANALYSIS_DEFAULTS["bad_negative_delta"])
             steps.append(logged[list(OVERVIEW_COLUMNS)])
             blocked.append(self.blocked_fractions(rest)[list(BLOCKED_COLUMNS)])
-        fractions = [_logged_fraction(m) for m in runs["manifest"]]
-        sources = pd.DataFrame({"run_id": ids, "exact": [r in exact for r in ids], "token_fraction": fractions})
-        sources["source"] = [source_sentence(e, f) for e, f in zip(sources["exact"], fractions, strict=True)]
+        shown = sorted(exact | set(steps[-1]["run_id"] if rest else ()))
+        sources = pd.DataFrame({"run_id": shown, "exact": [r in exact for r in shown],
+                                "token_fraction": [fractions[r] for r in shown]})
+        sources["source"] = [source_sentence(e, f) for e, f in zip(sources["exact"], sources["token_fraction"],
+                                                                   strict=True)]
         frames = [f for f in steps if len(f)]
         return Overview(
             steps=(pd.concat(frames, ignore_index=True) if frames else steps[0]).sort_values(["run_id", "step"])
@@ -907,13 +914,9 @@ class LogDB:
         return self._frame("samples", where={"run_id": run_ids, "step": steps}, refresh=True, limit=limit)
 
 
-def _logged_fraction(manifest: object) -> float | None:
+def _logged_fraction(manifest: dict[str, Any]) -> float | None:
     """The ``token_fraction`` a run's logger kept (run.json's ``logging``), None when the manifest does not say."""
-    try:
-        parsed = json.loads(manifest) if isinstance(manifest, str) else {}
-    except ValueError:
-        return None
-    logging = parsed.get("logging") if isinstance(parsed, dict) else None
+    logging = manifest.get("logging")
     value = logging.get("token_fraction") if isinstance(logging, dict) else None
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 

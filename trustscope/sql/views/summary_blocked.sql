@@ -3,7 +3,8 @@
 -- 'positive' a > 0, 'negative' a < 0 (the summaries count blocked tokens by sign and mu bucket, a = 0 left out);
 -- every rule the logger ran appears at every step of the run, with 0 where it blocked nothing.
 with summ as (
-    select run_id, step, metric, rule, advantage_sign, count from summaries
+    select run_id, step, metric, rule, advantage_sign, count
+    from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)
     where metric in ('tokens', 'blocked')
 ),
 

@@ -2,9 +2,13 @@
 -- every token the trainer handed to the logger (whatever token_fraction kept), with step_summary's column names
 -- and definitions: blocked counts (trainer_blocked) over the tokens that carry gradient (a != 0), the bad
 -- negative-update rate (a < 0 and mu - pi >= the delta the logger used) and the mismatch mean over all tokens.
--- reward and length come from samples (always logged in full). reads summaries, never the token rows.
+-- reward and length come from samples (always logged in full). reads the summaries files (merging the parts of a
+-- step and the ranks of a run as the summaries view does), never the token rows.
 with summ as (
-    select * from summaries
+    select metric, run_id, step, advantage_sign, threshold, count, sum, min, max
+    from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)
+    where metric in ('tokens', 'trainer_blocked', 'bad_negative', 'abs_prob_diff', 'prob_diff', 'topk_tv',
+                     'topk_kl', 'entropy')
 ),
 
 per_step as (
@@ -19,15 +23,19 @@ per_step as (
             as n_trainer_blocked,
         sum(count) filter (where metric = 'bad_negative')::bigint as n_bad_negative,
         max(threshold) filter (where metric = 'bad_negative') as bad_negative_delta,
-        max(mean) filter (where metric = 'abs_prob_diff') as mismatch_mean,
+        sum(sum) filter (where metric = 'abs_prob_diff')
+            / nullif(sum(count) filter (where metric = 'abs_prob_diff'), 0) as mismatch_mean,
         max(max) filter (where metric = 'abs_prob_diff') as mismatch_max,
         max(max) filter (where metric = 'prob_diff') as prob_diff_max,
-        max(min) filter (where metric = 'prob_diff') as prob_diff_min,
-        max(mean) filter (where metric = 'topk_tv') as topk_tv_mean,
+        min(min) filter (where metric = 'prob_diff') as prob_diff_min,
+        sum(sum) filter (where metric = 'topk_tv') / nullif(sum(count) filter (where metric = 'topk_tv'), 0)
+            as topk_tv_mean,
         max(max) filter (where metric = 'topk_tv') as topk_tv_max,
-        max(mean) filter (where metric = 'topk_kl') as topk_kl_mean,
+        sum(sum) filter (where metric = 'topk_kl') / nullif(sum(count) filter (where metric = 'topk_kl'), 0)
+            as topk_kl_mean,
         max(max) filter (where metric = 'topk_kl') as topk_kl_max,
-        max(mean) filter (where metric = 'entropy') as entropy_mean,
+        sum(sum) filter (where metric = 'entropy') / nullif(sum(count) filter (where metric = 'entropy'), 0)
+            as entropy_mean,
         bool_or(metric = 'trainer_blocked') as has_kept
     from summ
     group by run_id, step
