@@ -291,6 +291,8 @@ class RunReport:
     """whether the figures come from the run's summaries table (every token) or from its logged token rows"""
     source: str
     """how the figures were obtained, in words (:func:`trustscope.db.source_sentence`)"""
+    token_fraction: float | None
+    """the share of token rows the logger kept (run.json), None when it does not say"""
     reward_first: float | None
     reward_last: float | None
     reward_max: float | None
@@ -345,6 +347,8 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
             tokens_generated=0 if info is None else int(info["tokens_generated"]),
             exact=bool(sources.loc[run_id, "exact"]),
             source=str(sources.loc[run_id, "source"]),
+            token_fraction=None if pd.isna(sources.loc[run_id, "token_fraction"])
+            else float(sources.loc[run_id, "token_fraction"]),
             reward_first=r_first,
             reward_last=r_last,
             reward_max=float(steps.reward_mean.max()) if steps.reward_mean.notna().any() else None,
@@ -395,8 +399,7 @@ def _short_source(r: RunReport) -> str:
     """``exact``, or ``rows`` with the share of tokens logged (``rows 25%``)."""
     if r.exact:
         return "exact"
-    match = re.search(r"(\d+)%", r.source)
-    return f"rows {match.group(1)}%" if match else "rows"
+    return "rows" if r.token_fraction is None else f"rows {r.token_fraction:.0%}"
 
 
 def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None) -> Group:

@@ -73,9 +73,10 @@ def compare(chosen: list[str], grouped: bool) -> None:
     widgets.chart(data.figure("blocked_fraction_by_rule", smoothed, applied=applied), "blocked_chart",
                   "No rule would block any token of these runs (the policy never moved far from the rollouts). "
                   "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
-    st.caption("Share of the tokens that carry gradient (A != 0) each rule would block, every rule on the same "
-               "tokens, the seeds of a configuration added up; the thick line is the rule the trainer applied "
-               f"(only that one shaped the update). Hover a line for the token counts. {where}")
+    added = ", the seeds of a configuration added up" if grouped else ""
+    st.caption(f"Share of the tokens that carry gradient (A != 0) each rule would block, every rule on the same "
+               f"tokens{added}; the thick line is the rule the trainer applied (only that one shaped the update). "
+               f"Hover a line for the token counts. {where}")
     totals = totals[totals["rule"].isin(rules)]
     if not totals.empty:
         cells = totals.assign(cell=[widgets.count_of(n, t) for n, t in zip(totals["n_blocked"], totals["n_tokens"],
