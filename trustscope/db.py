@@ -150,6 +150,71 @@ class QueryResult:
         return self.table.to_pandas()
 
 
+OVERVIEW_COLUMNS = ("run_id", "step", "n_tokens", "n_samples", "reward_mean", "reward_std", "length_mean",
+                    "mismatch_mean", "mismatch_max", "prob_diff_max", "prob_diff_min", "topk_tv_mean", "topk_tv_max",
+                    "topk_kl_mean", "topk_kl_max", "entropy_mean", "n_positive", "n_negative", "n_zero_advantage",
+                    "n_bad_negative", "bad_negative_rate", "bad_negative_delta", "n_nonzero_advantage",
+                    "n_trainer_blocked", "trainer_blocked_frac")
+"""The per-step columns of :attr:`Overview.steps`: ``sql/views/summary_steps.sql``'s, named and defined as in
+``step_summary``."""
+BLOCKED_COLUMNS = ("run_id", "step", "rule", "advantage_side", "n_blocked", "n_tokens", "blocked_frac")
+
+
+@dataclass
+class Overview:
+    """The overview figures of some runs, exact where a run has a summaries table (see :meth:`LogDB.overview`).
+
+    ``steps``: one row per (run, step), :data:`OVERVIEW_COLUMNS`. ``blocked``: one row per (run, step, rule,
+    advantage side), :data:`BLOCKED_COLUMNS`: n_blocked of n_tokens, side 'all' over the tokens with A != 0,
+    'positive' A > 0, 'negative' A < 0. ``sources``: one row per run: run_id, exact (from the summaries table,
+    over every token) and token_fraction (what the logger kept of the token rows, from run.json), and ``source``,
+    a sentence saying which, for captions.
+    """
+
+    steps: pd.DataFrame
+    blocked: pd.DataFrame
+    sources: pd.DataFrame
+
+    def blocked_totals(self, labels: dict[str, str] | None = None) -> pd.DataFrame:
+        """``run_id, rule, n_blocked, n_tokens, blocked_frac`` over every step (tokens with A != 0), one row per
+        run (or label of ``labels``) and rule that blocks anything: counts summed, then divided (a run's fraction
+        is never a mean of its steps' fractions)."""
+        per_step = self.blocked_by_rule(labels)
+        out = per_step.groupby(["run_id", "rule"], as_index=False)[["n_blocked", "n_tokens"]].sum()
+        out["blocked_frac"] = out["n_blocked"] / out["n_tokens"].where(out["n_tokens"] > 0)
+        return out
+
+    def blocked_by_rule(self, labels: dict[str, str] | None = None) -> pd.DataFrame:
+        """``run_id, step, rule, n_blocked, n_tokens, blocked_frac`` over the tokens with A != 0, for the rules
+        that block at least one token here. ``labels`` maps run_id -> a label (a seed group): the runs of one
+        label are added up per step (counts summed, then divided), and ``run_id`` holds the label."""
+        df = self.blocked[self.blocked["advantage_side"] == "all"]
+        blocking = df.groupby("rule")["n_blocked"].sum()
+        df = df[df["rule"].isin(blocking[blocking > 0].index)]
+        if labels:
+            df = df.assign(run_id=df["run_id"].map(lambda r: labels.get(r, r)))
+        out = df.groupby(["run_id", "rule", "step"], as_index=False)[["n_blocked", "n_tokens"]].sum()
+        out["blocked_frac"] = out["n_blocked"] / out["n_tokens"].where(out["n_tokens"] > 0)
+        return out[["run_id", "step", "rule", "n_blocked", "n_tokens", "blocked_frac"]]
+
+    def bad_updates(self) -> pd.DataFrame:
+        """Per run and step, the ``bad_negative_updates`` view's columns: n_tokens, n_negative, n_bad_negative,
+        bad_negative_rate (of all the step's tokens), reward_mean, reward_std, reward_change (|reward_mean -
+        the previous step's|)."""
+        df = self.steps[["run_id", "step", "n_tokens", "n_negative", "n_bad_negative", "bad_negative_rate",
+                         "reward_mean", "reward_std"]].sort_values(["run_id", "step"])
+        return df.assign(reward_change=df.groupby("run_id")["reward_mean"].diff().abs()).reset_index(drop=True)
+
+
+def source_sentence(exact: bool, token_fraction: float | None) -> str:
+    """How a run's overview figures were obtained, for captions and tables."""
+    if exact:
+        return "exact: every token (summaries table)"
+    if token_fraction is not None and token_fraction < 1:
+        return f"from logged rows: a sample of {token_fraction:.0%} of tokens"
+    return "from logged rows (every token logged)"
+
+
 def _bindable(params: dict[str, Any]) -> dict[str, Any]:
     """Numbers as floats (one SQL type per parameter across runs), everything else as it is; a rule without
     parameters gets a placeholder field (a SQL struct needs one)."""
@@ -789,6 +854,47 @@ class LogDB:
         """
         return self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
 
+    def overview(self, run_ids: Sequence[str] | str | None = None) -> Overview:
+        """The overview figures of every run with a logged step (or of ``run_ids``), the one source of the Runs
+        page and of ``trustscope report``: exact from the summaries table where a run has one (``summary_steps``,
+        ``summary_blocked``: a few hundred rows a step, whatever the run's token count), else from its logged
+        token rows (``step_summary``, ``blocked_fractions``: a sample when ``token_fraction`` < 1, which
+        :attr:`Overview.sources` says). Token rows are read only for the runs without summaries.
+        """
+        wanted = None if run_ids is None else [run_ids] if isinstance(run_ids, str) else list(run_ids)
+        self.refresh()
+        fractions = {}
+        for run in self.runs_dirs:  # run.json only: the overview reads no samples or token file to list runs
+            try:
+                manifest = json.loads((run / schema.MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict):
+                fractions[manifest.get("run_id") or run.name] = _logged_fraction(manifest)
+        ids = [r for r in fractions if wanted is None or r in wanted]
+        if not ids:
+            return Overview(pd.DataFrame(columns=list(OVERVIEW_COLUMNS)), pd.DataFrame(columns=list(BLOCKED_COLUMNS)),
+                            pd.DataFrame(columns=["run_id", "exact", "token_fraction", "source"]))
+        steps = [self._frame("summary_steps", where={"run_id": ids})]
+        blocked = [self._frame("summary_blocked", where={"run_id": ids})]
+        exact = set(steps[0]["run_id"])
+        rest = [r for r in ids if r not in exact]
+        if rest:
+            logged = self.step_summary(rest).assign(bad_negative_delta=ANALYSIS_DEFAULTS["bad_negative_delta"])
+            steps.append(logged[list(OVERVIEW_COLUMNS)])
+            blocked.append(self.blocked_fractions(rest)[list(BLOCKED_COLUMNS)])
+        shown = sorted(exact | set(steps[-1]["run_id"] if rest else ()))
+        sources = pd.DataFrame({"run_id": shown, "exact": [r in exact for r in shown],
+                                "token_fraction": [fractions[r] for r in shown]})
+        sources["source"] = [source_sentence(e, f) for e, f in zip(sources["exact"], sources["token_fraction"],
+                                                                   strict=True)]
+        frames = [f for f in steps if len(f)]
+        return Overview(
+            steps=(pd.concat(frames, ignore_index=True) if frames else steps[0]).sort_values(["run_id", "step"])
+            .reset_index(drop=True),
+            blocked=pd.concat([f for f in blocked if len(f)] or blocked[:1], ignore_index=True),
+            sources=sources)
+
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
         """Long form of the blocked counts: run_id, step, rule, advantage_side ('all': A != 0, 'positive',
@@ -847,6 +953,13 @@ class LogDB:
         """Responses: run_id, step, rank, sample_id, prompt_id, prompt, response, reward, advantage, length,
         finish_reason, source_file (at most ``limit`` rows)."""
         return self._frame("samples", where={"run_id": run_ids, "step": steps}, refresh=True, limit=limit)
+
+
+def _logged_fraction(manifest: dict[str, Any]) -> float | None:
+    """The ``token_fraction`` a run's logger kept (run.json's ``logging``), None when the manifest does not say."""
+    logging = manifest.get("logging")
+    value = logging.get("token_fraction") if isinstance(logging, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
