@@ -12,15 +12,21 @@ from trustscope import figures, report
 
 def pick_groups(runs: pd.DataFrame, limit: int = 4) -> tuple[list[str], bool]:
     """Seed groups (or single runs) to compare, and whether seeds are grouped. The default holds the PPO-clip
-    baseline and then one configuration per other rule, at most ``limit``."""
+    baseline and then one configuration per other rule, at most ``limit``: per rule the one with the most seeds,
+    and among those only the ones with at least the baseline's seeds when there are any."""
     grouped = st.toggle("Group seeds (mean, band = min..max)", value=True, key="group_seeds")
     column = "group" if grouped else "run_id"
     options = runs[column].drop_duplicates().tolist()
     remembered = [r for r in st.session_state.get(f"_{column}", []) if r in options]
-    first = runs.drop_duplicates(column)
-    baseline = first[first["loss_rule"] == data.BASELINE_RULE][column].tolist()[:1]
-    others = first[first["loss_rule"] != data.BASELINE_RULE].drop_duplicates("loss_rule")[column].tolist()
-    default = (baseline + others)[:limit]
+    seeds = runs.groupby(column, sort=False)["run_id"].transform("size")
+    # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
+    first = runs.assign(seeds=seeds).sort_values("seeds", ascending=False, kind="stable").drop_duplicates(column)
+    baseline = first[first["loss_rule"] == data.BASELINE_RULE].head(1)
+    others = first[first["loss_rule"] != data.BASELINE_RULE].drop_duplicates("loss_rule")
+    if len(baseline):
+        matched = others[others["seeds"] >= baseline["seeds"].iloc[0]]
+        others = matched if len(matched) else others
+    default = (baseline[column].tolist() + others[column].tolist())[:limit]
     label = "Configurations (seeds averaged)" if grouped else "Runs"
     chosen = st.multiselect(label, options, default=remembered or default, key=f"{column}_picker")
     st.session_state[f"_{column}"] = chosen

@@ -1,11 +1,11 @@
 """The paper's sanity test at toy scale: every baseline rule against DPPO, same seeds, same budget.
 
-    .venv/bin/python scripts/experiments.py run  [--preset sanity] [--logdir sample_logs] [--seeds 0 1 2] [--rules ...]
+    .venv/bin/python scripts/experiments.py run  [--preset sanity] [--logdir runs/sanity-v1] [--seeds 0 1 2] [--rules ...]
                                                  [--set lr=1e-4 ...] [--no-probe] [--dry-run]
     .venv/bin/python scripts/experiments.py run  --preset sanity-v2          # the larger toy world, runs/sanity-v2
     bash scripts/gpu_sanity.sh                                                # preset sanity-gpu, on a GPU machine
     .venv/bin/python scripts/experiments.py summarize --logdir runs/sanity-v2   # one calibration row per run
-    .venv/bin/python scripts/experiments.py plot [--logdir sample_logs runs/sanity-extra] [--out docs/img]
+    .venv/bin/python scripts/experiments.py plot [--logdir runs/sanity-v1 runs/sanity-extra] [--out docs/img]
 
 ``run`` trains each run of the preset in turn in this one process (vLLM is imported once), skipping runs that
 already finished, so an interrupted sweep picks up where it stopped. ``plot`` reads the runs' ``steps`` tables and
@@ -156,7 +156,7 @@ class Preset:
 
 
 PRESETS = {
-    "sanity": Preset(SETTING, RULES, "sample_logs"),
+    "sanity": Preset(SETTING, RULES, "runs/sanity-v1"),
     "sanity-v2": Preset(SETTING_V2, RULES_V2, "runs/sanity-v2", toy="toy-v2", probe_lags=ANCHOR_LAGS),
     "sanity-gpu": Preset(SETTING_GPU, RULES_V2, "runs/sanity-gpu", toy="toy-gpu", probe_lags=(0, 2, 4, 8)),
 }
@@ -216,7 +216,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train every run of a preset")
     run.add_argument("--preset", choices=sorted(PRESETS), default="sanity")
-    run.add_argument("--logdir", type=Path, help="default: the preset's (sample_logs, runs/sanity-v2)")
+    run.add_argument("--logdir", type=Path, help="default: the preset's (runs/sanity-v1, runs/sanity-v2)")
     run.add_argument("--rules", nargs="*", help="default: the preset's rules; none (a bare --rules): the probe only")
     run.add_argument("--seeds", nargs="+", type=int, help="default: the preset's seeds (0 1 2)")
     run.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -227,7 +227,7 @@ def main() -> None:
     summ = sub.add_parser("summarize", help="print the calibration numbers of every run")
     summ.add_argument("--logdir", type=Path, nargs="+", required=True)
     plot = sub.add_parser("plot", help="write the figures and the summary table")
-    plot.add_argument("--logdir", type=Path, nargs="+", default=[ROOT / "sample_logs"])
+    plot.add_argument("--logdir", type=Path, nargs="+", default=[ROOT / "runs" / "sanity-v1"])
     plot.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args()
     if args.cmd == "run":

@@ -11,8 +11,10 @@ ratio's spread by mu bucket come from the logged token rows (a 25% sample of eac
 
 Definitions (shared by the tables and the figures):
 
-- a run's **collapse step**: the first step where its 10-step mean training reward is 0.15 or more below its best
+- a run's **first dip**: the first step where its 10-step mean training reward is 0.15 or more below its best
   10-step mean so far (the reward-dip definition of ``bench/eval_collapse_warning.py``); none if it never is;
+- a run's **collapse step**: the first step where its 10-step mean training reward is at most half its best
+  10-step mean so far; none if it never is;
 - **blocked fraction**: tokens a rule blocks over the step's tokens with A != 0 (A = 0 tokens carry no gradient);
 - **bad negative rate**: tokens with A < 0 and mu - pi >= 0.5 over all the step's tokens (the paper's Mask-0.5
   threshold; the SQL's ``bad_negative_rate``).
@@ -37,17 +39,19 @@ from experiments import LABELS  # noqa: E402  (this script's own directory)
 
 from trustscope.db import connect  # noqa: E402
 
-DIP_WINDOW, DIP_DEPTH = 10, 0.15
+DIP_WINDOW, DIP_DEPTH, COLLAPSE_SHARE = 10, 0.15, 0.5
 LOW_MU = 0.1
 """Tokens with mu below this are 'low-probability' (the paper's alpha; the mu buckets' edge at 0.1)."""
 RUN_ID = re.compile(r"^sanity-(?P<rule>.+)-s(?P<seed>\d+)$")
 PROBE_ID = re.compile(r"^anchor-(?P<anchor>mu|pi_old)-lag(?P<lag>\d+)-s(?P<seed>\d+)$")
 
 
-def collapse_step(steps: pd.Series, reward: pd.Series) -> float:
-    """First step whose 10-step mean reward is DIP_DEPTH below its best so far; NaN when it never is."""
+def first_step(steps: pd.Series, reward: pd.Series, *, depth: float = 0.0, share: float = 1.0) -> float:
+    """First step whose 10-step mean reward is ``depth`` below, or at most ``share`` of, its best so far (NaN when
+    it never is)."""
     avg = reward.rolling(DIP_WINDOW, min_periods=DIP_WINDOW).mean()
-    below = (avg.cummax() - avg >= DIP_DEPTH).to_numpy()
+    best = avg.cummax()
+    below = ((best - avg >= depth) & (avg <= share * best)).to_numpy()
     return float(steps.to_numpy()[below.argmax()]) if below.any() else float("nan")
 
 
@@ -152,7 +156,8 @@ def run_table(wide: pd.DataFrame, exact: pd.DataFrame) -> pd.DataFrame:
             "reward_low5": w["reward/mean"].rolling(5).mean().min(),
             "eval_best": evals["eval/reward"].max() if len(evals) else np.nan,
             "eval_final": evals["eval/reward"].iloc[-1] if len(evals) else np.nan,
-            "collapse": collapse_step(w.step, w["reward/mean"]),
+            "dip": first_step(w.step, w["reward/mean"], depth=DIP_DEPTH),
+            "collapse": first_step(w.step, w["reward/mean"], share=COLLAPSE_SHARE),
             "mismatch_first10": e.mismatch.head(10).mean(), "mismatch_last10": e.mismatch.tail(10).mean(),
             "mismatch_max": e.mismatch.max(),
             "blocked_own": w["policy/blocked_frac"].mean(),
@@ -164,17 +169,20 @@ def run_table(wide: pd.DataFrame, exact: pd.DataFrame) -> pd.DataFrame:
 
 def sweep_markdown(table: pd.DataFrame) -> str:
     lines = ["| rule | train reward, all steps | last 10 steps | best 10-step mean | lowest 5-step mean | "
-             "eval accuracy, final | runs collapsed (step) | mean abs(pi - mu), first 10 / last 10 steps | "
+             "eval accuracy, final | runs with a dip (first step) | runs collapsed (step) | mean abs(pi - mu), first 10 / last 10 steps | "
              "blocked by the rule | bad negative rate | s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def when(values: pd.Series) -> str:
+        hit = values.dropna()
+        return f"{len(hit)}/{len(values)}" + (f" ({', '.join(str(int(c)) for c in sorted(hit))})" if len(hit) else "")
+
     for rule, label in LABELS.items():
         t = table[(table.kind == "sweep") & (table.rule == rule)]
         if t.empty:
             continue
-        col = t.collapse.dropna()
-        collapsed = f"{len(col)}/{len(t)}" + (f" ({', '.join(str(int(c)) for c in sorted(col))})" if len(col) else "")
         lines.append(f"| {label} | {_fmt(t.reward_all)} | {_fmt(t.reward_last10)} | {_fmt(t.reward_best10)} | "
-                     f"{_fmt(t.reward_low5)} | {_fmt(t.eval_final)} | {collapsed} | "
+                     f"{_fmt(t.reward_low5)} | {_fmt(t.eval_final)} | {when(t.dip)} | {when(t.collapse)} | "
                      f"{t.mismatch_first10.mean():.4f} / {_fmt(t.mismatch_last10, 4)} | {_fmt(t.blocked_own, 4)} | "
                      f"{_fmt(t.bad_negative_rate, 4)} | {t.s_per_step.median():.2f} |")
     return "\n".join(lines)
@@ -246,7 +254,7 @@ def make_figures(data: dict[str, pd.DataFrame], out: Path) -> list[Path]:
         ("v2_reward.png", sweep_w, "reward/mean", 10, "training reward (10-step mean; band: min-max of 3 seeds)", None),
         ("v2_eval.png", sweep_w.dropna(subset=["eval/reward"]), "eval/reward", 1,
          "held-out greedy accuracy (50 problems, every 10 steps)", None),
-        ("v2_mismatch.png", sweep_e, "mismatch", 5, "mean |pi - mu| over every token (5-step mean)", "log"),
+        ("v2_mismatch.png", sweep_e, "mismatch", 5, "mean |pi - mu| over every token (5-step mean)", None),
         ("v2_bad_negative.png", sweep_e, "bad_negative_rate", 5,
          "bad negative updates: A < 0 and mu - pi >= 0.5, share of all tokens", None),
     ]
@@ -282,7 +290,8 @@ def make_figures(data: dict[str, pd.DataFrame], out: Path) -> list[Path]:
             _bands(ax, probe[probe.lag == lag], "reward/mean", "anchor",
                    {"mu": "anchored on mu", "pi_old": "anchored on pi_old"}, 10,
                    {"mu": {"color": cmap(4)}, "pi_old": {"color": cmap(3), "ls": "--"}})
-            ax.set_title(f"policy lag {int(lag)}: DPPO binary TV, delta 0.15", fontsize=10)
+            seeds = probe[probe.lag == lag].seed.nunique()
+            ax.set_title(f"policy lag {int(lag)}: DPPO binary TV, delta 0.15 (band: {seeds} seeds)", fontsize=10)
         np.atleast_1d(axes)[0].set_ylabel("training reward (10-step mean)")
         np.atleast_1d(axes)[0].legend(fontsize=8)
         save(fig, "v2_anchoring.png")

@@ -192,7 +192,8 @@ def test_rule_blocks_matches_torch_on_the_sample_logs(tmp_path):
     """The real logs the project's trainer wrote: every run, every rule, each run's own parameters."""
     with tsdb.connect(SAMPLE_LOGS, cache_dir=tmp_path) as db:
         runs = db.run_rules()
-        assert len(runs) >= 10 and (runs["source"].isin(["run", "defaults"])).all()
+        assert len(runs) == len(list(SAMPLE_LOGS.glob("*/run.json"))) >= 5
+        assert runs["source"].isin(["run", "defaults"]).all()
         assert assert_views_match_torch(db) == len(runs) * len(tsdb.sql_rules())
 
 
