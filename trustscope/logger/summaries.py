@@ -12,7 +12,9 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
 - ``tokens``: token count per advantage sign (positive, negative, zero) and mu bucket.
 - ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`, default parameters), the tokens its
   keep-mask blocks, per advantage sign (positive, negative: A = 0 is left out, a blocked A = 0 token carries no
-  gradient either way) and mu bucket. A rule that needs a column the call lacks (top-K, old_logprob) has no rows.
+  gradient either way) and mu bucket: every rule's mask from :func:`trustscope.losses.keep_masks`, without its
+  loss, the rules sharing their ratios and divergences. The top-K rules gate on the stored ``topk_tv`` /
+  ``topk_kl``, as the SQL views do. A rule that needs a column the call lacks (top-K, old_logprob) has no rows.
 - ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
 - ``bad_negative``: tokens with A < 0 and mu - pi >= ``threshold`` (minimal_negative_mask's default delta, the
   SQL's ``bad_negative_delta``).
@@ -116,7 +118,7 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     """
     import torch
 
-    from trustscope.losses import PolicyBatch, get_loss, list_losses
+    from trustscope.losses import MaskTerms, PolicyBatch, get_loss, keep_masks, rules_with_inputs
 
     n = len(cols["mu_logprob"])
     if n == 0:
@@ -146,19 +148,18 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
         padded[row, pos] = cols[name]
         return torch.from_numpy(padded)
 
-    inputs = {"pi_logprob": tensor("pi_logprob"), "mu_logprob": tensor("mu_logprob"),
-              "advantages": tensor("advantage"), "mask": torch.from_numpy(valid),
-              "old_logprob": tensor("old_logprob"), "mu_topk_logprobs": tensor("mu_topk_logprobs"),
-              "pi_topk_logprobs": tensor("pi_topk_logprobs")}
-    batch = PolicyBatch(**inputs)
+    # The top-K rules gate on the stored topk_tv / topk_kl, as the SQL views do, so the (N, K) lists are not read.
+    stored = {name: tensor(name) for name in MaskTerms.GIVEN if name in cols}
+    given = stored if len(stored) == len(MaskTerms.GIVEN) else None
+    lists = {} if given else {name: tensor(name) for name in ("mu_topk_logprobs", "pi_topk_logprobs")}
+    batch = PolicyBatch(pi_logprob=tensor("pi_logprob"), mu_logprob=tensor("mu_logprob"),
+                        advantages=tensor("advantage"), mask=torch.from_numpy(valid),
+                        old_logprob=tensor("old_logprob"), **lists)
     signed = sign < 2
-    with one_torch_thread(), torch.no_grad():
-        for name in list_losses():
-            rule = get_loss(name)
-            if any(inputs[need] is None for need in rule.needs):
-                continue
-            keep = rule.fn(batch, **rule.resolve()).keep.numpy()[row, pos]  # (N,); inputs checked finite already
-            rows += _grouped("blocked", group, ~keep & signed, 2, rule=name)
+    with one_torch_thread():
+        masks = keep_masks(batch, rules_with_inputs(batch, given), given=given)
+    for name, keep in masks.items():  # inputs checked finite already
+        rows += _grouped("blocked", group, ~keep.numpy()[row, pos] & signed, 2, rule=name)
 
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])
     bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())
