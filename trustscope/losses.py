@@ -23,6 +23,11 @@ no gradient whatever the mask says (its loss is ``-0 * w * log pi``), so every b
 (``policy/blocked_frac*``) and in the SQL views, is counted over the tokens that carry gradient (``A != 0``), with
 the token count beside it, as verl's ``pg_clipfrac`` effectively does (a zero-advantage token is never "clipped").
 
+Each built-in rule's keep-mask is its own pure function, ``mask_<rule>(terms: MaskTerms, **params)``, which the
+rule's loss calls and :func:`keep_masks` calls alone: every rule's mask on one batch without building any loss,
+under ``torch.inference_mode``, the ratios, divergences and sequence context (:class:`MaskTerms`) computed once for
+all rules. The logger's exact summaries count every rule's blocked tokens this way.
+
 Per-token math is kept apart from aggregation: :func:`aggregate` reduces ``(B, T)`` losses with a named mode.
 
 Precision: masks, weights and the loss are computed in float32 whatever the input dtype (float64 stays float64), so
