@@ -255,6 +255,11 @@ class _Resources:
         shutil.rmtree(self.private, ignore_errors=True)
 
 
+def _flush_of(file: Path) -> tuple[Path, str]:
+    """The flush a data file belongs to: its directory and its name without the part suffix (``-p<part>``)."""
+    return file.parent, re.sub(r"-p\d+(?=\.parquet$)", "", file.name)
+
+
 def _data_files(run: Path, table: str) -> list[Path]:
     return schema.committed_files(run)[table]
 
@@ -478,7 +483,8 @@ class LogDB:
 
     def refresh(self, views: Iterable[str] = ()) -> None:
         """Pick up new runs and new files; when ``views`` read any kept aggregate, compute every partial aggregate
-        of the files not seen before (once per file, all partial views from one pass, see :meth:`_aggregate_file`)."""
+        of the files not seen before (once per file, all partial views from one pass over the parts of its flush,
+        see :meth:`_aggregate_files`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
             self.runs_dirs = self._reachable(_run_dirs(self.paths))
@@ -501,6 +507,7 @@ class LogDB:
         kept on disk, aggregate the files that still miss a view. Returns whether any kept rows changed."""
         changed = False
         current = {}
+        aggregated: dict[Path, dict[str, pa.Table]] = {}
         for f in files:
             st = f.stat()
             current[f] = (st.st_size, st.st_mtime_ns)
@@ -521,28 +528,36 @@ class LogDB:
             if not missing:
                 continue
             self.partials_computed += 1
-            for view, table in self._aggregate_file(f).items():
+            if f not in aggregated:  # with the other parts of its flush: a response may straddle two parts
+                aggregated.update(self._aggregate_files([g for g in current if _flush_of(g) == _flush_of(f)]))
+            for view, table in aggregated.pop(f).items():
                 self._partials[view][f] = (key, table)
                 if self.cache_dir is not None:
                     self._store(self._disk_path(view, f, key), table)
         return changed
 
-    def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
-        """Every partial view's rows for one tokens file, from one pass over it.
+    def _aggregate_files(self, files: list[Path]) -> dict[Path, dict[str, pa.Table]]:
+        """Every partial view's rows for each of ``files`` (the parts of one flush), from one pass over them.
 
-        A cursor whose token list holds only ``file`` materialises the file's ``rule_blocks`` (every rule's flag,
+        A cursor whose token list holds only ``files`` materialises their ``rule_blocks`` once (every rule's flag,
         the sequence rules' windows computed once), only the columns the partial views read, into a temporary
         table of the same name; DuckDB finds the temporary table before the view, so each partial view then reads
-        those rows instead of recomputing the metrics and the sequence windows once per partial view.
+        those rows instead of recomputing the metrics and the sequence windows once per partial view. The parts of
+        a flush go through together because the logger's encoders split a flush by row groups, so one response
+        may lie in two parts, and its context (length, mean log-ratio, prefix sums) must see all of its tokens;
+        every partial view groups by ``source_file``, so its rows are then split by file.
         """
         cur = self.cursor()
         try:
             lists = self._file_lists()
-            cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], str(file)]}])
+            cur.execute("set variable trustscope_files = ?",
+                        [{**lists, "tokens": [lists["tokens"][0], *map(str, files)]}])
             inputs = [_quote(c) for c in cur.view("rule_blocks").columns
                       if c in _PARTIAL_WORDS or c.startswith("blocks_")]
             cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
-            return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+            tables = {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+            return {f: {view: table.filter(pc.equal(table["source_file"], str(f))) for view, table in tables.items()}
+                    for f in files}
         finally:
             cur.close()
 
