@@ -695,3 +695,12 @@ def test_keep_masks_errors_and_rules_without_a_mask_function(monkeypatch):
 
     register_loss("keep_masks_plain", delta=0.1)(every_other)
     assert torch.equal(L.keep_masks(b, ["keep_masks_plain"])["keep_masks_plain"], get_loss("keep_masks_plain")(b).keep)
+
+
+def test_keep_masks_can_gate_a_loss_that_is_backpropagated():
+    g = torch.Generator().manual_seed(7)
+    b = random_batch(g, 200)
+    pi_lp = b.pi_logprob.clone().requires_grad_(True)
+    keep = L.keep_masks(PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp}), ["dppo_binary_tv"])["dppo_binary_tv"]
+    torch.where(keep, -b.advantages * pi_lp, 0.0).sum().backward()
+    assert torch.equal(pi_lp.grad != 0, keep & (b.advantages != 0))

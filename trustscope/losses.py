@@ -25,7 +25,7 @@ the token count beside it, as verl's ``pg_clipfrac`` effectively does (a zero-ad
 
 Each built-in rule's keep-mask is its own pure function, ``mask_<rule>(terms: MaskTerms, **params)``, which the
 rule's loss calls and :func:`keep_masks` calls alone: every rule's mask on one batch without building any loss,
-under ``torch.inference_mode``, the ratios, divergences and sequence context (:class:`MaskTerms`) computed once for
+under ``torch.no_grad``, the ratios, divergences and sequence context (:class:`MaskTerms`) computed once for
 all rules. The logger's exact summaries count every rule's blocked tokens this way.
 
 Per-token math is kept apart from aggregation: :func:`aggregate` reduces ``(B, T)`` losses with a named mode.
@@ -577,11 +577,12 @@ def keep_masks(batch: PolicyBatch, rules: Iterable[str] | None = None, *,
                given: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Every named rule's keep-mask M ``(B, T)`` (padding False) on one batch, without its loss or metrics.
 
-    The same masks as ``get_loss(name)(batch, **params[name]).keep``, computed under ``torch.inference_mode``
-    from one :class:`MaskTerms`, so the rules share their ratios, divergences and sequence context (the
-    summaries compute every registered rule's mask over every logged token this way). ``rules``: registered names
-    (default: all); ``params``: per rule, overrides of its defaults; ``given``: see :class:`MaskTerms`. The batch is
-    checked once; a rule registered without a mask function runs whole, its ``keep`` taken.
+    The same masks as ``get_loss(name)(batch, **params[name]).keep``, computed under ``torch.no_grad`` (not
+    ``inference_mode``: a caller may use the masks in a loss it backpropagates) from one :class:`MaskTerms`, so
+    the rules share their ratios, divergences and sequence context (the summaries compute every registered rule's
+    mask over every logged token this way). ``rules``: registered names (default: all); ``params``: per rule,
+    overrides of its defaults; ``given``: see :class:`MaskTerms`. The batch is checked once; a rule registered
+    without a mask function runs whole, its ``keep`` taken.
     """
     names = list_losses() if rules is None else list(rules)
     params = params or {}
@@ -589,7 +590,7 @@ def keep_masks(batch: PolicyBatch, rules: Iterable[str] | None = None, *,
     _check_batch(batch)
     present = _present(batch, given)
     out = {}
-    with torch.inference_mode():
+    with torch.no_grad():
         terms = MaskTerms(batch, given)
         for name, rule in chosen.items():
             merged = rule.resolve(**params.get(name, {}))
