@@ -4,7 +4,9 @@ Every query goes through :mod:`trustscope.db`: one query-layer handle per log di
 its named analyses and its named queries (``trustscope/sql/queries/*.sql``, :meth:`LogDB.query`), with results
 cached by ``st.cache_data`` under the log directory and :meth:`LogDB.version` (which changes when a file lands),
 so a run that is still writing gets fresh results as soon as a new file lands and cached ones otherwise. The run
-table, seed groups and the collapse early warning are :mod:`trustscope.report`'s, shared with the report.
+table, seed groups and the collapse early warning are :mod:`trustscope.report`'s, shared with the report. The
+overview pages read :meth:`LogDB.overview` (exact from the summaries table where a run has one, else from its
+logged rows, which :func:`overview` says per run), the report's source too; the token-level pages read the rows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pyarrow as pa
 import streamlit as st
 
 from app.launch import LOGDIR_ENV, default_logdir
-from trustscope import db, figures, report, schema
+from trustscope import db, figures, report, schema, storage
 from trustscope.losses import list_losses
 
 METRIC_TITLES = {
@@ -73,12 +75,16 @@ class LogDirError(Exception):
 # ------------------------------------------------------------------------------------------------ the log dir
 
 
-def resolve_logdir(argv: Sequence[str]) -> Path:
-    """``--logdir`` from the script's arguments, else ``$TRUSTSCOPE_LOGDIR``, else the sample logs."""
+def resolve_logdir(argv: Sequence[str]) -> Path | str:
+    """``--logdir`` from the script's arguments, else ``$TRUSTSCOPE_LOGDIR``, else the sample logs; an
+    ``s3://`` prefix stays a URL (LogDB reads it through its mirror)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--logdir")
     known, _ = parser.parse_known_args(list(argv))
     chosen = known.logdir or os.environ.get(LOGDIR_ENV) or default_logdir()
+    if storage.is_remote(chosen):
+        st.session_state["logdir"] = chosen
+        return chosen
     path = Path(chosen).expanduser().resolve()
     st.session_state["logdir"] = str(path)
     return path
@@ -90,9 +96,16 @@ def current_logdir() -> str:
     return st.session_state["logdir"]
 
 
-def check_logdir(logdir: Path) -> None:
+def check_logdir(logdir: Path | str) -> None:
     """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all; show an
     error naming each run whose manifest is unreadable (the other runs are still shown)."""
+    if storage.is_remote(logdir):
+        try:
+            handle = _db(logdir)
+            handle.refresh()  # the mirror, brought up to date
+            logdir = handle.paths[0]
+        except (storage.StorageError, ValueError) as exc:
+            raise LogDirError(f"The object store prefix cannot be read: {exc}") from None
     if not logdir.exists():
         raise LogDirError(f"The log directory `{logdir}` does not exist. Start the dashboard with "
                           "`trustscope dashboard LOGDIR` pointing at a directory a run writes to.")
@@ -193,9 +206,22 @@ def query(name: str, **params: object) -> pd.DataFrame:
     return _query(*_key(), name, _frozen(params))
 
 
+def overview() -> db.Overview:
+    """:meth:`LogDB.overview` of every run (read once and filtered by the callers: the pages ask for different
+    runs of the same small frames): exact from the summaries table where a run has one, else from its logged
+    token rows, as ``sources`` says."""
+    return analysis("overview")
+
+
+def sources(run_ids: Sequence[str]) -> pd.DataFrame:
+    """``run_id, exact, token_fraction, source`` of ``run_ids``: where their overview figures come from."""
+    df = overview().sources
+    return df[df["run_id"].isin(list(run_ids))].reset_index(drop=True)
+
+
 def summary(run_ids: Sequence[str] | None = None) -> pd.DataFrame:
-    """The step summary (one row per run and step), read once for every run and filtered here: the pages ask for
-    different runs of the same small frame."""
+    """The step summary over the logged token rows (one row per run and step), for the token-level pages' step
+    windows; read once for every run and filtered here."""
     df = analysis("step_summary")
     return df if run_ids is None else df[df["run_id"].isin(list(run_ids))].reset_index(drop=True)
 
@@ -229,8 +255,10 @@ def default_first_step(run_id: str) -> int:
 
 
 def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
-    """Long form ``run_id, step, name, value`` for the metrics of :data:`METRIC_TITLES`."""
-    wide = summary(run_ids)[["run_id", "step", "reward_mean", "mismatch_mean", "entropy_mean"]].rename(
+    """Long form ``run_id, step, name, value`` for the metrics of :data:`METRIC_TITLES`, from :func:`overview`."""
+    steps = overview().steps
+    steps = steps[steps["run_id"].isin(list(run_ids))]
+    wide = steps[["run_id", "step", "reward_mean", "mismatch_mean", "entropy_mean"]].rename(
         columns={"reward_mean": "reward", "mismatch_mean": "mismatch", "entropy_mean": "entropy"})
     long = wide.melt(id_vars=["run_id", "step"], var_name="name", value_name="value").dropna(subset=["value"])
     scalars = query("step_scalars", run_ids=list(run_ids), names=list(ACCURACY_NAMES))
@@ -240,23 +268,24 @@ def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
     return pd.concat([long, accuracy], ignore_index=True)
 
 
-def blocked_by_rule(run_ids: Sequence[str]) -> pd.DataFrame:
-    """``run_id, step, rule, blocked_frac, n_blocked, n_tokens`` for every rule that blocks anything in these
-    runs, in registry order (read off the step summary's ``blocked_frac__<rule>`` columns, whatever rules the
-    registry holds; the count from ``n_blocked__<rule>`` when the view has it)."""
-    steps = summary(run_ids)
-    rules = [c.removeprefix("blocked_frac__") for c in steps.columns if c.startswith("blocked_frac__")]
-    parts = []
-    for rule in figures.rule_order(rules):
-        frac = steps[f"blocked_frac__{rule}"]
-        counted = f"n_blocked__{rule}"
-        n = steps[counted] if counted in steps else (frac * steps["n_tokens"]).round()
-        parts.append(pd.DataFrame({"run_id": steps["run_id"], "step": steps["step"], "rule": rule,
-                                   "blocked_frac": frac, "n_blocked": n, "n_tokens": steps["n_tokens"]}))
-    df = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
-        columns=["run_id", "step", "rule", "blocked_frac", "n_blocked", "n_tokens"])
-    masking = df.groupby("rule")["blocked_frac"].max()
-    return df[df["rule"].isin(masking[masking > 0].index)].reset_index(drop=True)
+def blocked_by_rule(run_ids: Sequence[str], labels: dict[str, str] | None = None) -> pd.DataFrame:
+    """``run_id, step, rule, n_blocked, n_tokens, blocked_frac`` (over the tokens with A != 0) for every rule that
+    blocks anything in these runs, in registry order (:meth:`trustscope.db.Overview.blocked_by_rule`: the runs of
+    one label in ``labels`` added up)."""
+    ours = overview()
+    mine = db.Overview(ours.steps, ours.blocked[ours.blocked["run_id"].isin(list(run_ids))], ours.sources)
+    df = mine.blocked_by_rule(labels)
+    order = {r: i for i, r in enumerate(figures.rule_order(df["rule"].unique()))}
+    return df.sort_values(["rule", "run_id", "step"], key=lambda c: c.map(order) if c.name == "rule" else c,
+                          kind="stable").reset_index(drop=True)
+
+
+def blocked_totals(run_ids: Sequence[str], labels: dict[str, str] | None = None) -> pd.DataFrame:
+    """``run_id, rule, n_blocked, n_tokens, blocked_frac`` over every step of these runs (A != 0 tokens), the
+    runs of one label in ``labels`` added up (:meth:`trustscope.db.Overview.blocked_totals`)."""
+    ours = overview()
+    return db.Overview(ours.steps, ours.blocked[ours.blocked["run_id"].isin(list(run_ids))],
+                       ours.sources).blocked_totals(labels)
 
 
 def ratio_points(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
@@ -286,8 +315,12 @@ def rules_by_bucket(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
 
 
 def masking_rules(run_id: str) -> list[str]:
-    """The registered rules that would block at least one token of the run, in registry order."""
-    blocking = set(blocked_by_rule([run_id])["rule"])
+    """The registered rules that would block at least one logged token of the run, in registry order: read off
+    the logged rows (the token-level pages' source), so a rule registered after the run was logged, which its
+    summaries table cannot hold, is offered too."""
+    steps = summary([run_id])
+    blocking = {c.removeprefix("n_blocked__") for c in steps.columns
+                if c.startswith("n_blocked__") and steps[c].fillna(0).sum() > 0}
     return [r for r in list_losses() if r in blocking]
 
 
@@ -307,8 +340,10 @@ def counterfactual(run_id: str, rule_a: str, rule_b: str, steps: tuple[int, int]
 
 
 def bad_updates(run_id: str) -> pd.DataFrame:
-    """``step, bad_rate, n_bad_negative, n_negative, n_tokens, reward, reward_fluctuation`` per step."""
-    df = analysis("bad_negative_updates", run_ids=[run_id]).sort_values("step")
+    """``step, bad_rate, n_bad_negative, n_negative, n_tokens, reward, reward_fluctuation`` per step, from
+    :func:`overview` (exact where the run has summaries)."""
+    df = overview().bad_updates()
+    df = df[df["run_id"] == run_id].sort_values("step")
     return pd.DataFrame({
         "step": df["step"], "bad_rate": df["bad_negative_rate"], "n_bad_negative": df["n_bad_negative"],
         "n_negative": df["n_negative"], "n_tokens": df["n_tokens"], "reward": df["reward_mean"],
@@ -317,11 +352,9 @@ def bad_updates(run_id: str) -> pd.DataFrame:
 
 
 def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
-    """Per run and step, :func:`trustscope.report.collapse_warnings` at :data:`WARNING_LINES`."""
-    lines = WARNING_LINES
-    every = query("collapse_warnings", run_ids=runs()["run_id"].tolist(), window=lines.window,
-                  bad_rate_line=lines.bad_rate, mismatch_growth_line=lines.mismatch_growth)
-    return every[every["run_id"].isin(list(run_ids))].reset_index(drop=True)
+    """Per run and step, :func:`trustscope.report.collapse_warnings` at :data:`WARNING_LINES` over
+    :func:`overview`."""
+    return report.collapse_warnings(overview(), list(run_ids), WARNING_LINES)
 
 
 def samples(run_id: str, step: int) -> pd.DataFrame:

@@ -24,7 +24,7 @@ def default_logdir() -> Path:
     return candidates[0]
 
 
-def streamlit_command(logdir: Path, host: str = "127.0.0.1", port: int = 8501) -> list[str]:
+def streamlit_command(logdir: Path | str, host: str = "127.0.0.1", port: int = 8501) -> list[str]:
     """The ``streamlit run`` command line serving the dashboard over ``logdir`` on ``host:port``."""
     return [
         sys.executable, "-m", "streamlit", "run", str(MAIN),
@@ -38,13 +38,15 @@ def streamlit_command(logdir: Path, host: str = "127.0.0.1", port: int = 8501) -
     ]
 
 
-def launch(logdir: Path | None, host: str = "127.0.0.1", port: int = 8501) -> None:
-    """Replace this process with the Streamlit server (so signals reach it directly); never returns."""
-    logdir = (logdir or default_logdir()).resolve()
-    if not logdir.exists():
-        raise FileNotFoundError(f"log directory {logdir} does not exist")
-    if not logdir.is_dir():
-        raise NotADirectoryError(f"log directory {logdir} is not a directory")
+def launch(logdir: Path | str | None, host: str = "127.0.0.1", port: int = 8501) -> None:
+    """Replace this process with the Streamlit server (so signals reach it directly); never returns. An
+    ``s3://`` prefix is passed on as it is (the dashboard checks it when it opens)."""
+    if not (isinstance(logdir, str) and logdir.startswith("s3://")):
+        logdir = Path(logdir or default_logdir()).resolve()
+        if not logdir.exists():
+            raise FileNotFoundError(f"log directory {logdir} does not exist")
+        if not logdir.is_dir():
+            raise NotADirectoryError(f"log directory {logdir} is not a directory")
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     cmd = streamlit_command(logdir, host, port)

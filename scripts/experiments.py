@@ -57,6 +57,8 @@ LABELS = {
     "dppo_binary_kl": "DPPO binary KL",
     "dppo_topk_tv": "DPPO top-K TV",
     "grpo": "GRPO",
+    "minimal_negative_mask": "Mask-0.5 (minimal negative mask)",
+    "ppo_lowprob_relax": "Clip-Higher, no clip for mu < 0.1",
 }
 
 SETTING = dict(

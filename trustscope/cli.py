@@ -100,7 +100,8 @@ def version() -> None:
 
 @app.command()
 def dashboard(
-    logdir: Path | None = typer.Argument(None, help="Log directory (default: the sample logs)."),
+    logdir: str | None = typer.Argument(None, help="Log directory or s3://bucket/prefix (default: the sample "
+                                                  "logs)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the dashboard to the network."),
     port: int = typer.Option(8501, help="Port to serve on."),
 ) -> None:
@@ -132,17 +133,32 @@ def demo(
 
 
 @app.command()
-def validate(logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it.")) -> None:
+def validate(logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
+                                          "s3://bucket/prefix (endpoint and credentials from the AWS variables).")
+             ) -> None:
     """Check a log directory against the schema; print each problem with its file. Exit 0 only when clean."""
+    import tempfile
+
+    from trustscope import storage
     from trustscope.schema import SCHEMA_VERSION, run_dirs, validate_logdir
 
-    if not logdir.is_dir():
-        typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
-        raise typer.Exit(2)
-    problems = validate_logdir(logdir)
-    for problem in problems:
-        typer.echo(str(problem))
-    runs = run_dirs(logdir)
+    with tempfile.TemporaryDirectory(prefix="trustscope-validate-") as scratch:
+        local = Path(logdir)
+        if storage.is_remote(logdir):  # the committed objects and their manifests, copied whole
+            try:
+                local = storage.mirror(logdir, Path(scratch))
+            except (storage.StorageError, ValueError) as exc:
+                typer.echo(f"trustscope validate: {exc}", err=True)
+                raise typer.Exit(2) from exc
+        if not local.is_dir():
+            typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
+            raise typer.Exit(2)
+        problems = validate_logdir(local)
+        for problem in problems:
+            inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
+            where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
+            typer.echo(f"{where}: {problem.message}")
+        runs = run_dirs(local)
     if problems:
         typer.echo(f"trustscope validate: {len(problems)} problem(s) in {logdir}", err=True)
         raise typer.Exit(1)
@@ -164,7 +180,7 @@ def _left_out(command: str, broken: dict[str, list[str]]) -> None:
 
 @app.command()
 def sql(
-    logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
+    logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an s3://bucket/prefix."),
     query: str = typer.Argument(..., help="One read-only SELECT over the views (tokens, step_summary, ...)."),
     format: str = typer.Option("table", "--format", "-f", help="table, csv, json or parquet."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Write the result here instead of stdout."),
@@ -177,6 +193,7 @@ def sql(
     """
     from trustscope.db import QueryRefused, QueryStopped
     from trustscope.report import NoRunsFound, connect_readable, write_result
+    from trustscope.storage import StorageError
 
     if format not in ("table", "csv", "json", "parquet"):
         typer.echo(f"trustscope sql: --format {format!r} is not one of table, csv, json, parquet", err=True)
@@ -189,7 +206,7 @@ def sql(
         _left_out("sql", broken)
         with db:
             result = db.sql(query)
-    except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, ValueError) as exc:
+    except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, StorageError, ValueError) as exc:
         typer.echo(f"trustscope sql: {_first_line(exc)}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
@@ -200,7 +217,7 @@ def sql(
 
 @app.command()
 def report(
-    logdir: Path = typer.Argument(..., help="A log directory, one run directory inside it."),
+    logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an s3://bucket/prefix."),
     html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
     inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
                                    "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
@@ -209,23 +226,36 @@ def report(
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
+    ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
+                                   "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
+                                   "storage they share)."),
+    ray_fallback: str = typer.Option("warn", "--ray-fallback", help="When the --ray cluster cannot be reached: "
+                                     "warn (and aggregate here) or error."),
 ) -> None:
     """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
     collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
+    import warnings
+
     import duckdb
 
+    from trustscope.distributed import RayUnavailable, RayUnavailableWarning
     from trustscope.report import NoRunsFound, WarningLines, connect_readable, print_report, write_html
+    from trustscope.storage import StorageError
 
     try:
         lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
-        db, broken = connect_readable(logdir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RayUnavailableWarning)
+            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback)
+        for warning in caught:
+            typer.echo(f"trustscope report: {warning.message}", err=True)
         with db:
             print_report(db, broken=broken, lines=lines)
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
-    except (FileNotFoundError, NoRunsFound, ValueError) as exc:
+    except (FileNotFoundError, NoRunsFound, StorageError, ValueError, RayUnavailable) as exc:
         typer.echo(f"trustscope report: {_first_line(exc)}", err=True)
-        raise typer.Exit(2 if isinstance(exc, FileNotFoundError) else 1) from exc
+        raise typer.Exit(2 if isinstance(exc, FileNotFoundError | StorageError | RayUnavailable) else 1) from exc
     except (duckdb.Error, OSError) as exc:
         typer.echo(f"trustscope report: could not read {logdir}: {_first_line(exc)}; run `trustscope validate "
                    f"{logdir}` to list broken files", err=True)

@@ -2,13 +2,15 @@
 the named analyses the CLI, the report and the dashboard call.
 
     db = connect("logs/")                    # a log directory, one run directory, or a list of either
+    db = connect("s3://bucket/logs")         # an object store prefix (read through a local mirror)
     db.step_summary()                        # pandas DataFrame, one row per (run, step)
     db.sql("select rule, count(*) from clipped_tokens group by rule")   # read-only, row limit, timeout
 
 Views read the runs' Parquet files that the logger has committed (listed afresh for every cursor), so a run that
 is still being written shows every step whose flush is complete, in every table at once. Per-step summaries come from
 per-file partial aggregates that are computed once per new file and kept (``step_partials``), so the overview
-costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL.
+costs the same at 100M tokens as at 1M; the token-level views stay for drill-down and ad-hoc SQL. Given a Ray
+cluster (``connect(..., ray="auto")``), the new files are aggregated as Ray tasks (:mod:`trustscope.distributed`).
 
 User SQL never runs on this connection: :meth:`LogDB.sql` checks its whole parse tree and runs it in the
 worker of :mod:`trustscope.sandbox`, on a read-only copy of the views and macros that can write no file, within
@@ -33,10 +35,10 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pandas as pd
@@ -44,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trustscope import schema
+from trustscope import schema, storage
 from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.paths import cache_root
 from trustscope.sandbox import QueryMemoryLimit as QueryMemoryLimit
@@ -52,6 +54,9 @@ from trustscope.sandbox import QueryRefused as QueryRefused
 from trustscope.sandbox import QueryStopped as QueryStopped
 from trustscope.sandbox import QueryTimeout as QueryTimeout
 from trustscope.sandbox import Sandbox, check_statement, memory_limit_bytes
+
+if TYPE_CHECKING:
+    from trustscope.distributed import RayAggregator
 
 SQL_DIR = Path(__file__).parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
@@ -143,6 +148,71 @@ class QueryResult:
 
     def to_pandas(self) -> pd.DataFrame:
         return self.table.to_pandas()
+
+
+OVERVIEW_COLUMNS = ("run_id", "step", "n_tokens", "n_samples", "reward_mean", "reward_std", "length_mean",
+                    "mismatch_mean", "mismatch_max", "prob_diff_max", "prob_diff_min", "topk_tv_mean", "topk_tv_max",
+                    "topk_kl_mean", "topk_kl_max", "entropy_mean", "n_positive", "n_negative", "n_zero_advantage",
+                    "n_bad_negative", "bad_negative_rate", "bad_negative_delta", "n_nonzero_advantage",
+                    "n_trainer_blocked", "trainer_blocked_frac")
+"""The per-step columns of :attr:`Overview.steps`: ``sql/views/summary_steps.sql``'s, named and defined as in
+``step_summary``."""
+BLOCKED_COLUMNS = ("run_id", "step", "rule", "advantage_side", "n_blocked", "n_tokens", "blocked_frac")
+
+
+@dataclass
+class Overview:
+    """The overview figures of some runs, exact where a run has a summaries table (see :meth:`LogDB.overview`).
+
+    ``steps``: one row per (run, step), :data:`OVERVIEW_COLUMNS`. ``blocked``: one row per (run, step, rule,
+    advantage side), :data:`BLOCKED_COLUMNS`: n_blocked of n_tokens, side 'all' over the tokens with A != 0,
+    'positive' A > 0, 'negative' A < 0. ``sources``: one row per run: run_id, exact (from the summaries table,
+    over every token) and token_fraction (what the logger kept of the token rows, from run.json), and ``source``,
+    a sentence saying which, for captions.
+    """
+
+    steps: pd.DataFrame
+    blocked: pd.DataFrame
+    sources: pd.DataFrame
+
+    def blocked_totals(self, labels: dict[str, str] | None = None) -> pd.DataFrame:
+        """``run_id, rule, n_blocked, n_tokens, blocked_frac`` over every step (tokens with A != 0), one row per
+        run (or label of ``labels``) and rule that blocks anything: counts summed, then divided (a run's fraction
+        is never a mean of its steps' fractions)."""
+        per_step = self.blocked_by_rule(labels)
+        out = per_step.groupby(["run_id", "rule"], as_index=False)[["n_blocked", "n_tokens"]].sum()
+        out["blocked_frac"] = out["n_blocked"] / out["n_tokens"].where(out["n_tokens"] > 0)
+        return out
+
+    def blocked_by_rule(self, labels: dict[str, str] | None = None) -> pd.DataFrame:
+        """``run_id, step, rule, n_blocked, n_tokens, blocked_frac`` over the tokens with A != 0, for the rules
+        that block at least one token here. ``labels`` maps run_id -> a label (a seed group): the runs of one
+        label are added up per step (counts summed, then divided), and ``run_id`` holds the label."""
+        df = self.blocked[self.blocked["advantage_side"] == "all"]
+        blocking = df.groupby("rule")["n_blocked"].sum()
+        df = df[df["rule"].isin(blocking[blocking > 0].index)]
+        if labels:
+            df = df.assign(run_id=df["run_id"].map(lambda r: labels.get(r, r)))
+        out = df.groupby(["run_id", "rule", "step"], as_index=False)[["n_blocked", "n_tokens"]].sum()
+        out["blocked_frac"] = out["n_blocked"] / out["n_tokens"].where(out["n_tokens"] > 0)
+        return out[["run_id", "step", "rule", "n_blocked", "n_tokens", "blocked_frac"]]
+
+    def bad_updates(self) -> pd.DataFrame:
+        """Per run and step, the ``bad_negative_updates`` view's columns: n_tokens, n_negative, n_bad_negative,
+        bad_negative_rate (of all the step's tokens), reward_mean, reward_std, reward_change (|reward_mean -
+        the previous step's|)."""
+        df = self.steps[["run_id", "step", "n_tokens", "n_negative", "n_bad_negative", "bad_negative_rate",
+                         "reward_mean", "reward_std"]].sort_values(["run_id", "step"])
+        return df.assign(reward_change=df.groupby("run_id")["reward_mean"].diff().abs()).reset_index(drop=True)
+
+
+def source_sentence(exact: bool, token_fraction: float | None) -> str:
+    """How a run's overview figures were obtained, for captions and tables."""
+    if exact:
+        return "exact: every token (summaries table)"
+    if token_fraction is not None and token_fraction < 1:
+        return f"from logged rows: a sample of {token_fraction:.0%} of tokens"
+    return "from logged rows (every token logged)"
 
 
 def _bindable(params: dict[str, Any]) -> dict[str, Any]:
@@ -255,11 +325,6 @@ class _Resources:
         shutil.rmtree(self.private, ignore_errors=True)
 
 
-def _flush_of(file: Path) -> tuple[Path, str]:
-    """The flush a data file belongs to: its directory and its name without the part suffix (``-p<part>``)."""
-    return file.parent, re.sub(r"-p\d+(?=\.parquet$)", "", file.name)
-
-
 def _data_files(run: Path, table: str) -> list[Path]:
     return schema.committed_files(run)[table]
 
@@ -293,17 +358,73 @@ def _load_sql(con: duckdb.DuckDBPyConnection, files: Iterable[Path], kind: str,
             raise RuntimeError(f"cannot load {kind} {name!r} from {pending[name]}: {err}")
 
 
+def write_empty_files(folder: Path) -> dict[str, list[str]]:
+    """An empty file of every table in ``folder``, always first in each file list: the views have every column
+    even before the first file of a table lands, and a glob list is never empty. Returns the file lists that
+    hold only them (table -> [its empty file]; ``manifests`` -> [an empty run.json])."""
+    lists = {}
+    for table in (*schema.TABLES, "vocab"):
+        lists[table] = [str(folder / f"empty_{table}.parquet")]
+        pq.write_table(schema.with_metadata(table).empty_table(), lists[table][0])
+    (folder / "empty_run.json").write_text("")
+    return {**lists, "manifests": [str(folder / "empty_run.json")]}
+
+
+def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str]) -> list[dict[str, pa.Table]]:
+    """Every partial view's rows for each of ``files``, the tokens files ``cur`` has bound (the parts of one
+    flush, :func:`flush_groups`), from one pass over them.
+
+    Materialises ``rule_blocks`` (every rule's flag, the sequence rules' windows computed once), only the columns
+    the partial views read, into a temporary table of the same name; DuckDB finds the temporary table before the
+    view, so each partial view then reads those rows instead of recomputing the metrics and the sequence windows
+    once per partial view. A flush's parts go through together: the logger's encoders split a flush by row
+    groups, so one response may lie in two parts, and its context (length, mean log-ratio, prefix sums) must see
+    all of its tokens; every partial view groups by ``source_file``, so its rows are then split by file. Shared by
+    the local pass and the Ray tasks (:mod:`trustscope.distributed`).
+    """
+    inputs = [_quote(c) for c in cur.view("rule_blocks").columns if c in _PARTIAL_WORDS or c.startswith("blocks_")]
+    cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
+    tables = {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+    return [{view: table.filter(pc.equal(table["source_file"], f)) for view, table in tables.items()} for f in files]
+
+
+def flush_of(file: Path | str) -> tuple[str, str]:
+    """The flush a data file belongs to: its directory and its name without the part suffix (``-p<part>``)."""
+    path = Path(file)
+    return str(path.parent), re.sub(r"-p\d+(?=\.parquet$)", "", path.name)
+
+
+def flush_groups(files: Sequence[Path]) -> list[list[Path]]:
+    """``files`` grouped by flush (:func:`flush_of`), in the order each flush first appears."""
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for f in files:
+        groups.setdefault(flush_of(f), []).append(f)
+    return list(groups.values())
+
+
 class LogDB:
     """A DuckDB connection over one or many runs, with trustscope's macros, views and named analyses.
 
     Use :func:`connect`. Every method opens its own cursor, so one ``LogDB`` may serve several threads.
     """
 
-    def __init__(self, paths: Sequence[Path], *, max_rows: int = DEFAULT_MAX_ROWS,
+    def __init__(self, paths: Sequence[Path | str], *, max_rows: int = DEFAULT_MAX_ROWS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True,
                  cache_dir: Path | None = None, rule_params: dict[str, dict[str, Any]] | None = None,
-                 memory_limit: float | None = None) -> None:
-        self.paths = [Path(p).resolve() for p in paths]
+                 memory_limit: float | None = None, storage_options: dict[str, Any] | None = None,
+                 mirror_dir: Path | None = None, ray: RayAggregator | None = None) -> None:
+        self.ray = ray
+        """The Ray cluster the files that miss partial aggregates are aggregated on, or None: here."""
+        self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
+        self._resources = _Resources(self._private)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self.mirror_dir = mirror_dir or (storage.default_mirror_root() if cache else self._private / "s3")
+        """Where ``s3://`` paths are mirrored (see :func:`trustscope.storage.mirror`)."""
+        self._stores = [storage.ObjectStore(str(p), storage_options, write=False)
+                        for p in paths if storage.is_remote(p)]
+        """The object store prefixes among ``paths``, mirrored again at every refresh."""
+        mirrors = iter(self._sync_mirrors())
+        self.paths = [(next(mirrors) if storage.is_remote(p) else Path(p)).resolve() for p in paths]
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
@@ -326,13 +447,10 @@ class LogDB:
         self._merged: dict[str, pa.Table] = {}
         self._merged_files: list[Path] | None = None
         """The tokens files the merged kept aggregates were last built from."""
-        self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
-        self._resources = _Resources(self._private)
-        self._finalizer = weakref.finalize(self, self._resources.release)
         self._cache_files: dict[str, tuple[pa.Table, int, str]] = {}
         """Kept aggregate name -> (the table last written for the SQL worker, its version, its file)."""
         self._late_links: dict[str, str] = {}
-        self._write_empty_files()
+        write_empty_files(self._private)
         self.runs_dirs = _run_dirs(self.paths)
         self.con = duckdb.connect(config={"autoload_known_extensions": False,
                                           "autoinstall_known_extensions": False,
@@ -344,6 +462,10 @@ class LogDB:
                   texts={"rule_blocks": rendered})
         self._lock_down()
 
+    def _sync_mirrors(self) -> list[Path]:
+        """Bring the local mirror of every object store path up to date (raises StorageError naming the URL)."""
+        return [storage.mirror(store.url, self.mirror_dir, store=store) for store in self._stores]
+
     def _register_empty_caches(self) -> None:
         """Register each kept-aggregate name, empty, with its partial view's columns (views reading it can load)."""
         for view, cache_name in _CACHED_PARTIALS.items():
@@ -351,14 +473,6 @@ class LogDB:
             self.con.register(cache_name, self._merged[cache_name])
 
     # ------------------------------------------------------------------------------------------- set-up
-
-    def _write_empty_files(self) -> None:
-        """An empty file of every table, always first in each file list: the views have every column even
-        before the first file of a table lands, and a glob list is never empty."""
-        for table in (*schema.TABLES, "vocab"):
-            empty = schema.with_metadata(table).empty_table()
-            pq.write_table(empty, self._private / f"empty_{table}.parquet")
-        (self._private / "empty_run.json").write_text("")
 
     def _file_lists(self) -> dict[str, list[str]]:
         """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
@@ -487,6 +601,7 @@ class LogDB:
         see :meth:`_aggregate_files`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
+            self._sync_mirrors()
             self.runs_dirs = self._reachable(_run_dirs(self.paths))
             self._prepare(self.con)
             if not needed:
@@ -506,8 +621,7 @@ class LogDB:
         """Bring every partial view's kept rows up to date with ``files``: drop files that are gone, read what is
         kept on disk, aggregate the files that still miss a view. Returns whether any kept rows changed."""
         changed = False
-        current = {}
-        aggregated: dict[Path, dict[str, pa.Table]] = {}
+        current, todo = {}, []
         for f in files:
             st = f.stat()
             current[f] = (st.st_size, st.st_mtime_ns)
@@ -525,39 +639,36 @@ class LogDB:
                     if stored.is_file():
                         self._partials[view][f] = (key, pq.read_table(stored))
                         missing.remove(view)
-            if not missing:
-                continue
+            if missing:
+                todo.append(f)
+        flushes = {flush_of(f) for f in todo}  # a flush's parts are aggregated together (see aggregate_partials)
+        for f, tables in self._aggregate_files([f for f in current if flush_of(f) in flushes]):
             self.partials_computed += 1
-            if f not in aggregated:  # with the other parts of its flush: a response may straddle two parts
-                aggregated.update(self._aggregate_files([g for g in current if _flush_of(g) == _flush_of(f)]))
-            for view, table in aggregated.pop(f).items():
-                self._partials[view][f] = (key, table)
+            for view, table in tables.items():
+                self._partials[view][f] = (current[f], table)
                 if self.cache_dir is not None:
-                    self._store(self._disk_path(view, f, key), table)
+                    self._store(self._disk_path(view, f, current[f]), table)
         return changed
 
-    def _aggregate_files(self, files: list[Path]) -> dict[Path, dict[str, pa.Table]]:
-        """Every partial view's rows for each of ``files`` (the parts of one flush), from one pass over them.
+    def _aggregate_files(self, files: list[Path]) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
+        """``(file, every partial view's rows)`` for each of ``files``: as Ray tasks when a cluster is attached
+        (in the order they finish), else here, one file after the other."""
+        if self.ray is not None and files:
+            yield from self.ray.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
+                                          params=self._params())
+            return
+        for flush in flush_groups(files):
+            yield from zip(flush, self._aggregate_flush(flush), strict=True)
 
-        A cursor whose token list holds only ``files`` materialises their ``rule_blocks`` once (every rule's flag,
-        the sequence rules' windows computed once), only the columns the partial views read, into a temporary
-        table of the same name; DuckDB finds the temporary table before the view, so each partial view then reads
-        those rows instead of recomputing the metrics and the sequence windows once per partial view. The parts of
-        a flush go through together because the logger's encoders split a flush by row groups, so one response
-        may lie in two parts, and its context (length, mean log-ratio, prefix sums) must see all of its tokens;
-        every partial view groups by ``source_file``, so its rows are then split by file.
-        """
+    def _aggregate_flush(self, files: list[Path]) -> list[dict[str, pa.Table]]:
+        """Every partial view's rows for each of ``files`` (the parts of one flush), from one pass over them
+        (:func:`aggregate_partials` on a cursor whose token list holds only ``files``)."""
         cur = self.cursor()
         try:
             lists = self._file_lists()
             cur.execute("set variable trustscope_files = ?",
                         [{**lists, "tokens": [lists["tokens"][0], *map(str, files)]}])
-            inputs = [_quote(c) for c in cur.view("rule_blocks").columns
-                      if c in _PARTIAL_WORDS or c.startswith("blocks_")]
-            cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
-            tables = {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
-            return {f: {view: table.filter(pc.equal(table["source_file"], str(f))) for view, table in tables.items()}
-                    for f in files}
+            return aggregate_partials(cur, [str(f) for f in files])
         finally:
             cur.close()
 
@@ -654,6 +765,8 @@ class LogDB:
         """A hash of every run file's path, size and modification time: it changes whenever a file lands,
         grows or goes, so callers may cache results under it."""
         h = hashlib.blake2b(digest_size=12)
+        with self._lock:
+            self._sync_mirrors()
         for run in _run_dirs(self.paths):
             files = [run / schema.MANIFEST, run / schema.VOCAB_FILE]
             files += [f for table in schema.TABLES for f in _data_files(run, table)]
@@ -763,6 +876,47 @@ class LogDB:
         """
         return self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
 
+    def overview(self, run_ids: Sequence[str] | str | None = None) -> Overview:
+        """The overview figures of every run with a logged step (or of ``run_ids``), the one source of the Runs
+        page and of ``trustscope report``: exact from the summaries table where a run has one (``summary_steps``,
+        ``summary_blocked``: a few hundred rows a step, whatever the run's token count), else from its logged
+        token rows (``step_summary``, ``blocked_fractions``: a sample when ``token_fraction`` < 1, which
+        :attr:`Overview.sources` says). Token rows are read only for the runs without summaries.
+        """
+        wanted = None if run_ids is None else [run_ids] if isinstance(run_ids, str) else list(run_ids)
+        self.refresh()
+        fractions = {}
+        for run in self.runs_dirs:  # run.json only: the overview reads no samples or token file to list runs
+            try:
+                manifest = json.loads((run / schema.MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict):
+                fractions[manifest.get("run_id") or run.name] = _logged_fraction(manifest)
+        ids = [r for r in fractions if wanted is None or r in wanted]
+        if not ids:
+            return Overview(pd.DataFrame(columns=list(OVERVIEW_COLUMNS)), pd.DataFrame(columns=list(BLOCKED_COLUMNS)),
+                            pd.DataFrame(columns=["run_id", "exact", "token_fraction", "source"]))
+        steps = [self._frame("summary_steps", where={"run_id": ids})]
+        blocked = [self._frame("summary_blocked", where={"run_id": ids})]
+        exact = set(steps[0]["run_id"])
+        rest = [r for r in ids if r not in exact]
+        if rest:
+            logged = self.step_summary(rest).assign(bad_negative_delta=ANALYSIS_DEFAULTS["bad_negative_delta"])
+            steps.append(logged[list(OVERVIEW_COLUMNS)])
+            blocked.append(self.blocked_fractions(rest)[list(BLOCKED_COLUMNS)])
+        shown = sorted(exact | set(steps[-1]["run_id"] if rest else ()))
+        sources = pd.DataFrame({"run_id": shown, "exact": [r in exact for r in shown],
+                                "token_fraction": [fractions[r] for r in shown]})
+        sources["source"] = [source_sentence(e, f) for e, f in zip(sources["exact"], sources["token_fraction"],
+                                                                   strict=True)]
+        frames = [f for f in steps if len(f)]
+        return Overview(
+            steps=(pd.concat(frames, ignore_index=True) if frames else steps[0]).sort_values(["run_id", "step"])
+            .reset_index(drop=True),
+            blocked=pd.concat([f for f in blocked if len(f)] or blocked[:1], ignore_index=True),
+            sources=sources)
+
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
         """Long form of the blocked counts: run_id, step, rule, advantage_side ('all': A != 0, 'positive',
@@ -823,6 +977,13 @@ class LogDB:
         return self._frame("samples", where={"run_id": run_ids, "step": steps}, refresh=True, limit=limit)
 
 
+def _logged_fraction(manifest: dict[str, Any]) -> float | None:
+    """The ``token_fraction`` a run's logger kept (run.json's ``logging``), None when the manifest does not say."""
+    logging = manifest.get("logging")
+    value = logging.get("token_fraction") if isinstance(logging, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
     """Import rule modules by dotted path (``my_pkg.rules``, or ``my_pkg.rules:my_rule`` for one rule) so their
     ``@register_loss`` rules join the catalogue; ``modules`` defaults to ``$TRUSTSCOPE_RULES`` (comma-separated).
@@ -846,8 +1007,16 @@ def load_rules(modules: str | Sequence[str] | None = None) -> list[str]:
 def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int = DEFAULT_MAX_ROWS,
             timeout_s: float = DEFAULT_TIMEOUT_S, cache: bool = True, cache_dir: str | Path | None = None,
             rule_params: dict[str, dict[str, Any]] | None = None,
-            rules: str | Sequence[str] | None = None, memory_limit: float | None = None) -> LogDB:
+            rules: str | Sequence[str] | None = None, memory_limit: float | None = None,
+            storage_options: dict[str, Any] | None = None, mirror_dir: str | Path | None = None,
+            ray: str | None = None, ray_fallback: str = "warn") -> LogDB:
     """Open a log directory, one run directory, or a list of them, as a locked-down :class:`LogDB`.
+
+    Any of them may be an object store prefix, ``s3://bucket/prefix`` (``storage_options`` for
+    ``s3fs.S3FileSystem``, else the usual AWS variables): its committed objects are mirrored into ``mirror_dir``
+    (default :func:`trustscope.storage.default_mirror_root`; with ``cache=False`` a private folder) keyed by
+    ETag, again at every refresh, and read there. A store that cannot be reached, or a missing bucket, raises
+    :class:`trustscope.storage.StorageError` naming the URL and the cause.
 
     ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
     ``rule_params``: rule -> parameters for the counterfactual columns (default: each rule's defaults); a run's
@@ -859,14 +1028,22 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
     so a new process does not recompute them; ``cache=False`` recomputes them on every refresh.
     ``memory_limit`` bounds user SQL (:meth:`LogDB.sql`): a fraction of physical memory up to 1, else bytes
     (default ``$TRUSTSCOPE_SQL_MEMORY``, else a quarter of the memory).
+    ``ray``: ``"auto"``, ``HOST:PORT`` or ``ray://HOST:PORT`` aggregates the files that miss partial aggregates as
+    Ray tasks on that cluster (see :mod:`trustscope.distributed`); a cluster that cannot be reached warns and
+    aggregates here (``ray_fallback="warn"``) or raises :class:`~trustscope.distributed.RayUnavailable` now
+    (``"error"``).
     """
     paths = [logdir_or_runs] if isinstance(logdir_or_runs, str | Path) else list(logdir_or_runs)
     if not paths:
         raise ValueError("connect: no log directory given")
     load_rules(rules)
-    return LogDB([Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s, cache=cache,
-                 cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
-                 memory_limit=memory_limit)
+    from trustscope.distributed import attach_ray  # here: it imports this module (and ray only when named)
+
+    cluster = attach_ray(ray, fallback=ray_fallback)
+    return LogDB([p if storage.is_remote(p) else Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s,
+                 cache=cache, cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
+                 memory_limit=memory_limit, storage_options=storage_options,
+                 mirror_dir=Path(mirror_dir) if mirror_dir is not None else None, ray=cluster)
 
 
 CONTRACTS_FILE = SQL_DIR / "contracts.yml"

@@ -1,8 +1,9 @@
 """A run report: a readable terminal summary of every run of a log directory, and an HTML page of charts.
 
-Everything comes from :mod:`trustscope.db`'s named analyses and queries (per-step summaries from the kept per-file
-aggregates), so a report over 100M tokens costs about what it costs over 1M once the aggregates are kept. The
-charts are :mod:`trustscope.figures`' builders, the same the dashboard draws. The run table, the grouping of seeds
+The per-step and per-run figures come from :meth:`trustscope.db.LogDB.overview`, the one source the dashboard's
+Runs page reads too: exact from a run's summaries table (every token, whatever ``token_fraction`` kept), else from
+its logged token rows, and the report says which for every run. The token-level sections (the tokens a rule blocks
+most, the ratio against TV) read the logged rows and say so. The charts are :mod:`trustscope.figures`' builders, the same the dashboard draws. The run table, the grouping of seeds
 and the collapse early warning defined here are shared with the dashboard.
 """
 
@@ -27,8 +28,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trustscope import figures, schema
-from trustscope.db import ANALYSIS_DEFAULTS, LogDB, QueryResult, connect
+from trustscope import figures, schema, storage
+from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview, QueryResult, connect
 
 MISMATCH_WARN = 0.01
 """Mean |pi - mu| above which a run is flagged: the paper's DPPO runs stay near 0.003."""
@@ -122,11 +123,14 @@ def run_table(db: LogDB) -> pd.DataFrame:
     seed group's label), group_key.
 
     ``tokens_generated``/``tokens_logged`` come from the manifest when the logger wrote them, else from the data:
-    the response lengths of every sample, and the token rows on disk.
+    the response lengths of every sample, and the token rows on disk (counted only for runs whose manifest lacks
+    them, so the table never reads the token rows of a run that says).
     """
     runs = db.runs()
     runs = runs[runs["n_steps"] > 0].reset_index(drop=True)
-    summary = db.step_summary()
+    uncounted = [r.run_id for r in runs.itertuples(index=False)
+                 if _count(_manifest(r.manifest), "tokens_logged", "n_tokens_logged", "logged") is None]
+    summary = db.step_summary(uncounted) if uncounted else pd.DataFrame(columns=["run_id", "n_tokens"])
     logged_rows = summary.groupby("run_id")["n_tokens"].sum() if len(summary) else pd.Series(dtype=float)
     dirs = {p.name: p for p in db.runs_dirs}
     token_rules: dict[str, str] | None = None
@@ -167,15 +171,37 @@ def run_table(db: LogDB) -> pd.DataFrame:
     return out
 
 
-def collapse_warnings(db: LogDB, run_ids: list[str], lines: WarningLines | None = None) -> pd.DataFrame:
-    """Per run and step, the early warning of :class:`WarningLines`: run_id, step, reward_mean, bad_rate_recent,
-    mismatch_growth, warn_bad_rate, warn_mismatch, warning."""
+WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
+                   "warn_mismatch", "warning"]
+
+
+def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None) -> pd.DataFrame:
+    """Per run and step, the early warning of :class:`WarningLines` over the overview figures (``db`` or its
+    :meth:`LogDB.overview`): run_id, step, reward_mean, bad_rate_recent (bad negative updates of the last
+    ``window`` steps over their tokens), mismatch_growth (the mean |pi - mu| of the last ``window`` steps over the
+    run's first ``window``), warn_bad_rate, warn_mismatch, warning. The first full window of a run is its baseline
+    and never warns."""
     lines = lines or WarningLines()
     if not run_ids:
-        return pd.DataFrame(columns=["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth",
-                                     "warn_bad_rate", "warn_mismatch", "warning"])
-    return db.query("collapse_warnings", run_ids=list(run_ids), window=lines.window, bad_rate_line=lines.bad_rate,
-                    mismatch_growth_line=lines.mismatch_growth)
+        return pd.DataFrame(columns=WARNING_COLUMNS)
+    overview = db.overview(run_ids) if isinstance(db, LogDB) else db
+    steps = overview.steps[overview.steps["run_id"].isin(list(run_ids))].sort_values(["run_id", "step"])
+    parts = []
+    for run_id, one in steps.groupby("run_id", sort=True):
+        recent = one[["n_bad_negative", "n_tokens"]].astype(float).rolling(lines.window, min_periods=1).sum()
+        mismatch = one["mismatch_mean"].astype(float)
+        baseline = mismatch.iloc[:lines.window].mean()
+        rate = recent["n_bad_negative"] / recent["n_tokens"].where(recent["n_tokens"] > 0)
+        growth = mismatch.rolling(lines.window, min_periods=1).mean() / (baseline if baseline else np.nan)
+        late = np.arange(1, len(one) + 1) > lines.window
+        parts.append(pd.DataFrame({
+            "run_id": run_id, "step": one["step"].to_numpy(), "reward_mean": one["reward_mean"].to_numpy(),
+            "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
+            "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
+            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()}))
+    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
+    out["warning"] = out["warn_bad_rate"].astype(bool) | out["warn_mismatch"].astype(bool)
+    return out[WARNING_COLUMNS]
 
 
 def first_warnings(warnings: pd.DataFrame) -> dict[str, str]:
@@ -229,9 +255,10 @@ def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str
     """Open the runs of ``logdir`` that read cleanly; return the handle and ``{run: problems}`` of those left out.
 
     Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
-    FileNotFoundError when it does not exist.
+    FileNotFoundError when it does not exist. An ``s3://`` prefix is read through its local mirror
+    (:func:`trustscope.storage.mirror`; StorageError when the store cannot be read).
     """
-    logdir = Path(logdir)
+    logdir = storage.mirror(logdir) if storage.is_remote(logdir) else Path(logdir)
     if not logdir.is_dir():
         raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
     dirs = schema.run_dirs(logdir)
@@ -257,9 +284,16 @@ class RunReport:
     group: str
     n_steps: int
     n_tokens: int
+    """the tokens the figures are over: every token the trainer handed in where ``exact``, else the logged rows"""
     n_grad_tokens: int
     """tokens with A != 0: the denominator of every blocked fraction"""
     tokens_generated: int
+    exact: bool
+    """whether the figures come from the run's summaries table (every token) or from its logged token rows"""
+    source: str
+    """how the figures were obtained, in words (:func:`trustscope.db.source_sentence`)"""
+    token_fraction: float | None
+    """the share of token rows the logger kept (run.json), None when it does not say"""
     reward_first: float | None
     reward_last: float | None
     reward_max: float | None
@@ -282,31 +316,25 @@ def _first_last(series: pd.Series) -> tuple[float | None, float | None]:
     return float(values.iloc[0]), float(values.iloc[-1])
 
 
-def blocked_counts(steps: pd.DataFrame) -> dict[str, tuple[float, int]]:
-    """rule -> (fraction, count) over a run's steps, from the step summary's ``n_blocked__<rule>`` columns: the
-    fraction is the blocked count over the tokens that carry gradient (``n_nonzero_advantage``, A != 0)."""
-    n_grad = max(float(steps["n_nonzero_advantage"].sum()), 1.0)
-    out = {}
-    for column in (c for c in steps.columns if c.startswith("n_blocked__")):
-        count = float(steps[column].fillna(0).sum())
-        out[column.removeprefix("n_blocked__")] = (count / n_grad, round(count))
-    return out
-
-
-def build(db: LogDB, lines: WarningLines | None = None) -> list[RunReport]:
-    """One :class:`RunReport` per run that has tokens logged."""
-    summary = db.step_summary()
+def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | None = None) -> list[RunReport]:
+    """One :class:`RunReport` per run with a logged step, from :meth:`LogDB.overview` (``overview`` when the
+    caller holds it already)."""
+    overview = overview or db.overview()
+    summary = overview.steps
+    sources = overview.sources.set_index("run_id")
     table = run_table(db).set_index("run_id")
     clipped = db.clipped_tokens(top=CLIPPED_TOP)
-    alerts = first_warnings(collapse_warnings(db, sorted(summary["run_id"].unique()), lines))
+    alerts = first_warnings(collapse_warnings(overview, sorted(summary["run_id"].unique()), lines))
+    totals = overview.blocked_totals()
     reports = []
     for run_id, steps in summary.groupby("run_id", sort=True):
         steps = steps.sort_values("step")
         info = table.loc[run_id] if run_id in table.index else None
         rule = None if info is None else info["loss_rule"]
-        weights = steps.n_tokens / steps.n_tokens.sum()
-        blocked = {k: v for k, v in blocked_counts(steps).items() if v[1] > 0}
+        blocked = {t.rule: (float(t.blocked_frac), int(t.n_blocked)) for t in totals[totals.run_id == run_id]
+                   .itertuples() if t.n_blocked > 0}
         n_grad = max(int(steps.n_nonzero_advantage.sum()), 1)  # blocked fractions are over the tokens with A != 0
+        trainer = steps.n_trainer_blocked.dropna()
         r_first, r_last = _first_last(steps.reward_mean)
         m_first, m_last = _first_last(steps.mismatch_mean)
         report = RunReport(
@@ -318,14 +346,18 @@ def build(db: LogDB, lines: WarningLines | None = None) -> list[RunReport]:
             n_tokens=int(steps.n_tokens.sum()),
             n_grad_tokens=int(steps.n_nonzero_advantage.sum()),
             tokens_generated=0 if info is None else int(info["tokens_generated"]),
+            exact=bool(sources.loc[run_id, "exact"]),
+            source=str(sources.loc[run_id, "source"]),
+            token_fraction=None if pd.isna(sources.loc[run_id, "token_fraction"])
+            else float(sources.loc[run_id, "token_fraction"]),
             reward_first=r_first,
             reward_last=r_last,
             reward_max=float(steps.reward_mean.max()) if steps.reward_mean.notna().any() else None,
             mismatch_first=m_first,
             mismatch_last=m_last,
             mismatch_max=float(steps.mismatch_max.max()),
-            bad_negative_rate_mean=float((steps.bad_negative_rate * weights).sum()),
-            trainer_blocked_frac=float(steps.n_trainer_blocked.sum() / n_grad),
+            bad_negative_rate_mean=float(steps.n_bad_negative.sum() / max(int(steps.n_tokens.sum()), 1)),
+            trainer_blocked_frac=float(trainer.sum() / n_grad) if len(trainer) else None,
             blocked_by_rule=dict(sorted(blocked.items(), key=lambda kv: -kv[1][0])),
             clipped=clipped[(clipped.run_id == run_id) & (clipped.rule == (rule or "ppo_clip"))],
             collapse_warning=alerts.get(str(run_id)),
@@ -364,6 +396,13 @@ def short_names(run_ids: list[str]) -> tuple[str, dict[str, str]]:
     return prefix, {r: r[len(prefix):] or r for r in run_ids}
 
 
+def _short_source(r: RunReport) -> str:
+    """``exact``, or ``rows`` with the share of tokens logged (``rows 25%``)."""
+    if r.exact:
+        return "exact"
+    return "rows" if r.token_fraction is None else f"rows {r.token_fraction:.0%}"
+
+
 def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None) -> Group:
     """The terminal summary as rich renderables (readable at 80 columns: run ids lose their shared prefix)."""
     parts: list = []
@@ -382,18 +421,26 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
         overview.add_column("rule", overflow="fold", min_width=10)
     if len(statuses) > 1:
         overview.add_column("status", no_wrap=True)
+    sources = {r.source for r in reports}
+    if len(sources) > 1:
+        overview.add_column("from", no_wrap=True)
     for col in ("steps", "tokens", "reward", "|pi-mu|", "bad neg", "blocked"):
         if col != "steps" or len(lengths) > 1:
             overview.add_column(col, justify="right", no_wrap=True)
     delta = ANALYSIS_DEFAULTS["bad_negative_delta"]
-    overview.caption = (f"tokens: logged; reward: first -> last step; |pi-mu|: last step; bad neg: A < 0 and "
-                        f"mu - pi >= {delta:g}; blocked: by the run's own rule; ! marks a collapse warning")
+    where = (f"figures {next(iter(sources))}" if len(sources) == 1 else
+             "from: exact (summaries table, every token) or rows (the logged token rows, % kept)")
+    overview.caption = (f"{where}; tokens: those the figures are over; reward: first -> last step; |pi-mu|: last "
+                        f"step; bad neg: A < 0 and mu - pi >= {delta:g}, of all tokens; blocked: by the run's own "
+                        "rule, of the A != 0 tokens; ! marks a collapse warning")
     for r in reports:
         row = [short[r.run_id] + (" !" if r.collapse_warning else "")]
         if not named:
             row.append(r.loss_rule or "-")
         if len(statuses) > 1:
             row.append(r.status or "-")
+        if len(sources) > 1:
+            row.append(_short_source(r))
         if len(lengths) > 1:
             row.append(str(r.n_steps))
         reward = ("-" if r.reward_first is None and r.reward_last is None
@@ -404,8 +451,8 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
         overview.add_row(*row)
     parts.append(overview)
     for r in reports:
-        parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0",
-                          style="italic"))
+        parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0 "
+                          f"({r.source})", style="italic"))
         rules = Table(caption="rules that block nothing left out" if r.blocked_by_rule else
                       "no rule blocks any token of this run")
         rules.add_column("rule", no_wrap=True)
@@ -417,7 +464,8 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
                           f"{n:,}")
         parts.append(rules)
         if r.clipped is not None and not r.clipped.empty:
-            tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most", title_justify="left")
+            tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most (logged rows)",
+                           title_justify="left")
             for col in ("token", "blocked", "of", "rate", "mean mu", "entropy"):
                 tokens.add_column(col, justify="left" if col == "token" else "right", no_wrap=True)
             for row in r.clipped.itertuples():
@@ -454,41 +502,49 @@ def _group_colours(table: pd.DataFrame) -> dict[str, str]:
     return {g: figures.series_colour(i) for i, g in enumerate(groups["group"])}
 
 
-def figures_for(db: LogDB) -> list[tuple[str, str, object]]:
+def source_caption(sources: pd.DataFrame) -> str:
+    """One sentence on where the overview figures of these runs come from (``Overview.sources``)."""
+    said = sources.groupby("source")["run_id"].apply(list)
+    if len(said) == 1:
+        return f"Figures {said.index[0]}."
+    return "Figures " + "; ".join(f"{text} for {', '.join(runs)}" for text, runs in said.items()) + "."
+
+
+def figures_for(db: LogDB, overview: Overview | None = None) -> list[tuple[str, str, object]]:
     """The report's figures: ``(title, caption, figure)``, seeds of one configuration drawn as their mean with a
-    min-max band; built by :mod:`trustscope.figures`, as the dashboard's."""
+    min-max band; built by :mod:`trustscope.figures`, as the dashboard's, from :meth:`LogDB.overview` (exact
+    where a run has summaries), then the token-level figures from the logged rows."""
+    overview = overview or db.overview()
+    where = source_caption(overview.sources)
     table = run_table(db)
     groups = dict(zip(table["run_id"], table["group"], strict=True))
     applied = dict(zip(table["group"], table["loss_rule"], strict=False))
     colours = _group_colours(table)
     order = table.sort_values("group")["group"].drop_duplicates().tolist()
-    summary = db.step_summary()
+    summary = overview.steps
     out: list[tuple[str, str, object]] = []
     long = summary[["run_id", "step", "reward_mean", "mismatch_mean"]].rename(
         columns={"reward_mean": "reward", "mismatch_mean": "mismatch"}).melt(["run_id", "step"], var_name="name")
     banded = figures.seed_band(long.dropna(subset=["value"]), groups)
     banded = banded.set_index("run_id").loc[[g for g in order if g in set(banded["run_id"])]].reset_index()
     out.append(("Reward and mismatch per step", "Mean over the seeds of each configuration; the band spans their "
-                "min and max.", figures.metrics_over_steps(
+                f"min and max. {where}", figures.metrics_over_steps(
                     banded, ["reward", "mismatch"], {"reward": "mean reward", "mismatch": "mean |pi - mu|"},
                     colours=colours)))
-    blocked = db.blocked_fractions()
-    blocked = blocked[blocked.advantage_side == "all"]
-    blocking = blocked.groupby("rule")["blocked_frac"].max()
-    blocked = blocked[blocked["rule"].isin(blocking[blocking > 0].index)]
-    blocked = blocked.assign(run_id=blocked["run_id"].map(lambda r: groups.get(r, r)))
-    blocked = blocked.groupby(["run_id", "rule", "step"], as_index=False)["blocked_frac"].mean()
-    out.append(("Share of tokens each rule would block", "Every rule on the same tokens, mean over seeds; the "
-                "thick line is the rule the trainer applied.",
+    blocked = overview.blocked_by_rule(groups)
+    out.append(("Share of the A != 0 tokens each rule would block", "Every rule on the same tokens, the seeds of a "
+                "configuration added up (blocked tokens over tokens with A != 0; hover for the counts); the thick "
+                f"line is the rule the trainer applied. {where}",
                 figures.blocked_fraction_by_rule(blocked, applied=applied, max_cols=3)))
-    bad = db.bad_negative_updates()
+    bad = overview.bad_updates()
     bad = bad.assign(run_id=bad["run_id"].map(lambda r: groups.get(r, r))).dropna(subset=["reward_change"])
     out.append(("Bad negative updates against reward change", "One point per step and run, coloured by "
-                "configuration.", figures.bad_rate_vs_reward_change(bad, colours=colours)))
+                f"configuration. {where}", figures.bad_rate_vs_reward_change(bad, colours=colours)))
     hist = db.ratio_vs_divergence(divergences="binary_tv")
     tv = figures.ratio_tv_heatmap(hist) if not hist.empty else None
     if tv is not None and figures.has_data(tv):
-        out.append(("Ratio against binary TV", "Every logged token of every run on log bins; the ratio spreads over "
+        out.append(("Ratio against binary TV", "Every logged token row of every run on log bins (a sample where a run "
+                    "logged a fraction of its tokens); the ratio spreads over "
                     "orders of magnitude at TVs where little probability moved.", tv))
     clipped = db.clipped_tokens(rules="ppo_clip", top=1_000)
     if not clipped.empty:
@@ -499,8 +555,8 @@ def figures_for(db: LogDB) -> list[tuple[str, str, object]]:
         agg = agg[agg["n_occurrences"] >= 5].sort_values(["block_rate", "n_blocked"], ascending=False).head(20)
         agg = agg.rename(columns={"token_text": "text"})
         if not agg.empty:
-            out.append(("Tokens the PPO clip blocks at the highest rate", "Over every run, tokens seen at least "
-                        "5 times; the bar label is blocked of seen.", figures.clipped_tokens(agg, "ppo_clip")))
+            out.append(("Tokens the PPO clip blocks at the highest rate", "Over the logged token rows of every "
+                        "run, tokens seen at least 5 times; the bar label is blocked of seen.", figures.clipped_tokens(agg, "ppo_clip")))
     return out
 
 
@@ -513,12 +569,13 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     (``plotly.min.js``, shared by every report in that folder, no network needed) unless ``inline_js``, which
     makes one self-contained file (about 5 MB more)."""
     path = Path(path)
-    reports = build(db, lines)
+    overview = db.overview()
+    reports = build(db, lines, overview)
     console = Console(record=True, width=110, file=io.StringIO())
     console.print(render(reports, broken))
     summary_html = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
     blocks = []
-    for i, (title, caption, fig) in enumerate(figures_for(db)):
+    for i, (title, caption, fig) in enumerate(figures_for(db, overview)):
         include: bool | str = (i == 0) if inline_js else False
         blocks.append(f"<h2>{html.escape(title)}</h2><p>{html.escape(caption)}</p>"
                       + fig.to_html(full_html=False, include_plotlyjs=include, config={"displaylogo": False}))
@@ -533,7 +590,7 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     alerts = [f"<li>{html.escape(r.run_id)}: {html.escape(r.collapse_warning)}</li>" for r in reports
               if r.collapse_warning]
     n_tokens = sum(r.n_tokens for r in reports)
-    intro = (f"<p>{len(reports)} runs, {n_tokens:,} logged tokens.</p>"
+    intro = (f"<p>{len(reports)} runs, {n_tokens:,} tokens. {html.escape(source_caption(overview.sources))}</p>"
              + (f"<ul>{''.join(alerts)}</ul>" if alerts else "<p>No run crossed the collapse early-warning line.</p>"))
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>trustscope report</title>"

@@ -30,8 +30,10 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -270,32 +272,60 @@ def rank_manifest_paths(run_dir: Path) -> list[Path]:
     return [run_dir / MANIFEST, *sorted((run_dir / RANKS_DIR).glob("rank*.json"))]
 
 
-def _committed_flushes(run_dir: str) -> dict[int, int]:
-    """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
-    ranks_dir = os.path.join(run_dir, RANKS_DIR)
-    paths = [os.path.join(run_dir, MANIFEST)]
-    with contextlib.suppress(OSError):
-        paths += [e.path for e in os.scandir(ranks_dir) if e.name.startswith("rank") and e.name.endswith(".json")]
+def committed_marks(manifests: Iterable[bytes]) -> dict[int, int]:
+    """rank -> the last flush its manifest committed, from the manifests' bytes; unreadable manifests and
+    manifests without a ``committed_flush`` (older loggers) give no mark."""
     marks = {}
-    for path in paths:
+    for data in manifests:
         try:
-            with open(path, "rb") as f:
-                manifest = json.loads(f.read())
-        except (OSError, ValueError):
+            manifest = json.loads(data)
+        except ValueError:
             continue
         if isinstance(manifest, dict) and isinstance(manifest.get("committed_flush"), int):
             marks[int(manifest.get("rank", 0))] = manifest["committed_flush"]
     return marks
 
 
-def committed_files(run_dir: Path) -> dict[str, list[Path]]:
-    """The files of each table a reader should see, sorted: finished files whose flush is committed.
+def is_committed(name: str, marks: dict[int, int]) -> bool:
+    """Whether a reader should see the file ``name`` of a table folder: a finished ``.parquet`` file (never a
+    temporary one) whose flush is at most its rank's committed flush; files without a flush number (older
+    loggers) and files of ranks without a mark are always visible."""
+    if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
+        return False
+    parsed = _DATA_FILE_RE.match(name)
+    if parsed is not None and parsed[4] is not None:
+        rank, flush = int(parsed[1]), int(parsed[4])
+        if rank in marks and flush > marks[rank]:
+            return False
+    return True
+
+
+def _committed_flushes(run_dir: str) -> dict[int, int]:
+    """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
+    ranks_dir = os.path.join(run_dir, RANKS_DIR)
+    paths = [os.path.join(run_dir, MANIFEST)]
+    with contextlib.suppress(OSError):
+        paths += [e.path for e in os.scandir(ranks_dir) if e.name.startswith("rank") and e.name.endswith(".json")]
+    texts = []
+    for path in paths:
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            texts.append(f.read())
+    return committed_marks(texts)
+
+
+def committed_files(run_dir: Path | PurePosixPath, fs: Any = None) -> dict[str, list[Path]]:
+    """The files of each table a reader should see, sorted: finished files whose flush is committed
+    (:func:`is_committed`).
 
     A file whose flush number is above its rank's ``committed_flush`` belongs to a flush that was still being
     written, or whose writer died between the renames and the manifest update; it is never read, and the
     logger removes it when the run is resumed. Files without a flush number (older loggers) are always read.
-    Called for every query cursor, so it lists with ``os.scandir`` and parses each manifest once.
+    Local runs are listed with ``os.scandir`` (this is called for every query cursor). With ``fs`` (a
+    ``pyarrow.fs.FileSystem``, e.g. an object store), ``run_dir`` is a path on it and the paths returned are
+    ``PurePosixPath``s on it.
     """
+    if fs is not None:
+        return _committed_files_on(fs, PurePosixPath(run_dir))
     run_dir = Path(run_dir)
     marks = _committed_flushes(str(run_dir))
     out: dict[str, list[Path]] = {}
@@ -303,18 +333,27 @@ def committed_files(run_dir: Path) -> dict[str, list[Path]]:
         folder = run_dir / table
         names = []
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for entry in os.scandir(folder):
-                name = entry.name
-                if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
-                    continue
-                parsed = _DATA_FILE_RE.match(name)
-                if parsed is not None and parsed[4] is not None:
-                    rank, flush = int(parsed[1]), int(parsed[4])
-                    if rank in marks and flush > marks[rank]:
-                        continue
-                names.append(name)
+            names = [entry.name for entry in os.scandir(folder) if is_committed(entry.name, marks)]
         out[table] = [folder / name for name in sorted(names)]
     return out
+
+
+def _committed_files_on(fs: Any, run_dir: PurePosixPath) -> dict[str, list[Path]]:
+    from pyarrow.fs import FileSelector, FileType
+
+    def names(folder: PurePosixPath) -> list[str]:
+        infos = fs.get_file_info(FileSelector(str(folder), allow_not_found=True))
+        return [PurePosixPath(i.path).name for i in infos if i.type == FileType.File]
+
+    paths = [run_dir / MANIFEST]
+    paths += [run_dir / RANKS_DIR / n for n in names(run_dir / RANKS_DIR) if n.startswith("rank") and n.endswith(".json")]
+    texts = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError, OSError), fs.open_input_stream(str(path)) as f:
+            texts.append(f.read())
+    marks = committed_marks(texts)
+    return {table: [run_dir / table / n for n in sorted(names(run_dir / table)) if is_committed(n, marks)]
+            for table in TABLES}
 
 
 # ---------------------------------------------------------------------------------------------------- validation

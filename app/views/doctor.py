@@ -50,8 +50,11 @@ def doctor_section(run_ids: Sequence[str]) -> None:
 
 
 def _first_step(run_id: str) -> int:
-    """The first of the last steps of ``run_id`` that hold at most :data:`WINDOW_TOKENS` tokens (at least the last)."""
-    steps = data.analysis("step_summary", run_ids=[run_id]).sort_values("step", ascending=False)
+    """The first of the last steps of ``run_id`` that hold at most :data:`WINDOW_TOKENS` tokens (at least the last),
+    counted from the overview (every token where the run has summaries: at least its logged rows), so picking the
+    window reads no token row."""
+    steps = data.overview().steps
+    steps = steps[steps["run_id"] == run_id].sort_values("step", ascending=False)
     if steps.empty:
         return 0
     within = steps[steps["n_tokens"].cumsum() <= WINDOW_TOKENS]

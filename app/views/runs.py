@@ -1,11 +1,15 @@
-"""Runs: reward, accuracy, mismatch, entropy and blocked fraction by rule over steps, several runs side by side."""
+"""Runs: reward, accuracy, mismatch, entropy and blocked fraction by rule over steps, several runs side by side.
+
+The figures are :func:`app.data.overview`'s (exact from a run's summaries table, else from its logged token rows),
+the report's source too; each section says which.
+"""
 
 import pandas as pd
 import streamlit as st
 
 from app import data, widgets
 from app.views import doctor
-from trustscope import figures
+from trustscope import figures, report
 
 st.title("Runs")
 runs = widgets.require_runs()
@@ -40,6 +44,8 @@ def compare(chosen: list[str], grouped: bool) -> None:
     rules_of = members.drop_duplicates(column).set_index(column)["loss_rule"]
     colours = ({g: figures.rule_colour(r) for g, r in rules_of.items()}
                if rules_of.notna().all() and rules_of.is_unique else None)
+    sources = data.sources(members["run_id"].tolist())
+    where = report.source_caption(sources)
     long = figures.smooth(data.step_metrics(members["run_id"].tolist()), weight, ["run_id", "name"])
     series = figures.seed_band(long, labels)
     series = series.set_index("run_id").loc[[c for c in chosen if c in set(series["run_id"])]].reset_index()
@@ -55,21 +61,31 @@ def compare(chosen: list[str], grouped: bool) -> None:
         sizes = members.groupby(column)["run_id"].size()
         st.caption("Lines are the mean over each configuration's seeds, the band their min..max; "
                    + ", ".join(f"{g}: {n} seed{'s' * (n > 1)}" for g, n in sizes.items()) + ".")
+    st.caption(where)
 
     st.subheader("Blocked fraction by rule")
-    blocked = data.blocked_by_rule(members["run_id"].tolist())
+    blocked = data.blocked_by_rule(members["run_id"].tolist(), labels)
     applied = rules_of.to_dict()
     rules = widgets.pick_rules(blocked["rule"].unique().tolist(), key="runs_rules")
-    blocked = blocked[blocked["rule"].isin(rules)].assign(run_id=lambda d: d["run_id"].map(labels))
-    blocked = blocked.groupby(["run_id", "rule", "step"], as_index=False).agg(
-        blocked_frac=("blocked_frac", "mean"), n_blocked=("n_blocked", "sum"), n_tokens=("n_tokens", "sum"))
-    blocked = figures.smooth(blocked, weight, ["run_id", "rule"], column="blocked_frac")
-    widgets.chart(data.figure("blocked_fraction_by_rule", blocked, applied=applied), "blocked_chart",
+    blocked = blocked[blocked["rule"].isin(rules)]
+    totals = data.blocked_totals(members["run_id"].tolist(), labels)
+    smoothed = figures.smooth(blocked, weight, ["run_id", "rule"], column="blocked_frac")
+    widgets.chart(data.figure("blocked_fraction_by_rule", smoothed, applied=applied), "blocked_chart",
                   "No rule would block any token of these runs (the policy never moved far from the rollouts). "
                   "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
-    st.caption("Share of the logged tokens that carry gradient (A != 0) each rule would block, every rule on the "
-               "same tokens; the thick line is the rule the trainer applied (only that one shaped the update). "
-               "Hover a line for the token counts.")
+    added = ", the seeds of a configuration added up" if grouped else ""
+    st.caption(f"Share of the tokens that carry gradient (A != 0) each rule would block, every rule on the same "
+               f"tokens{added}; the thick line is the rule the trainer applied (only that one shaped the update). "
+               f"Hover a line for the token counts. {where}")
+    totals = totals[totals["rule"].isin(rules)]
+    if not totals.empty:
+        cells = totals.assign(cell=[widgets.count_of(n, t) for n, t in zip(totals["n_blocked"], totals["n_tokens"],
+                                                                          strict=True)])
+        table = cells.pivot(index="run_id", columns="rule", values="cell")
+        table = table[figures.rule_order(table.columns)].reindex([c for c in chosen if c in table.index])
+        st.dataframe(table.rename_axis(column).reset_index(), hide_index=True, key="blocked_totals")
+        st.caption("Blocked over every step: the share of the tokens with A != 0, with the counts (blocked of "
+                   "tokens with A != 0).")
 
 
 chosen, grouped = widgets.pick_groups(runs)

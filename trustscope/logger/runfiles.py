@@ -3,6 +3,8 @@ the committed flush, the vocab, and the status readers the dashboard calls (:fun
 
 The manifest is the commit record of a rank: a flush's files become visible to readers when the manifest that
 names its number as ``committed_flush`` replaces the previous one (see :func:`trustscope.schema.committed_files`).
+A run lives on local disk or under an object store prefix; :class:`RunFiles` writes through the
+:class:`trustscope.storage.RunStore` it is given (the status readers and :func:`drop_steps_after` read local runs).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import errno
 import fcntl
 import json
 import os
-import secrets
 import socket
 import sys
 import threading
@@ -20,7 +21,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from trustscope import __version__
 from trustscope import schema as S
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.schema import SchemaError
+from trustscope.storage import RunStore, is_remote
 
 RUN_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -94,7 +96,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rank_file(run_dir: Path, rank: int) -> Path:
+def rank_file(run_dir: Path | PurePosixPath, rank: int) -> Path:
     """Where rank ``rank`` keeps its status: ``run.json`` for rank 0, ``ranks/rank<r>.json`` for the others."""
     return run_dir / S.MANIFEST if rank == 0 else run_dir / S.RANKS_DIR / f"rank{rank:04d}.json"
 
@@ -125,9 +127,10 @@ def jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, store: RunStore | None = None) -> dict:
+    """The manifest at ``path`` (through ``store``, else from local disk); raises SchemaError naming it."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(store.read_bytes(path) if store is not None else path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise SchemaError(f"{path}: unreadable manifest ({err})") from None
     if not isinstance(data, dict):
@@ -202,17 +205,34 @@ class RunLock:
             self._fd = None
 
 
+class NoLock:
+    """What an object store run has instead of :class:`RunLock`: S3 offers no lock, so a second logger on the
+    same rank is not detected (a warning says so at open)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def acquire(self, run_id: str, rank: int) -> None:
+        warnings.warn(f"trustscope: object storage has no locks; a second logger on run {run_id!r} rank {rank} "
+                      f"under {self.url} will not be detected", LogWarning, stacklevel=4)
+
+    def release(self) -> None:
+        pass
+
+
 class RunFiles:
     """One rank's files of a run: the directory (opened under :class:`RunLock`), the manifest, the vocab.
 
     ``open`` creates or reopens the run; ``commit`` makes a flush visible; ``finish`` records the final status.
+    Every file goes through ``store`` (local disk or an object store prefix).
     """
 
-    def __init__(self, logdir: Path, run_id: str, rank: int):
-        self.logdir, self.run_id, self.rank = logdir, run_id, rank
-        self.run_dir = logdir / run_id
+    def __init__(self, store: RunStore, run_id: str, rank: int):
+        self.store, self.run_id, self.rank = store, run_id, rank
+        self.logdir = store.logdir
+        self.run_dir = store.join(run_id)
         self.path = rank_file(self.run_dir, rank)
-        self.lock = RunLock(self.run_dir, rank)
+        self.lock: RunLock | NoLock = NoLock(store.url) if store.remote else RunLock(self.run_dir, rank)
         self.manifest: dict[str, Any] = {}
         self._manifest_lock = threading.Lock()  # the writer thread saves, the training thread reads
         self.disk_last_step: int | None = None
@@ -228,16 +248,12 @@ class RunFiles:
     def open(self, resume: bool) -> None:
         """Create the run directory, take the rank's lock, and check or clean what a previous writer left."""
         try:
-            for sub in (*S.TABLES, S.RANKS_DIR):
-                (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / f".probe-{secrets.token_hex(4)}{S.TMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            self.store.prepare(self.run_dir)
             self.lock.acquire(self.run_id, self.rank)
         except LogDirError:
             raise
         except OSError as err:
-            raise LogDirError(f"log directory {str(self.logdir)!r} cannot be written: {err}") from None
+            raise LogDirError(f"log directory {self.store.url!r} cannot be written: {err}") from None
         try:
             self._check_existing(resume)
         except BaseException:
@@ -245,22 +261,25 @@ class RunFiles:
             raise
 
     def _check_existing(self, resume: bool) -> None:
-        mine = [p for t in S.TABLES for p in (self.run_dir / t).iterdir()
-                if (name := S.parse_data_file(p.name)) is not None and name.rank == self.rank]
-        exists = self.path.exists() or bool(mine)
+        store = self.store
+        listed = {t: store.names(self.run_dir / t) for t in S.TABLES}
+        mine = [self.run_dir / t / n for t, names in listed.items() for n in names
+                if (name := S.parse_data_file(n)) is not None and name.rank == self.rank]
+        exists = store.exists(self.path) or bool(mine)
         if exists and not resume:
-            raise LogDirError(f"run {self.run_id!r} already exists in {str(self.logdir)!r} (rank {self.rank}); "
+            raise LogDirError(f"run {self.run_id!r} already exists in {store.url!r} (rank {self.rank}); "
                               f"pass resume=True to continue it, or choose another run_id")
         if not exists:
             return
         prefix = f"{S.TMP_PREFIX}r{self.rank:04d}-"
-        for table in S.TABLES:  # half-written files of a writer that died; no reader ever saw them
-            for stale in (self.run_dir / table).glob(f"{prefix}*{S.TMP_SUFFIX}"):
-                stale.unlink(missing_ok=True)
-        committed = {p for files in S.committed_files(self.run_dir).values() for p in files}
+        for table, names in listed.items():  # half-written files of a writer that died; no reader ever saw them
+            for n in names:
+                if n.startswith(prefix) and n.endswith(S.TMP_SUFFIX):
+                    store.delete(self.run_dir / table / n)
+        committed = {p for files in S.committed_files(self.run_dir, store.fs).values() for p in files}
         for path in mine:  # files of a flush whose commit never happened: never visible, and removed now
             if path not in committed:
-                path.unlink(missing_ok=True)
+                store.delete(path)
         kept = [S.parse_data_file(p.name) for p in mine if p in committed]
         steps = [n.last_step for n in kept if n is not None]
         self.disk_last_step = max(steps) if steps else None
@@ -273,8 +292,8 @@ class RunFiles:
         ``run_info``: what rank 0 records about the run (config, model, loss_rule, ...).
         """
         process = {"pid": os.getpid(), "pid_start": process_start(os.getpid()), "hostname": socket.gethostname()}
-        if resume and self.path.exists():
-            old = read_json(self.path)
+        if resume and self.store.exists(self.path):
+            old = read_json(self.path, self.store)
             if old.get("schema_version", S.SCHEMA_VERSION) != S.SCHEMA_VERSION:
                 raise SchemaError(f"{self.path}: schema_version {old.get('schema_version')!r}; this trustscope "
                                   f"writes {S.SCHEMA_VERSION} and cannot append to it")
@@ -319,16 +338,16 @@ class RunFiles:
         path = self.run_dir / S.VOCAB_FILE
         table = pa.table({"token_id": pa.array(np.arange(len(texts), dtype=np.int32)), "text": pa.array(texts)},
                          schema=S.with_metadata("vocab"))
-        tmp = S.tmp_path(path)
+        tmp = S.tmp_path(self.store.spool(self.run_dir) / S.VOCAB_FILE)
         pq.write_table(table, tmp, **S.WRITE_OPTIONS["vocab"].writer_kwargs())
-        os.replace(tmp, path)
+        self.store.publish(tmp, path, fsync=False)
 
     # ----------------------------------------------------------------------------------------- manifest
 
     def save(self, **changes: Any) -> None:
         """Update the manifest (``updated_at`` too) and write it atomically; raises the OSError if it fails."""
         update = {**changes, "updated_at": now()}
-        write_json_atomic(self.path, {**self.manifest, **update})
+        self.store.write_atomic(self.path, json.dumps({**self.manifest, **update}, indent=2, default=str))
         with self._manifest_lock:
             self.manifest.update(update)
         self.saved_at = time.monotonic()
@@ -373,6 +392,8 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
     a rank that a live logger writes is refused (:class:`LogDirError`). Token counts are rebuilt from the
     files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none.
     """
+    if is_remote(run_dir):
+        raise ValueError(f"drop_steps_after cuts local runs only, not {run_dir!r}")
     run_dir = Path(run_dir)
     committed = S.committed_files(run_dir)
     removed = 0

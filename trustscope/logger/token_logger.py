@@ -26,6 +26,7 @@ from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
 from trustscope.logger.writer import Writer, default_write_threads
 from trustscope.schema import SchemaError
+from trustscope.storage import StorageError, open_store
 
 MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
 """Where mu_logprob came from: the inference engine's own log-probs (the real behaviour policy), or, for
@@ -33,7 +34,13 @@ frameworks that keep none, the trainer's recompute (then mu == pi_old and no mis
 
 
 class TokenLogger:
-    """Logs tokens, samples and scalars of an RL run to ``<logdir>/<run_id>/``. See :mod:`trustscope.logger`."""
+    """Logs tokens, samples and scalars of an RL run to ``<logdir>/<run_id>/``. See :mod:`trustscope.logger`.
+
+    ``logdir`` may be an object store prefix, ``s3://bucket/prefix``, with ``storage_options`` for
+    ``s3fs.S3FileSystem`` (else the usual AWS variables): the store is checked here (reachable, bucket present,
+    a test object written and deleted) and a store that fails raises :class:`LogDirError` with the URL and the
+    cause. See "Logs on object storage" in ``docs/logging.md``.
+    """
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class TokenLogger:
         fsync: bool = True,
         write_threads: int | None = None,
         summaries: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -80,8 +88,14 @@ class TokenLogger:
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
                              f"and must not start with '.'")
         self.rank = resolve_rank(rank)
-        self.logdir = Path(logdir)
-        self.run_dir = self.logdir / self.run_id
+        try:
+            store = open_store(logdir, storage_options)
+        except StorageError as err:
+            raise LogDirError(f"log directory {str(logdir)!r} cannot be used: {err}") from None
+        self.logdir: Path | str = store.logdir if not store.remote else store.url
+        """The log directory: a Path, or the ``s3://`` URL of an object store prefix."""
+        self.run_dir: Path | str = (store.logdir / self.run_id if not store.remote
+                                    else f"{store.url}/{self.run_id}")
         self.strict = strict
         self.loss_rule = loss_rule
         self.mu_source = mu_source
@@ -95,8 +109,12 @@ class TokenLogger:
             except Rejected as err:
                 raise SchemaError(str(err)) from None
 
-        self._files = RunFiles(self.logdir, self.run_id, self.rank)
-        self._files.open(resume)
+        self._files = RunFiles(store, self.run_id, self.rank)
+        try:
+            self._files.open(resume)
+        except BaseException:
+            store.close()
+            raise
         try:
             if tokenizer is None and vocab is not None and hasattr(vocab, "name_or_path"):
                 tokenizer = {"name_or_path": str(vocab.name_or_path), "class": type(vocab).__name__}
@@ -111,9 +129,11 @@ class TokenLogger:
                 self._files.write_vocab(texts)
         except OSError as err:
             self._files.lock.release()
+            store.close()
             raise LogDirError(f"log directory {str(self.logdir)!r} cannot be written: {err}") from err
         except BaseException:
             self._files.lock.release()
+            store.close()
             raise
         self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
                                      token_fraction=float(token_fraction), seed=int(seed),
@@ -189,6 +209,7 @@ class TokenLogger:
             raise LogDirError(f"trustscope could not write run {self.run_id!r}: {err}") from err
         finally:
             self._files.lock.release()
+            self._files.store.close()
         self._raise_writer_error()
 
     def __enter__(self) -> TokenLogger:

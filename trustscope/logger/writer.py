@@ -2,8 +2,8 @@
 and commits each flush in the rank's manifest (:meth:`RunFiles.commit`).
 
 A flush writes every table's open temporary file, fsyncs it, renames it to its final name carrying the flush
-number, and only then records that number as committed: readers see the flush in every table at once, or not at
-all. Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they
+number (on an object store: uploads it under that name, one whole object), and only then records that number as
+committed: readers see the flush in every table at once, or not at all. Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they
 never split a step; :meth:`Writer.flush` and an idle writer flush everything.
 
 Failures never stop the thread: a batch that cannot be converted is lost alone; a file that cannot be written
@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from trustscope import schema as S
 from trustscope.logger.checks import Batch
 from trustscope.logger.runfiles import RunFiles
+from trustscope.storage import RunStore
 
 
 def default_write_threads() -> int:
@@ -68,7 +69,8 @@ class _Part:
     def write(self, table: _Table, data: pa.Table) -> None:
         self.wait()
         if self.writer is None:
-            self.tmp = S.tmp_path(table.directory / f"{table.prefix}-open-{secrets.token_hex(6)}.parquet")
+            spool = table.store.spool(table.directory)
+            self.tmp = S.tmp_path(spool / f"{table.prefix}-open-{secrets.token_hex(6)}.parquet")
             self.writer = pq.ParquetWriter(self.tmp, table.schema, **table.options.writer_kwargs())
         if self.pool is None:
             self.writer.write_table(data, row_group_size=table.row_group_size)
@@ -83,8 +85,10 @@ class _Table:
     thread, and a flush publishes one file per part that received rows.
     """
 
-    def __init__(self, name: str, directory: Path, row_group_size: int, prefix: str, parts: int = 1):
+    def __init__(self, name: str, store: RunStore, directory: Path | PurePosixPath, row_group_size: int,
+                 prefix: str, parts: int = 1):
         self.name = name
+        self.store = store
         self.directory = directory
         self.prefix = prefix
         self.schema = S.with_metadata(name)
@@ -121,9 +125,9 @@ class _Table:
         self.pending = [data.slice(data.num_rows - keep)] if keep else []
         self.pending_rows = keep
 
-    def close_file(self, fsync: bool, metadata: dict[str, str]) -> None:
-        """Write what is pending, add ``metadata`` to every footer, close the temporary files and fsync them (they
-        keep their temporary names)."""
+    def close_file(self, metadata: dict[str, str]) -> None:
+        """Write what is pending, add ``metadata`` to every footer and close the temporary files (they keep their
+        temporary names)."""
         if self.pending_rows:
             self._write_pending(whole_groups=False)
         for part in self.parts:
@@ -134,16 +138,10 @@ class _Table:
             part.writer.add_key_value_metadata(metadata)
             part.writer.close()
             part.writer = None
-            if fsync:
-                fd = os.open(part.tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
 
-    def publish(self, flush: int, rank: int) -> list[Path]:
-        """Rename the closed files to their final names (still invisible to readers until ``flush`` is
-        committed)."""
+    def publish(self, flush: int, rank: int, fsync: bool) -> list[Path | PurePosixPath]:
+        """Give the closed files their final names (fsynced and renamed, or uploaded: see
+        :meth:`RunStore.publish`); still invisible to readers until ``flush`` is committed."""
         assert self.first_step is not None and self.last_step is not None
         written = [part for part in self.parts if part.tmp is not None]
         finals = []
@@ -151,7 +149,7 @@ class _Table:
             assert part.tmp is not None
             final = self.directory / S.data_file_name(rank, self.first_step, self.last_step, flush,
                                                       i if len(self.parts) > 1 else None)
-            os.replace(part.tmp, final)
+            self.store.publish(part.tmp, final, fsync)
             part.tmp = None
             finals.append(final)
         self.reset()
@@ -191,7 +189,7 @@ class _Flush:
     rows: dict[str, int]
     last_step: int
     counts: dict[str, int]
-    files: list[Path]
+    files: list[Path | PurePosixPath]
 
 
 class _Constants:
@@ -238,11 +236,14 @@ class Writer:
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
         self._k = topk_k
         self._constants = _Constants()
-        self._tables = {t: _Table(t, files.run_dir / t, row_group_size, f"r{rank:04d}",
+        self._tables = {t: _Table(t, files.store, files.run_dir / t, row_group_size, f"r{rank:04d}",
                                   write_threads if t == "tokens" else 1) for t in S.TABLES}
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
         self._uncommitted: list[_Flush] = []
+        self._orphans: list[Path | PurePosixPath] = []
+        """Files of a failed flush that could not be removed: no commit may happen while they exist, since the
+        next committed flush number would make them visible."""
         self._lost_rows = dict.fromkeys(S.TABLES, 0)
         self._lost_steps: tuple[int, int] | None = None
         self._errors: list[str] = []
@@ -436,17 +437,17 @@ class Writer:
         rows = {t.name: t.rows for t in open_tables}
         first_step = min(t.first_step for t in open_tables if t.first_step is not None)
         last_step = max(t.last_step for t in open_tables if t.last_step is not None)
-        published: list[Path] = []
+        published: list[Path | PurePosixPath] = []
         try:
             footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
             for table in open_tables:
-                table.close_file(self.fsync, footer)
+                table.close_file(footer)
             for table in open_tables:
-                published.extend(table.publish(number, self.rank))
+                published.extend(table.publish(number, self.rank, self.fsync))
         except Exception as err:
-            for path in published:  # renamed but never committed: remove, so no later commit shows them
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+            for path in published:  # published but never committed: remove, so no later commit shows them
+                if not self._remove(path):
+                    self._orphans.append(path)  # retried before every commit
             self._lose_open(err)
             self._lose(err, {t: n for t, n in rows.items() if any(p.parent.name == t for p in published)},
                        first_step, last_step)
@@ -464,8 +465,22 @@ class Writer:
         except OSError as err:
             self._report(err)
 
+    def _remove(self, path: Path | PurePosixPath) -> bool:
+        """Remove a file of a failed flush; returns whether it is gone (the error is reported if not)."""
+        try:
+            self.files.store.delete(path)
+        except OSError as err:
+            self._report(err)
+            return False
+        return True
+
     def _commit(self) -> None:
-        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later."""
+        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later.
+
+        Never while files of a failed flush remain (``_orphans``): the commit would make them visible."""
+        self._orphans = [path for path in self._orphans if not self._remove(path)]
+        if self._orphans:
+            return
         rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
         counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
         try:
@@ -482,7 +497,7 @@ class Writer:
         for f in self._uncommitted:
             for path in f.files:
                 with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+                    self.files.store.delete(path)
             self._lose(err, f.rows, None, f.last_step)
         self._uncommitted.clear()
 

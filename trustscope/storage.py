@@ -1,0 +1,403 @@
+"""Where a run's files live: a local directory, or an object store prefix (``s3://bucket/prefix``).
+
+The logger writes through a :class:`RunStore`: :class:`LocalStore` (temporary name, fsync, rename) or
+:class:`ObjectStore` (one PUT per object, which S3 makes visible whole or not at all). Either way a flush's part
+files land before the manifest that commits them, so readers that list only committed flushes
+(:func:`trustscope.schema.committed_files`) never see half a flush.
+
+Object stores are reached through pyarrow's filesystem layer over fsspec's ``s3fs``
+(``pyarrow.fs.PyFileSystem(FSSpecHandler(s3fs.S3FileSystem(...)))``): the same fsspec filesystem DuckDB can
+register, and whose listings carry each object's ETag, which the readers' :func:`mirror` keys its copies by.
+Endpoint and credentials come from ``storage_options`` (``s3fs.S3FileSystem`` arguments: ``endpoint_url``,
+``key``, ``secret``, ``client_kwargs``, ``config_kwargs``, ...) or from the usual AWS variables and files
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ...). Listings are never
+cached (``use_listings_cache=False``): a reader must see a flush the moment its commit lands.
+
+Readers do not query the store in place: :func:`mirror` copies a prefix's committed objects (and the manifests
+that commit them) into a local folder, downloading an object again only when its ETag changed, and the query
+layer, ``validate`` and the SQL worker read that folder as they read any log directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trustscope import schema as S
+
+SCHEME = "s3://"
+_BUCKET_OK = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class StorageError(OSError):
+    """An object store that cannot be used: the message names the URL and the cause."""
+
+
+def is_remote(location: Any) -> bool:
+    """True for an object store URL (``s3://...``)."""
+    return isinstance(location, str) and location.startswith(SCHEME)
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; raises ValueError naming the URL."""
+    if not is_remote(url):
+        raise ValueError(f"{url!r} is not an object store URL (expected s3://bucket/prefix)")
+    bucket, _, prefix = url[len(SCHEME):].partition("/")
+    if not _BUCKET_OK.fullmatch(bucket):
+        raise ValueError(f"{url!r}: bucket name {bucket!r} is not a valid S3 bucket name (3-63 characters: "
+                         f"lowercase letters, digits, '.', '-')")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ValueError(f"{url!r}: prefix {prefix!r} has an empty, '.' or '..' part")
+    return bucket, prefix
+
+
+def s3_filesystem(storage_options: Mapping[str, Any] | None = None) -> Any:
+    """An ``s3fs.S3FileSystem`` with ``storage_options``, listings uncached, its own instance."""
+    import s3fs
+
+    options = {**(storage_options or {}), "use_listings_cache": False, "skip_instance_cache": True}
+    return s3fs.S3FileSystem(**options)
+
+
+def check_store(url: str, fsspec_fs: Any, write: bool) -> None:
+    """Fail now, naming ``url`` and the cause, when the store cannot be reached, the bucket does not exist or
+    (``write``) a tiny object cannot be written and deleted under the prefix. Raises :class:`StorageError`."""
+    bucket, prefix = parse_url(url)
+    try:
+        fsspec_fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError as err:
+        raise StorageError(f"{url}: bucket {bucket!r} does not exist ({err})") from None
+    except PermissionError as err:
+        raise StorageError(f"{url}: access to bucket {bucket!r} is denied ({err}); check the credentials "
+                           f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options)") from None
+    except Exception as err:  # unreachable endpoint, bad TLS, bad region, ...: the cause is in the message
+        raise StorageError(f"{url}: the object store cannot be reached: {type(err).__name__}: {err}") from None
+    if not write:
+        return
+    probe = "/".join(p for p in (bucket, prefix, f".probe-{secrets.token_hex(4)}{S.TMP_SUFFIX}") if p)
+    try:
+        fsspec_fs.pipe_file(probe, b"")
+        fsspec_fs.rm_file(probe)
+    except Exception as err:
+        raise StorageError(f"{url}: cannot write and delete a test object {SCHEME}{probe}: "
+                           f"{type(err).__name__}: {err}") from None
+
+
+class LocalStore:
+    """A run on local disk: files are written under a temporary name, fsynced and renamed into place."""
+
+    remote = False
+    fs = None
+
+    def __init__(self, logdir: str | os.PathLike):
+        self.logdir = Path(logdir)
+        self.url = str(self.logdir)
+
+    def join(self, *parts: str) -> Path:
+        return self.logdir.joinpath(*parts)
+
+    def prepare(self, run_dir: Path) -> None:
+        """Create the run's folders and check that files can be written there (raises OSError)."""
+        for sub in (*S.TABLES, S.RANKS_DIR):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".probe-{secrets.token_hex(4)}{S.TMP_SUFFIX}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+    def write_atomic(self, path: Path, data: str | bytes) -> None:
+        """Write ``data`` to a temporary name and rename it over ``path``; on failure no temporary file is left."""
+        tmp = S.tmp_path(path)
+        try:
+            if isinstance(data, str):
+                tmp.write_text(data)
+            else:
+                tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the directory may be read-only by now
+                tmp.unlink(missing_ok=True)
+            raise
+
+    def read_bytes(self, path: Path) -> bytes:
+        return Path(path).read_bytes()
+
+    def exists(self, path: Path) -> bool:
+        return Path(path).exists()
+
+    def delete(self, path: Path) -> None:
+        Path(path).unlink(missing_ok=True)
+
+    def names(self, folder: Path) -> list[str]:
+        """The names in ``folder`` (none when it does not exist)."""
+        try:
+            return [e.name for e in os.scandir(folder)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def spool(self, folder: Path) -> Path:
+        """Where the files that will land in ``folder`` are written first: ``folder`` itself."""
+        return Path(folder)
+
+    def publish(self, tmp: Path, final: Path, fsync: bool) -> None:
+        """Make the finished temporary file ``tmp`` the file ``final`` (an atomic rename)."""
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, final)
+
+    def close(self) -> None:
+        pass
+
+
+class ObjectStore:
+    """A run under an object store prefix. Files are encoded into a local spool folder and uploaded whole when a
+    flush publishes them: an object is visible in full once its PUT (or multipart upload) completes, never before.
+    There is no rename and no lock on S3; objects are written once under their final names."""
+
+    remote = True
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *, write: bool = True):
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        self.bucket, prefix = parse_url(url)
+        self.url = f"{SCHEME}{self.bucket}" + (f"/{prefix}" if prefix else "")
+        self.logdir = PurePosixPath(self.bucket, *prefix.split("/")) if prefix else PurePosixPath(self.bucket)
+        self.fsspec = s3_filesystem(storage_options)
+        self.fs = PyFileSystem(FSSpecHandler(self.fsspec))
+        """pyarrow's view of the store: reads, listings (the schema's too) and deletes go through it; uploads go
+        through s3fs itself (see :meth:`publish`)."""
+        check_store(self.url, self.fsspec, write)
+        self._spool = Path(tempfile.mkdtemp(prefix="trustscope-spool-")) if write else None
+
+    def join(self, *parts: str) -> PurePosixPath:
+        return self.logdir.joinpath(*parts)
+
+    def url_of(self, path: PurePosixPath) -> str:
+        return f"{SCHEME}{path}"
+
+    def prepare(self, run_dir: PurePosixPath) -> None:
+        """Nothing to create on an object store (prefixes are implicit); the open-time check already wrote."""
+
+    @contextlib.contextmanager
+    def _failing(self, what: str, path: PurePosixPath) -> Iterator[None]:
+        """Any error of the store's client (botocore's are not OSErrors) as a :class:`StorageError` naming the
+        object, so every caller that handles OSError handles the store's failures too."""
+        try:
+            yield
+        except (FileNotFoundError, StorageError):
+            raise
+        except Exception as err:
+            raise StorageError(f"cannot {what} {self.url_of(path)}: {type(err).__name__}: {err}") from err
+
+    def write_atomic(self, path: PurePosixPath, data: str | bytes) -> None:
+        """One PUT: readers see the old object or the new one, whole."""
+        with self._failing("write", path):
+            self.fsspec.pipe_file(str(path), data.encode() if isinstance(data, str) else data)
+
+    def read_bytes(self, path: PurePosixPath) -> bytes:
+        with self._failing("read", path), self.fs.open_input_stream(str(path)) as f:
+            return f.read()
+
+    def exists(self, path: PurePosixPath) -> bool:
+        from pyarrow.fs import FileType
+
+        with self._failing("look up", path):
+            return self.fs.get_file_info(str(path)).type != FileType.NotFound
+
+    def delete(self, path: PurePosixPath) -> None:
+        with contextlib.suppress(FileNotFoundError), self._failing("delete", path):
+            self.fs.delete_file(str(path))
+
+    def names(self, folder: PurePosixPath) -> list[str]:
+        from pyarrow.fs import FileSelector
+
+        with self._failing("list", folder):
+            infos = self.fs.get_file_info(FileSelector(str(folder), allow_not_found=True))
+        return [PurePosixPath(i.path).name for i in infos]
+
+    def spool(self, folder: PurePosixPath) -> Path:
+        """The local folder a table's files are encoded in before their upload."""
+        assert self._spool is not None, "a read-only ObjectStore writes nothing"
+        local = self._spool / folder.name
+        local.mkdir(exist_ok=True)
+        return local
+
+    def publish(self, tmp: Path, final: PurePosixPath, fsync: bool) -> None:
+        """Upload the finished local file ``tmp`` as the object ``final``, then remove ``tmp``. ``fsync`` is moot:
+        the store has the object once this returns.
+
+        Through s3fs's ``put_file``, not a pyarrow output stream: a stream is completed by its close even after a
+        failed write (a truncated object would appear), while ``put_file`` is one PUT, or a multipart upload (parts
+        sent concurrently) that it aborts on any failure, so the object appears whole or not at all."""
+        with self._failing("upload", final):
+            self.fsspec.put_file(str(tmp), str(final))
+        tmp.unlink()
+
+    def close(self) -> None:
+        if self._spool is not None:
+            shutil.rmtree(self._spool, ignore_errors=True)
+
+
+RunStore = LocalStore | ObjectStore
+
+
+def open_store(logdir: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> RunStore:
+    """The store the logger writes ``logdir`` through: an :class:`ObjectStore` for ``s3://`` URLs (checked now:
+    reachable, bucket present, writable), else a :class:`LocalStore`."""
+    if is_remote(logdir):
+        return ObjectStore(str(logdir), storage_options)
+    if storage_options:
+        raise ValueError(f"storage_options are for s3:// log directories; {str(logdir)!r} is a local path")
+    return LocalStore(logdir)
+
+
+# ------------------------------------------------------------------------------------------------ the mirror
+
+INDEX = ".trustscope-mirror.json"
+"""The mirror's record of what it holds: relative path -> the ETag of the object it was copied from."""
+MANIFEST_TAG = "manifest"
+"""The index's mark for a manifest: manifests are copied at every update (they change at every commit)."""
+
+
+def default_mirror_root() -> Path:
+    """Where mirrors of object store prefixes are kept: ``s3/`` under :func:`trustscope.paths.cache_root`."""
+    from trustscope.paths import cache_root
+
+    return cache_root() / "s3"
+
+
+def mirror_dir(url: str, root: Path) -> Path:
+    """The local folder that mirrors ``url``: ``<root>/<hash of the URL>/<last part of the URL>``, so a run's
+    folder keeps its run id as its name."""
+    bucket, prefix = parse_url(url)
+    canonical = f"{SCHEME}{bucket}" + (f"/{prefix}" if prefix else "")
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return Path(root) / digest / (prefix.rsplit("/", 1)[-1] if prefix else bucket)
+
+
+def _listing(fsspec_fs: Any, folder: str) -> dict[str, dict]:
+    """name -> listing entry (``type``; objects also ``ETag``, ``size``) of what lies directly in ``folder``."""
+    try:
+        entries = fsspec_fs.ls(folder, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {PurePosixPath(e["name"]).name: e for e in entries}
+
+
+def _remote_runs(fsspec_fs: Any, top: str) -> list[str]:
+    """The run prefixes under ``top``: ``top`` itself when it holds a run.json, else its children that hold one
+    or a table folder (as :func:`trustscope.schema.run_dirs`)."""
+    entries = _listing(fsspec_fs, top)
+    if S.MANIFEST in entries:
+        return [top]
+    runs = []
+    for name, entry in sorted(entries.items()):
+        if entry.get("type") == "directory" and not name.startswith(S.TMP_PREFIX):
+            inside = _listing(fsspec_fs, f"{top}/{name}")
+            if S.MANIFEST in inside or any(inside.get(t, {}).get("type") == "directory" for t in S.TABLES):
+                runs.append(f"{top}/{name}")
+    return runs
+
+
+def _run_objects(fsspec_fs: Any, run: str) -> dict[str, dict]:
+    """Every object of a run, by its path inside the run (``tokens/r0000-...parquet``, ``run.json``, ...): one
+    paginated listing of the whole prefix."""
+    found = fsspec_fs.find(run, detail=True)
+    return {key[len(run) + 1:]: entry for key, entry in found.items() if entry.get("type") == "file"}
+
+
+def _manifest_rank(rel: str) -> int | None:
+    """The rank whose manifest lies at ``rel`` inside a run (``run.json``: 0, ``ranks/rank0003.json``: 3)."""
+    if rel == S.MANIFEST:
+        return 0
+    m = re.fullmatch(rf"{S.RANKS_DIR}/rank(\d+)\.json", rel)
+    return int(m[1]) if m else None
+
+
+def _committed_objects(fsspec_fs: Any, run: str) -> tuple[dict[str, bytes], dict[str, dict]]:
+    """A consistent view of one run: (its manifests' bytes, the objects those manifests commit), by path inside
+    the run. The manifests are read first and the objects listed after, so every object a manifest commits is
+    in the listing (a flush's parts land before its commit). Data files of a rank whose manifest appeared after
+    the manifests were read are left out: nothing read commits them."""
+    manifests = {}
+    for rel in [rel for rel in _run_objects(fsspec_fs, run) if _manifest_rank(rel) is not None]:
+        with contextlib.suppress(FileNotFoundError):
+            manifests[rel] = fsspec_fs.cat_file(f"{run}/{rel}")
+    marks = S.committed_marks(manifests.values())
+    listed = _run_objects(fsspec_fs, run)
+    read = {_manifest_rank(rel) for rel in manifests}
+    late = {rank for rel in listed if (rank := _manifest_rank(rel)) is not None} - read
+    objects = {}
+    for rel, entry in listed.items():
+        folder, _, name = rel.rpartition("/")
+        parsed = S.parse_data_file(name)
+        if rel == S.VOCAB_FILE or (folder in S.TABLES and S.is_committed(name, marks)
+                                   and (parsed is None or parsed.rank not in late)):
+            objects[rel] = entry
+    return manifests, objects
+
+
+def mirror(url: str, root: Path | None = None, storage_options: Mapping[str, Any] | None = None,
+           store: ObjectStore | None = None) -> Path:
+    """Bring the local mirror of ``url`` up to date and return its folder (see :func:`mirror_dir`).
+
+    For each run: read every rank's manifest, list the run's objects (one paginated listing), download the
+    objects whose flush those manifests commit (again only when the ETag changed), write the manifests, and only
+    then remove local files whose object is gone or no longer visible; so the mirror too never shows a flush
+    without its commit or a commit without its files. Raises :class:`StorageError` naming the URL when the store
+    cannot be read.
+    """
+    store = store or ObjectStore(url, storage_options, write=False)
+    local_top = mirror_dir(store.url, root or default_mirror_root())
+    index_path = local_top / INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    fs, top = store.fsspec, str(store.logdir)
+    wanted: dict[str, str] = {}  # path inside the mirror -> ETag
+    manifests: dict[str, bytes] = {}
+    try:
+        for run in _remote_runs(fs, top):
+            inside = run[len(top):].strip("/")
+            run_manifests, run_objects = _committed_objects(fs, run)
+            manifests.update({str(PurePosixPath(inside, rel)): data for rel, data in run_manifests.items()})
+            for rel, entry in run_objects.items():
+                local_rel, etag = str(PurePosixPath(inside, rel)), entry.get("ETag", "")
+                wanted[local_rel] = etag
+                local = local_top / local_rel
+                if etag and index.get(local_rel) == etag and local.is_file():
+                    continue
+                local.parent.mkdir(parents=True, exist_ok=True)
+                tmp = S.tmp_path(local)
+                fs.get_file(entry["name"], str(tmp))
+                os.replace(tmp, local)
+                index[local_rel] = etag
+    except StorageError:
+        raise
+    except Exception as err:
+        raise StorageError(f"{store.url}: cannot read the object store: {type(err).__name__}: {err}") from None
+    disk = LocalStore(local_top)
+    for rel, data in manifests.items():
+        (local_top / rel).parent.mkdir(parents=True, exist_ok=True)
+        disk.write_atomic(local_top / rel, data)
+        index[rel] = MANIFEST_TAG
+    for rel in set(index) - set(wanted) - set(manifests):  # gone from the store, or no longer visible
+        (local_top / rel).unlink(missing_ok=True)
+        del index[rel]
+    local_top.mkdir(parents=True, exist_ok=True)
+    disk.write_atomic(index_path, json.dumps(index))
+    return local_top
