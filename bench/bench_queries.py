@@ -200,7 +200,8 @@ BASE_STEPS = 50
 
 def write_log(logdir: Path, n_tokens: int, base_tokens: int) -> None:
     """A run of about ``n_tokens`` tokens: ``base_tokens`` generated over BASE_STEPS steps, then copies of its tokens,
-    samples and steps tables under the next step numbers (each copy its own files, named without a flush number so that readers take them as committed)."""
+    samples and steps tables under the next step numbers (each copy its own files, named without a flush number so
+    that readers take them as committed, one copy per file of the base: the logger writes a flush as two parts)."""
     start = time.perf_counter()
     generate_run(logdir, "run0", SyntheticConfig(tokens=min(base_tokens, n_tokens), steps=BASE_STEPS,
                                                  edge_cases=False, drift=0.12))
@@ -214,7 +215,9 @@ def write_log(logdir: Path, n_tokens: int, base_tokens: int) -> None:
             for k in range(1, copies):
                 shifted = data.set_column(data.schema.get_field_index("step"), "step",
                                           pc.add(step, k * BASE_STEPS).cast(step.type))
-                name = f"r0000-s{k * BASE_STEPS:08d}-{(k + 1) * BASE_STEPS - 1:08d}-copy{k:04d}.parquet"  # no flush number: always read
+                # no flush number: always read; the part (p00, p01: the logger's two encoders) kept in the name
+                part = f.stem.rsplit("-", 1)[-1] if "-p" in f.stem else "p00"
+                name = f"r0000-s{k * BASE_STEPS:08d}-{(k + 1) * BASE_STEPS - 1:08d}-copy{k:04d}-{part}.parquet"
                 pq.write_table(shifted, run / table / name, compression="zstd")
     print(f"wrote {n_tokens:,} tokens ({copies} copies of the base) in {time.perf_counter() - start:.0f} s")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
@@ -211,3 +212,29 @@ def test_one_pass_per_file_fills_every_partial_view(logdir, tmp_path):
         assert conn.partials_computed == n_files
     for view in ("step_partials", "clipped_partials", "histogram_partials"):
         assert len(list((tmp_path / view).glob("*.parquet"))) == n_files
+
+
+def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_path):
+    """Two encoders split a flush by row groups, so one response can lie in two part files: the cold pass reads
+    a flush's parts together, and the sequence rules (cppo, gspo, geo_mask) count as with one file."""
+    from trustscope.logger import TokenLogger
+
+    rng = np.random.default_rng(3)
+    B, T = 12, 40
+    mu = np.log(rng.uniform(0.01, 1.0, (B, T))).astype(np.float32)
+    tokens = {"token_id": rng.integers(0, 50, (B, T)), "mu_logprob": mu,
+              "pi_logprob": np.minimum(mu + rng.normal(0, 0.3, (B, T)).astype(np.float32), 0),
+              "advantage": np.repeat(rng.normal(size=(B, 1)).astype(np.float32), T, axis=1)}
+    for threads in (1, 2):
+        with TokenLogger(tmp_path / f"t{threads}", "run", row_group_size=50, write_threads=threads,
+                         loss_rule="cppo") as lg:
+            lg.log_step(0, tokens=tokens, mask=np.ones((B, T), dtype=bool),
+                        samples={"sample_id": np.arange(B), "prompt_id": np.arange(B) // 4})
+    assert len(list((tmp_path / "t2" / "run" / "tokens").glob("*.parquet"))) == 2
+    counts = []
+    for threads in (1, 2):
+        with tsdb.connect(tmp_path / f"t{threads}", cache_dir=tmp_path / f"cache{threads}") as conn:
+            summary = conn.step_summary()
+            counts.append(summary[[c for c in summary.columns if c.startswith("n_blocked")]])
+    assert counts[0].filter(like="cppo").to_numpy().sum() > 0
+    pd.testing.assert_frame_equal(counts[0], counts[1])

@@ -636,3 +636,71 @@ def test_catalogue_lists_every_rule_with_its_family():
         rule = get_loss(name)
         assert f"| `{name}` | `{rule.sql.family}`" in table, name
     assert "(sequence)" in table.split("`gspo`")[1].split("\n")[0]
+
+
+# --- the mask-only entry point -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_keep_masks_equal_every_rules_loss_path_mask(dtype):
+    g = torch.Generator().manual_seed(5)
+    b = random_batch(g, 1200, pad=True, scale=2.0, dtype=dtype)
+    pi_lp = b.pi_logprob.clone().requires_grad_(True)
+    b = PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp})
+    masks = L.keep_masks(b)
+    assert set(masks) == set(list_losses())
+    for name in list_losses():
+        want = get_loss(name)(b).keep
+        assert masks[name].dtype == torch.bool and not masks[name].requires_grad
+        assert torch.equal(masks[name], want), name
+        if name not in NEVER_BLOCK:
+            assert (~want & b.mask).any(), name  # the rule blocks something here
+    assert not masks["dppo_binary_tv"][~b.mask].any()  # padding is never kept
+    # at other parameters too, and with the top-K divergences given instead of the lists
+    params = {"ppo_clip": {"dual_clip": 1.2, "eps_high": 0.1}, "dppo_binary_tv": {"divergence": "topk_kl"},
+              "dppo_decoupled": {"divergence": "binary_tv"}, "cppo": {"w_min": 0.5, "delta": 0.05}}
+    masks = L.keep_masks(b, params, params=params)
+    for name, p in params.items():
+        assert torch.equal(masks[name], get_loss(name)(b, **p).keep), name
+    given = {"topk_tv": D.topk_tv(b.mu_topk_logprobs, b.pi_topk_logprobs),
+             "topk_kl": D.topk_kl(b.mu_topk_logprobs, b.pi_topk_logprobs)}
+    no_lists = PolicyBatch(**{**b.__dict__, "mu_topk_logprobs": None, "pi_topk_logprobs": None})
+    for name, keep in L.keep_masks(no_lists, ["dppo_topk_tv", "dppo_topk_kl"], given=given).items():
+        assert torch.equal(keep, get_loss(name)(b).keep), name
+
+
+def test_keep_masks_errors_and_rules_without_a_mask_function(monkeypatch):
+    monkeypatch.setattr(L, "_REGISTRY", dict(L._REGISTRY))
+    g = torch.Generator().manual_seed(6)
+    b = random_batch(g, 300)
+    no_old = PolicyBatch(**{**b.__dict__, "old_logprob": None})
+    with pytest.raises(ValueError, match=r"'minirl' needs PolicyBatch\.old_logprob"):
+        L.keep_masks(no_old, ["minirl"])
+    with pytest.raises(ValueError, match="given term 'ratio'"):
+        L.keep_masks(b, ["ppo_clip"], given={"ratio": b.pi_logprob})
+    with pytest.raises(KeyError, match="unknown loss rule"):
+        L.keep_masks(b, ["no_such_rule"])
+
+    def bad_mask(terms, nope):
+        return terms.valid
+
+    with pytest.raises(ValueError, match=r"mask function 'bad_mask' takes parameter\(s\) \['nope'\]"):
+        register_loss("keep_masks_bad", mask=bad_mask, divergence="binary_tv", delta=0.1)(L.dppo)
+
+    def every_other(batch: PolicyBatch, delta: float) -> LossOutput:
+        """A rule registered without a mask function: keep_masks runs it whole."""
+        keep = torch.zeros_like(batch.mask)
+        keep[..., ::2] = True
+        return L.policy_loss(batch, keep, L.is_weight(batch.pi_logprob, batch.mu_logprob))
+
+    register_loss("keep_masks_plain", delta=0.1)(every_other)
+    assert torch.equal(L.keep_masks(b, ["keep_masks_plain"])["keep_masks_plain"], get_loss("keep_masks_plain")(b).keep)
+
+
+def test_keep_masks_can_gate_a_loss_that_is_backpropagated():
+    g = torch.Generator().manual_seed(7)
+    b = random_batch(g, 200)
+    pi_lp = b.pi_logprob.clone().requires_grad_(True)
+    keep = L.keep_masks(PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp}), ["dppo_binary_tv"])["dppo_binary_tv"]
+    torch.where(keep, -b.advantages * pi_lp, 0.0).sum().backward()
+    assert torch.equal(pi_lp.grad != 0, keep & (b.advantages != 0))

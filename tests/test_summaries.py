@@ -127,3 +127,25 @@ def test_summaries_commit_with_the_other_tables(logdir):
     flush_of = {t: {S.parse_data_file(p.name).flush for p in files[t]} for t in ("tokens", "summaries")}
     assert flush_of["tokens"] == flush_of["summaries"] and flush_of["summaries"]
     assert not S.validate_run(run)
+
+
+def test_a_full_call_and_its_rows_shuffled_give_the_same_summaries():
+    """Every (sample_id, pos) cell present and in order takes the reshape path; shuffled, the scatter path."""
+    from trustscope.logger.summaries import summarize_call
+
+    tokens, _, _ = rollout(3)
+    n = B * T
+    tokens["advantage"] = np.repeat(tokens["advantage"][:, None], T, axis=1)  # (B, T)
+    cols = {name: (v.reshape(n, -1) if v.ndim == 3 else v.reshape(n)) for name, v in tokens.items()}
+    cols["sample_id"] = np.repeat(np.arange(B), T)
+    cols["pos"] = np.tile(np.arange(T, dtype=np.int32), B)
+    order = np.random.default_rng(0).permutation(n)
+
+    def rows(c: dict) -> pd.DataFrame:
+        return pd.DataFrame(summarize_call(dict(c))).sort_values(["metric", "rule", "advantage_sign", "mu_low",
+                                                                  "bin_low"]).reset_index(drop=True)
+
+    dense, shuffled = rows(cols), rows({k: v[order] for k, v in cols.items()})
+    assert (dense.metric == "blocked").sum() > 20
+    pd.testing.assert_frame_equal(dense, shuffled, check_exact=False, rtol=1e-12)
+    assert (dense["count"].fillna(-1) == shuffled["count"].fillna(-1)).all()

@@ -370,17 +370,36 @@ def write_empty_files(folder: Path) -> dict[str, list[str]]:
     return {**lists, "manifests": [str(folder / "empty_run.json")]}
 
 
-def aggregate_partials(cur: duckdb.DuckDBPyConnection) -> dict[str, pa.Table]:
-    """Every partial view's rows over the tokens ``cur`` has bound, from one pass over them.
+def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str]) -> list[dict[str, pa.Table]]:
+    """Every partial view's rows for each of ``files``, the tokens files ``cur`` has bound (the parts of one
+    flush, :func:`flush_groups`), from one pass over them.
 
     Materialises ``rule_blocks`` (every rule's flag, the sequence rules' windows computed once), only the columns
     the partial views read, into a temporary table of the same name; DuckDB finds the temporary table before the
     view, so each partial view then reads those rows instead of recomputing the metrics and the sequence windows
-    once per partial view. Shared by the local pass and the Ray tasks (:mod:`trustscope.distributed`).
+    once per partial view. A flush's parts go through together: the logger's encoders split a flush by row
+    groups, so one response may lie in two parts, and its context (length, mean log-ratio, prefix sums) must see
+    all of its tokens; every partial view groups by ``source_file``, so its rows are then split by file. Shared by
+    the local pass and the Ray tasks (:mod:`trustscope.distributed`).
     """
     inputs = [_quote(c) for c in cur.view("rule_blocks").columns if c in _PARTIAL_WORDS or c.startswith("blocks_")]
     cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
-    return {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+    tables = {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
+    return [{view: table.filter(pc.equal(table["source_file"], f)) for view, table in tables.items()} for f in files]
+
+
+def flush_of(file: Path | str) -> tuple[str, str]:
+    """The flush a data file belongs to: its directory and its name without the part suffix (``-p<part>``)."""
+    path = Path(file)
+    return str(path.parent), re.sub(r"-p\d+(?=\.parquet$)", "", path.name)
+
+
+def flush_groups(files: Sequence[Path]) -> list[list[Path]]:
+    """``files`` grouped by flush (:func:`flush_of`), in the order each flush first appears."""
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for f in files:
+        groups.setdefault(flush_of(f), []).append(f)
+    return list(groups.values())
 
 
 class LogDB:
@@ -578,7 +597,8 @@ class LogDB:
 
     def refresh(self, views: Iterable[str] = ()) -> None:
         """Pick up new runs and new files; when ``views`` read any kept aggregate, compute every partial aggregate
-        of the files not seen before (once per file, all partial views from one pass, see :meth:`_aggregate_file`)."""
+        of the files not seen before (once per file, all partial views from one pass over the parts of its flush,
+        see :meth:`_aggregate_files`)."""
         needed = {c for v in views for c in _CACHES_READ_BY.get(v, ())}
         with self._lock:
             self._sync_mirrors()
@@ -621,7 +641,8 @@ class LogDB:
                         missing.remove(view)
             if missing:
                 todo.append(f)
-        for f, tables in self._aggregate_files(todo):
+        flushes = {flush_of(f) for f in todo}  # a flush's parts are aggregated together (see aggregate_partials)
+        for f, tables in self._aggregate_files([f for f in current if flush_of(f) in flushes]):
             self.partials_computed += 1
             for view, table in tables.items():
                 self._partials[view][f] = (current[f], table)
@@ -636,17 +657,18 @@ class LogDB:
             yield from self.ray.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
                                           params=self._params())
             return
-        for f in files:
-            yield f, self._aggregate_file(f)
+        for flush in flush_groups(files):
+            yield from zip(flush, self._aggregate_flush(flush), strict=True)
 
-    def _aggregate_file(self, file: Path) -> dict[str, pa.Table]:
-        """Every partial view's rows for one tokens file, from one pass over it (:func:`aggregate_partials` on a
-        cursor whose token list holds only ``file``)."""
+    def _aggregate_flush(self, files: list[Path]) -> list[dict[str, pa.Table]]:
+        """Every partial view's rows for each of ``files`` (the parts of one flush), from one pass over them
+        (:func:`aggregate_partials` on a cursor whose token list holds only ``files``)."""
         cur = self.cursor()
         try:
             lists = self._file_lists()
-            cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], str(file)]}])
-            return aggregate_partials(cur)
+            cur.execute("set variable trustscope_files = ?",
+                        [{**lists, "tokens": [lists["tokens"][0], *map(str, files)]}])
+            return aggregate_partials(cur, [str(f) for f in files])
         finally:
             cur.close()
 

@@ -105,7 +105,8 @@ def aggregate_files(spec: TaskSpec, files: Sequence[str], threads: int | None = 
     """``(file, every partial view's rows)`` for each tokens file, in a DuckDB of its own (no Ray needed).
 
     The connection has only what the partial views read: the macros, :data:`PARTIAL_VIEW_FILES`,
-    ``spec``'s parameters, and file lists that hold the tables' empty files plus one tokens file at a time. It may
+    ``spec``'s parameters, and file lists that hold the tables' empty files plus one flush's tokens files at a time
+    (its parts together, see :func:`trustscope.db.aggregate_partials`). It may
     read only the files' directories. ``threads`` caps DuckDB's threads (a Ray task's CPUs).
     Raises RuntimeError when this trustscope's SQL differs from the driver's.
     """
@@ -128,12 +129,12 @@ def aggregate_files(spec: TaskSpec, files: Sequence[str], threads: int | None = 
             con.execute("set enable_external_access = false")
             con.execute("set lock_configuration = true")
             out = []
-            for file in files:
+            for flush in tsdb.flush_groups(files):  # a flush's parts together (see tsdb.aggregate_partials)
                 cur = con.cursor()  # its own temporary rule_blocks, dropped on close
                 try:
-                    cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], file]}])
+                    cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], *flush]}])
                     cur.execute("set variable trustscope_params = ?", [spec.params])
-                    out.append((file, tsdb.aggregate_partials(cur)))
+                    out += zip(flush, tsdb.aggregate_partials(cur, flush), strict=True)
                 finally:
                     cur.close()
             return out
@@ -172,7 +173,9 @@ class RayAggregator:
 
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         size = min(MAX_FILES_PER_TASK, max(1, len(files) // (TASKS_PER_CPU * cpus)))
-        return [list(files[i:i + size]) for i in range(0, len(files), size)]
+        flushes = tsdb.flush_groups(files)  # a flush's parts stay in one task
+        size = max(1, size // max(len(f) for f in flushes)) if flushes else size
+        return [[f for flush in flushes[i:i + size] for f in flush] for i in range(0, len(flushes), size)]
 
     def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any]
                   ) -> Iterator[tuple[Path, dict[str, pa.Table]]]:

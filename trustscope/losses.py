@@ -23,6 +23,11 @@ no gradient whatever the mask says (its loss is ``-0 * w * log pi``), so every b
 (``policy/blocked_frac*``) and in the SQL views, is counted over the tokens that carry gradient (``A != 0``), with
 the token count beside it, as verl's ``pg_clipfrac`` effectively does (a zero-advantage token is never "clipped").
 
+Each built-in rule's keep-mask is its own pure function, ``mask_<rule>(terms: MaskTerms, **params)``, which the
+rule's loss calls and :func:`keep_masks` calls alone: every rule's mask on one batch without building any loss,
+under ``torch.no_grad``, the ratios, divergences and sequence context (:class:`MaskTerms`) computed once for
+all rules. The logger's exact summaries count every rule's blocked tokens this way.
+
 Per-token math is kept apart from aggregation: :func:`aggregate` reduces ``(B, T)`` losses with a named mode.
 
 Precision: masks, weights and the loss are computed in float32 whatever the input dtype (float64 stays float64), so
@@ -33,11 +38,12 @@ Padding (``mask`` False) may hold any value, even inf or NaN: it never reaches t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +164,8 @@ class LossRule:
     needs: frozenset[str]
     doc: str
     sql: SqlMask | None = None
+    mask: Callable[..., Tensor] | None = None
+    mask_params: tuple[str, ...] = ()
 
     def resolve(self, **params: Any) -> dict[str, Any]:
         """The defaults overridden by ``params``, validated: errors name the parameter and its value."""
@@ -184,14 +192,17 @@ _REGISTRY: dict[str, LossRule] = {}
 
 
 def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = None, sql: SqlMask | None = None,
-                  **defaults: Any) -> Callable[[RuleFn], RuleFn]:
+                  mask: Callable[..., Tensor] | None = None, **defaults: Any) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as rule ``name`` with default parameters ``defaults``.
 
     The same function may be registered under several names with other defaults (a preset). ``needs`` names the
     optional ``PolicyBatch`` fields the rule reads; ``doc`` is the one-line summary (default: the docstring's first
     paragraph), for presets whose defaults make them a different rule. ``sql`` is the rule's mask family
     (:class:`SqlMask`): with it the rule gets a ``blocks_<name>`` column in the SQL views; without it the rule
-    trains but the query layer cannot show what it would block. ``name`` is lowercase letters, digits and '_'.
+    trains but the query layer cannot show what it would block. ``mask`` is the rule's keep-mask alone,
+    ``mask(terms: MaskTerms, **params) -> (B, T) bool`` over some of the rule's parameters, which the rule itself
+    uses for its loss: :func:`keep_masks` calls it without building the loss (without it, the whole rule runs).
+    ``name`` is lowercase letters, digits and '_'.
     """
 
     def decorator(fn: RuleFn) -> RuleFn:
@@ -212,8 +223,15 @@ def register_loss(name: str, *, needs: tuple[str, ...] = (), doc: str | None = N
             if unknown:
                 raise ValueError(f"loss rule {name!r}: sql family {sql.family!r} passes parameter(s) {unknown} "
                                  f"the rule does not have; its parameters are {sorted(defaults)}")
+        mask_params: tuple[str, ...] = ()
+        if mask is not None:
+            mask_params = tuple(inspect.signature(mask).parameters)[1:]
+            unknown = [p for p in mask_params if p not in defaults]
+            if unknown:
+                raise ValueError(f"loss rule {name!r}: mask function {mask.__name__!r} takes parameter(s) {unknown} "
+                                 f"the rule does not have; its parameters are {sorted(defaults)}")
         summary = doc or inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]
-        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), summary, sql)
+        _REGISTRY[name] = LossRule(name, fn, dict(defaults), frozenset(needs), summary, sql, mask, mask_params)
         return fn
 
     return decorator
@@ -409,31 +427,8 @@ def trust_region_metrics(batch: PolicyBatch, keep: Tensor, w: Tensor) -> dict[st
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# divergences a DPPO rule can gate on
+# the terms the masks read, shared by every rule of a batch
 
-
-def _binary_tv(b: PolicyBatch, anchor: Tensor) -> Tensor:
-    return D.binary_tv(anchor, b.pi_logprob.detach())
-
-
-def _binary_kl(b: PolicyBatch, anchor: Tensor) -> Tensor:
-    return D.binary_kl(anchor, b.pi_logprob.detach())
-
-
-def _topk_tv(b: PolicyBatch, anchor: Tensor) -> Tensor:
-    return D.topk_tv(b.mu_topk_logprobs, b.pi_topk_logprobs.detach())
-
-
-def _topk_kl(b: PolicyBatch, anchor: Tensor) -> Tensor:
-    return D.topk_kl(b.mu_topk_logprobs, b.pi_topk_logprobs.detach())
-
-
-_DIVERGENCES: dict[str, Callable[[PolicyBatch, Tensor], Tensor]] = {
-    "binary_tv": _binary_tv,
-    "binary_kl": _binary_kl,
-    "topk_tv": _topk_tv,
-    "topk_kl": _topk_kl,
-}
 
 DELTA_TV = 0.15
 DELTA_KL = 0.05
@@ -443,9 +438,14 @@ TIS_CAP = 2.0
 NO_CAP = math.inf
 GSPO_MAX_LOG_RATIO = 10.0
 
-# ---------------------------------------------------------------------------------------------------------------
-# sequence context: the rules that read the whole response. Padding is False in ``mask``; positions are counted
-# over the valid tokens (the logger's ``pos``, 0 .. L-1).
+_DIVERGENCES: dict[str, tuple[str, str]] = {
+    "binary_tv": ("binary_tv", "old_binary_tv"),
+    "binary_kl": ("binary_kl", "old_binary_kl"),
+    "topk_tv": ("topk_tv", "topk_tv"),
+    "topk_kl": ("topk_kl", "topk_kl"),
+}
+"""The divergences a DPPO rule can gate on: the :class:`MaskTerms` term anchored on mu, and on pi_old (top-K
+divergences have mu's lists only, so they stay anchored on mu)."""
 
 
 def _seq_mean(x: Tensor, valid: Tensor) -> Tensor:
@@ -455,125 +455,297 @@ def _seq_mean(x: Tensor, valid: Tensor) -> Tensor:
     return (x.sum(-1, keepdim=True) / n).expand_as(x)
 
 
-def _seq_log_ratio(batch: PolicyBatch) -> Tensor:
-    """Per-sequence mean of log(pi / mu): the log of the geometric-mean ratio, ``(B, T)`` (one value per row)."""
-    return _seq_mean(D.log_ratio(batch.pi_logprob.detach(), batch.mu_logprob.detach()), batch.mask.bool())
+class MaskTerms:
+    """The detached per-token terms the rules' keep-masks read, each computed at most once for a batch.
+
+    Every rule's mask function (``mask=`` of :func:`register_loss`) reads its inputs here, so the rules of one
+    :func:`keep_masks` call share one ratio, one binary TV, one top-K TV, one sequence log-ratio instead of each
+    computing its own; a rule called alone builds its own ``MaskTerms``, so both paths run the same code. Names
+    follow the SQL view ``rule_blocks`` (:data:`SQL_COLUMNS`). All ``(B, T)``; the sequence context is over the
+    valid tokens of each row (padding is False in ``mask``).
+
+    ``given`` supplies ``topk_tv`` / ``topk_kl`` already computed (the scalars stored with the token rows, which the
+    SQL views gate on too): used as they are, so the top-K lists need not be there.
+    """
+
+    GIVEN = frozenset({"topk_tv", "topk_kl"})
+
+    def __init__(self, batch: PolicyBatch, given: dict[str, Tensor] | None = None) -> None:
+        self.batch = batch
+        for name, value in (given or {}).items():
+            if name not in self.GIVEN:
+                raise ValueError(f"MaskTerms: given term {name!r} is not one of {sorted(self.GIVEN)}")
+            if value.shape != batch.pi_logprob.shape:
+                raise ValueError(f"MaskTerms: given {name} has shape {tuple(value.shape)}, expected "
+                                 f"{tuple(batch.pi_logprob.shape)} like pi_logprob")
+            self.__dict__[name] = value  # functools.cached_property reads the instance's dict first
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        return self.batch.mask.bool()
+
+    @functools.cached_property
+    def advantage(self) -> Tensor:
+        return self.batch.advantages
+
+    @functools.cached_property
+    def pi_logprob(self) -> Tensor:
+        return self.batch.pi_logprob.detach()
+
+    @functools.cached_property
+    def mu_logprob(self) -> Tensor:
+        return self.batch.mu_logprob.detach()
+
+    @functools.cached_property
+    def old_logprob(self) -> Tensor:
+        if self.batch.old_logprob is None:
+            raise ValueError("this mask needs PolicyBatch.old_logprob, which is None")
+        return self.batch.old_logprob.detach()
+
+    @functools.cached_property
+    def ratio(self) -> Tensor:
+        return D.ratio(self.pi_logprob, self.mu_logprob)
+
+    @functools.cached_property
+    def old_ratio(self) -> Tensor:
+        return D.ratio(self.pi_logprob, self.old_logprob)
+
+    @functools.cached_property
+    def mu_prob(self) -> Tensor:
+        return torch.exp(D.as_compute(self.mu_logprob))
+
+    @functools.cached_property
+    def pi_prob(self) -> Tensor:
+        return torch.exp(D.as_compute(self.pi_logprob))
+
+    @functools.cached_property
+    def binary_tv(self) -> Tensor:
+        return D.binary_tv(self.mu_logprob, self.pi_logprob)
+
+    @functools.cached_property
+    def binary_kl(self) -> Tensor:
+        return D.binary_kl(self.mu_logprob, self.pi_logprob)
+
+    @functools.cached_property
+    def old_binary_tv(self) -> Tensor:
+        return D.binary_tv(self.old_logprob, self.pi_logprob)
+
+    @functools.cached_property
+    def old_binary_kl(self) -> Tensor:
+        return D.binary_kl(self.old_logprob, self.pi_logprob)
+
+    def _topk_lists(self, divergence: str) -> tuple[Tensor, Tensor]:
+        if self.batch.mu_topk_logprobs is None or self.batch.pi_topk_logprobs is None:
+            raise ValueError(f"divergence={divergence!r} needs PolicyBatch.mu_topk_logprobs and pi_topk_logprobs")
+        return self.batch.mu_topk_logprobs, self.batch.pi_topk_logprobs.detach()
+
+    @functools.cached_property
+    def topk_tv(self) -> Tensor:
+        return D.topk_tv(*self._topk_lists("topk_tv"))
+
+    @functools.cached_property
+    def topk_kl(self) -> Tensor:
+        return D.topk_kl(*self._topk_lists("topk_kl"))
+
+    @functools.cached_property
+    def seq_log_ratio(self) -> Tensor:
+        """Per-sequence mean of log(pi / mu): the log of the geometric-mean ratio (one value per row)."""
+        return _seq_mean(D.log_ratio(self.pi_logprob, self.mu_logprob), self.valid)
+
+    def divergence(self, name: str, anchor: str = "mu") -> Tensor:
+        """The divergence ``name`` (:data:`_DIVERGENCES`) between ``anchor`` ('mu' or 'old') and pi."""
+        return getattr(self, _DIVERGENCES[name][anchor == "old"])
+
+
+def _present(batch: PolicyBatch, given: dict[str, Tensor] | None) -> set[str]:
+    """The PolicyBatch fields a mask can read: those not None, and the top-K lists when both top-K divergences are
+    given (then the lists are not read)."""
+    present = {f for f in PolicyBatch.__dataclass_fields__ if getattr(batch, f) is not None}
+    if set(given or {}) >= MaskTerms.GIVEN:
+        present |= {"mu_topk_logprobs", "pi_topk_logprobs"}
+    return present
+
+
+def rules_with_inputs(batch: PolicyBatch, given: dict[str, Tensor] | None = None) -> list[str]:
+    """The registered rules whose inputs ``batch`` (with ``given``, see :class:`MaskTerms`) holds, sorted."""
+    present = _present(batch, given)
+    return [name for name in list_losses() if get_loss(name).needs <= present]
+
+
+def keep_masks(batch: PolicyBatch, rules: Iterable[str] | None = None, *,
+               params: dict[str, dict[str, Any]] | None = None,
+               given: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Every named rule's keep-mask M ``(B, T)`` (padding False) on one batch, without its loss or metrics.
+
+    The same masks as ``get_loss(name)(batch, **params[name]).keep``, computed under ``torch.no_grad`` (not
+    ``inference_mode``: a caller may use the masks in a loss it backpropagates) from one :class:`MaskTerms`, so
+    the rules share their ratios, divergences and sequence context (the summaries compute every registered rule's
+    mask over every logged token this way). ``rules``: registered names (default: all); ``params``: per rule,
+    overrides of its defaults; ``given``: see :class:`MaskTerms`. The batch is checked once; a rule registered
+    without a mask function runs whole, its ``keep`` taken.
+    """
+    names = list_losses() if rules is None else list(rules)
+    params = params or {}
+    chosen = {name: get_loss(name) for name in names}
+    _check_batch(batch)
+    present = _present(batch, given)
+    out = {}
+    with torch.no_grad():
+        terms = MaskTerms(batch, given)
+        for name, rule in chosen.items():
+            merged = rule.resolve(**params.get(name, {}))
+            missing = sorted(rule.needs - (present if rule.mask is not None else _present(batch, None)))
+            if missing:
+                raise ValueError(f"loss rule {name!r} needs PolicyBatch.{missing[0]}, which is None")
+            if rule.mask is None:
+                out[name] = rule.fn(batch, **merged).keep
+                continue
+            keep = rule.mask(terms, **{p: merged[p] for p in rule.mask_params})
+            out[name] = keep & terms.valid
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the rules
+# the rules: each a mask function M(terms, params) -> (B, T) bool keep, and the loss that uses it
 
 
-@register_loss("pg_is", sql=NO_MASK, is_cap=NO_CAP)
+def mask_pg_is(t: MaskTerms) -> Tensor:
+    """No trust region: every token kept."""
+    return torch.ones_like(t.valid)
+
+
+@register_loss("pg_is", sql=NO_MASK, mask=mask_pg_is, is_cap=NO_CAP)
 def pg_is(batch: PolicyBatch, is_cap: float) -> LossOutput:
     """PG-IS: no trust region, untruncated importance weight pi/mu."""
-    return policy_loss(batch, torch.ones_like(batch.mask, dtype=torch.bool), is_weight(batch.pi_logprob, batch.mu_logprob, is_cap))
+    return policy_loss(batch, mask_pg_is(MaskTerms(batch)), is_weight(batch.pi_logprob, batch.mu_logprob, is_cap))
 
 
-@register_loss("cispo", sql=NO_MASK, is_cap=TIS_CAP)
+@register_loss("cispo", sql=NO_MASK, mask=mask_pg_is, is_cap=TIS_CAP)
 def cispo(batch: PolicyBatch, is_cap: float) -> LossOutput:
     """PG-TIS (CISPO): no mask, importance weight truncated at C = ``is_cap``."""
     return pg_is(batch, is_cap=is_cap)
 
 
 register_loss(
-    "token_tis", sql=NO_MASK, is_cap=TIS_CAP,
+    "token_tis", sql=NO_MASK, mask=mask_pg_is, is_cap=TIS_CAP,
     doc="Token-level TIS (verl rollout correction, rollout_is='token', threshold 2): no mask, weight min(pi/mu, C).",
 )(cispo)
 
 
-def _ppo(batch: PolicyBatch, anchor: Tensor, eps_low: float, eps_high: float, is_cap: float,
-         dual_clip: float | None = None) -> LossOutput:
-    pi_lp = batch.pi_logprob.detach()
-    r = D.ratio(pi_lp, anchor)  # (B, T)
-    keep = ppo_keep(r, batch.advantages, eps_low, eps_high)
+def mask_ppo_clip(t: MaskTerms, eps_low: float, eps_high: float, dual_clip: float | None) -> Tensor:
+    """PPO's clip on r = pi/mu, and dual-clip's block of A <= 0 with r > c."""
+    keep = ppo_keep(t.ratio, t.advantage, eps_low, eps_high)  # (B, T)
     if dual_clip is not None:
-        keep = keep & ~((batch.advantages <= 0) & (r > dual_clip))
-    return policy_loss(batch, keep, is_weight(pi_lp, batch.mu_logprob, is_cap))
+        keep = keep & ~((t.advantage <= 0) & (t.ratio > dual_clip))
+    return keep
 
 
-@register_loss("ppo_clip", sql=RATIO_CLIP_MU, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=None, is_cap=NO_CAP)
+@register_loss("ppo_clip", sql=RATIO_CLIP_MU, mask=mask_ppo_clip, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+               dual_clip=None, is_cap=NO_CAP)
 def ppo_clip(batch: PolicyBatch, eps_low: float, eps_high: float, dual_clip: float | None, is_cap: float) -> LossOutput:
     """PPO / GRPO ratio clip on r = pi/mu (defaults: Clip-Higher, eps 0.2 / 0.28).
 
     ``dual_clip`` (c > 1): dual-clip PPO also blocks negative-advantage tokens with r > c (its objective is the
     constant c * A there, so they carry no gradient). None turns it off.
     """
-    return _ppo(batch, batch.mu_logprob.detach(), eps_low, eps_high, is_cap, dual_clip)
+    keep = mask_ppo_clip(MaskTerms(batch), eps_low, eps_high, dual_clip)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob, is_cap))
 
 
-register_loss("grpo", sql=RATIO_CLIP_MU, doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).",
+register_loss("grpo", sql=RATIO_CLIP_MU, mask=mask_ppo_clip,
+              doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).",
               eps_low=EPS_LOW, eps_high=EPS_LOW, dual_clip=None, is_cap=NO_CAP)(ppo_clip)
 
 
-@register_loss("minirl", sql=RATIO_CLIP_OLD, needs=("old_logprob",), eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=NO_CAP)
+def mask_minirl(t: MaskTerms, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's clip on pi/pi_old."""
+    return ppo_keep(t.old_ratio, t.advantage, eps_low, eps_high)
+
+
+@register_loss("minirl", sql=RATIO_CLIP_OLD, mask=mask_minirl, needs=("old_logprob",), eps_low=EPS_LOW,
+               eps_high=EPS_HIGH, is_cap=NO_CAP)
 def minirl(batch: PolicyBatch, eps_low: float, eps_high: float, is_cap: float) -> LossOutput:
     """MiniRL (decoupled PPO): the clip mask on pi/pi_old (recomputed), IS weight pi/mu."""
-    return _ppo(batch, batch.old_logprob.detach(), eps_low, eps_high, is_cap)
+    keep = mask_minirl(MaskTerms(batch), eps_low, eps_high)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob, is_cap))
 
 
-register_loss("minirl_tis", sql=RATIO_CLIP_OLD, needs=("old_logprob",),
+register_loss("minirl_tis", sql=RATIO_CLIP_OLD, mask=mask_minirl, needs=("old_logprob",),
               doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.",
               eps_low=EPS_LOW, eps_high=EPS_HIGH, is_cap=TIS_CAP)(minirl)
 
 
-def _dppo(batch: PolicyBatch, divergence: str, delta: float, anchor: Tensor) -> LossOutput:
-    div = _DIVERGENCES[divergence](batch, anchor)
-    keep = dppo_keep(div, batch.pi_logprob.detach(), anchor, batch.advantages, delta)
-    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
+def mask_dppo(t: MaskTerms, divergence: str, delta: float) -> Tensor:
+    """DPPO's mask on D(mu, pi) with mu as the anchor."""
+    return dppo_keep(t.divergence(divergence), t.pi_logprob, t.mu_logprob, t.advantage, delta)
 
 
-def _require_topk(batch: PolicyBatch, divergence: str) -> None:
-    if divergence.startswith("topk") and (batch.mu_topk_logprobs is None or batch.pi_topk_logprobs is None):
-        raise ValueError(f"divergence={divergence!r} needs PolicyBatch.mu_topk_logprobs and pi_topk_logprobs")
-
-
-@register_loss("dppo_binary_tv", sql=DPPO_MU, doc="DPPO gated on binary TV |pi - mu| > delta.",
+@register_loss("dppo_binary_tv", sql=DPPO_MU, mask=mask_dppo, doc="DPPO gated on binary TV |pi - mu| > delta.",
                divergence="binary_tv", delta=DELTA_TV)
 def dppo(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
     """DPPO: block a token only when D(mu, pi) > delta and pi moved past mu the way A pushes."""
-    _require_topk(batch, divergence)
-    return _dppo(batch, divergence, delta, batch.mu_logprob.detach())
+    keep = mask_dppo(MaskTerms(batch), divergence, delta)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-register_loss("dppo_binary_kl", sql=DPPO_MU, doc="DPPO gated on binary KL(mu || pi) > delta.",
+register_loss("dppo_binary_kl", sql=DPPO_MU, mask=mask_dppo, doc="DPPO gated on binary KL(mu || pi) > delta.",
               divergence="binary_kl", delta=DELTA_KL)(dppo)
-register_loss("dppo_topk_tv", sql=DPPO_MU, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
+register_loss("dppo_topk_tv", sql=DPPO_MU, mask=mask_dppo, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
               doc="DPPO gated on top-K TV > delta.", divergence="topk_tv", delta=DELTA_TV)(dppo)
-register_loss("dppo_topk_kl", sql=DPPO_MU, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
+register_loss("dppo_topk_kl", sql=DPPO_MU, mask=mask_dppo, needs=("mu_topk_logprobs", "pi_topk_logprobs"),
               doc="DPPO gated on top-K KL > delta.", divergence="topk_kl", delta=DELTA_KL)(dppo)
 
 
-@register_loss("dppo_decoupled", sql=DPPO_OLD, needs=("old_logprob",), divergence="binary_kl", delta=DELTA_KL)
-def dppo_decoupled(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
-    """DPPO decoupled (ablation): the DPPO mask anchored on the recomputed pi_old instead of mu; weight pi/mu."""
+def mask_dppo_decoupled(t: MaskTerms, divergence: str, delta: float) -> Tensor:
+    """DPPO's mask with the divergence and the anchor taken against pi_old."""
     if divergence not in ("binary_tv", "binary_kl"):
         raise ValueError(f"dppo_decoupled: divergence={divergence!r}; only binary_tv and binary_kl have a pi_old anchor")
-    return _dppo(batch, divergence, delta, batch.old_logprob.detach())
+    return dppo_keep(t.divergence(divergence, "old"), t.pi_logprob, t.old_logprob, t.advantage, delta)
 
 
-@register_loss("ppo_lowprob_relax", sql=LOWPROB_RELAX, eps_low=EPS_LOW, eps_high=EPS_HIGH, alpha_low=0.1,
-               alpha_high=0.1)
+@register_loss("dppo_decoupled", sql=DPPO_OLD, mask=mask_dppo_decoupled, needs=("old_logprob",),
+               divergence="binary_kl", delta=DELTA_KL)
+def dppo_decoupled(batch: PolicyBatch, divergence: str, delta: float) -> LossOutput:
+    """DPPO decoupled (ablation): the DPPO mask anchored on the recomputed pi_old instead of mu; weight pi/mu."""
+    keep = mask_dppo_decoupled(MaskTerms(batch), divergence, delta)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
+
+
+def mask_ppo_lowprob_relax(t: MaskTerms, eps_low: float, eps_high: float, alpha_low: float,
+                           alpha_high: float) -> Tensor:
+    """PPO's clip on r = pi/mu, each side only where mu >= that side's alpha."""
+    adv, r, mu = t.advantage, t.ratio, t.mu_prob
+    block = ((adv > 0) & (r > 1 + eps_high) & (mu >= alpha_high)) | ((adv <= 0) & (r < 1 - eps_low) & (mu >= alpha_low))
+    return ~block
+
+
+@register_loss("ppo_lowprob_relax", sql=LOWPROB_RELAX, mask=mask_ppo_lowprob_relax, eps_low=EPS_LOW,
+               eps_high=EPS_HIGH, alpha_low=0.1, alpha_high=0.1)
 def ppo_lowprob_relax(batch: PolicyBatch, eps_low: float, eps_high: float, alpha_low: float,
                       alpha_high: float) -> LossOutput:
     """PPO clip that never clips a side for tokens with mu < alpha (alpha per side; 0 turns a side's relief off)."""
-    pi_lp, mu_lp, adv = batch.pi_logprob.detach(), batch.mu_logprob.detach(), batch.advantages
-    r = D.ratio(pi_lp, mu_lp)
-    mu = torch.exp(D.as_compute(mu_lp))
-    block = ((adv > 0) & (r > 1 + eps_high) & (mu >= alpha_high)) | ((adv <= 0) & (r < 1 - eps_low) & (mu >= alpha_low))
-    return policy_loss(batch, ~block, is_weight(pi_lp, mu_lp))
+    keep = mask_ppo_lowprob_relax(MaskTerms(batch), eps_low, eps_high, alpha_low, alpha_high)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("minimal_negative_mask", sql=NEGATIVE_MASK, delta=0.5)
+def mask_minimal_negative(t: MaskTerms, delta: float) -> Tensor:
+    """Block A <= 0 where mu - pi >= delta."""
+    return ~((t.advantage <= 0) & (t.mu_prob - t.pi_prob >= delta))
+
+
+@register_loss("minimal_negative_mask", sql=NEGATIVE_MASK, mask=mask_minimal_negative, delta=0.5)
 def minimal_negative_mask(batch: PolicyBatch, delta: float) -> LossOutput:
     """Mask-delta: block only negative-advantage tokens that pi pushed down from mu by at least delta."""
-    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
-    drop = torch.exp(D.as_compute(mu_lp)) - torch.exp(D.as_compute(pi_lp))
-    block = (batch.advantages <= 0) & (drop >= delta)
-    return policy_loss(batch, ~block, is_weight(pi_lp, mu_lp))
+    keep = mask_minimal_negative(MaskTerms(batch), delta)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("token_mis", sql=RATIO_BAND, low=0.5, high=2.0)
+def mask_ratio_band(t: MaskTerms, low: float, high: float) -> Tensor:
+    """Keep low <= r <= high, r = pi/mu."""
+    return (t.ratio >= low) & (t.ratio <= high)
+
+
+@register_loss("token_mis", sql=RATIO_BAND, mask=mask_ratio_band, low=0.5, high=2.0)
 def token_mis(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     """Token-level masked IS (MIS): drop tokens whose r = pi/mu leaves [low, high], either advantage sign.
 
@@ -581,19 +753,27 @@ def token_mis(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     ``rollout_rs="token_k1"`` and a ``"lower_upper"`` threshold (here on r = pi/mu; the weight stays pi/mu on the
     kept tokens, bypass mode). Kept iff low <= r <= high.
     """
-    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
-    r = D.ratio(pi_lp, mu_lp)  # (B, T)
-    return policy_loss(batch, (r >= low) & (r <= high), is_weight(pi_lp, mu_lp))
+    return policy_loss(batch, mask_ratio_band(MaskTerms(batch), low, high), is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
 register_loss(
-    "icepop", sql=RATIO_BAND, low=0.5, high=5.0,
+    "icepop", sql=RATIO_BAND, mask=mask_ratio_band, low=0.5, high=5.0,
     doc="IcePop: drop tokens with r = pi/mu outside [alpha, beta] = [0.5, 5] (Ling Team, Ring-1T report, "
         "arXiv 2510.18855, IcePop; INTELLECT-3 report, arXiv 2512.16144, eq. 1).",
 )(token_mis)
 
 
-@register_loss("gspo", sql=SEQ_RATIO_CLIP, eps_low=3e-4, eps_high=4e-4)
+def _gspo_ratio(t: MaskTerms) -> Tensor:
+    """GSPO's sequence ratio s = exp(mean_t log(pi/mu)), the mean clamped at 10 first: ``(B, T)``."""
+    return torch.exp(t.seq_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO))
+
+
+def mask_gspo(t: MaskTerms, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's clip on the sequence ratio s: a whole response is kept or blocked together."""
+    return ppo_keep(_gspo_ratio(t), t.advantage, eps_low, eps_high)
+
+
+@register_loss("gspo", sql=SEQ_RATIO_CLIP, mask=mask_gspo, eps_low=3e-4, eps_high=4e-4)
 def gspo(batch: PolicyBatch, eps_low: float, eps_high: float) -> LossOutput:
     """GSPO: PPO's clip on the sequence ratio s = exp(mean_t log(pi/mu)), weight s on every token of the response.
 
@@ -603,13 +783,17 @@ def gspo(batch: PolicyBatch, eps_low: float, eps_high: float) -> LossOutput:
     Anchored on mu here (the rollout policy, as the rest of trustscope). A whole response is blocked together:
     A > 0 with s > 1 + eps_high, A <= 0 with s < 1 - eps_low.
     """
-    valid = batch.mask.bool()
-    s = torch.exp(_seq_log_ratio(batch).clamp(max=GSPO_MAX_LOG_RATIO))  # (B, T), one value per response
-    keep = ppo_keep(s, batch.advantages, eps_low, eps_high) & valid
-    return policy_loss(batch, keep, s)
+    terms = MaskTerms(batch)
+    return policy_loss(batch, mask_gspo(terms, eps_low, eps_high), _gspo_ratio(terms))
 
 
-@register_loss("geo_mask", sql=SEQ_GEO_BAND, low=0.999, high=1.001)
+def mask_geo_mask(t: MaskTerms, low: float, high: float) -> Tensor:
+    """Keep a response while its geometric-mean ratio exp(mean_t log(pi/mu)) stays in [low, high]."""
+    g = torch.exp(t.seq_log_ratio)  # (B, T)
+    return (g >= low) & (g <= high)
+
+
+@register_loss("geo_mask", sql=SEQ_GEO_BAND, mask=mask_geo_mask, low=0.999, high=1.001)
 def geo_mask(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     """Geometric-mean sequence masking: drop a whole response when exp(mean_t log(pi/mu)) leaves [low, high].
 
@@ -617,12 +801,28 @@ def geo_mask(batch: PolicyBatch, low: float, high: float) -> LossOutput:
     ``seq_mean_k1`` (preset ``RolloutCorrectionConfig.decoupled_geo_rs``, bounds ``"0.999_1.001"``); verl bounds
     the mean of log(mu/pi), here its reciprocal, the geometric mean of r = pi/mu. Weight pi/mu per token.
     """
-    g = torch.exp(_seq_log_ratio(batch))  # (B, T)
-    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
-    return policy_loss(batch, (g >= low) & (g <= high), is_weight(pi_lp, mu_lp))
+    return policy_loss(batch, mask_geo_mask(MaskTerms(batch), low, high), is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("cppo", sql=CPPO_PREFIX, delta=DELTA_TV, w_min=0.8, delta_b=0.02)
+def mask_cppo(t: MaskTerms, delta: float, w_min: float, delta_b: float) -> Tensor:
+    """CPPO's mask: the position-weighted binary TV against a threshold with the response's prefix budget."""
+    valid = t.valid
+    div = t.binary_tv  # (B, T)
+    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
+    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
+    w = torch.where(valid, w_min + (1 - w_min) * (last - pos) / last.clamp_min(1), 0.0)  # (B, T)
+    z = torch.where(valid, w * div, 0.0)  # (B, T)
+    spent = torch.cumsum(z, -1) - z  # (B, T) S: weighted divergence of the prefix before the token
+    weight = torch.cumsum(w, -1) - w  # (B, T) W
+    p90 = torch.nanquantile(torch.where(valid, div, math.nan), 0.9, dim=-1, keepdim=True)  # (B, 1)
+    budget = p90.clamp(min=delta_b, max=2 * delta_b)
+    threshold = torch.minimum(torch.full_like(z, delta), delta + budget * weight - spent)
+    adv, pi_lp, mu_lp = t.advantage, t.pi_logprob, t.mu_logprob
+    harmful = ((adv > 0) & (pi_lp > mu_lp)) | ((adv <= 0) & (pi_lp < mu_lp))
+    return ~(harmful & (z > threshold))
+
+
+@register_loss("cppo", sql=CPPO_PREFIX, mask=mask_cppo, delta=DELTA_TV, w_min=0.8, delta_b=0.02)
 def cppo(batch: PolicyBatch, delta: float, w_min: float, delta_b: float) -> LossOutput:
     """CPPO: DPPO's mask with a position-weighted threshold and a cumulative prefix budget.
 
@@ -635,24 +835,25 @@ def cppo(batch: PolicyBatch, delta: float, w_min: float, delta_b: float) -> Loss
     direction test, A = 0 in the negative branch) and Z_s > c_s. Defaults: the paper's dense-model delta 0.15,
     w_min 0.8, delta_b 0.02.
     """
-    valid = batch.mask.bool()
-    mu_lp, pi_lp = batch.mu_logprob.detach(), batch.pi_logprob.detach()
-    div = D.binary_tv(mu_lp, pi_lp)  # (B, T)
-    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
-    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
-    w = torch.where(valid, w_min + (1 - w_min) * (last - pos) / last.clamp_min(1), 0.0)  # (B, T)
-    z = torch.where(valid, w * div, 0.0)  # (B, T)
-    spent = torch.cumsum(z, -1) - z  # (B, T) S: weighted divergence of the prefix before the token
-    weight = torch.cumsum(w, -1) - w  # (B, T) W
-    p90 = torch.nanquantile(torch.where(valid, div, math.nan), 0.9, dim=-1, keepdim=True)  # (B, 1)
-    budget = p90.clamp(min=delta_b, max=2 * delta_b)
-    threshold = torch.minimum(torch.full_like(z, delta), delta + budget * weight - spent)
-    adv = batch.advantages
-    harmful = ((adv > 0) & (pi_lp > mu_lp)) | ((adv <= 0) & (pi_lp < mu_lp))
-    return policy_loss(batch, ~(harmful & (z > threshold)), is_weight(pi_lp, mu_lp))
+    keep = mask_cppo(MaskTerms(batch), delta, w_min, delta_b)
+    return policy_loss(batch, keep, is_weight(batch.pi_logprob, batch.mu_logprob))
 
 
-@register_loss("drpo", sql=DRPO_PENALTY, delta=DELTA_TV)
+def _drpo_gain(t: MaskTerms, delta: float) -> Tensor:
+    """DRPO's gradient scale g = 1 - sign(A) (pi - mu) / delta, sign(A) = -1 for A <= 0: ``(B, T)``."""
+    if delta <= 0:
+        raise ValueError(f"loss rule 'drpo': delta={delta!r} must be > 0")
+    shift = t.pi_prob - t.mu_prob  # (B, T)
+    sign = torch.where(t.advantage > 0, 1.0, -1.0).to(shift.dtype)  # (B, T)
+    return 1 - sign * shift / delta
+
+
+def mask_drpo(t: MaskTerms, delta: float) -> Tensor:
+    """What DRPO 'blocks': where its penalty cancelled or reversed the push, g <= 0."""
+    return _drpo_gain(t, delta) > 0
+
+
+@register_loss("drpo", sql=DRPO_PENALTY, mask=mask_drpo, delta=DELTA_TV)
 def drpo(batch: PolicyBatch, delta: float) -> LossOutput:
     """DRPO: DPPO's binary-TV geometry as a smooth advantage-weighted penalty, not a hard mask.
 
@@ -669,15 +870,9 @@ def drpo(batch: PolicyBatch, delta: float) -> LossOutput:
     cancelled or reversed the push, g <= 0, i.e. A > 0 with pi - mu >= delta or A <= 0 with mu - pi >= delta.
     ``keep`` reports g > 0; blocked tokens still get their (corrective) gradient.
     """
-    if delta <= 0:
-        raise ValueError(f"loss rule 'drpo': delta={delta!r} must be > 0")
-    pi_lp, mu_lp = batch.pi_logprob.detach(), batch.mu_logprob.detach()
-    shift = torch.exp(D.as_compute(pi_lp)) - torch.exp(D.as_compute(mu_lp))  # (B, T) pi - mu
-    sign = torch.where(batch.advantages > 0, 1.0, -1.0).to(shift.dtype)  # (B, T)
-    g = 1 - sign * shift / delta  # (B, T)
-    w = is_weight(pi_lp, mu_lp) * g
+    g = _drpo_gain(MaskTerms(batch), delta)
+    w = is_weight(batch.pi_logprob, batch.mu_logprob) * g
     return policy_loss(batch, g > 0, w, gate=batch.mask.bool())
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # aggregation
