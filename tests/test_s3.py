@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
-from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
 from trustscope import schema as S
@@ -34,19 +36,36 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def endpoint():
-    """A moto S3 server on a free local port with one bucket; AWS_* variables point every client at it."""
+    """A moto S3 server on a free local port with one bucket; AWS_* variables point every client at it.
+
+    The server runs in its own process: moto's server imports Flask, and a Flask proxy object in this process's
+    modules breaks vLLM's engine start-up in later tests (its kernel registry probes every module's attributes)."""
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = subprocess.Popen([sys.executable, "-c", "from moto.server import main; main()",
+                               "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"the moto server on port {port} did not start (exit {server.poll()})") from None
+            time.sleep(0.2)
     url = f"http://127.0.0.1:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        mp.setenv("AWS_ENDPOINT_URL", url)
-        storage.s3_filesystem().mkdir(BUCKET)
-        yield url
-    server.stop()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            mp.setenv("AWS_ENDPOINT_URL", url)
+            storage.s3_filesystem().mkdir(BUCKET)
+            yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 @pytest.fixture(autouse=True)
