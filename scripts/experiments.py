@@ -250,22 +250,28 @@ def main() -> None:
         make_plots(args.logdir, args.out)
 
 
+def step_scalars(runs: list[Path]):
+    """The runs' step scalars (``steps`` tables), one column per scalar name: run_id, step, <name>..."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    scalars = pd.concat([pq.read_table(r / "steps").to_pandas() for r in runs])
+    return scalars.pivot_table(index=["run_id", "step"], columns="name", values="value").reset_index()
+
+
 def calibration_table(logdirs: list[Path]) -> str:
     """Markdown table, one row per run: the numbers that decide whether a setting gives the rules work to do.
 
     |pi - mu| and ``mismatch/old_abs_mean`` (|pi_old - mu|, runs that recompute pi_old) are the trainer's, over
     every token; the blocked fractions come from the query layer's step summaries over the logged tokens: what the
     run's rule blocked, and what PPO clip (Clip-Higher) and DPPO binary TV would have blocked on the same tokens."""
-    import pandas as pd
-    import pyarrow.parquet as pq
 
     from trustscope.db import connect
 
     runs = sorted(p for d in logdirs for p in d.iterdir() if (p / "run.json").exists())
     if not runs:
         raise SystemExit(f"no runs under {logdirs}")
-    scalars = pd.concat([pq.read_table(r / "steps").to_pandas() for r in runs])
-    wide = scalars.pivot_table(index=["run_id", "step"], columns="name", values="value").reset_index()
+    wide = step_scalars(runs)
     with connect(runs) as db:
         summary = db.step_summary()
     lines = ["| run | steps | s/step | reward first 5 / last 5 / min 5-step | mean abs(pi - mu) | abs(pi_old - mu) | "
@@ -286,16 +292,13 @@ def calibration_table(logdirs: list[Path]) -> str:
 
 def load(logdirs: list[Path]) -> tuple:
     """Per-step frames of the sanity runs: the trainer's scalars (wide) and the query layer's step summaries."""
-    import pandas as pd
-    import pyarrow.parquet as pq
 
     from trustscope.db import connect
 
     runs = sorted(p for d in logdirs for p in d.glob("sanity-*") if (p / "run.json").exists())
     if not runs:
         raise SystemExit(f"no sanity-* runs under {logdirs}; run `scripts/experiments.py run` first")
-    scalars = pd.concat([pq.read_table(r / "steps").to_pandas() for r in runs])
-    wide = scalars.pivot_table(index=["run_id", "step"], columns="name", values="value").reset_index()
+    wide = step_scalars(runs)
     with connect(runs) as db:
         summary = db.step_summary()
         cf = db.blocked_fractions()

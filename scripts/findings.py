@@ -30,12 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments import LABELS  # noqa: E402  (this script's own directory)
+from experiments import LABELS, step_scalars  # noqa: E402  (this script's own directory)
 
 from trustscope.db import connect  # noqa: E402
 
@@ -62,8 +61,7 @@ def load(logdir: Path) -> dict[str, pd.DataFrame]:
                   and json.loads((p / "run.json").read_text()).get("status") == "finished")
     if not runs:
         raise SystemExit(f"no finished runs under {logdir}; run `scripts/experiments.py run --preset sanity-v2`")
-    scalars = pd.concat([pq.read_table(r / "steps").to_pandas() for r in runs])
-    wide = scalars.pivot_table(index=["run_id", "step"], columns="name", values="value").reset_index()
+    wide = step_scalars(runs)
     with connect(runs) as db:
         s = db.summaries()
         step_tokens = s[s.metric == "tokens"].groupby(["run_id", "step"])["count"].sum()
