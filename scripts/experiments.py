@@ -86,26 +86,14 @@ SETTING = dict(
 RULES_V2 = ("pg_is", "cispo", "grpo", "ppo_clip", "minirl", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv")
 """The v2 line-up: the v1 rules plus GRPO's symmetric ratio clip beside Clip-Higher."""
 
-SETTING_V2 = dict(
-    task="addcol2",
-    engine="vllm",
-    engine_dtype="bfloat16",
-    trainer_dtype="float32",
-    prompts_per_step=8,
-    group_size=8,
-    max_tokens=32,
-    topk=8,
-    mini_batches=4,
-    lr=2e-4,
-    policy_lag=1,
-    grad_clip=1.0,
-    steps=100,
-    eval_every=10,
-    eval_problems=50,
-    log_token_fraction=0.25,
-    log_topk_precision="float16",
-    threads=1,
-)
+SETTING_V2 = {
+    **SETTING,
+    "task": "addcol2",
+    "max_tokens": 32,
+    "lr": 2e-4,
+    "policy_lag": 1,
+    "eval_problems": 50,
+}
 """Shared by every v2 run; the sweep varies ``loss`` and ``seed``, the probe ``policy_lag`` and the anchor.
 ``model`` is filled in with the ``toy-v2`` build (:data:`trustscope.train.toy.TOY_PRESETS`). lr 2e-4 and
 ``policy_lag = 1`` come from the calibration in docs/experiments.md ("Toy world v2 (calibration)"): there
