@@ -80,6 +80,8 @@ def raw_table(step: int, data: dict[str, np.ndarray], run_id: str) -> pa.Table:
             continue
         if f.name == "loss_rule":
             cols[f.name] = pa.repeat(pa.scalar("dppo_binary_tv"), n)
+        elif f.name not in data:  # blocked_rules: the logger's own, computed with the summaries
+            cols[f.name] = pa.nulls(n, f.type)
         elif pa.types.is_list(f.type):
             cols[f.name] = pa.ListArray.from_arrays(offsets, pa.array(data[f.name].reshape(-1)), type=f.type)
         else:

@@ -211,6 +211,9 @@ def write_log(logdir: Path, n_tokens: int, base_tokens: int) -> None:
     for table, files in base.items():
         for f in files:
             data = pq.read_table(f)
+            # the footer's own keys too (the flush counts, the tokens' blocked_rules list), as the logger wrote them
+            footer = {k: v for k, v in (pq.read_metadata(f).metadata or {}).items() if not k.startswith(b"ARROW:")}
+            data = data.replace_schema_metadata({**(data.schema.metadata or {}), **footer})
             step = data.column("step")
             for k in range(1, copies):
                 shifted = data.set_column(data.schema.get_field_index("step"), "step",

@@ -214,9 +214,11 @@ def test_one_pass_per_file_fills_every_partial_view(logdir, tmp_path):
         assert len(list((tmp_path / view).glob("*.parquet"))) == n_files
 
 
-def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_path):
+@pytest.mark.parametrize("summaries", [False, True], ids=["sql-windows", "logged-bits"])
+def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_path, summaries):
     """Two encoders split a flush by row groups, so one response can lie in two part files: the cold pass reads
-    a flush's parts together, and the sequence rules (cppo, gspo, geo_mask) count as with one file."""
+    a flush's parts together, and the sequence rules (cppo, gspo, geo_mask) count as with one file, whether the
+    SQL computes them (no bits logged) or the logger's bits are read."""
     from trustscope.logger import TokenLogger
 
     rng = np.random.default_rng(3)
@@ -227,7 +229,7 @@ def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_p
               "advantage": np.repeat(rng.normal(size=(B, 1)).astype(np.float32), T, axis=1)}
     for threads in (1, 2):
         with TokenLogger(tmp_path / f"t{threads}", "run", row_group_size=50, write_threads=threads,
-                         loss_rule="cppo") as lg:
+                         loss_rule="cppo", summaries=summaries) as lg:
             lg.log_step(0, tokens=tokens, mask=np.ones((B, T), dtype=bool),
                         samples={"sample_id": np.arange(B), "prompt_id": np.arange(B) // 4})
     assert len(list((tmp_path / "t2" / "run" / "tokens").glob("*.parquet"))) == 2
@@ -236,5 +238,28 @@ def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_p
         with tsdb.connect(tmp_path / f"t{threads}", cache_dir=tmp_path / f"cache{threads}") as conn:
             summary = conn.step_summary()
             counts.append(summary[[c for c in summary.columns if c.startswith("n_blocked")]])
+            assert (conn.stored_bits_files > 0) == summaries
     assert counts[0].filter(like="cppo").to_numpy().sum() > 0
     pd.testing.assert_frame_equal(counts[0], counts[1])
+
+
+def test_flushes_reading_the_same_bits_share_a_query_up_to_the_row_cap(tmp_path, monkeypatch):
+    """batch_flushes: a flush that needs the windows (no bits, or a sequence rule left to SQL) is a query of its
+    own, its parts together; windowless flushes with the same variant share one until BATCH_ROWS rows."""
+    import pyarrow as pa
+
+    def flush(name: str) -> list:
+        parts = [tmp_path / f"{name}-p0{i}.parquet" for i in range(2)]
+        for part in parts:
+            pq.write_table(pa.table({"x": np.arange(10)}), part)
+        return parts
+
+    monkeypatch.setattr(tsdb, "BATCH_ROWS", 40)
+    bits, other_bits, windows = ("a", False), ("b", False), ("c", True)
+    flushes = [flush(f"f{i}") for i in range(6)]
+    out = tsdb.batch_flushes(flushes, [bits, bits, None, bits, windows, other_bits])
+    got = sorted((tuple(map(str, files)), str(variant)) for files, variant in out)
+    want = sorted((tuple(map(str, files)), str(variant)) for files, variant in [
+        ([*flushes[0], *flushes[1]], bits), (flushes[2], None), (flushes[3], bits), (flushes[4], windows),
+        (flushes[5], other_bits)])
+    assert got == want

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -334,3 +335,75 @@ def test_trainer_kept_mask_matches_the_view_for_its_rule(log):
     assert got.differ[0] <= 10
     own = _sql(db, "select count_if(kept = blocks_ppo_clip) as differ from rule_blocks where run_id = 'run_ppo'")
     assert own.differ[0] == 0  # the run's own parameters, not the defaults
+
+
+def _flushes(logdir: Path, run: str) -> list[list[Path]]:
+    return tsdb.flush_groups(tsdb._data_files(logdir / run, "tokens"))
+
+
+def test_logged_bits_are_the_sql_flags_token_for_token(log):
+    """Where a flush's footer lists a rule at the parameters the views bind for its run, the logger's
+    ``blocked_rules`` bit equals the SQL rule's flag on every token; a run's own rule at other parameters is
+    left to the SQL."""
+    logdir, _, db = log
+    rules = {run_id: params for run_id, params in db._run_rule_sets().values()}
+    blocks = _sql(db, """
+        select r.*, t.blocked_rules from rule_blocks r join tokens t using (run_id, step, rank, sample_id, pos)
+    """)
+    assert len(blocks) == _sql(db, "select count(*) as n from tokens").n[0] and blocks.blocked_rules.notna().all()
+    checked = 0
+    for run_id in rules:
+        stored = [tsdb.stored_rule_bits(flush, rules[run_id]) for flush in _flushes(logdir, run_id)]
+        assert stored and all(s == stored[0] for s in stored)
+        own = OWN_PARAMS.get(run_id, ("dppo_binary_tv", {}))[0]
+        expected = {r.name for r in tsdb.sql_rules()} - ({own} if run_id in OWN_PARAMS else set())
+        assert set(stored[0]) == expected, run_id
+        rows = blocks[blocks.run_id == run_id]
+        bits = rows.blocked_rules.to_numpy(dtype=np.int64)
+        for rule, bit in stored[0].items():
+            logged = (bits >> bit) & 1 == 1
+            assert (logged == rows[f"blocks_{rule}"].to_numpy(dtype=bool)).all(), (run_id, rule)
+            checked += 1
+    assert checked == 3 * len(tsdb.sql_rules()) - len(OWN_PARAMS)
+
+
+def test_a_caller_s_counterfactual_parameters_leave_that_rule_to_the_sql(log):
+    logdir, _, db = log
+    rules = dict(db._run_rule_sets()[logdir / "run0"][1])
+    rules["grpo"] = {**rules["grpo"], "eps_high": 0.5}
+    stored = tsdb.stored_rule_bits(_flushes(logdir, "run0")[0], rules)
+    assert "grpo" not in stored and "ppo_clip" in stored
+
+
+def test_files_without_bits_are_aggregated_by_the_sql(tmp_path):
+    generate_run(tmp_path, "nobits", SyntheticConfig(tokens=2_000, steps=2, mean_length=24, edge_cases=False,
+                                                     summaries=False))
+    files = tsdb._data_files(tmp_path / "nobits", "tokens")
+    assert pq.read_table(files[0]).column("blocked_rules").null_count == pq.read_metadata(files[0]).num_rows
+    with tsdb.connect(tmp_path, cache=False) as db:
+        assert tsdb.stored_rule_bits(files, db.rule_params) == {}
+        db.step_summary()
+        assert db.partials_computed == len(files) and db.stored_bits_files == 0
+
+
+def test_the_cold_pass_on_logged_bits_gives_the_sql_s_answers(log, monkeypatch):
+    """The kept aggregates from the logger's bits equal those the SQL computes from scratch (every run, own
+    parameters included), for every view they serve."""
+    logdir, _, _ = log
+
+    def answers():
+        with tsdb.connect(logdir, cache=False) as db:
+            out = {"steps": db.step_summary(), "clipped": db.clipped_tokens(),
+                   "ratio": db.ratio_vs_divergence(), "blocked": db.blocked_fractions()}
+            return out, db.stored_bits_files, db.partials_computed
+
+    with_bits, used, computed = answers()
+    assert used == computed > 0
+    monkeypatch.setattr(tsdb, "stored_rule_bits", lambda files, rules: {})
+    from_sql, used, _ = answers()
+    assert used == 0
+    for name, want in from_sql.items():
+        got = with_bits[name]
+        keys = [c for c in got.columns if got[c].dtype == object or c in ("step", "token_id")]
+        got, want = (d.sort_values(keys).reset_index(drop=True) for d in (got, want))
+        pd.testing.assert_frame_equal(got, want, check_exact=False, rtol=1e-12, obj=name)

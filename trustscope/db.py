@@ -35,12 +35,13 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -251,13 +252,20 @@ def _quote(identifier: str) -> str:
     return f'"{identifier}"'
 
 
-def rule_columns_sql() -> str:
+def rule_columns_sql(stored: Mapping[str, int] | None = None) -> str:
     """The generated ``blocks_<rule>`` columns of ``rule_blocks``: one family macro call per rule. Only
     identifiers are generated (validated, quoted); every parameter is read from the bound ``rule_values()``, a
     list per (rule, parameter) indexed by the token's ``rule_set`` (1: the defaults or the caller's choice; a run's
-    own set: its own rule at the parameters it trained with)."""
+    own set: its own rule at the parameters it trained with). A rule in ``stored`` (rule -> bit) reads its bit of
+    the logger's ``blocked_rules`` instead (see :func:`stored_rule_bits`)."""
     lines = []
     for rule in sql_rules():
+        if stored and rule.name in stored:
+            bit = int(stored[rule.name])
+            if not 0 <= bit < schema.MAX_BLOCKED_RULES:
+                raise ValueError(f"rule {rule.name!r}: bit {bit} is outside blocked_rules' 0..{schema.MAX_BLOCKED_RULES - 1}")
+            lines.append(f",\n        (blocked_rules & {1 << bit}) != 0 as {_quote('blocks_' + rule.name)}")
+            continue
         mask = rule.sql
         args = ["null" if c is None else _quote(c) for c in mask.columns]
         args += ["null" if p is None else f"rule_values().{_quote(rule.name)}.{_quote(p)}[rule_set]"
@@ -370,9 +378,59 @@ def write_empty_files(folder: Path) -> dict[str, list[str]]:
     return {**lists, "manifests": [str(folder / "empty_run.json")]}
 
 
-def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str]) -> list[dict[str, pa.Table]]:
-    """Every partial view's rows for each of ``files``, the tokens files ``cur`` has bound (the parts of one
-    flush, :func:`flush_groups`), from one pass over them.
+def render_rule_blocks(stored: Mapping[str, int] | None = None) -> str:
+    """The ``rule_blocks`` view's SQL with its generated rule columns (``stored``: see :func:`rule_columns_sql`)."""
+    return (VIEW_DIR / "rule_blocks.sql").read_text().replace(RULE_COLUMNS_MARKER, rule_columns_sql(stored))
+
+
+def stored_variant(stored: Mapping[str, int]) -> tuple[str, bool]:
+    """The ``rule_blocks`` SQL reading the ``stored`` rules' bits, and whether the cold pass should materialise it:
+    only while a sequence rule is still evaluated in SQL (its windows sort every row; computed once, they are
+    worth keeping). Without windows, each partial view reading the tokens again costs less than materialising
+    35 columns per token (measured in ``docs/performance.md``)."""
+    windows = any(rule.sql.sequence and rule.name not in stored for rule in sql_rules())
+    return render_rule_blocks(stored), windows
+
+
+def stored_rule_bits(files: Sequence[Path], rules: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+    """The rules whose ``blocked_rules`` bit (rule -> bit) the cold pass may read instead of evaluating the rule,
+    for ``files`` (the parts of one flush, one run) and ``rules``, the parameters the views bind for that run (rule
+    -> bindable parameters, see :meth:`LogDB._run_rule_sets`).
+
+    A rule qualifies when every file's footer lists it (:data:`trustscope.schema.BLOCKED_RULES_META`) at the same
+    bit and at exactly the bound parameters, and no row of any file lacks the bits (the column's statistics count
+    no nulls). Anything else (files written before the column, by ``summaries=False``, from another rule list, a
+    run that trained its rule at other parameters, a caller's counterfactual parameters) leaves the rule to its SQL.
+    """
+    common: dict[str, int] | None = None
+    for f in files:
+        try:
+            meta = pq.read_metadata(f)
+        except (OSError, pa.ArrowInvalid):
+            return {}
+        listed = (meta.metadata or {}).get(schema.BLOCKED_RULES_META.encode())
+        names = meta.schema.to_arrow_schema().names
+        if listed is None or "blocked_rules" not in names:
+            return {}
+        column = names.index("blocked_rules")
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(column).statistics
+            if stats is None or stats.null_count != 0:
+                return {}
+        try:
+            entries = json.loads(listed)
+        except ValueError:
+            return {}
+        here = {name: bit for bit, (name, params) in enumerate(entries)
+                if name in rules and isinstance(params, dict) and _bindable(params) == rules[name]}
+        common = here if common is None else {k: v for k, v in common.items() if here.get(k) == v}
+    return common or {}
+
+
+def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str],
+                       variant: tuple[str, bool] | None = None) -> list[dict[str, pa.Table]]:
+    """Every partial view's rows for each of ``files``, the tokens files ``cur`` has bound (one query of
+    :func:`batch_flushes`: the parts of one flush, or flushes that read the same stored bits), from one pass.
 
     Materialises ``rule_blocks`` (every rule's flag, the sequence rules' windows computed once), only the columns
     the partial views read, into a temporary table of the same name; DuckDB finds the temporary table before the
@@ -380,12 +438,59 @@ def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str]) -> 
     once per partial view. A flush's parts go through together: the logger's encoders split a flush by row
     groups, so one response may lie in two parts, and its context (length, mean log-ratio, prefix sums) must see
     all of its tokens; every partial view groups by ``source_file``, so its rows are then split by file. Shared by
-    the local pass and the Ray tasks (:mod:`trustscope.distributed`).
+    the local pass and the Ray tasks (:mod:`trustscope.distributed`). ``variant``: the files' :func:`stored_variant`
+    (the same columns, the logger's bits read for some rules), read instead of the view, as a temporary table or,
+    when it needs no windows, a temporary view.
     """
     inputs = [_quote(c) for c in cur.view("rule_blocks").columns if c in _PARTIAL_WORDS or c.startswith("blocks_")]
-    cur.execute(f"create temp table rule_blocks as select {', '.join(inputs)} from rule_blocks")
-    tables = {view: cur.view(view).to_arrow_table() for view in _CACHED_PARTIALS}
-    return [{view: table.filter(pc.equal(table["source_file"], f)) for view, table in tables.items()} for f in files]
+    source, kind = ("rule_blocks", "table") if variant is None else (f"({variant[0]})", "table" if variant[1] else "view")
+    cur.execute(f"create temp {kind} rule_blocks as select {', '.join(inputs)} from {source}")
+    tables = {view: _split_by_file(cur.view(view).to_arrow_table(), files) for view in _CACHED_PARTIALS}
+    return [{view: by_file[f] for view, by_file in tables.items()} for f in files]
+
+
+def _split_by_file(table: pa.Table, files: Sequence[str]) -> dict[str, pa.Table]:
+    """``table``'s rows per ``source_file``, one for each of ``files`` (empty where it has none): one sort and
+    zero-copy slices, not a filter per file."""
+    if len(files) == 1:
+        return {files[0]: table}
+    codes = pc.dictionary_encode(table["source_file"].combine_chunks())
+    index = codes.indices.to_numpy(zero_copy_only=False)  # (rows,) the row's file, as a dictionary code
+    ordered = table.take(pa.array(np.argsort(index, kind="stable")))
+    counts = np.bincount(index, minlength=len(codes.dictionary))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    by_name = {name: ordered.slice(starts[i], counts[i]) for i, name in enumerate(codes.dictionary.to_pylist())}
+    return {f: by_name.get(f, table.slice(0, 0)) for f in files}
+
+
+P = TypeVar("P", Path, str)
+
+BATCH_ROWS = 8_000_000
+"""Token rows the cold pass aggregates in one query when their flushes read the same stored bits without windows
+(see :func:`batch_flushes`): fewer, larger queries, at a few hundred MB of DuckDB memory (measured in
+``docs/performance.md``)."""
+
+
+def batch_flushes(flushes: Sequence[list[P]], variants: Sequence[tuple[str, bool] | None]
+                  ) -> list[tuple[list[P], tuple[str, bool] | None]]:
+    """The cold pass's queries: ``(files, variant)``. A flush that needs the windows (no stored bits, or a
+    sequence rule left to SQL) is one query, its parts together (see :func:`aggregate_partials`); flushes whose
+    :func:`stored_variant` is the same and windowless share a query, up to :data:`BATCH_ROWS` rows, since no
+    figure then depends on which file a response's other tokens are in."""
+    out: list[tuple[list[P], tuple[str, bool] | None]] = []
+    open_batches: dict[tuple[str, bool], tuple[list[P], int]] = {}
+    for flush, variant in zip(flushes, variants, strict=True):
+        if variant is None or variant[1]:
+            out.append((list(flush), variant))
+            continue
+        rows = sum(pq.read_metadata(f).num_rows for f in flush)
+        files, have = open_batches.get(variant, ([], 0))
+        if files and have + rows > BATCH_ROWS:
+            out.append((files, variant))
+            files, have = [], 0
+        open_batches[variant] = ([*files, *flush], have + rows)
+    out += [(files, variant) for variant, (files, _) in open_batches.items()]
+    return out
 
 
 def flush_of(file: Path | str) -> tuple[str, str]:
@@ -428,7 +533,7 @@ class LogDB:
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self._manifests: dict[Path, tuple[int, tuple[str | None, dict[str, Any]]]] = {}
-        rendered = (VIEW_DIR / "rule_blocks.sql").read_text().replace(RULE_COLUMNS_MARKER, rule_columns_sql())
+        rendered = render_rule_blocks()
         self._rule_blocks = rendered
         """The ``rule_blocks`` view with one column per rule of the catalogue (the SQL worker loads it too)."""
         self._fingerprint = hashlib.sha256((_SQL_FINGERPRINT + rendered).encode()).hexdigest()
@@ -441,6 +546,8 @@ class LogDB:
         self.cache_enabled = cache
         self.partials_computed = 0
         """How many tokens files this connection aggregated (their partials not found in memory or on disk)."""
+        self.stored_bits_files = 0
+        """How many of them read some rules' blocks from the logger's ``blocked_rules`` bits."""
         self.cache_dir = (cache_dir or default_cache_dir()) if cache else None
         self._lock = threading.Lock()
         self._partials: dict[str, dict[Path, tuple[tuple[int, int], pa.Table]]] = {v: {} for v in _CACHED_PARTIALS}
@@ -653,22 +760,36 @@ class LogDB:
     def _aggregate_files(self, files: list[Path]) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
         """``(file, every partial view's rows)`` for each of ``files``: as Ray tasks when a cluster is attached
         (in the order they finish), else here, one file after the other."""
+        flushes = flush_groups(files)
+        variants = [self._stored_variant(flush) for flush in flushes]
         if self.ray is not None and files:
             yield from self.ray.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
-                                          params=self._params())
+                                          params=self._params(), variants={
+                                              str(flush[0]): v for flush, v in zip(flushes, variants, strict=True)
+                                              if v is not None})
             return
-        for flush in flush_groups(files):
-            yield from zip(flush, self._aggregate_flush(flush), strict=True)
+        for batch, variant in batch_flushes(flushes, variants):
+            yield from zip(batch, self._aggregate_batch(batch, variant), strict=True)
 
-    def _aggregate_flush(self, files: list[Path]) -> list[dict[str, pa.Table]]:
-        """Every partial view's rows for each of ``files`` (the parts of one flush), from one pass over them
-        (:func:`aggregate_partials` on a cursor whose token list holds only ``files``)."""
+    def _stored_variant(self, files: list[Path]) -> tuple[str, bool] | None:
+        """The :func:`stored_variant` for ``files`` (one flush): the rules whose logged bits hold at this
+        connection's parameters (:func:`stored_rule_bits`) read them; None when no rule's do."""
+        run = self._run_rule_sets().get(files[0].parent.parent)
+        stored = stored_rule_bits(files, run[1] if run else self.rule_params)
+        if not stored:
+            return None
+        self.stored_bits_files += len(files)
+        return stored_variant(stored)
+
+    def _aggregate_batch(self, files: list[Path], variant: tuple[str, bool] | None) -> list[dict[str, pa.Table]]:
+        """Every partial view's rows for each of ``files`` (one query of :func:`batch_flushes`), from one pass over
+        them (:func:`aggregate_partials` on a cursor whose token list holds only ``files``)."""
         cur = self.cursor()
         try:
             lists = self._file_lists()
             cur.execute("set variable trustscope_files = ?",
                         [{**lists, "tokens": [lists["tokens"][0], *map(str, files)]}])
-            return aggregate_partials(cur, [str(f) for f in files])
+            return aggregate_partials(cur, [str(f) for f in files], variant)
         finally:
             cur.close()
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +80,15 @@ class RayUnavailableWarning(UserWarning):
 @dataclass(frozen=True)
 class TaskSpec:
     """What every task of one cold pass shares (put in Ray's object store once): ``rule_blocks``, the rendered view;
-    ``fingerprint``, the driver's hash of its SQL and that view; ``params``, the bound ``trustscope_params``."""
+    ``fingerprint``, the driver's hash of its SQL and that view; ``params``, the bound ``trustscope_params``;
+    ``variants``, per flush, the view that reads the logger's bits."""
 
     rule_blocks: str
     fingerprint: str
     params: dict[str, Any]
+    variants: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    """Per flush (its first file's path): the driver's :func:`trustscope.db.stored_variant`, the ``rule_blocks``
+    SQL that reads the logger's bits."""
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,13 @@ def aggregate_files(spec: TaskSpec, files: Sequence[str], threads: int | None = 
             con.execute("set enable_external_access = false")
             con.execute("set lock_configuration = true")
             out = []
-            for flush in tsdb.flush_groups(files):  # a flush's parts together (see tsdb.aggregate_partials)
+            flushes = tsdb.flush_groups(files)  # a flush's parts together (see tsdb.aggregate_partials)
+            for batch, variant in tsdb.batch_flushes(flushes, [spec.variants.get(f[0]) for f in flushes]):
                 cur = con.cursor()  # its own temporary rule_blocks, dropped on close
                 try:
-                    cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], *flush]}])
+                    cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], *batch]}])
                     cur.execute("set variable trustscope_params = ?", [spec.params])
-                    out += zip(flush, tsdb.aggregate_partials(cur, flush), strict=True)
+                    out += zip(batch, tsdb.aggregate_partials(cur, batch, variant), strict=True)
                 finally:
                     cur.close()
             return out
@@ -177,14 +182,15 @@ class RayAggregator:
         size = max(1, size // max(len(f) for f in flushes)) if flushes else size
         return [[f for flush in flushes[i:i + size] for f in flush] for i in range(0, len(flushes), size)]
 
-    def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any]
+    def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any],
+                  variants: dict[str, tuple[str, bool]] | None = None
                   ) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
         """``(file, every partial view's rows)`` for each of ``files``, as the tasks finish. A task's error is
         raised here (Ray's error is also an instance of the task's own exception class)."""
         import ray
 
         by_name = {str(f): f for f in files}
-        spec = ray.put(TaskSpec(rule_blocks, fingerprint, params))
+        spec = ray.put(TaskSpec(rule_blocks, fingerprint, params, variants or {}))
         pending = [self._remote.remote(spec, [str(f) for f in batch]) for batch in self.batches(files)]
         try:
             while pending:

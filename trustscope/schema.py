@@ -78,9 +78,18 @@ TOKENS = pa.schema(
         pa.field("topk_kl", pa.float32(), nullable=True),
         pa.field("kept", pa.bool_(), nullable=False),
         pa.field("loss_rule", pa.string(), nullable=False),
+        # Written by the logger, never given: bit i set when rule i of the file's footer list (BLOCKED_RULES_META)
+        # blocks the token at the parameters listed there. Null where the logger computed no summaries.
+        pa.field("blocked_rules", pa.int64(), nullable=True),
     ]
 )
 """One row per logged response token."""
+
+BLOCKED_RULES_META = "trustscope.blocked_rules"
+"""Footer key of a tokens file whose ``blocked_rules`` the logger computed: a JSON list of ``[rule, parameters]``,
+bit i of ``blocked_rules`` standing for entry i (at most :data:`MAX_BLOCKED_RULES` entries)."""
+MAX_BLOCKED_RULES = 63
+"""Rules one ``blocked_rules`` value can hold (int64, the sign bit left unused)."""
 
 SAMPLES = pa.schema(
     [
@@ -134,9 +143,13 @@ SUMMARIES = pa.schema(
 per (call, metric, group); see :mod:`trustscope.logger.summaries`. Mergeable: sum counts and sums, min/max the
 extremes over parts and ranks (the ``summaries`` view does)."""
 
-TABLE_VERSIONS: dict[str, int] = {"summaries": 1}
-"""Version of a table younger than :data:`SCHEMA_VERSION`'s set, in its files' metadata
-(``trustscope.table_version``); bump on any change of that table. Runs written before it have no such files."""
+TABLE_VERSIONS: dict[str, int] = {"summaries": 1, "tokens": 2}
+"""Version of a table changed after :data:`SCHEMA_VERSION`'s set, in its files' metadata
+(``trustscope.table_version``); bump on any change of that table. Files written before have no such key (tokens
+version 2 added ``blocked_rules``)."""
+
+ADDED_COLUMNS: dict[str, frozenset[str]] = {"tokens": frozenset({"blocked_rules"})}
+"""Nullable columns added by a table version: files written before lack them, and readers see nulls there."""
 
 VOCAB = pa.schema(
     [
@@ -383,7 +396,8 @@ def schema_problems(table: str, schema: pa.Schema) -> list[str]:
     for field in expected:
         idx = schema.get_field_index(field.name)
         if idx < 0:
-            problems.append(f"column {field.name!r} is missing (expected {field.type})")
+            if field.name not in ADDED_COLUMNS.get(table, ()):
+                problems.append(f"column {field.name!r} is missing (expected {field.type})")
             continue
         got = schema.field(idx).type
         if pa.types.is_dictionary(got):

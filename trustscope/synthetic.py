@@ -71,6 +71,7 @@ class SyntheticConfig:
         drift: scale of the pi_old -> pi update at the last step (log space; grows linearly with the step).
         rows_per_file: token rows per Parquet file (a real logger flushes at a similar size).
         edge_cases: put the hand-made threshold cases into step 0.
+        summaries: the logger's exact summaries and per-token ``blocked_rules`` bits (``TokenLogger(summaries=)``).
         seed: random seed.
     """
 
@@ -87,6 +88,7 @@ class SyntheticConfig:
     drift: float = 0.25
     rows_per_file: int = 1 << 20
     edge_cases: bool = True
+    summaries: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -278,7 +280,8 @@ def generate_run(logdir: Path | str, run_id: str = "synthetic", config: Syntheti
                 "sampling": {"topk": cfg.k, "temperature": 1.0}}
     loggers = [
         TokenLogger(logdir, run_id, **manifest, vocab=vocab if rank == 0 else None, loss_rule=cfg.loss_rule,
-                    rank=rank, flush_rows=cfg.rows_per_file, flush_seconds=1e9, fsync=False)
+                    rank=rank, flush_rows=cfg.rows_per_file, flush_seconds=1e9, fsync=False,
+                    summaries=cfg.summaries)
         for rank in range(cfg.ranks)
     ]
     try:

@@ -19,7 +19,8 @@ from trustscope.logger.errors import LogWarning
 from trustscope.logger.summaries import summarize_call
 from trustscope.schema import SchemaError
 
-TOKEN_INPUTS = tuple(n for n in S.TOKENS.names if n not in ("run_id", "step", "rank", "pos", "loss_rule"))
+TOKEN_INPUTS = tuple(n for n in S.TOKENS.names
+                     if n not in ("run_id", "step", "rank", "pos", "loss_rule", "blocked_rules"))
 SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank"))
 PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
 MAYBE_PER_SEQUENCE = ("advantage",)  # (B,) broadcast over T, or (B, T)
@@ -129,10 +130,11 @@ class Batch:
     sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
     summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
 
-    def summarize_and_sample(self) -> None:
-        """On the writer thread: the summaries over every token row, then the token_fraction sample."""
+    def summarize_and_sample(self, bit_rules: tuple[str, ...] = ()) -> None:
+        """On the writer thread: the summaries over every token row (and the rows' ``blocked_rules``, bit i for
+        ``bit_rules[i]``), then the token_fraction sample."""
         if self.summarize and self.tokens is not None:
-            self.summaries = summarize_call(self.tokens)
+            self.summaries = summarize_call(self.tokens, bit_rules)
         self.summarize = False
         if self.sampled is not None and self.tokens is not None:
             self.tokens = {name: arr[self.sampled] for name, arr in self.tokens.items()}

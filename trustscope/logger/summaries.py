@@ -98,9 +98,22 @@ def _grouped(metric: str, group: np.ndarray, where: np.ndarray | None, signs: in
             for g in np.flatnonzero(counts[: signs * len(MU_LOWS)])]
 
 
-def summarize_call(cols: dict[str, np.ndarray]) -> list[dict]:
+def blocked_rule_list() -> list[tuple[str, dict]]:
+    """The rules a logger records in ``blocked_rules``, bit i for entry i: every registered rule with a SQL mask
+    family (the ones the views show), sorted by name, at its default parameters, as many as fit
+    (:data:`trustscope.schema.MAX_BLOCKED_RULES`). Fixed when the logger starts: the footer of each tokens file
+    says which list its bits follow."""
+    from trustscope import schema as S
+    from trustscope.losses import get_loss, list_losses
+
+    rules = [get_loss(name) for name in sorted(list_losses()) if get_loss(name).sql is not None]
+    return [(rule.name, dict(rule.defaults)) for rule in rules[: S.MAX_BLOCKED_RULES]]
+
+
+def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
     """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
-    lists are there and the divergences are not (computed once, for every row, and written with the rows)."""
+    lists are there and the divergences are not (computed once, for every row, and written with the rows), and
+    ``blocked_rules`` when ``bit_rules`` names rules (see :func:`summarize`)."""
     if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
         from trustscope.logger.writer import topk_divergences
 
@@ -108,13 +121,16 @@ def summarize_call(cols: dict[str, np.ndarray]) -> list[dict]:
             tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
         cols.setdefault("topk_tv", tv)
         cols.setdefault("topk_kl", kl)
-    return summarize(cols)
+    return summarize(cols, bit_rules)
 
 
-def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
+def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
-    The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`).
+    The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`). With ``bit_rules``, the same
+    masks also go into ``cols["blocked_rules"]`` ``(N,)`` int64: bit i set when ``bit_rules[i]`` blocks the row
+    (a rule whose inputs the call lacks blocks nothing, as in the SQL views). The kept aggregates' first pass
+    reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`).
 
     Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
     """
@@ -164,9 +180,16 @@ def summarize(cols: dict[str, np.ndarray]) -> list[dict]:
     signed = sign < 2
     with one_torch_thread():
         masks = keep_masks(batch, rules_with_inputs(batch, given), given=given)
+    bit_of = {name: i for i, name in enumerate(bit_rules)}
+    bits = np.zeros(n, dtype=np.int64) if bit_rules else None  # (N,)
     for name, keep in masks.items():  # inputs checked finite already
         blocked = ~keep.numpy().reshape(-1)  # (B * T,)
-        rows += _grouped("blocked", group, (blocked if dense else blocked[flat]) & signed, 2, rule=name)
+        blocked = blocked if dense else blocked[flat]  # (N,)
+        rows += _grouped("blocked", group, blocked & signed, 2, rule=name)
+        if bits is not None and name in bit_of:
+            bits |= blocked.astype(np.int64) << bit_of[name]
+    if bits is not None:
+        cols["blocked_rules"] = bits
 
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])
     bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())

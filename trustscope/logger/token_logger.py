@@ -24,6 +24,7 @@ from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
+from trustscope.logger.summaries import blocked_rule_list
 from trustscope.logger.writer import Writer, default_write_threads
 from trustscope.schema import SchemaError
 from trustscope.storage import StorageError, open_store
@@ -143,7 +144,8 @@ class TokenLogger:
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
                               flush_seconds=float(flush_seconds), max_queue=int(max_queue),
                               row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k,
-                              write_threads=default_write_threads() if write_threads is None else int(write_threads))
+                              write_threads=default_write_threads() if write_threads is None else int(write_threads),
+                              blocked_rules=blocked_rule_list() if summaries else None)
         self._atexit = _close_at_exit(self)
         atexit.register(self._atexit)
 

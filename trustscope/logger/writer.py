@@ -15,6 +15,7 @@ at its next call. Every wait on the thread ends when the thread is gone.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import secrets
@@ -229,8 +230,13 @@ class Writer:
 
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
-                 topk_k: int | None, write_threads: int = 1):
+                 topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None):
         self.files = files
+        self._bit_rules = tuple(name for name, _ in blocked_rules or ())
+        """The rules whose blocks each token row records in ``blocked_rules`` (bit i: entry i), when summaries
+        are computed; named with their parameters in every tokens file's footer."""
+        self._bits_footer = ({S.BLOCKED_RULES_META: json.dumps([[n, p] for n, p in blocked_rules], default=str)}
+                             if blocked_rules else {})
         self.run_id, self.rank = run_id, rank
         self.log_topk, self.topk_precision = log_topk, topk_precision
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
@@ -441,7 +447,7 @@ class Writer:
         try:
             footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
             for table in open_tables:
-                table.close_file(footer)
+                table.close_file({**footer, **self._bits_footer} if table.name == "tokens" else footer)
             for table in open_tables:
                 published.extend(table.publish(number, self.rank, self.fsync))
         except Exception as err:
@@ -506,7 +512,7 @@ class Writer:
     def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
-        batch.summarize_and_sample()
+        batch.summarize_and_sample(self._bit_rules)
         if batch.tokens is not None and batch.n_tokens:
             out["tokens"] = self._tokens_table(batch)
             if "mu_topk_ids" in batch.tokens:

@@ -7,7 +7,9 @@
 -- the sequence families read the response's context, computed once here over the window (run_id, step, rank,
 -- sample_id): the mean log-ratio, the length, and for cppo the position among the response's tokens, the p90 and the
 -- prefix sums of binary tv. the kept
--- aggregates' cold pass materialises this view once per tokens file and every partial view reads those rows.
+-- aggregates' cold pass materialises this view once per tokens file and every partial view reads those rows; for
+-- a file whose blocked_rules bits the logger wrote at the parameters bound here, that pass renders each such
+-- rule's column as its bit instead (trustscope.db.stored_rule_bits), and the windows are then left out.
 with run_sets as (
     select run_set.run_id, run_set.rule_set
     from (select unnest(getvariable('trustscope_params').run_sets) as run_set)
@@ -21,7 +23,7 @@ metrics as (
         binary_tv, binary_kl, topk_tv, topk_kl,
         binary_tv(old_logprob, pi_logprob) as old_binary_tv,
         binary_kl_probs(old_prob, pi_prob, old_logprob, pi_logprob) as old_binary_kl,
-        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file,
+        advantage, entropy, mu_bucket, entropy_bucket, kept, loss_rule, source_file, blocked_rules,
         -- the token's place among its response's logged tokens (pos counts masked-out columns too), as the torch
         -- rules count positions over the valid tokens
         row_number() over (partition by run_id, step, rank, sample_id order by pos) - 1 as seq_pos

@@ -1,9 +1,11 @@
 -- per-token metrics without the token text (what the aggregates read): probabilities, ratio, log ratio, binary
--- and top-k tv/kl (top-k from the scalar columns stored at capture time), buckets and advantage sign.
+-- and top-k tv/kl (top-k from the scalar columns stored at capture time), buckets and advantage sign, and the
+-- logger's blocked_rules bits (null for files written without them).
 with source as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
-        mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule, source_file
+        mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule, source_file,
+        blocked_rules
     from tokens
 ),
 
@@ -35,7 +37,8 @@ final as (
         entropy_bucket(entropy) as entropy_bucket,
         kept,
         loss_rule,
-        source_file
+        source_file,
+        blocked_rules
     from probabilities
 )
 
