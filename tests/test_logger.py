@@ -496,3 +496,26 @@ def test_two_write_threads_split_a_flush_into_parts_committed_together(tmp_path)
     one, two = read(tmp_path / "one", "tokens"), read(tmp_path / "two", "tokens")
     assert one.drop(["run_id"]).equals(two.drop(["run_id"]))
     assert not S.validate_run(tmp_path / "two")
+
+
+def test_the_callers_buffers_may_be_reused_once_log_step_returns(tmp_path):
+    """log_step keeps its own copy of arrays and CPU tensors (a trainer refills its buffers for the next step),
+    every mask full so that nothing is gathered; the writer thread runs after the buffers were overwritten."""
+    import torch
+
+    tokens, _, samples = make_step()
+    full = np.ones((B, T), dtype=bool)
+    given = {**tokens, "mu_logprob": torch.from_numpy(tokens["mu_logprob"].copy()),
+             "mu_topk_logprobs": torch.from_numpy(tokens["mu_topk_logprobs"].copy())}
+    want = {name: np.array(given[name]) for name in ("mu_logprob", "pi_logprob", "mu_topk_logprobs", "token_id")}
+    with TokenLogger(tmp_path, "reuse", max_queue=4) as lg:
+        lg.log_step(0, tokens=given, mask=full, samples=samples)
+        for name in want:  # the next step's values, written into the same memory
+            buf = given[name]
+            (buf.fill_(-1.0) if isinstance(buf, torch.Tensor) else buf.fill(-1 if buf.dtype.kind == "f" else 7))
+    got = read(tmp_path / "reuse", "tokens")
+    order = np.lexsort((got["pos"].to_numpy(), got["sample_id"].to_numpy()))
+    for name, values in want.items():
+        logged = got[name].to_numpy(zero_copy_only=False)[order]
+        logged = np.stack(logged) if logged.dtype == object else logged
+        np.testing.assert_array_equal(logged.reshape(values.shape), values, err_msg=name)

@@ -51,6 +51,13 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
     return arr
 
 
+def _fresh(x: Any) -> bool:
+    """Whether :func:`_to_numpy` of ``x`` is a new buffer nobody else holds: a tensor copied off its device or
+    converted from a narrower float. Anything else may be the caller's memory, which it may reuse once
+    ``log_step`` returns, so it is copied."""
+    return _is_tensor(x) and (x.device.type != "cpu" or (x.is_floating_point() and x.dtype.itemsize < 4))
+
+
 def _is_ragged(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and not np.isscalar(x[0]) and x[0] is not None
 
@@ -215,7 +222,8 @@ def _flatten_tokens(
         if name in S.TOPK_COLUMNS:
             if arr.ndim != 3 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
-            cols[name] = arr.reshape(B * T, -1).copy() if full else arr[b, t]
+            flat = arr.reshape(B * T, -1)
+            cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
         elif name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and arr.ndim == 1):
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
@@ -223,7 +231,7 @@ def _flatten_tokens(
         else:
             if arr.shape != (B, T):
                 raise Rejected(f"{label} must have shape (B, T) = ({B}, {T}), got {arr.shape}")
-            cols[name] = arr.reshape(-1).copy() if full else arr[b, t]
+            cols[name] = (arr.reshape(-1) if _fresh(value) else arr.reshape(-1).copy()) if full else arr[b, t]
     return cols, b, t, m.sum(axis=1)
 
 
