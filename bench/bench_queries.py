@@ -1,6 +1,7 @@
 """Time trustscope's named analyses over generated token logs, beside polars (lazy scan) and pandas doing the same.
 
     .venv/bin/python bench/bench_queries.py --tokens 10_000_000 [--tokens 100_000_000] [--workdir /tmp/ts_queries]
+    .venv/bin/python bench/bench_queries.py --cold-only --tokens 50_000_000 --tokens 100_000_000 --timeout 900
 
 For every log size: a synthetic run (K = 20) is written once under ``workdir`` (reused when present): one base of
 ``--base-tokens`` generated tokens, then copies of its tokens, samples and steps tables under new step numbers until
@@ -11,6 +12,8 @@ pandas, which have no kept aggregates and scan the tokens every time. polars com
 defaults, the sequence rules (gspo, geo_mask, cppo) from each response's context as trustscope does; pandas only
 ppo_clip and dppo_binary_tv. ``cold_pass`` is the whole first pass: DuckDB's partials of every file against polars
 answering step_summary, clipped_tokens and ratio_vs_divergence together (``collect_all``, shared scan).
+``--cold-only`` times that first pass alone, each engine in a new process (so each one's peak memory is its own),
+each given ``--timeout`` seconds, and compares their per-step blocked counts.
 """
 
 from __future__ import annotations
@@ -273,15 +276,79 @@ def check_same_counts(duck: pd.DataFrame, polars: pl.DataFrame) -> None:
     print(f"polars vs duckdb: {len(columns)} blocked-count columns x {len(want)} steps, {differ} cell(s) differ")
 
 
+def cold_pass_once(engine: str, logdir: Path, out: Path) -> None:
+    """One cold pass in this (new) process: DuckDB's ``refresh`` on a fresh cache, or polars' ``collect_all`` of
+    the three questions. Prints one JSON line (wall s, CPU s, peak RSS) and writes the step summary to ``out``."""
+    import json
+    import resource
+
+    start, cpu = time.perf_counter(), time.process_time()
+    if engine == "duckdb":
+        cache = Path(tempfile.mkdtemp(prefix="ts-bench-cache-"))
+        with tsdb.connect(logdir, cache_dir=cache) as db:
+            start, cpu = time.perf_counter(), time.process_time()
+            db.refresh(["step_summary"])
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            extra = {"files_reading_logged_bits": db.stored_bits_files, "files": db.partials_computed}
+            db.step_summary().to_parquet(out)
+        shutil.rmtree(cache, ignore_errors=True)
+    else:
+        steps = polars_queries(str(logdir / "run0" / "tokens" / "*.parquet"))["cold_pass"]()[0]
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        extra = {}
+        steps.write_parquet(out)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"engine": engine, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+                      "peak_rss_mb": round(rss), **extra}), flush=True)
+
+
+def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: float) -> None:
+    """The first pass alone, DuckDB and polars each in a new process (peak memory apart), polars given
+    ``timeout_s``; their per-step blocked counts compared when both answer."""
+    import subprocess
+    import sys
+
+    logdir = workdir / f"logs_{n_tokens}"
+    if not (logdir / "run0" / "run.json").exists():
+        shutil.rmtree(logdir, ignore_errors=True)
+        write_log(logdir, n_tokens, base_tokens)
+    answers = {}
+    for engine in ("duckdb", "polars"):
+        out = workdir / f"cold_{engine}_{n_tokens}.parquet"
+        out.unlink(missing_ok=True)
+        try:
+            subprocess.run([sys.executable, __file__, "--cold-once", engine, str(logdir), str(out)], check=True,
+                           timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"{engine}: no answer within {timeout_s:.0f} s (killed)", flush=True)
+            continue
+        answers[engine] = out
+    if len(answers) == 2:
+        check_same_counts(pd.read_parquet(answers["duckdb"]), pl.read_parquet(answers["polars"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=lambda s: int(s.replace("_", "")), action="append")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ts_queries")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--base-tokens", type=lambda s: int(s.replace("_", "")), default=1_000_000)
+    parser.add_argument("--cold-only", action="store_true",
+                        help="only the first pass, DuckDB and polars each in a new process, with peak memory")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each --cold-only process may take")
+    parser.add_argument("--cold-once", nargs=3, metavar=("ENGINE", "LOGDIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cold_once:
+        cold_pass_once(args.cold_once[0], Path(args.cold_once[1]), Path(args.cold_once[2]))
+        return
     sizes = args.tokens or [10_000_000]
     print(f"cpus: {os.cpu_count()}, load average: {os.getloadavg()}")
+    if args.cold_only:
+        for n in sizes:
+            print(f"{n:,} tokens:", flush=True)
+            bench_cold_only(n, args.workdir, args.base_tokens, args.timeout)
+        print(f"load average after: {os.getloadavg()}")
+        return
     table = pd.DataFrame([r for n in sizes for r in bench_size(n, args.workdir, args.repeat, args.base_tokens)])
     table["warm_vs_polars"] = table.polars_s / table.duckdb_warm_s
     table["cold_vs_polars"] = table.polars_s / table.duckdb_cold_s

@@ -39,15 +39,7 @@ merged as (
 ),
 
 rewards as (
-    select
-        run_id,
-        step,
-        count(*) as n_samples,
-        avg(reward) as reward_mean,
-        stddev_pop(reward) as reward_std,
-        avg(length) as length_mean
-    from samples
-    group by run_id, step
+    select * from step_rewards
 ),
 
 final as (
