@@ -761,7 +761,8 @@ class LogDB:
         """``(file, every partial view's rows)`` for each of ``files``: as Ray tasks when a cluster is attached
         (in the order they finish), else here, one file after the other."""
         flushes = flush_groups(files)
-        variants = [self._stored_variant(flush) for flush in flushes]
+        rule_sets, rendered = self._run_rule_sets(), {}
+        variants = [self._stored_variant(flush, rule_sets, rendered) for flush in flushes]
         if self.ray is not None and files:
             yield from self.ray.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
                                           params=self._params(), variants={
@@ -771,15 +772,20 @@ class LogDB:
         for batch, variant in batch_flushes(flushes, variants):
             yield from zip(batch, self._aggregate_batch(batch, variant), strict=True)
 
-    def _stored_variant(self, files: list[Path]) -> tuple[str, bool] | None:
+    def _stored_variant(self, files: list[Path], rule_sets: dict[Path, tuple[str, dict[str, dict[str, Any]]]],
+                        rendered: dict[tuple, tuple[str, bool]]) -> tuple[str, bool] | None:
         """The :func:`stored_variant` for ``files`` (one flush): the rules whose logged bits hold at this
-        connection's parameters (:func:`stored_rule_bits`) read them; None when no rule's do."""
-        run = self._run_rule_sets().get(files[0].parent.parent)
+        connection's parameters (:func:`stored_rule_bits`; ``rule_sets``: :meth:`_run_rule_sets`) read them; None
+        when no rule's do. ``rendered`` keeps the variants already rendered, by their stored bits."""
+        run = rule_sets.get(files[0].parent.parent)
         stored = stored_rule_bits(files, run[1] if run else self.rule_params)
         if not stored:
             return None
         self.stored_bits_files += len(files)
-        return stored_variant(stored)
+        key = tuple(sorted(stored.items()))
+        if key not in rendered:
+            rendered[key] = stored_variant(stored)
+        return rendered[key]
 
     def _aggregate_batch(self, files: list[Path], variant: tuple[str, bool] | None) -> list[dict[str, pa.Table]]:
         """Every partial view's rows for each of ``files`` (one query of :func:`batch_flushes`), from one pass over
