@@ -34,11 +34,16 @@ def _is_tensor(x: Any) -> bool:
     return tensor is not None and isinstance(x, tensor)
 
 
+def _narrow_float(x: Any) -> bool:
+    """A tensor of floats narrower than float32 (bf16, fp16), which :func:`_to_numpy` widens (a new buffer)."""
+    return x.is_floating_point() and x.dtype.itemsize < 4
+
+
 def _to_numpy(x: Any, name: str) -> np.ndarray:
     """A numpy view or copy of a tensor, array, scalar or (nested, rectangular) list."""
     if _is_tensor(x):
         x = x.detach()
-        if x.is_floating_point() and x.dtype.itemsize < 4:
+        if _narrow_float(x):
             x = x.float()
         return x.cpu().numpy()
     try:
@@ -55,7 +60,7 @@ def _fresh(x: Any) -> bool:
     """Whether :func:`_to_numpy` of ``x`` is a new buffer nobody else holds: a tensor copied off its device or
     converted from a narrower float. Anything else may be the caller's memory, which it may reuse once
     ``log_step`` returns, so it is copied."""
-    return _is_tensor(x) and (x.device.type != "cpu" or (x.is_floating_point() and x.dtype.itemsize < 4))
+    return _is_tensor(x) and (x.device.type != "cpu" or _narrow_float(x))
 
 
 def _is_ragged(x: Any) -> bool:
