@@ -7,7 +7,9 @@ Reports rows/s, CPU seconds and bytes/row for: polars ``DataFrame.write_parquet`
 target), raw pyarrow (zstd, no dictionary on float columns), TokenLogger with its defaults (every check, exact
 summaries, two encoding threads), TokenLogger with ``summaries=False``, and with ``topk_precision="float16"``; and
 what float16 top-K costs in TV/KL recomputed from the stored lists (``topk_tv``/``topk_kl`` are computed before
-rounding). All variants run in this one process, interleaved in rotating order, ``--repeat`` times; the ratios to
+rounding). Then where TokenLogger's CPU goes, by thread (the caller's ``log_step``, the writer thread, the
+encoders), beside polars' whole write, and the encoding alone: one step's table encoded by pyarrow with the logger's
+options and by polars. All variants run in this one process, interleaved in rotating order, ``--repeat`` times; the ratios to
 polars are taken per repeat (the runs of one repeat follow each other within a minute or so, so a slow phase of a
 shared machine tends to hit both) and their median is reported, with the CPU-time ratio, which load disturbs less. polars' frames are built from the same Arrow tables before its
 timer starts; the logger's timer covers every ``log_step`` call and the close.
@@ -18,9 +20,12 @@ pi within ~1e-3 of mu. Bytes/row depend on the data; the ratios are what to comp
 from __future__ import annotations
 
 import argparse
+import io
+import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -126,15 +131,81 @@ def bench_polars(out: Path, frames: list, n_steps: int, rows_per_file: int) -> t
     return time.perf_counter() - t0, dir_bytes(out)
 
 
-def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int, **kw) -> tuple[float, int]:
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every live thread of this process, by native thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name: state, ..., utime (12th), stime
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+ROLES = (("trustscope-encode", "encoders"), ("trustscope-logger", "writer thread"), ("MainThread", "caller"))
+"""Thread name prefix -> role in the by-thread breakdown (the logger names its threads)."""
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each role's threads spent between two :func:`thread_cpu` readings (``after`` taken while the
+    logger's threads are still alive); threads without a trustscope name count as ``other``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    roles: dict[str, float] = {}
+    for tid, cpu in after.items():
+        name = names.get(tid, "")
+        role = next((r for prefix, r in ROLES if name.startswith(prefix)), "other")
+        roles[role] = roles.get(role, 0.0) + cpu - before.get(tid, 0.0)
+    return roles
+
+
+def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int, roles: dict | None = None,
+                 **kw) -> tuple[float, int]:
+    """TokenLogger on the rows; with ``roles``, fills it with :func:`cpu_by_role` read after the last flush
+    (every row encoded and committed) and before the close stops the threads."""
     B, T, _ = steps[0]["mu_topk_ids"].shape
     mask = np.ones((B, T), dtype=bool)
     samples = {"sample_id": np.arange(B), "prompt_id": np.arange(B) // 16}
+    before = thread_cpu()
     t0 = time.perf_counter()
     with TokenLogger(out, "bench", loss_rule="dppo_binary_tv", flush_rows=rows_per_file, **kw) as logger:
         for step in range(n_steps):
             logger.log_step(step, tokens=steps[step % len(steps)], mask=mask, samples=samples)
+        if roles is not None:
+            logger.flush()
+            roles.update(cpu_by_role(before, thread_cpu()))
     return time.perf_counter() - t0, dir_bytes(out / "bench" / "tokens")
+
+
+def encode_only(steps: list[dict], repeat: int = 3) -> dict[str, tuple[float, float]]:
+    """CPU seconds per M rows and bytes/row of encoding one step's Arrow table into memory, on one call each: pyarrow
+    with the logger's options (:data:`trustscope.schema.WRITE_OPTIONS`) and polars' ``write_parquet`` (zstd) on the
+    same table. Best of ``repeat``; polars spreads its call over both cores, pyarrow's call stays on one."""
+    table = raw_table(0, steps[0], "encode")
+    frame = pl.from_arrow(table)
+    options = S.WRITE_OPTIONS["tokens"].writer_kwargs()
+
+    def pyarrow_write() -> int:
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, row_group_size=1 << 17, **options)
+        return sink.getvalue().size
+
+    def polars_write() -> int:
+        sink = io.BytesIO()
+        frame.write_parquet(sink, compression="zstd")
+        return len(sink.getvalue())
+
+    out = {}
+    for name, fn in (("pyarrow, the logger's options", pyarrow_write), ("polars write_parquet", polars_write)):
+        cpu, size = [], 0
+        for _ in range(repeat):
+            start = time.process_time()
+            size = fn()
+            cpu.append(time.process_time() - start)
+        out[name] = (min(cpu) / table.num_rows * 1e6, size / table.num_rows)
+    return out
 
 
 def float16_cost(steps: list[dict]) -> dict[str, float]:
@@ -178,7 +249,7 @@ def main() -> None:
         variants = [
             ("polars", lambda d: bench_polars(d, frames, n_steps, args.rows_per_file)),
             ("raw pyarrow", lambda d: bench_raw(d, steps, n_steps, args.rows_per_file)),
-            ("TokenLogger", lambda d: bench_logger(d, steps, n_steps, args.rows_per_file)),
+            ("TokenLogger", lambda d: bench_logger(d, steps, n_steps, args.rows_per_file, roles=roles[-1])),
             ("TokenLogger no summaries",
              lambda d: bench_logger(d, steps, n_steps, args.rows_per_file, summaries=False)),
             ("TokenLogger float16 top-K",
@@ -186,7 +257,9 @@ def main() -> None:
         ]
         best: dict[str, tuple[float, int, float]] = {}
         runs: dict[str, list[tuple[float, float]]] = {}  # name -> [(wall s, CPU s)] per repeat
+        roles: list[dict[str, float]] = []  # TokenLogger's CPU by thread role, per repeat
         for rep in range(args.repeat):
+            roles.append({})
             order = variants[rep % len(variants):] + variants[: rep % len(variants)]  # rotate: fair under load
             for name, fn in order:
                 out = scratch / f"{name.replace(' ', '_')}-{rep}"
@@ -214,6 +287,14 @@ def main() -> None:
             print(f"{name:28s} vs polars: throughput x{statistics.median(paired):.2f} (median of {len(paired)} "
                   f"paired repeats, range x{min(paired):.2f}-x{max(paired):.2f}; best-of x{speed / base_speed:.2f}), "
                   f"per CPU-second x{statistics.median(paired_cpu):.2f}, size x{size / base_size:.2f}")
+        print(f"TokenLogger's CPU by thread, s per M rows (median of {args.repeat}; read after its last flush):")
+        for role in sorted({r for by_role in roles for r in by_role}):
+            per_m = statistics.median(by_role.get(role, 0.0) for by_role in roles) / rows * 1e6
+            print(f"  {role:14s} {per_m:5.2f}")
+        print(f"  {'polars, whole':14s} {statistics.median(c for _, c in runs['polars']) / rows * 1e6:5.2f}")
+        print("encoding alone, one step's table into memory (CPU s per M rows, bytes/row, best of 3):")
+        for name, (cpu, size) in encode_only(steps).items():
+            print(f"  {name:30s} {cpu:5.2f}  {size:6.1f}")
         cost = float16_cost(steps)
         print("float16 top-K: TV/KL recomputed from the stored lists vs float32 "
               f"(mean TV {cost['tv_mean']:.2e}, mean KL {cost['kl_mean']:.2e})")

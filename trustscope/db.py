@@ -811,11 +811,15 @@ class LogDB:
 
     @staticmethod
     def _store(path: Path, table: pa.Table) -> None:
-        """Write atomically (temporary name, then rename); a cache that cannot be written is only slower."""
+        """Write atomically (temporary name, then rename); a cache that cannot be written is only slower.
+
+        LZ4 without dictionaries or statistics: the partials are wide (four columns per rule) and read whole, so
+        what those buy is size nobody needs. Measured on a 10M-row pass's 60 files (236k rows): writing 0.59 ->
+        0.29 CPU s, reading 0.67 -> 0.40 s, 11.1 -> 12.2 MB (``docs/performance.md``)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, compression="lz4", use_dictionary=False, write_statistics=False)
             tmp.replace(path)
         except OSError:
             pass
