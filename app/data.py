@@ -98,10 +98,13 @@ def current_logdir() -> str:
 
 def check_logdir(logdir: Path | str) -> None:
     """Raise :class:`LogDirError` when ``logdir`` is missing, not a directory, or holds no run at all; show an
-    error naming each run whose manifest is unreadable (the other runs are still shown)."""
-    if storage.is_remote(logdir):
+    error naming each run that cannot be read whole and why (:attr:`trustscope.db.LogDB.broken_runs`: a manifest
+    that is not JSON, a data file whose Parquet footer does not read). What still reads of such a run is shown,
+    and the other runs as they are."""
+    remote = storage.is_remote(logdir)
+    if remote:
         try:
-            handle = _db(logdir)
+            handle = _db(str(logdir))
             handle.refresh()  # the mirror, brought up to date
             logdir = handle.paths[0]
         except (storage.StorageError, ValueError) as exc:
@@ -115,14 +118,12 @@ def check_logdir(logdir: Path | str) -> None:
         raise LogDirError(f"The log directory `{logdir}` holds no runs yet (no `<run>/{schema.MANIFEST}`). "
                           "Runs appear here once a trainer with a TokenLogger starts writing into it; "
                           "reload the page then.")
-    for run_dir in schema.run_dirs(logdir):
-        if (run_dir / schema.MANIFEST).exists():
-            try:
-                schema.read_manifest(run_dir)
-            except schema.SchemaError as exc:
-                st.error(f"Could not read the logs of run `{run_dir.name}`: {_first_line(exc)}\n\nThe other runs "
-                         f"are shown. Run `trustscope validate {logdir}` to list every broken file.",
-                         icon=":material/error:")
+    if not remote:
+        _db(current_logdir()).refresh()  # new runs and files, each checked once
+    for run, problem in sorted(_db(current_logdir()).broken_runs.items()):
+        st.error(f"Could not read all of run `{run}`: {problem}\n\nWhat still reads of it is shown, marked broken; "
+                 f"the other runs are as they are. Run `trustscope validate {logdir}` to list every broken file.",
+                 icon=":material/error:")
 
 
 @contextlib.contextmanager

@@ -317,7 +317,10 @@ def test_corrupt_logdir_shows_an_error_not_a_traceback(monkeypatch, tmp_path, lo
     assert not at.exception
     assert len(at.error) == 1
     message = at.error[0].value
-    assert "Could not read the logs" in message and "trustscope validate" in message
+    run = "broken" if make is _corrupt_tokens else "bad-manifest"
+    assert f"Could not read all of run `{run}`" in message and "trustscope validate" in message
+    assert ("rank000-999999.parquet: not a readable Parquet file" if make is _corrupt_tokens
+            else "unreadable run.json") in message
 
 
 # ---------------------------------------------------------------------------------------------- the command

@@ -263,3 +263,25 @@ def test_flushes_reading_the_same_bits_share_a_query_up_to_the_row_cap(tmp_path,
         ([*flushes[0], *flushes[1]], bits), (flushes[2], None), (flushes[3], bits), (flushes[4], windows),
         (flushes[5], other_bits)])
     assert got == want
+
+
+def test_a_footer_is_read_again_once_its_file_changes(tmp_path):
+    """``footer`` caches by path, size and modification time: a file cut short reads as a problem naming it, and
+    the same path rewritten whole reads again (a repaired copy is picked up without a new connection)."""
+    import os
+
+    import pyarrow as pa
+
+    path = tmp_path / "part.parquet"
+    pq.write_table(pa.table({"x": list(range(1000))}), path)
+    assert tsdb.footer(path).num_rows == 1000
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    problem = tsdb.footer(path)
+    assert isinstance(problem, str) and problem.startswith("part.parquet: not a readable Parquet file")
+    assert tsdb.unreadable_files([path]) == {path: problem}
+    path.write_bytes(whole)
+    os.utime(path, ns=(1, 1))  # a new modification time, whatever the clock's resolution
+    assert tsdb.footer(path).num_rows == 1000 and tsdb.unreadable_files([path]) == {}
+    path.unlink()
+    assert "cannot be read" in tsdb.footer(path)

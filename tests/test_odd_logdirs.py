@@ -1,8 +1,10 @@
-"""Odd log directories: a run that is a symlink, a run with a corrupt manifest, a LogDB never closed.
+"""Odd log directories: a run that is a symlink, a run with a corrupt manifest, a run with a truncated data file,
+a LogDB never closed.
 
 Each is handled the same way by validate, sql, report, the query layer and the dashboard: the symlinked run is
-followed (its target read), the broken run is reported as broken while the others work, and nothing is left in
-the temporary directory.
+followed (its target read), the broken run is reported as broken, with why, while the others work (the query layer
+and the dashboard show what still reads of it; sql and report leave it out and say so), and nothing is left in the
+temporary directory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
@@ -45,6 +48,20 @@ def broken(tmp_path_factory):
         generate_run(root, name, CFG)
     (root / "bad" / "run.json").write_text('{"run_id": "bad", "sta')
     return root
+
+
+@pytest.fixture(scope="module")
+def truncated(tmp_path_factory):
+    """Two good runs and one whose first tokens file was cut short after its flush was committed (a copy that
+    stopped half-way, a full disk): the footer is gone, the other files of the run read."""
+    root = tmp_path_factory.mktemp("truncated") / "logs"
+    for name in ("good_a", "cut", "good_b"):
+        generate_run(root, name, SyntheticConfig(tokens=1_500, steps=4, edge_cases=False, rows_per_file=600))
+    files = sorted((root / "cut" / "tokens").glob("*.parquet"))
+    assert len(files) > 1, files
+    with open(files[0], "r+b") as f:
+        f.truncate(files[0].stat().st_size // 2)
+    return root, files[0]
 
 
 def _no_traceback(result):
@@ -119,9 +136,38 @@ def test_a_corrupt_manifest_gives_no_traceback_anywhere(broken, command):
         assert "good_a" in result.output and "good_b" in result.output
 
 
-@pytest.mark.parametrize("which", ["linked", "broken"])
+def test_a_truncated_file_marks_its_run_broken_and_the_rest_reads(truncated):
+    root, cut = truncated
+    with tsdb.connect(root, cache=False) as conn:
+        assert cut.name in conn.broken_runs["cut"] and "not a readable Parquet file" in conn.broken_runs["cut"]
+        assert conn.runs().set_index("run_id").status.to_dict() == {
+            "cut": "broken", "good_a": "finished", "good_b": "finished"}
+        steps = conn.step_summary()
+        kept = pq.read_table(cut.parent.parent.parent / "good_a" / "tokens").num_rows
+        assert steps.groupby("run_id").n_tokens.sum()["good_a"] == kept
+        read = conn.sql("select count(*) as n from tokens where run_id = 'cut'").table.column("n")[0].as_py()
+        others = [f for f in sorted(cut.parent.glob("*.parquet")) if f != cut]
+        assert read == sum(pq.read_metadata(f).num_rows for f in others) > 0
+        assert steps.groupby("run_id").n_tokens.sum()["cut"] == read
+
+
+@pytest.mark.parametrize("command", ["sql", "report"])
+def test_a_truncated_file_leaves_its_run_out_of_the_cli_and_says_so(truncated, command):
+    root, cut = truncated
+    args = {"sql": ["sql", str(root), "select distinct run_id from tokens order by 1"],
+            "report": ["report", str(root)]}[command]
+    result = runner.invoke(app, args)
+    _no_traceback(result)
+    assert result.exit_code == 0, result.output
+    said = "run cut left out" if command == "sql" else "cut: left out"
+    assert said in result.output and cut.name in result.output
+    assert "good_a" in result.output and "good_b" in result.output
+
+
+@pytest.mark.parametrize("which", ["linked", "broken", "truncated"])
 def test_the_dashboard_shows_odd_logdirs(monkeypatch, request, which):
     logdir = request.getfixturevalue(which)
+    logdir = logdir[0] if which == "truncated" else logdir
     monkeypatch.setenv(LOGDIR_ENV, str(logdir))
     at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=60)
     at.run()
@@ -130,8 +176,9 @@ def test_the_dashboard_shows_odd_logdirs(monkeypatch, request, which):
     if which == "linked":
         assert not at.error and shown == {"here", "there"}
     else:
-        assert [e.value.split(":")[0] for e in at.error] == ["Could not read the logs of run `bad`"]
-        assert {"good_a", "good_b"} <= shown
+        bad = "bad" if which == "broken" else "cut"
+        assert [e.value.split(":")[0] for e in at.error] == [f"Could not read all of run `{bad}`"]
+        assert {"good_a", "good_b", bad} <= shown
 
 
 def test_a_logdb_never_closed_leaves_no_temporary_folder(broken):

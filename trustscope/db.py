@@ -26,6 +26,7 @@ columns, so a rule of an existing family needs no SQL.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -310,6 +311,12 @@ def _readable(paths: Sequence[Path], runs: Sequence[Path]) -> list[Path]:
     return sorted(resolved)
 
 
+def _in_words(problems: list[str], shown: int = 3) -> str:
+    """A run's problems as one line: the first ``shown``, then how many more."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f" (+{more} more)" if more > 0 else "")
+
+
 def _manifest_problem(path: Path) -> str | None:
     """Why a run's ``run.json`` cannot be read as a JSON object, or None when it can."""
     try:
@@ -335,6 +342,49 @@ class _Resources:
 
 def _data_files(run: Path, table: str) -> list[Path]:
     return schema.committed_files(run)[table]
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_footer(path: str, size: int, mtime_ns: int) -> pq.FileMetaData | str:
+    try:
+        return pq.read_metadata(path)
+    except (OSError, pa.ArrowException) as exc:
+        return f"{Path(path).name}: not a readable Parquet file ({str(exc).splitlines()[0][:200]})"
+
+
+def footer(path: Path | str) -> pq.FileMetaData | str:
+    """The Parquet footer of a data file, or why it cannot be read. Read once per path, size and modification
+    time (a committed file does not change; one that does is read again), so every check of the same file
+    (readability at each cursor, the stored bits, the batch sizes of the first pass) costs one read."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{Path(path).name}: cannot be read ({exc.strerror or exc})"
+    return _read_footer(str(path), st.st_size, st.st_mtime_ns)
+
+
+def unreadable_files(files: Iterable[Path]) -> dict[Path, str]:
+    """The ``files`` whose Parquet footer does not read (truncated, not Parquet, gone), with why."""
+    return {f: problem for f in files if isinstance(problem := footer(f), str)}
+
+
+def run_problems(run_dir: Path, files: Mapping[str, Sequence[Path]] | None = None) -> list[str]:
+    """What a reader cannot read of a run: a ``run.json`` that is not a JSON object, committed data files
+    (``files``: :func:`trustscope.schema.committed_files`, listed when None) and a vocabulary whose Parquet footer
+    does not read. The one check behind :attr:`LogDB.broken_runs`, the dashboard's and the CLI's."""
+    return _listed(*_check_run(run_dir, schema.committed_files(run_dir) if files is None else files))
+
+
+def _listed(manifest: str | None, unreadable: Mapping[Path, str]) -> list[str]:
+    return [p for p in [manifest] if p] + list(unreadable.values())
+
+
+def _check_run(run_dir: Path, files: Mapping[str, Sequence[Path]]) -> tuple[str | None, dict[Path, str]]:
+    """:func:`run_problems` as (the manifest's problem, the unreadable files with theirs)."""
+    manifest = run_dir / schema.MANIFEST
+    vocab = [run_dir / schema.VOCAB_FILE] if (run_dir / schema.VOCAB_FILE).is_file() else []
+    return (_manifest_problem(manifest) if manifest.is_file() else None,
+            unreadable_files([*vocab, *(f for table in files.values() for f in table)]))
 
 
 def _load_sql(con: duckdb.DuckDBPyConnection, files: Iterable[Path], kind: str,
@@ -404,9 +454,8 @@ def stored_rule_bits(files: Sequence[Path], rules: Mapping[str, dict[str, Any]])
     """
     common: dict[str, int] | None = None
     for f in files:
-        try:
-            meta = pq.read_metadata(f)
-        except (OSError, pa.ArrowInvalid):
+        meta = footer(f)
+        if isinstance(meta, str):
             return {}
         listed = (meta.metadata or {}).get(schema.BLOCKED_RULES_META.encode())
         names = meta.schema.to_arrow_schema().names
@@ -483,7 +532,7 @@ def batch_flushes(flushes: Sequence[list[P]], variants: Sequence[tuple[str, bool
         if variant is None or variant[1]:
             out.append((list(flush), variant))
             continue
-        rows = sum(pq.read_metadata(f).num_rows for f in flush)
+        rows = sum(0 if isinstance(meta := footer(f), str) else meta.num_rows for f in flush)
         files, have = open_batches.get(variant, ([], 0))
         if files and have + rows > BATCH_ROWS:
             out.append((files, variant))
@@ -542,7 +591,10 @@ class LogDB:
         self.memory_bytes = memory_limit_bytes(memory_limit)
         """Resident memory user SQL may use (see :func:`trustscope.sandbox.memory_limit_bytes`)."""
         self.broken_runs: dict[str, str] = {}
-        """Runs whose manifest cannot be read: run directory name -> the reason. The other runs still work."""
+        """Runs that cannot be read whole: run directory name -> why (:func:`run_problems`: a manifest that is not
+        JSON, data files whose Parquet footer does not read; a symlinked run created after the connection). What
+        still reads of such a run is shown (its unreadable files are left out of every view); the other runs are
+        unaffected."""
         self.cache_enabled = cache
         self.partials_computed = 0
         """How many tokens files this connection aggregated (their partials not found in memory or on disk)."""
@@ -557,6 +609,8 @@ class LogDB:
         self._cache_files: dict[str, tuple[pa.Table, int, str]] = {}
         """Kept aggregate name -> (the table last written for the SQL worker, its version, its file)."""
         self._late_links: dict[str, str] = {}
+        self._unreadable: dict[Path, str] = {}
+        """Committed data files whose Parquet footer does not read, left out of every file list (see :func:`footer`)."""
         write_empty_files(self._private)
         self.runs_dirs = _run_dirs(self.paths)
         self.con = duckdb.connect(config={"autoload_known_extensions": False,
@@ -584,18 +638,21 @@ class LogDB:
     def _file_lists(self) -> dict[str, list[str]]:
         """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
         lists: dict[str, list[str]] = {}
-        committed = [schema.committed_files(run) for run in self.runs_dirs]
+        committed = {run: schema.committed_files(run) for run in self.runs_dirs}
+        checked = {run: _check_run(run, files) for run, files in committed.items()}
+        self._unreadable = {f: problem for _, bad in checked.values() for f, problem in bad.items()}
+        problems = {run.name: _listed(*found) for run, found in checked.items()}
         for table in schema.TABLES:
-            files = [str(f) for run_files in committed for f in run_files[table]]
+            files = [str(f) for run_files in committed.values() for f in run_files[table] if f not in self._unreadable]
             lists[table] = [str(self._private / f"empty_{table}.parquet"), *files]
         lists["vocab"] = [str(self._private / "empty_vocab.parquet")] + [
-            str(run / schema.VOCAB_FILE) for run in self.runs_dirs if (run / schema.VOCAB_FILE).is_file()
+            str(run / schema.VOCAB_FILE) for run in self.runs_dirs
+            if (run / schema.VOCAB_FILE).is_file() and run / schema.VOCAB_FILE not in self._unreadable
         ]
-        manifests = [run / schema.MANIFEST for run in self.runs_dirs if (run / schema.MANIFEST).is_file()]
-        problems = {m.parent.name: _manifest_problem(m) for m in manifests}
-        self.broken_runs = {**{run: problem for run, problem in problems.items() if problem}, **self._late_links}
+        self.broken_runs = {**{run: _in_words(found) for run, found in problems.items() if found}, **self._late_links}
         lists["manifests"] = [str(self._private / "empty_run.json")] + [
-            str(m) for m in manifests if m.parent.name not in self.broken_runs
+            str(run / schema.MANIFEST) for run, (manifest, _) in checked.items()
+            if (run / schema.MANIFEST).is_file() and manifest is None and run.name not in self._late_links
         ]
         return lists
 
@@ -713,7 +770,7 @@ class LogDB:
             self._prepare(self.con)
             if not needed:
                 return
-            files = [f for run in self.runs_dirs for f in _data_files(run, "tokens")]
+            files = [f for run in self.runs_dirs for f in _data_files(run, "tokens") if f not in self._unreadable]
             if not self._update_partials(files) and self._merged_files == files:
                 return  # the merged tables stay the same objects (the sandbox rewrites only what changed)
             self._merged_files = files

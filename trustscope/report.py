@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trustscope import figures, schema, storage
-from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview, QueryResult, connect
+from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview, QueryResult, connect, run_problems
 
 MISMATCH_WARN = 0.01
 """Mean |pi - mu| above which a run is flagged: the paper's DPPO runs stay near 0.003."""
@@ -225,34 +225,11 @@ class NoRunsFound(Exception):
     """A log directory with no readable run; the message says where and what to do."""
 
 
-def _file_problem(path: Path) -> str | None:
-    try:
-        pq.read_metadata(path)
-    except (OSError, pa.ArrowException) as exc:
-        return f"{path.name}: not a readable Parquet file ({str(exc).splitlines()[0][:200]})"
-    return None
-
-
-def run_problems(run_dir: Path) -> list[str]:
-    """What makes a run unreadable: a manifest that is not JSON, a data file whose Parquet footer does not read."""
-    problems = []
-    manifest = run_dir / schema.MANIFEST
-    if manifest.exists():
-        try:
-            json.loads(manifest.read_text())
-        except (ValueError, OSError) as exc:
-            problems.append(f"{schema.MANIFEST}: not valid JSON ({exc})")
-    files = [run_dir / schema.VOCAB_FILE] if (run_dir / schema.VOCAB_FILE).exists() else []
-    for table in schema.TABLES:
-        folder = run_dir / table
-        if folder.is_dir():
-            files += sorted(p for p in folder.iterdir() if schema.is_data_file(p))
-    problems += [p for p in map(_file_problem, files) if p]
-    return problems
-
-
 def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str, list[str]]]:
     """Open the runs of ``logdir`` that read cleanly; return the handle and ``{run: problems}`` of those left out.
+
+    The check is :func:`trustscope.db.run_problems`, the one behind :attr:`LogDB.broken_runs`; a report leaves a
+    broken run out whole (and says so), where the dashboard shows what still reads of it, marked broken.
 
     Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
     FileNotFoundError when it does not exist. An ``s3://`` prefix is read through its local mirror
@@ -262,7 +239,7 @@ def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str
     if not logdir.is_dir():
         raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
     dirs = schema.run_dirs(logdir)
-    broken = {d.name: p for d in dirs if (p := run_problems(d))}
+    broken = {d.name: p for d in dirs if (p := run_problems(d))}  # the check LogDB.broken_runs makes
     readable = [d for d in dirs if d.name not in broken]
     if not readable:
         where = f"{logdir}: " + ("every run is unreadable" if broken else "no runs found (no <run>/run.json)")
