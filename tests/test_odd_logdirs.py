@@ -179,6 +179,8 @@ def test_the_dashboard_shows_odd_logdirs(monkeypatch, request, which):
         bad = "bad" if which == "broken" else "cut"
         assert [e.value.split(":")[0] for e in at.error] == [f"Could not read all of run `{bad}`"]
         assert {"good_a", "good_b", bad} <= shown
+        status = at.dataframe[0].value.set_index("run_id")["status"].to_dict()
+        assert status[bad] == "broken" and status["good_a"] == status["good_b"] == "finished"
 
 
 def test_a_logdb_never_closed_leaves_no_temporary_folder(broken):

@@ -83,7 +83,8 @@ def _timestamp(value: object) -> pd.Timestamp | None:
 
 
 def _status(run_dir: Path, manifest: dict[str, Any], now: datetime) -> str:
-    """``finished``, ``crashed``, ``stale`` or ``running``: the logger's reading of the writer, then staleness."""
+    """``finished``, ``crashed``, ``stale`` or ``running``: the logger's reading of the writer, then staleness
+    (:func:`run_table` says ``broken`` first for a run in :attr:`LogDB.broken_runs`)."""
     from trustscope.logger import run_status
 
     try:
@@ -154,7 +155,7 @@ def run_table(db: LogDB) -> pd.DataFrame:
         rows.append({
             "run_id": r.run_id,
             "loss_rule": rule,
-            "status": _status(run_dir, manifest, now),
+            "status": "broken" if r.run_id in db.broken_runs else _status(run_dir, manifest, now),
             "n_steps": int(r.n_steps), "first_step": int(r.first_step), "last_step": int(r.last_step),
             "tokens_generated": int(generated), "tokens_logged": int(logged),
             "logged_frac": logged / generated if generated else float("nan"),
