@@ -149,3 +149,58 @@ def test_a_full_call_and_its_rows_shuffled_give_the_same_summaries():
     assert (dense.metric == "blocked").sum() > 20
     pd.testing.assert_frame_equal(dense, shuffled, check_exact=False, rtol=1e-12)
     assert (dense["count"].fillna(-1) == shuffled["count"].fillna(-1)).all()
+
+
+def _summary_rows(logdir, run_id: str) -> pd.DataFrame:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(logdir / run_id / "summaries").to_pandas()
+
+
+def test_a_steps_micro_batches_are_merged_into_one_set_of_rows(tmp_path):
+    """Four log_step calls of one step write one row per (step, group), not one per call, with the same counts
+    as the step logged in one call, and sums equal to float rounding; the view reads the same either way."""
+    tokens, mask, samples = rollout(7)
+    quarter = B // 4
+    with TokenLogger(tmp_path, "whole", loss_rule="dppo_binary_tv") as lg:
+        lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
+    with TokenLogger(tmp_path, "micro", loss_rule="dppo_binary_tv") as lg:
+        for i in range(4):
+            part = slice(i * quarter, (i + 1) * quarter)
+            lg.log_step(0, tokens={k: v[part] for k, v in tokens.items()}, mask=mask[part],
+                        samples={k: v[part] for k, v in samples.items()})
+    whole, micro = _summary_rows(tmp_path, "whole"), _summary_rows(tmp_path, "micro")
+    assert set(micro.part) == {0} and len(micro) == len(whole) > 100
+    key = ["metric", "rule", "advantage_sign", "mu_low", "bin_low"]
+    whole, micro = (t.sort_values(key, na_position="first").reset_index(drop=True) for t in (whole, micro))
+    exact = [*key, "count", "min", "max"]
+    pd.testing.assert_frame_equal(micro[exact], whole[exact])
+    np.testing.assert_allclose(micro["sum"].astype(float), whole["sum"].astype(float), rtol=1e-12)
+    with tsdb.connect(tmp_path, cache=False) as conn:
+        by_view = {run: conn.summaries(run).drop(columns="run_id") for run in ("whole", "micro")}
+    assert (by_view["whole"]["count"].to_numpy() == by_view["micro"]["count"].to_numpy()).all()
+
+
+def test_a_flush_inside_a_step_writes_what_is_merged_so_far(tmp_path):
+    """An explicit flush between micro-batches commits the merged rows of the calls before it (readers see them
+    at once); the step's later calls start a new set at their own part, and the view adds the two up."""
+    tokens, mask, samples = rollout(8)
+    quarter = B // 4
+    with TokenLogger(tmp_path, "split", loss_rule="dppo_binary_tv") as lg:
+        for i in range(4):
+            part = slice(i * quarter, (i + 1) * quarter)
+            lg.log_step(0, tokens={k: v[part] for k, v in tokens.items()}, mask=mask[part],
+                        samples={k: v[part] for k, v in samples.items()})
+            if i == 1:
+                lg.flush()
+                assert set(_summary_rows(tmp_path, "split").part) == {0}
+    with TokenLogger(tmp_path, "whole", loss_rule="dppo_binary_tv") as lg:
+        lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
+    assert set(_summary_rows(tmp_path, "split").part) == {0, 2}
+    with tsdb.connect(tmp_path, cache=False) as conn:
+        split, whole = conn.summaries("split"), conn.summaries("whole")
+    tokens_count = {name: t[t.metric == "tokens"]["count"].sum() for name, t in (("split", split), ("whole", whole))}
+    assert tokens_count["split"] == tokens_count["whole"] == mask.sum()
+    key = ["metric", "rule", "advantage_sign", "mu_bucket", "bin_low"]
+    merged = split.merge(whole, on=key, suffixes=("_split", "_whole"), how="outer", validate="one_to_one")
+    assert (merged["count_split"] == merged["count_whole"]).all()

@@ -124,7 +124,7 @@ SUMMARIES = pa.schema(
         pa.field("run_id", pa.string(), nullable=False),
         pa.field("step", pa.int64(), nullable=False),
         pa.field("rank", pa.int32(), nullable=False),
-        pa.field("part", pa.int32(), nullable=False),  # the log_step call within (step, rank): 0, 1, ...
+        pa.field("part", pa.int32(), nullable=False),  # the first log_step call of (step, rank) merged here: 0, ...
         pa.field("metric", pa.string(), nullable=False),
         pa.field("rule", pa.string(), nullable=True),  # metric 'blocked': the loss rule
         pa.field("advantage_sign", pa.string(), nullable=True),  # positive / negative / zero
@@ -140,7 +140,7 @@ SUMMARIES = pa.schema(
     ]
 )
 """Exact per-step aggregates over every token handed to ``log_step`` (whatever ``token_fraction`` keeps), one row
-per (call, metric, group); see :mod:`trustscope.logger.summaries`. Mergeable: sum counts and sums, min/max the
+per (step, metric, group) and flush, the step's calls merged by the writer; see :mod:`trustscope.logger.summaries`. Mergeable: sum counts and sums, min/max the
 extremes over parts and ranks (the ``summaries`` view does)."""
 
 TABLE_VERSIONS: dict[str, int] = {"summaries": 1, "tokens": 2}

@@ -219,6 +219,40 @@ class _Constants:
                                         type=pa.list_(pa.field("element", value_type, nullable=False)))
 
 
+class _StepSummaries:
+    """The ``summaries`` rows of the open step's calls, merged before they are written: a trainer that calls
+    ``log_step`` once per micro-batch would otherwise write a full set of rows per call (about 50 without top-K
+    rules, several hundred with every rule and histogram). Every figure adds up by construction (counts, sums and
+    sums of squares add, extremes take their min and max), so the ``summaries`` view reads the same figures from one
+    row per (step, group) and flush. Rows are merged in call order, so two runs with the same calls merge alike.
+    ``part`` is the first call merged; a flush in the middle of a step (idle, or an explicit ``flush()``) writes what
+    is merged so far, and the step's later calls start a new set at their own part."""
+
+    KEY = ("metric", "rule", "advantage_sign", "mu_low", "bin_low", "bin_high", "threshold")
+
+    def __init__(self, step: int, part: int) -> None:
+        self.step, self.part = step, part
+        self.rows: dict[tuple, dict[str, Any]] = {}
+        self.calls = 0
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        self.calls += 1
+        for row in rows:
+            key = tuple(row.get(k) for k in self.KEY)
+            have = self.rows.get(key)
+            if have is None:
+                self.rows[key] = dict(row)
+                continue
+            have["count"] += row["count"]
+            for name in ("sum", "sum_sq"):
+                if have.get(name) is not None and row.get(name) is not None:
+                    have[name] += row[name]
+            if row.get("min") is not None:
+                have["min"] = row["min"] if have.get("min") is None else min(have["min"], row["min"])
+            if row.get("max") is not None:
+                have["max"] = row["max"] if have.get("max") is None else max(have["max"], row["max"])
+
+
 def _batch_rows(batch: Batch) -> dict[str, int]:
     samples = 0 if batch.samples is None else len(batch.samples["sample_id"])
     return {"tokens": batch.n_tokens, "samples": samples, "steps": len(batch.scalars),
@@ -246,6 +280,8 @@ class Writer:
                                   write_threads if t == "tokens" else 1) for t in S.TABLES}
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
+        self._step_summaries: _StepSummaries | None = None
+        """The open step's summary rows, merged over its calls; written when the step ends or a flush comes."""
         self._uncommitted: list[_Flush] = []
         self._orphans: list[Path | PurePosixPath] = []
         """Files of a failed flush that could not be removed: no commit may happen while they exist, since the
@@ -408,6 +444,11 @@ class Writer:
         lasts = [t.last_step for t in self._tables.values() if t.last_step is not None]
         for table in self._tables.values():
             table.abort()
+        waiting, self._step_summaries = self._step_summaries, None  # the open flush's, not yet in its table
+        if waiting is not None:
+            rows["summaries"] += len(waiting.rows)
+            firsts.append(waiting.step)
+            lasts.append(waiting.step)
         self._open_counts = self._no_counts()
         self._open_step = None
         self._lose(err, rows, min(firsts, default=None), max(lasts, default=None))
@@ -421,6 +462,12 @@ class Writer:
         try:
             for name, table in parts.items():
                 self._tables[name].add(table, batch.step)
+            if batch.summaries:
+                if self._step_summaries is not None and self._step_summaries.step != batch.step:
+                    self._write_summaries()
+                if self._step_summaries is None:
+                    self._step_summaries = _StepSummaries(batch.step, batch.part)
+                self._step_summaries.add(batch.summaries)
         except Exception as err:
             self._lose_open(err)
             return
@@ -429,9 +476,24 @@ class Writer:
         self._open_counts["tokens_logged"] += batch.n_tokens
         self._open_counts["dropped_rows"] += batch.dropped_rows
 
+    def _write_summaries(self) -> None:
+        """Add the open step's merged summary rows to the open ``summaries`` file."""
+        merged = self._step_summaries
+        if merged is None:
+            return
+        table = self._summaries_table(merged) if merged.rows else None  # failing here, _lose_open counts them
+        self._step_summaries = None
+        if table is not None:
+            self._tables["summaries"].add(table, merged.step)  # failing here, they count among the table's rows
+
     def _rotate(self, heartbeat: bool = False) -> None:
         """Finish the open files as one flush and commit it; with nothing open, retry a failed commit or (idle)
         update the manifest's ``updated_at``."""
+        try:
+            self._write_summaries()
+        except Exception as err:
+            self._lose_open(err)
+            return
         open_tables = [t for t in self._tables.values() if t.rows]
         if not open_tables:
             if self._uncommitted:
@@ -519,8 +581,6 @@ class Writer:
                 self._k = int(batch.tokens["mu_topk_ids"].shape[1])
         if batch.samples is not None:
             out["samples"] = self._samples_table(batch)
-        if batch.summaries:
-            out["summaries"] = self._summaries_table(batch)
         if batch.scalars:
             n = len(batch.scalars)
             out["steps"] = pa.table({
@@ -572,11 +632,12 @@ class Writer:
                 out[f.name] = pa.nulls(n, f.type)
         return pa.table(out, schema=self._tables["tokens"].schema)
 
-    def _summaries_table(self, batch: Batch) -> pa.Table:
-        n = len(batch.summaries)
-        given = {"run_id": [self.run_id] * n, "step": [batch.step] * n, "rank": [self.rank] * n,
-                 "part": [batch.part] * n}
-        columns = {f.name: given.get(f.name) or [row.get(f.name) for row in batch.summaries] for f in S.SUMMARIES}
+    def _summaries_table(self, merged: _StepSummaries) -> pa.Table:
+        rows = list(merged.rows.values())
+        n = len(rows)
+        given = {"run_id": [self.run_id] * n, "step": [merged.step] * n, "rank": [self.rank] * n,
+                 "part": [merged.part] * n}
+        columns = {f.name: given.get(f.name) or [row.get(f.name) for row in rows] for f in S.SUMMARIES}
         return pa.table(columns, schema=self._tables["summaries"].schema)
 
     def _samples_table(self, batch: Batch) -> pa.Table:
