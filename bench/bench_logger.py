@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from logger_cpu import LoggerCPU
 
 from trustscope import divergence
 from trustscope import schema as S
@@ -131,52 +130,22 @@ def bench_polars(out: Path, frames: list, n_steps: int, rows_per_file: int) -> t
     return time.perf_counter() - t0, dir_bytes(out)
 
 
-def thread_cpu() -> dict[int, float]:
-    """CPU seconds (user + system) of every live thread of this process, by native thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name: state, ..., utime (12th), stime
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-ROLES = (("trustscope-encode", "encoders"), ("trustscope-logger", "writer thread"), ("MainThread", "caller"))
-"""Thread name prefix -> role in the by-thread breakdown (the logger names its threads)."""
-
-
-def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
-    """CPU seconds each role's threads spent between two :func:`thread_cpu` readings (``after`` taken while the
-    logger's threads are still alive); threads without a trustscope name count as ``other``."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    roles: dict[str, float] = {}
-    for tid, cpu in after.items():
-        name = names.get(tid, "")
-        role = next((r for prefix, r in ROLES if name.startswith(prefix)), "other")
-        roles[role] = roles.get(role, 0.0) + cpu - before.get(tid, 0.0)
-    return roles
-
-
 def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int, roles: dict | None = None,
                  **kw) -> tuple[float, int]:
-    """TokenLogger on the rows; with ``roles``, fills it with :func:`cpu_by_role` read after the last flush
-    (every row encoded and committed) and before the close stops the threads."""
+    """TokenLogger on the rows; with ``roles``, fills it with the CPU seconds of the logger's own threads
+    (:class:`logger_cpu.LoggerCPU`: the caller's ``log_step``, the writer thread, the encoders)."""
     B, T, _ = steps[0]["mu_topk_ids"].shape
     mask = np.ones((B, T), dtype=bool)
     samples = {"sample_id": np.arange(B), "prompt_id": np.arange(B) // 16}
-    before = thread_cpu()
-    t0 = time.perf_counter()
-    with TokenLogger(out, "bench", loss_rule="dppo_binary_tv", flush_rows=rows_per_file, **kw) as logger:
-        for step in range(n_steps):
-            logger.log_step(step, tokens=steps[step % len(steps)], mask=mask, samples=samples)
-        if roles is not None:
-            logger.flush()
-            roles.update(cpu_by_role(before, thread_cpu()))
-    return time.perf_counter() - t0, dir_bytes(out / "bench" / "tokens")
+    with LoggerCPU() as cpu:
+        t0 = time.perf_counter()
+        with TokenLogger(out, "bench", loss_rule="dppo_binary_tv", flush_rows=rows_per_file, **kw) as logger:
+            for step in range(n_steps):
+                logger.log_step(step, tokens=steps[step % len(steps)], mask=mask, samples=samples)
+        seconds = time.perf_counter() - t0
+    if roles is not None:
+        roles.update(cpu.seconds())
+    return seconds, dir_bytes(out / "bench" / "tokens")
 
 
 def encode_only(steps: list[dict], repeat: int = 3) -> dict[str, tuple[float, float]]:
@@ -287,7 +256,7 @@ def main() -> None:
             print(f"{name:28s} vs polars: throughput x{statistics.median(paired):.2f} (median of {len(paired)} "
                   f"paired repeats, range x{min(paired):.2f}-x{max(paired):.2f}; best-of x{speed / base_speed:.2f}), "
                   f"per CPU-second x{statistics.median(paired_cpu):.2f}, size x{size / base_size:.2f}")
-        print(f"TokenLogger's CPU by thread, s per M rows (median of {args.repeat}; read after its last flush):")
+        print(f"TokenLogger's CPU by thread, s per M rows (median of {args.repeat}):")
         for role in sorted({r for by_role in roles for r in by_role}):
             per_m = statistics.median(by_role.get(role, 0.0) for by_role in roles) / rows * 1e6
             print(f"  {role:14s} {per_m:5.2f}")

@@ -5,10 +5,12 @@
 Everything runs in this one process on the same toy model, task (``add1``) and batch (8 prompts x 8 responses,
 8 new tokens at most, one optimizer update per step). Reported per configuration: the median wall time and the median
 CPU time of this process (all threads) per step, from one step's end to the next (rollout, update, weight sync and
-the logger call), steps/s and response tokens/s. Logger overhead is measured three ways: the wall and the CPU
+the logger call), steps/s and response tokens/s. Logger overhead is measured four ways: the wall and the CPU
 difference between logging on and off (runs alternate, so slow phases of a shared machine hit both; CPU time also
-counts the background writer thread and is less disturbed by other processes), and the time spent inside
-``TokenLogger.log_step`` itself. The TRL baseline is ``GRPOTrainer`` with transformers generation
+counts the background writer thread and is less disturbed by other processes), the time spent inside
+``TokenLogger.log_step`` itself, and the CPU the logger's own work takes on the threads that do it (the caller's
+``log_step``, the writer thread, the encoders; ``logger_cpu.LoggerCPU``), which the drift between two runs does not
+blur. The TRL baseline is ``GRPOTrainer`` with transformers generation
 (TRL's vLLM modes need a GPU or a vLLM server), ``beta=0``, Dr. GRPO loss and no reward scaling: the closest match
 to the trainer's own defaults.
 """
@@ -30,6 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logger_cpu import LoggerCPU  # bench/, this script's folder
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 8, 1e-4
 
@@ -57,11 +61,14 @@ def bench_ours(model_dir: Path, engine: str, log: bool, steps: int, warmup: int,
                       max_tokens=MAX_TOKENS, lr=LR, eval_every=0, log_tokens=log, logdir=str(logdir),
                       run_id=f"bench-{engine}-{'on' if log else 'off'}-{time.time_ns()}")
     try:
-        train(cfg, on_step=lambda step, s: (stamps.append(clock()), tokens.append(s["tokens"])))
+        with LoggerCPU() as cpu:
+            train(cfg, on_step=lambda step, s: (stamps.append(clock()), tokens.append(s["tokens"])))
     finally:
         logger_module.TokenLogger.log_step = original
+    own = cpu.seconds()
     return {**per_step(stamps, warmup), "tokens_per_step": statistics.mean(tokens[warmup + 1 :]),
-            "log_call_s": statistics.median(in_log[warmup + 1 :]) if in_log else 0.0}
+            "log_call_s": statistics.median(in_log[warmup + 1 :]) if in_log else 0.0,
+            **{f"logger_{k.replace(' ', '_')}_cpu_s": v / steps for k, v in own.items()}}
 
 
 def clock() -> tuple[float, float]:
@@ -154,6 +161,11 @@ def main() -> None:
         lines.append(f"| logger overhead, engine {engine} | wall {(on['step_s'] / off['step_s'] - 1) * 100:+.1f}% | "
                      f"CPU {(on['cpu_s'] / off['cpu_s'] - 1) * 100:+.1f}% | log_step call "
                      f"{on['log_call_s'] / on['step_s'] * 100:.1f}% of the step | | |")
+        own = {k: statistics.median(r[f"logger_{k}_cpu_s"] for r in results[True])
+               for k in ("caller", "writer_thread", "encoders")}
+        lines.append(f"| the logger's own CPU, engine {engine} (its threads, per step) | "
+                     + " | ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f} ms" for k, v in own.items())
+                     + f" | total {sum(own.values()) / off['cpu_s'] * 100:.1f}% of a logging-off step's CPU | |")
         if engine == "hf":
             hf_off = off
     if not args.no_trl:

@@ -9,7 +9,8 @@ up or slows down over the run does not favour either side). Per run: the median 
 of this process (all threads, the logger's writer thread included) per step, from one step's end to the next,
 after ``--warmup`` steps. Reported: the median over pairs of the paired ratio attached / plain, with the range,
 and the time spent inside attach's own code per step (tagging the rollout, logging the micro-batch, writing TRL's
-scalars), which the machine's drift does not blur, and the CPU time of the logger's background writer thread.
+scalars), which the machine's drift does not blur, and the CPU time of the logger's own threads (the writer thread
+and its encoders, measured on those threads: ``logger_cpu.LoggerCPU``).
 ``--topk K`` adds mu's top-K through ``topk_forward`` (two
 extra no-grad forwards per step).
 """
@@ -32,6 +33,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from logger_cpu import LoggerCPU  # bench/, this script's folder
+
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 8, 1e-4
 
 
@@ -41,7 +44,7 @@ def clock() -> tuple[float, float]:
 
 
 def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int, topk: int,
-            in_attach: list[tuple[float, float]], in_writer: list[float]) -> dict[str, float]:
+            in_attach: list[tuple[float, float]], logger_cpu: LoggerCPU) -> dict[str, float]:
     """One fresh GRPOTrainer for ``steps`` steps; median per-step wall and CPU seconds after ``warmup``."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -71,6 +74,7 @@ def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int
                       warmup_steps=0)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[reward], args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()])
+    threads_before = logger_cpu.seconds()
     if attached:
         before = len(in_attach)
         with warnings.catch_warnings():
@@ -84,7 +88,8 @@ def one_run(model_dir: Path, work: Path, attached: bool, steps: int, warmup: int
         mine = in_attach[before:]
         out["attach_s"] = sum(w for w, _ in mine) / steps  # per step, all of attach's own calls
         out["attach_cpu_s"] = sum(c for _, c in mine) / steps
-        out["writer_cpu_s"] = in_writer[-1] / steps  # the run's logger closed at the end of train()
+        after = logger_cpu.seconds()  # the run's logger closed at the end of train()
+        out["writer_cpu_s"] = sum(after[k] - threads_before[k] for k in ("writer thread", "encoders")) / steps
     return out
 
 
@@ -107,22 +112,6 @@ def time_attach_code(in_attach: list[tuple[float, float]]) -> None:
         setattr(integration.Attachment, name, timed(getattr(integration.Attachment, name)))
 
 
-def time_writer_thread(in_writer: list[float]) -> None:
-    """Record the CPU seconds of each TokenLogger's background writer thread, over its life, into ``in_writer``."""
-    from trustscope.logger import TokenLogger
-
-    loop = TokenLogger._write_loop
-
-    def timed_loop(self):
-        c = time.thread_time()
-        try:
-            return loop(self)
-        finally:
-            in_writer.append(time.thread_time() - c)
-
-    TokenLogger._write_loop = timed_loop
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10)
@@ -141,17 +130,16 @@ def main() -> None:
     model_dir = build_toy_model()
     work = Path(tempfile.mkdtemp(prefix="bench-trl-attach-"))
     in_attach: list[tuple[float, float]] = []
-    in_writer: list[float] = []
+    logger_cpu = LoggerCPU().__enter__()  # for the whole program
     time_attach_code(in_attach)
-    time_writer_thread(in_writer)
     print(f"TRL {trl.__version__}, toy model {model_dir}; {args.pairs} pairs x {args.steps} steps "
           f"({args.warmup} warm-up); torch threads {torch.get_num_threads()}; topk {args.topk}", flush=True)
-    one_run(model_dir, work / "warm", True, 4, 1, args.topk, in_attach, in_writer)  # imports, caches, first-call costs
+    one_run(model_dir, work / "warm", True, 4, 1, args.topk, in_attach, logger_cpu)  # imports, caches, first-call costs
     ratios_wall, ratios_cpu, plain, attached = [], [], [], []
     for i in range(args.pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         res = {on: one_run(model_dir, work / f"p{i}-{int(on)}", on, args.steps, args.warmup, args.topk, in_attach,
-                           in_writer) for on in order}
+                           logger_cpu) for on in order}
         plain.append(res[False])
         attached.append(res[True])
         ratios_wall.append(res[True]["step_s"] / res[False]["step_s"])
@@ -181,7 +169,7 @@ def main() -> None:
           f"wall | |")
     print(f"| inside attach's code, CPU ms per step (its thread) | | {code_cpu * 1e3:.2f} | "
           f"{code_cpu / step_cpu * 100:.1f}% of a plain step's CPU | |")
-    print(f"| the logger's writer thread, CPU ms per step | | {writer * 1e3:.2f} | "
+    print(f"| the logger's threads (writer, encoders), CPU ms per step | | {writer * 1e3:.2f} | "
           f"{writer / step_cpu * 100:.1f}% of a plain step's CPU | |")
 
 
