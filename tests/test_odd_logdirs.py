@@ -151,15 +151,17 @@ def test_a_truncated_file_marks_its_run_broken_and_the_rest_reads(truncated):
         assert steps.groupby("run_id").n_tokens.sum()["cut"] == read
 
 
-@pytest.mark.parametrize("command", ["sql", "report"])
+@pytest.mark.parametrize("command", ["sql", "report", "doctor"])
 def test_a_truncated_file_leaves_its_run_out_of_the_cli_and_says_so(truncated, command):
+    """sql and report answer for the other runs; doctor checks them too and exits 2, since one run went
+    unchecked."""
     root, cut = truncated
     args = {"sql": ["sql", str(root), "select distinct run_id from tokens order by 1"],
-            "report": ["report", str(root)]}[command]
+            "report": ["report", str(root)], "doctor": ["doctor", str(root)]}[command]
     result = runner.invoke(app, args)
     _no_traceback(result)
-    assert result.exit_code == 0, result.output
-    said = "run cut left out" if command == "sql" else "cut: left out"
+    assert result.exit_code == (2 if command == "doctor" else 0), result.output
+    said = "cut: left out" if command == "report" else "run cut left out"
     assert said in result.output and cut.name in result.output
     assert "good_a" in result.output and "good_b" in result.output
 

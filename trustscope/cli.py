@@ -297,23 +297,31 @@ def doctor(
     from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
 ) -> None:
     """Contract checks on any log, native or imported: mu/pi alignment, placeholder log-probs, mu's top-K, processed
-    vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails."""
+    vs raw log-probs, a recomputed mu, sample ids colliding across ranks. Exit 1 when a check fails, 2 when a run
+    cannot be read whole (it is left out, and said so; the others are checked)."""
     import duckdb
 
-    from trustscope.doctor import doctor_logdir, failed, format_finding
+    from trustscope.doctor import diagnose, failed, format_finding
+    from trustscope.report import NoRunsFound, connect_readable
 
     if not logdir.is_dir():
         typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
         raise typer.Exit(2)
     try:
-        findings = doctor_logdir(logdir, run or None, first_step=from_step)
+        db, broken = connect_readable(logdir, cache=False)
+        with db:
+            findings = diagnose(db, run or None, first_step=from_step)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"trustscope doctor: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
         raise typer.Exit(2) from exc
-    except duckdb.Error as exc:  # an unreadable file: validate names it
+    except NoRunsFound as exc:  # no run, or none readable (the message says which, and names validate)
+        typer.echo(f"trustscope doctor: cannot read {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except duckdb.Error as exc:  # a file damaged after the check: validate names it
         typer.echo(f"trustscope doctor: cannot read {logdir}: {str(exc).splitlines()[0]}; `trustscope validate "
                    f"{logdir}` names every broken file", err=True)
         raise typer.Exit(2) from exc
+    _left_out("doctor", broken)
     if not findings:
         typer.echo(f"trustscope doctor: no runs in {logdir}", err=True)
         raise typer.Exit(2)
@@ -325,6 +333,8 @@ def doctor(
     verdicts = [f.verdict for fs in findings.values() for f in fs]
     typer.echo(f"{len(findings)} run(s): " + ", ".join(f"{verdicts.count(v)} {v}" for v in
                                                        ("ok", "warn", "fail", "skipped")))
+    if broken:
+        raise typer.Exit(2)
     if n_failed:
         raise typer.Exit(1)
 
