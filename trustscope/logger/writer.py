@@ -238,7 +238,7 @@ class _StepSummaries:
     def add(self, rows: list[dict[str, Any]]) -> None:
         self.calls += 1
         for row in rows:
-            key = tuple(row.get(k) for k in self.KEY)
+            key = tuple(map(row.get, self.KEY))
             have = self.rows.get(key)
             if have is None:
                 self.rows[key] = dict(row)
