@@ -24,8 +24,8 @@ st.dataframe(table, hide_index=True, key="runs_table", column_config={
 })
 st.caption("Status reads the writer: a run whose process is gone reads crashed, one whose manifest has not "
            f"changed for {data.report.STALE_AFTER_S / 60:.0f} minutes reads stale, one with a file that cannot "
-           "be read reads broken (the red line above names the file). Tokens logged are the token rows on disk (a "
-           "run may log a fraction of what it generated).")
+           "be read reads broken (a red line at the top of every page then names the file). Tokens logged are the "
+           "token rows on disk (a run may log a fraction of what it generated).")
 
 
 def compare(chosen: list[str], grouped: bool) -> None:
