@@ -233,10 +233,8 @@ class _StepSummaries:
     def __init__(self, step: int, part: int) -> None:
         self.step, self.part = step, part
         self.rows: dict[tuple, dict[str, Any]] = {}
-        self.calls = 0
 
     def add(self, rows: list[dict[str, Any]]) -> None:
-        self.calls += 1
         for row in rows:
             key = tuple(map(row.get, self.KEY))
             have = self.rows.get(key)
