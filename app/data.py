@@ -101,11 +101,11 @@ def check_logdir(logdir: Path | str) -> None:
     error naming each run that cannot be read whole and why (:attr:`trustscope.db.LogDB.broken_runs`: a manifest
     that is not JSON, a data file whose Parquet footer does not read). What still reads of such a run is shown,
     and the other runs as they are."""
-    remote = storage.is_remote(logdir)
-    if remote:
+    handle = None
+    if storage.is_remote(logdir):
         try:
             handle = _db(str(logdir))
-            handle.refresh()  # the mirror, brought up to date
+            handle.refresh()  # the mirror, brought up to date, and its runs checked
             logdir = handle.paths[0]
         except (storage.StorageError, ValueError) as exc:
             raise LogDirError(f"The object store prefix cannot be read: {exc}") from None
@@ -118,9 +118,10 @@ def check_logdir(logdir: Path | str) -> None:
         raise LogDirError(f"The log directory `{logdir}` holds no runs yet (no `<run>/{schema.MANIFEST}`). "
                           "Runs appear here once a trainer with a TokenLogger starts writing into it; "
                           "reload the page then.")
-    if not remote:
-        _db(current_logdir()).refresh()  # new runs and files, each checked once
-    for run, problem in sorted(_db(current_logdir()).broken_runs.items()):
+    if handle is None:
+        handle = _db(current_logdir())
+        handle.refresh()  # new runs and files, each file's footer read once
+    for run, problem in sorted(handle.broken_runs.items()):
         st.error(f"Could not read all of run `{run}`: {problem}\n\nWhat still reads of it is shown, marked broken; "
                  f"the other runs are as they are. Run `trustscope validate {logdir}` to list every broken file.",
                  icon=":material/error:")
