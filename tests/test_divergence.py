@@ -197,3 +197,26 @@ def test_batched_over_leading_shape():
     assert D.binary_kl(mu, pi).shape == (3, 4, 5)
     flat = D.topk_kl(mu.reshape(12, 5), pi.reshape(12, 5)).reshape(3, 4)
     torch.testing.assert_close(D.topk_kl(mu, pi), flat)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_numpy_topk_pair_matches_torch(k):
+    # The logger's writer thread computes topk_tv / topk_kl without torch: the same numbers, extremes included.
+    import numpy as np
+
+    from trustscope import divergence_np
+
+    g = torch.Generator().manual_seed(k)
+    logits = torch.randn(4000, 64, generator=g, dtype=torch.float64) * torch.rand(4000, 1, generator=g) * 12
+    mu = torch.log_softmax(logits, -1).topk(k, -1).values  # (N, K), from near-uniform to one token near 1
+    pi = (mu + 0.3 * torch.randn(mu.shape, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    pi[:50] = mu[:50]  # identical lists: both divergences exactly 0
+    tv, kl = D.topk_divergences_np(mu.float().numpy(), pi.float().numpy())
+    mu32, pi32 = mu.float().double(), pi.float().double()  # the float32 inputs the logger stores, in float64
+    assert tv.dtype == kl.dtype == np.float32
+    np.testing.assert_allclose(tv, D.topk_tv(mu32, pi32).numpy(), rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(kl, D.topk_kl(mu32, pi32).numpy(), rtol=1e-6, atol=1e-12)
+    assert (tv[:50] == 0).all() and (kl[:50] == 0).all()
+    assert divergence_np.EPS == D.EPS
+    with pytest.raises(ValueError, match="top-K"):
+        D.topk_divergences_np(mu.numpy(), pi[:, :-1].numpy())

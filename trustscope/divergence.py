@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# The top-K pair in numpy, for callers without torch (the logger's writer thread).
+from trustscope.divergence_np import topk_divergences_np as topk_divergences_np
+
 EPS = 1e-12
 """Floor for probabilities that enter a logarithm (the 'other' bucket, ``1 - p``)."""
 

@@ -110,7 +110,7 @@ sampling (computed on the writer thread from the call's checked copy, then the s
 histograms, top-K TV/KL histograms, bad-negative counts, entropy (:mod:`trustscope.logger.summaries`), written
 to the ``summaries`` table in the same flushes as the other tables. They cost about as much CPU as encoding the
 token rows (``docs/performance.md``); ``summaries=False`` leaves them out (recorded in the manifest's
-``logging``), and then torch is imported only for tensors or top-K divergences.
+``logging``), and then torch is imported only for tensors.
 
 Files are ``<table>/r<rank>-s<first step>-<last step>-f<flush>.parquet``, row groups of ``row_group_size`` rows
 (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``. A flush
@@ -140,9 +140,8 @@ from trustscope.logger.runfiles import (
     run_summary,
 )
 from trustscope.logger.token_logger import MU_SOURCES, NullLogger, TokenLogger
-from trustscope.logger.writer import round_mantissa, topk_divergences
+from trustscope.logger.writer import round_mantissa
 from trustscope.schema import SchemaError
 
 __all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "SchemaError", "TokenLogger", "drop_steps_after",
-           "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary",
-           "topk_divergences"]
+           "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary"]

@@ -1,4 +1,4 @@
-"""Input checking and flattening: what ``log_step`` is handed becomes a checked :class:`Batch` of flat numpy rows.
+"""Input checking and flattening: what ``log_step`` is handed becomes a checked :class:`.Batch` of flat numpy rows.
 
 Everything that could fail later on the writer thread is refused here, at the call, naming the field and the
 value: integers that do not fit their column, text that is not valid UTF-8, a step or scalar logged twice.
@@ -9,14 +9,13 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from trustscope import schema as S
+from trustscope.logger.batch import Batch
 from trustscope.logger.errors import LogWarning
-from trustscope.logger.summaries import summarize_call
 from trustscope.schema import SchemaError
 
 TOKEN_INPUTS = tuple(n for n in S.TOKENS.names
@@ -124,40 +123,6 @@ def _within(arr: np.ndarray, low: float, high: float, finite: bool = False) -> b
     if finite and (np.isinf(lo) or np.isinf(hi)):
         return False
     return bool(lo >= low) and bool(hi <= high)
-
-
-@dataclass
-class Batch:
-    """One call's data, checked and flattened to token rows; owned by the writer thread once queued."""
-
-    step: int
-    loss_rule: str
-    tokens: dict[str, np.ndarray] | None  # flat columns, N rows (top-K: (N, K))
-    samples: dict[str, Any] | None
-    scalars: list[tuple[str, float]] = field(default_factory=list)
-    n_generated: int = 0  # masked response tokens handed in, before sampling and dropping
-    dropped_rows: int = 0  # bad token rows dropped (strict=False)
-    part: int = 0  # this call's number within (step, rank)
-    summarize: bool = False  # the writer computes the summaries over every token row, then applies ``sampled``
-    sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
-    summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
-
-    def summarize_and_sample(self, bit_rules: tuple[str, ...] = ()) -> None:
-        """On the writer thread: the summaries over every token row (and the rows' ``blocked_rules``, bit i for
-        ``bit_rules[i]``), then the token_fraction sample."""
-        if self.summarize and self.tokens is not None:
-            self.summaries = summarize_call(self.tokens, bit_rules)
-        self.summarize = False
-        if self.sampled is not None and self.tokens is not None:
-            self.tokens = {name: arr[self.sampled] for name, arr in self.tokens.items()}
-        self.sampled = None
-
-    @property
-    def n_tokens(self) -> int:
-        """Token rows to write (after the token_fraction sample)."""
-        if self.tokens is None:
-            return 0
-        return int(self.sampled.sum()) if self.sampled is not None else len(self.tokens["token_id"])
 
 
 class Rejected(Exception):

@@ -3,7 +3,7 @@
 ``token_fraction`` keeps the token rows of a sample of sequences; these aggregates are taken over all of them (bad
 rows dropped with ``strict=False`` excepted), so the ``summaries`` table reads the same at any fraction. The call
 checks and copies the rows; the writer thread computes the summaries over all of them and only then applies the
-sample (:meth:`trustscope.logger.checks.Batch.summarize_and_sample`), so ``log_step`` itself stays short. Every
+sample (:meth:`trustscope.logger.batch.Batch.apply_sample`), so ``log_step`` itself stays short. Every
 figure is mergeable (a count, a sum, a sum of squares, a min, a max, a histogram bin's count): the ``summaries``
 view adds up the micro-batches of a step and the ranks of a run.
 
@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from trustscope.divergence_np import topk_divergences_np
 
 MU_BUCKET_SQL = Path(__file__).resolve().parents[1] / "sql" / "macros" / "mu_bucket.sql"
 
@@ -115,10 +117,7 @@ def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ())
     lists are there and the divergences are not (computed once, for every row, and written with the rows), and
     ``blocked_rules`` when ``bit_rules`` names rules (see :func:`summarize`)."""
     if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
-        from trustscope.logger.writer import topk_divergences
-
-        with one_torch_thread():
-            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
+        tv, kl = topk_divergences_np(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
         cols.setdefault("topk_tv", tv)
         cols.setdefault("topk_kl", kl)
     return summarize(cols, bit_rules)

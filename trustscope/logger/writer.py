@@ -31,8 +31,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trustscope import schema as S
-from trustscope.logger.checks import Batch
+from trustscope.divergence_np import topk_divergences_np
+from trustscope.logger.batch import Batch
 from trustscope.logger.runfiles import RunFiles
+from trustscope.logger.summaries import summarize_call
 from trustscope.storage import RunStore
 
 
@@ -572,7 +574,10 @@ class Writer:
     def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
-        batch.summarize_and_sample(self._bit_rules)
+        if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
+            batch.summaries = summarize_call(batch.tokens, self._bit_rules)
+        batch.summarize = False
+        batch.apply_sample()
         if batch.tokens is not None and batch.n_tokens:
             out["tokens"] = self._tokens_table(batch)
             if "mu_topk_ids" in batch.tokens:
@@ -601,7 +606,7 @@ class Writer:
                      for i in range(0, n, max_rows)]
             return pa.concat_tables([self._tokens_table(part) for part in parts])
         if "mu_topk_logprobs" in cols and "pi_topk_logprobs" in cols and not {"topk_tv", "topk_kl"} <= set(cols):
-            tv, kl = topk_divergences(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])  # summaries=False
+            tv, kl = topk_divergences_np(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])  # summaries=False
             cols.setdefault("topk_tv", tv)
             cols.setdefault("topk_kl", kl)
         out: dict[str, pa.Array] = {
@@ -667,19 +672,3 @@ def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:
     rounded = np.where(finite, (u + half) & keep, u)
     return rounded.view(np.float32)
 
-
-def topk_divergences(mu_topk_logprobs: np.ndarray, pi_topk_logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Top-K TV and KL ``(N,)`` float32 from ``(N, K)`` logprob arrays, by :mod:`trustscope.divergence`.
-
-    Computed in float64: in float32 the 'other' bucket ``1 - sum P`` is lost below about 1e-3, and its log-ratio
-    term of the KL with it.
-    """
-    import torch
-
-    from trustscope import divergence
-
-    mu = torch.from_numpy(np.asarray(mu_topk_logprobs, dtype=np.float64))
-    pi = torch.from_numpy(np.asarray(pi_topk_logprobs, dtype=np.float64))
-    with torch.no_grad():
-        tv, kl = divergence.topk_tv(mu, pi), divergence.topk_kl(mu, pi)
-    return tv.numpy().astype(np.float32), kl.numpy().astype(np.float32)

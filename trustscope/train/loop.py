@@ -71,7 +71,7 @@ CHECKPOINTS = "checkpoints"
 
 
 @dataclass
-class Batch:
+class StepRollouts:
     """One step's rollouts: the problems (one per group), the engine's samples and their rewards."""
 
     weights_step: int  # the trainer step whose weights the engine sampled with (older when lagging)
@@ -115,7 +115,7 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 # rollouts
 
 
-def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int) -> Batch:
+def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int) -> StepRollouts:
     """Sample the rollouts of step ``step`` while the trainer is at step ``now``: ``prompts_per_step`` problems,
     ``group_size`` responses each. The engine holds the weights of the last sync, step ``now - now % sync_every``."""
     problems = task.sample(random.Random(step_seed(cfg.seed, step, 1)), cfg.prompts_per_step, "train")
@@ -124,10 +124,11 @@ def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int)
                               seed=step_seed(cfg.seed, step, 2))
     per_sample = [problems[i] for i in rollout.prompt_index]
     rewards = task.score(per_sample, rollout.texts, rollout.finish_reasons)
-    return Batch(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
+    return StepRollouts(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
 
 
-def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int, pending: deque[Batch]) -> Iterator[Batch]:
+def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int,
+                   pending: deque[StepRollouts]) -> Iterator[StepRollouts]:
     """Yield the batch of each step from ``step`` on. ``pending`` holds batches sampled ahead: with
     ``policy_lag = k`` the batch of step s was sampled k steps earlier, with the weights the engine had then
     (asynchronous RL's staleness; the first k steps train on the initial weights' rollouts)."""
@@ -187,7 +188,7 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def share(self, batch: Batch | None) -> Batch:
+    def share(self, batch: StepRollouts | None) -> StepRollouts:
         """This rank's share of rank 0's step batch (``batch`` is None on the other ranks): see :func:`shard_batch`."""
         if self.world == 1:
             assert batch is not None
@@ -214,7 +215,7 @@ def join_ranks(device: torch.device) -> tuple[Ranks, torch.device, bool]:
     return Ranks(dist.get_rank(), dist.get_world_size()), device, created
 
 
-def shard_batch(batch: Batch, rank: int, world: int) -> Batch:
+def shard_batch(batch: StepRollouts, rank: int, world: int) -> StepRollouts:
     """Rank ``rank``'s share of a step batch: the ``rank``-th of ``world`` equal contiguous blocks of whole groups
     (``prompts_per_step % world == 0``, checked at start), so every group's advantages are those of the one-rank
     run. The block's samples are rows ``first_group * group_size ..`` of the step."""
@@ -227,7 +228,7 @@ def shard_batch(batch: Batch, rank: int, world: int) -> Batch:
                       response_ids=ro.response_ids[s0:s1], mu_logprobs=ro.mu_logprobs[s0:s1],
                       mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
                       finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling)
-    return Batch(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
+    return StepRollouts(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
                  first_group=batch.first_group + g0)
 
 
@@ -300,7 +301,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfi
 
 
 def save_checkpoint(cfg: TrainConfig, step: int, model: torch.nn.Module, tokenizer: Any, optimizer: Any,
-                    scheduler: Any, pending: deque[Batch], engine_state: dict[str, torch.Tensor] | None) -> Path:
+                    scheduler: Any, pending: deque[StepRollouts], engine_state: dict[str, torch.Tensor] | None) -> Path:
     """Write ``checkpoints/step_<step>/``: a loadable HF model dir plus the trainer state; keep the newest few."""
     root = cfg.run_dir / CHECKPOINTS
     final = root / f"step_{step:06d}"
@@ -346,12 +347,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_model(cfg: TrainConfig) -> Path | str:
-    """The model directory: the toy world (built and cached on first use) or ``cfg.model`` as given."""
-    if cfg.model == "toy":
-        from trustscope.train.toy import build_toy_model
+    """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
+    :data:`trustscope.train.toy.TOY_PRESETS` warm-started on ``cfg.task``, built and cached on first use) or
+    ``cfg.model`` as given."""
+    from trustscope.train.toy import TOY_PRESETS, build_toy_model
 
-        return build_toy_model(task=cfg.task)
+    if cfg.model in TOY_PRESETS:
+        return build_toy_model(TOY_PRESETS[cfg.model], task=cfg.task)
     return cfg.model
+
+
+def portable(path: Path | str) -> str:
+    """``path`` as a run manifest records it, naming no directory of the machine that wrote it: a build in the
+    trustscope cache (a toy world) by its place in the cache (``toy/<task>-<key>``), a path under the working
+    directory relative to it, anything else (a hub name, a model elsewhere) as given."""
+    from trustscope.paths import cache_root
+
+    text = str(path)
+    if not os.path.isabs(text):
+        return text
+    resolved = Path(text).resolve()
+    for root in (cache_root(), Path.cwd()):
+        root = root.resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            return resolved.relative_to(root).as_posix()
+    return text
 
 
 @dataclass
@@ -360,7 +380,7 @@ class Start:
 
     step: int  # the first step to train
     weights_dir: Path | str  # the weights (and tokenizer) the trainer loads
-    pending: deque[Batch]  # rollouts sampled ahead (policy_lag > 0)
+    pending: deque[StepRollouts]  # rollouts sampled ahead (policy_lag > 0)
     engine_state: dict[str, torch.Tensor] | None  # a lagging engine's weights at the checkpoint
     trainer_state: dict[str, Any] | None  # the optimizer's and the scheduler's state at the checkpoint
 
@@ -413,7 +433,7 @@ class StepInputs:
     old_lp: torch.Tensor | None  # (B, T) pi_old, when recomputed
 
 
-def step_inputs(batch: Batch, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
+def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
                 device: torch.device) -> StepInputs:
     """Pad the batch into tensors, compute group advantages, recompute pi_old when ``cfg.recompute_old``."""
     ro = batch.rollout.to_tensors(pad_id)
@@ -518,7 +538,7 @@ def step_totals(x: StepInputs, up: Update, ranks: Ranks) -> dict[str, float]:
     return {"tokens": total[0], "entropy": total[1], **({} if x.old_lp is None else {"old_mismatch": total[2]})}
 
 
-def step_scalars(batch: Batch, totals: dict[str, float], up: Update, step: int, lr: float,
+def step_scalars(batch: StepRollouts, totals: dict[str, float], up: Update, step: int, lr: float,
                  times: dict[str, float]) -> dict[str, float]:
     """The step's scalars for the log and the progress bar, from the whole step's ``batch`` and the ranks'
     ``totals`` (:func:`step_totals`); ``times``: rollout, train, sync, step seconds (rank 0's)."""
@@ -544,7 +564,7 @@ def step_scalars(batch: Batch, totals: dict[str, float], up: Update, step: int, 
     return scalars
 
 
-def log_step(logger: Any, step: int, batch: Batch, x: StepInputs, up: Update,
+def log_step(logger: Any, step: int, batch: StepRollouts, x: StepInputs, up: Update,
              scalars: dict[str, float] | None) -> None:
     """This rank's tokens and responses of the step, and the step's scalars (rank 0 only), into its TokenLogger.
     Sample ids and prompt ids are step-wide (``first_group`` on), so the ranks' rows form one run's step."""
@@ -673,11 +693,16 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
         return NullLogger()
     sampling = None if engine is None else {**engine.sampling_info(), "temperature": cfg.temperature,
                                              "top_p": cfg.top_p, "topk_logprobs": cfg.topk}
-    model_info = {"name": cfg.model, "path": str(model_dir), "parameters": sum(p.numel() for p in model.parameters()),
+    if sampling and sampling.get("model_dir"):
+        sampling["model_dir"] = portable(sampling["model_dir"])
+    model_info = {"name": portable(cfg.model), "path": portable(model_dir),
+                  "parameters": sum(p.numel() for p in model.parameters()),
                   "dtype": cfg.trainer_dtype, "architecture": type(model).__name__}
+    config = {**cfg.to_dict(), "model": portable(cfg.model), "logdir": portable(cfg.logdir)}
     os.makedirs(cfg.logdir, exist_ok=True)
-    return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=cfg.to_dict(), model=model_info, sampling=sampling,
-                       tokenizer={"name": getattr(tokenizer, "name_or_path", ""), "vocab_size": len(tokenizer)},
+    return TokenLogger(cfg.logdir, run_id=cfg.run_id, config=config, model=model_info, sampling=sampling,
+                       tokenizer={"name": portable(getattr(tokenizer, "name_or_path", "")),
+                                  "vocab_size": len(tokenizer)},
                        vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, rank=ranks.rank, resume=cfg.resume,
                        token_fraction=cfg.log_token_fraction, log_topk=cfg.log_topk,
                        topk_precision=cfg.log_topk_precision)
