@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -329,62 +330,150 @@ def _ref_topk(mu_k: list[float], pi_k: list[float]) -> tuple[float, float]:
     return tv, kl
 
 
-def reference_rule(name: str, pi_lp: float, mu_lp: float, old_lp: float, adv: float,
-                   mu_k: list[float], pi_k: list[float]) -> tuple[bool, float, list[float]]:
-    """PAPER.md in plain float64 Python for one token: (keep, loss, decision margins)."""
-    pi, mu = math.exp(pi_lp), math.exp(mu_lp)
-    cap = {"cispo": 2.0, "minirl_tis": 2.0, "token_tis": 2.0}.get(name, math.inf)
-    w = min(math.exp(min(pi_lp - mu_lp, 20.0)), cap)
-    margins: list[float] = []
-    keep = True
+def _ppo_ref(r: float, adv: float, eps_low: float, eps_high: float, margins: list[float], alpha: float = 0.0,
+             mu: float = 1.0) -> bool:
+    margins.extend([r - (1 + eps_high), r - (1 - eps_low), mu - alpha])
+    if adv > 0 and r > 1 + eps_high and mu >= alpha:
+        return False
+    return not (adv <= 0 and r < 1 - eps_low and mu >= alpha)
 
-    def ppo(anchor_lp: float, eps_low: float, eps_high: float, alpha: float = 0.0) -> bool:
-        r = math.exp(min(pi_lp - anchor_lp, 20.0))
-        margins.extend([r - (1 + eps_high), r - (1 - eps_low), mu - alpha])
-        if adv > 0 and r > 1 + eps_high and mu >= alpha:
-            return False
-        return not (adv <= 0 and r < 1 - eps_low and mu >= alpha)
 
-    def dppo(div: float, delta: float, anchor_lp: float) -> bool:
-        margins.extend([div - delta, pi_lp - anchor_lp])
-        if div <= delta:
-            return True
-        if adv > 0:
-            return not pi_lp > anchor_lp
-        return not pi_lp < anchor_lp
+def _dppo_ref(div: float, delta: float, pi_lp: float, anchor_lp: float, adv: float, margins: list[float]) -> bool:
+    margins.extend([div - delta, pi_lp - anchor_lp])
+    if div <= delta:
+        return True
+    return not pi_lp > anchor_lp if adv > 0 else not pi_lp < anchor_lp
 
-    if name == "ppo_clip":
-        keep = ppo(mu_lp, 0.2, 0.28)
-    elif name == "grpo":
-        keep = ppo(mu_lp, 0.2, 0.2)
-    elif name in ("minirl", "minirl_tis"):
-        keep = ppo(old_lp, 0.2, 0.28)
-    elif name == "ppo_lowprob_relax":
-        keep = ppo(mu_lp, 0.2, 0.28, alpha=0.1)
-    elif name == "dppo_binary_tv":
-        keep = dppo(abs(pi - mu), 0.15, mu_lp)
-    elif name == "dppo_binary_kl":
-        keep = dppo(_ref_binary_kl(mu, pi), 0.05, mu_lp)
-    elif name == "dppo_topk_tv":
-        keep = dppo(_ref_topk(mu_k, pi_k)[0], 0.15, mu_lp)
-    elif name == "dppo_topk_kl":
-        keep = dppo(_ref_topk(mu_k, pi_k)[1], 0.05, mu_lp)
-    elif name == "dppo_decoupled":
-        old = math.exp(old_lp)
-        keep = dppo(_ref_binary_kl(old, pi), 0.05, old_lp)
-    elif name == "minimal_negative_mask":
-        margins.append((mu - pi) - 0.5)
-        keep = not (adv <= 0 and mu - pi >= 0.5)
-    elif name in ("token_mis", "icepop"):
-        low, high = (0.5, 2.0) if name == "token_mis" else (0.5, 5.0)
-        margins.extend([w - low, w - high])
-        keep = low <= w <= high
-    loss = -adv * w * pi_lp if keep else 0.0
-    return keep, loss, margins
+
+def _is_w(tok: dict, cap: float = math.inf) -> float:
+    return min(math.exp(min(tok["pi_lp"] - tok["mu_lp"], 20.0)), cap)
+
+
+def token_reference(keep_of: Callable[[dict, list[float]], bool], cap: float = math.inf) -> Callable:
+    """A token-level rule's reference over one response: each token's keep from ``keep_of(token, margins)``,
+    its loss -A w log pi with w = min(pi/mu, cap) where kept."""
+
+    def ref(tokens: list[dict]) -> list[tuple[bool, float, list[float]]]:
+        out = []
+        for tok in tokens:
+            margins: list[float] = []
+            keep = keep_of(tok, margins)
+            out.append((keep, -tok["adv"] * _is_w(tok, cap) * tok["pi_lp"] if keep else 0.0, margins))
+        return out
+
+    return ref
+
+
+def _seq_ratio_reference(keep_of: Callable[[float, dict, list[float]], bool],
+                         weight_of: Callable[[float, dict], float]) -> Callable:
+    """A rule on the response's mean log-ratio m: keep_of(m, token, margins), weight_of(m, token)."""
+
+    def ref(tokens: list[dict]) -> list[tuple[bool, float, list[float]]]:
+        m = sum(t["pi_lp"] - t["mu_lp"] for t in tokens) / len(tokens)
+        out = []
+        for tok in tokens:
+            margins: list[float] = []
+            keep = keep_of(m, tok, margins)
+            out.append((keep, -tok["adv"] * weight_of(m, tok) * tok["pi_lp"] if keep else 0.0, margins))
+        return out
+
+    return ref
+
+
+def _p90(values: list[float]) -> float:
+    """torch.quantile's linear interpolation at 0.9."""
+    v = sorted(values)
+    pos = 0.9 * (len(v) - 1)
+    lo = math.floor(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def _cppo_reference(tokens: list[dict], delta: float = 0.15, w_min: float = 0.8,
+                    delta_b: float = 0.02) -> list[tuple[bool, float, list[float]]]:
+    n = len(tokens)
+    div = [abs(math.exp(t["pi_lp"]) - math.exp(t["mu_lp"])) for t in tokens]
+    budget = min(max(_p90(div), delta_b), 2 * delta_b)
+    spent = weight = 0.0
+    out = []
+    for s, tok in enumerate(tokens):
+        w = w_min + (1 - w_min) * (n - 1 - s) / max(n - 1, 1)
+        z = w * div[s]
+        threshold = min(delta, delta + budget * weight - spent)
+        harmful = tok["pi_lp"] > tok["mu_lp"] if tok["adv"] > 0 else tok["pi_lp"] < tok["mu_lp"]
+        keep = not (harmful and z > threshold)
+        out.append((keep, -tok["adv"] * _is_w(tok) * tok["pi_lp"] if keep else 0.0,
+                    [z - threshold, tok["pi_lp"] - tok["mu_lp"]]))
+        spent, weight = spent + z, weight + w
+    return out
+
+
+def _drpo_reference(tokens: list[dict], delta: float = 0.15) -> list[tuple[bool, float, list[float]]]:
+    out = []
+    for tok in tokens:
+        shift = math.exp(tok["pi_lp"]) - math.exp(tok["mu_lp"])
+        g = 1 - (1.0 if tok["adv"] > 0 else -1.0) * shift / delta
+        out.append((g > 0, -tok["adv"] * _is_w(tok) * g * tok["pi_lp"], [g]))  # applied everywhere: no hard gate
+    return out
+
+
+def _mu(t: dict) -> float:
+    return math.exp(t["mu_lp"])
+
+
+def _pi(t: dict) -> float:
+    return math.exp(t["pi_lp"])
+
+
+def _r(t: dict, anchor: str = "mu_lp") -> float:
+    return math.exp(min(t["pi_lp"] - t[anchor], 20.0))
+
+
+REFERENCE: dict[str, Callable[[list[dict]], list[tuple[bool, float, list[float]]]]] = {
+    "pg_is": token_reference(lambda t, m: True),
+    "cispo": token_reference(lambda t, m: True, cap=2.0),
+    "token_tis": token_reference(lambda t, m: True, cap=2.0),
+    "ppo_clip": token_reference(lambda t, m: _ppo_ref(_r(t), t["adv"], 0.2, 0.28, m)),
+    "grpo": token_reference(lambda t, m: _ppo_ref(_r(t), t["adv"], 0.2, 0.2, m)),
+    "minirl": token_reference(lambda t, m: _ppo_ref(_r(t, "old_lp"), t["adv"], 0.2, 0.28, m)),
+    "minirl_tis": token_reference(lambda t, m: _ppo_ref(_r(t, "old_lp"), t["adv"], 0.2, 0.28, m), cap=2.0),
+    "ppo_lowprob_relax": token_reference(lambda t, m: _ppo_ref(_r(t), t["adv"], 0.2, 0.28, m, 0.1, _mu(t))),
+    "dppo_binary_tv": token_reference(
+        lambda t, m: _dppo_ref(abs(_pi(t) - _mu(t)), 0.15, t["pi_lp"], t["mu_lp"], t["adv"], m)),
+    "dppo_binary_kl": token_reference(
+        lambda t, m: _dppo_ref(_ref_binary_kl(_mu(t), _pi(t)), 0.05, t["pi_lp"], t["mu_lp"], t["adv"], m)),
+    "dppo_topk_tv": token_reference(
+        lambda t, m: _dppo_ref(_ref_topk(t["mu_k"], t["pi_k"])[0], 0.15, t["pi_lp"], t["mu_lp"], t["adv"], m)),
+    "dppo_topk_kl": token_reference(
+        lambda t, m: _dppo_ref(_ref_topk(t["mu_k"], t["pi_k"])[1], 0.05, t["pi_lp"], t["mu_lp"], t["adv"], m)),
+    "dppo_decoupled": token_reference(lambda t, m: _dppo_ref(
+        _ref_binary_kl(math.exp(t["old_lp"]), _pi(t)), 0.05, t["pi_lp"], t["old_lp"], t["adv"], m)),
+    "minimal_negative_mask": token_reference(
+        lambda t, m: m.append(_mu(t) - _pi(t) - 0.5) or not (t["adv"] <= 0 and _mu(t) - _pi(t) >= 0.5)),
+    "token_mis": token_reference(lambda t, m: m.extend([_r(t) - 0.5, _r(t) - 2.0]) or 0.5 <= _r(t) <= 2.0),
+    "icepop": token_reference(lambda t, m: m.extend([_r(t) - 0.5, _r(t) - 5.0]) or 0.5 <= _r(t) <= 5.0),
+    "gspo": _seq_ratio_reference(
+        lambda mean, t, m: _ppo_ref(math.exp(min(mean, 10.0)), t["adv"], 3e-4, 4e-4, m),
+        lambda mean, t: math.exp(min(mean, 10.0))),
+    "geo_mask": _seq_ratio_reference(
+        lambda mean, t, m: m.extend([math.exp(mean) - 0.999, math.exp(mean) - 1.001])
+        or 0.999 <= math.exp(mean) <= 1.001,
+        lambda mean, t: _is_w(t)),
+    "cppo": _cppo_reference,
+    "drpo": _drpo_reference,
+}
+"""PAPER.md (and each rule's source) in plain float64 Python, one response at a time: per token (keep, loss,
+decision margins). Every built-in rule has one (``test_every_rule_has_a_reference``)."""
+def test_every_rule_has_a_reference():
+    assert set(REFERENCE) == set(L.BUILTIN_RULES)
 
 
 FP32_BAND = 1e-4
 """fp32 masks are held to the reference except on tokens with a decision margin within this of zero."""
+
+
+def _rows(b: PolicyBatch, t: int) -> PolicyBatch:
+    """``b``'s tokens as responses of ``t`` tokens."""
+    return PolicyBatch(**{f: None if v is None else v.reshape(-1, t, *v.shape[2:]) for f, v in b.__dict__.items()})
 
 
 @pytest.mark.slow
@@ -392,31 +481,37 @@ FP32_BAND = 1e-4
 def test_rules_match_slow_reference(dtype):
     rng = random.Random(0)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
-    b = random_batch(g, 3000, dtype=dtype, scale=2.0)
-    flat = {f: getattr(b, f).double().reshape(3000, *getattr(b, f).shape[2:]).tolist()
-            for f in ("pi_logprob", "mu_logprob", "old_logprob", "advantages", "mu_topk_logprobs",
-                      "pi_topk_logprobs")}
-    excluded = 0
-    for name in RULES:
+    b = _rows(random_batch(g, 3000, dtype=dtype, scale=2.0, pad=True), 6)  # 500 responses of up to 6 tokens
+    rows = []
+    for i in range(b.mask.shape[0]):
+        valid = b.mask[i].tolist()
+        rows.append([j for j in range(len(valid)) if valid[j]])
+    flat = {f: getattr(b, f).double().tolist() for f in ("pi_logprob", "mu_logprob", "old_logprob", "advantages",
+                                                          "mu_topk_logprobs", "pi_topk_logprobs")}
+    excluded = checked = 0
+    for name in sorted(REFERENCE):
         out = get_loss(name)(b)
-        keep = out.keep.reshape(-1).tolist()
-        loss = out.loss.detach().double().reshape(-1).tolist()
+        keep, loss = out.keep.tolist(), out.loss.detach().double().tolist()
         n_blocked = 0
-        for i in range(3000):
-            ref_keep, ref_loss, margins = reference_rule(
-                name, flat["pi_logprob"][i], flat["mu_logprob"][i], flat["old_logprob"][i],
-                flat["advantages"][i], flat["mu_topk_logprobs"][i], flat["pi_topk_logprobs"][i],
-            )
-            n_blocked += not ref_keep
-            if dtype == torch.float32 and any(abs(m) <= FP32_BAND for m in margins):
-                excluded += 1
+        for i, positions in enumerate(rows):
+            if not positions:
                 continue
-            assert keep[i] == ref_keep, (name, i, margins)
-            rel = 1e-9 if dtype == torch.float64 else 1e-4
-            assert loss[i] == pytest.approx(ref_loss, rel=rel, abs=1e-300), (name, i)
+            tokens = [{"pi_lp": flat["pi_logprob"][i][j], "mu_lp": flat["mu_logprob"][i][j],
+                       "old_lp": flat["old_logprob"][i][j], "adv": flat["advantages"][i][j],
+                       "mu_k": flat["mu_topk_logprobs"][i][j], "pi_k": flat["pi_topk_logprobs"][i][j]}
+                      for j in positions]
+            for j, (ref_keep, ref_loss, margins) in zip(positions, REFERENCE[name](tokens), strict=True):
+                checked += 1
+                n_blocked += not ref_keep
+                if dtype == torch.float32 and any(abs(m) <= FP32_BAND for m in margins):
+                    excluded += 1
+                    continue
+                assert keep[i][j] == ref_keep, (name, i, j, margins)
+                rel = 1e-9 if dtype == torch.float64 else 1e-4
+                assert loss[i][j] == pytest.approx(ref_loss, rel=rel, abs=1e-12), (name, i, j)
         if name not in NEVER_BLOCK:
-            assert 10 < n_blocked < 2900, (name, n_blocked)  # both branches exercised
-    assert excluded < 0.01 * 3000 * len(RULES)
+            assert n_blocked > 10, (name, n_blocked)  # the blocking branch is exercised
+    assert excluded < 0.01 * checked
 
 
 # --- errors --------------------------------------------------------------------------------------------------------
@@ -471,8 +566,12 @@ def test_register_rejects_incomplete_rules():
         register_loss("test_incomplete", delta=0.1)(rule)
     with pytest.raises(ValueError, match=r"needs=.*'topk'"):
         register_loss("test_bad_needs", needs=("topk",), delta=0.1, beta=1.0)(rule)
-    with pytest.raises(ValueError, match="delta=-1"):
-        register_loss("test_bad_default", delta=-1, beta=1.0)(rule)
+    with pytest.raises(ValueError, match="delta=-1 must be >= 0"):
+        register_loss("test_bad_default", delta=L.Param(-1, low=0), beta=1.0)(rule)
+    # a parameter's bounds are the rule's own: a plain delta of a user's rule inherits no other rule's bounds
+    register_loss("test_own_bounds", delta=-1.0, beta=1.0)(rule)
+    assert get_loss("test_own_bounds").resolve(delta=-2.0)["delta"] == -2.0
+    del L._REGISTRY["test_own_bounds"]
     assert not {"test_incomplete", "test_bad_needs", "test_bad_default"} & set(list_losses())
 
 
@@ -685,7 +784,7 @@ def test_keep_masks_errors_and_rules_without_a_mask_function(monkeypatch):
         return terms.valid
 
     with pytest.raises(ValueError, match=r"mask function 'bad_mask' takes parameter\(s\) \['nope'\]"):
-        register_loss("keep_masks_bad", mask=bad_mask, divergence="binary_tv", delta=0.1)(L.dppo)
+        register_loss("keep_masks_bad", mask=bad_mask, divergence="binary_tv", delta=0.1)
 
     def every_other(batch: PolicyBatch, delta: float) -> LossOutput:
         """A rule registered without a mask function: keep_masks runs it whole."""
@@ -704,3 +803,15 @@ def test_keep_masks_can_gate_a_loss_that_is_backpropagated():
     keep = L.keep_masks(PolicyBatch(**{**b.__dict__, "pi_logprob": pi_lp}), ["dppo_binary_tv"])["dppo_binary_tv"]
     torch.where(keep, -b.advantages * pi_lp, 0.0).sum().backward()
     assert torch.equal(pi_lp.grad != 0, keep & (b.advantages != 0))
+
+
+def test_the_catalogue_names_what_the_torch_side_has():
+    import functools
+
+    from trustscope.policy import MaskTerms
+
+    assert tuple(PolicyBatch.__dataclass_fields__) == L.POLICY_BATCH_FIELDS
+    terms = {n for n, v in vars(MaskTerms).items() if isinstance(v, functools.cached_property)} - {"valid"}
+    assert terms <= L.SQL_COLUMNS, sorted(terms - L.SQL_COLUMNS)
+    assert set(L.DIVERGENCES) == {"binary_tv", "binary_kl", "topk_tv", "topk_kl"}
+    assert all(hasattr(MaskTerms, term) for pair in L.DIVERGENCES.values() for term in pair)
