@@ -95,7 +95,8 @@ SETTING_V2 = {
     "eval_problems": 50,
 }
 """Shared by every v2 run; the sweep varies ``loss`` and ``seed``, the probe ``policy_lag`` and the anchor.
-``model`` is filled in with the ``toy-v2`` build (:data:`trustscope.train.toy.TOY_PRESETS`). lr 2e-4 and
+``model`` is the preset's toy world by name (``toy-v2``, :data:`trustscope.train.toy.TOY_PRESETS`), which the
+trainer builds or finds in the cache. lr 2e-4 and
 ``policy_lag = 1`` come from the calibration in docs/experiments.md ("Toy world v2 (calibration)"): there
 |pi - mu| is ~0.02, the rules block 2-3% of tokens and PG-IS falls behind DPPO; at 1e-4 nothing separates, at 3e-4
 every rule collapses."""
@@ -179,12 +180,9 @@ def run_sweep(preset: Preset, logdir: Path, runs: list[tuple[str, dict]], overri
 
     from trustscope.train.config import load_config
     from trustscope.train.loop import train
-    from trustscope.train.toy import TOY_PRESETS, build_toy_model
 
     torch.set_num_threads(1)
-    setting = dict(preset.setting)
-    if preset.toy != "toy" and "model" not in overrides:
-        setting["model"] = str(build_toy_model(TOY_PRESETS[preset.toy]))
+    setting = {**preset.setting, "model": preset.toy}  # the trainer builds (or finds) the toy world by name
     for rid, change in runs:
         manifest = logdir / rid / "run.json"
         if manifest.exists() and json.loads(manifest.read_text()).get("status") == "finished":

@@ -203,6 +203,9 @@ def test_list_options_shows_every_field():
 def test_demo_without_serving(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--no-serve", "--steps", "2", "--logdir", str(tmp_path)])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]  # beside the shipped runs' links
     assert validate_run(run) == []
-    assert json.loads((run / "run.json").read_text())["config"]["loss"] == "dppo_binary_tv"
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["config"]["loss"] == "dppo_binary_tv" and manifest["config"]["model"] == "toy-v2"
+    assert manifest["model"]["path"].startswith("toy/addcol2-") and not manifest["sampling"]["model_dir"].startswith("/")
+    assert "What to look at first:" in result.output and "  - Runs: " in result.output

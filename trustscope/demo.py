@@ -1,24 +1,63 @@
-"""``trustscope demo``: the toy world end to end in a couple of minutes on a laptop CPU.
+"""``trustscope demo``: toy world v2 end to end, from nothing to a dashboard in about two minutes on a laptop CPU.
 
-Builds the toy model when it is not cached yet, trains a short DPPO (binary TV) run with the logger on and bf16
-rollouts against the fp32 trainer (so there is mismatch to look at), and serves the dashboard over the run.
+Builds the ``toy-v2`` model when it is not cached yet, trains a short DPPO (binary TV) run with the logger on, in
+the setting of the shipped sample logs (docs/experiments.md, "Toy world v2"): bf16 vLLM rollouts against an fp32
+trainer, one step of policy lag, four mini-batch updates a step, lr 2e-4, where the trust region binds (a few
+percent of the tokens blocked every step). It then prints what to look at first, with the run's own numbers, and
+serves the dashboard over a log directory holding the demo run beside links to the shipped runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trustscope.train.config import TrainConfig
-from trustscope.train.loop import train_with_progress
+
+DEMO_SETTING: dict[str, Any] = dict(
+    model="toy-v2",
+    task="addcol2",
+    loss="dppo_binary_tv",
+    engine="vllm",
+    engine_dtype="bfloat16",
+    trainer_dtype="float32",
+    prompts_per_step=8,
+    group_size=8,
+    max_tokens=32,
+    topk=8,
+    policy_lag=1,
+    mini_batches=4,
+    lr=2e-4,
+    grad_clip=1.0,
+    eval_every=10,
+    eval_problems=50,
+    log_topk_precision="float16",
+)
+"""The sample logs' setting (``scripts/experiments.py``, preset ``sanity-v2``) less its length: the mismatch knobs
+(bf16 rollouts, ``policy_lag`` 1, four mini-batches, lr 2e-4) are the calibrated ones, every token is logged."""
+
+DEMO_STEPS = 30
+"""Steps of the demo run: about a minute of training on two CPU cores."""
 
 
-def demo_config(logdir: Path, steps: int) -> TrainConfig:
-    """The demo run: DPPO binary TV, bf16 vLLM rollouts, two mini-batch updates per step."""
-    return TrainConfig(loss="dppo_binary_tv", engine="vllm", engine_dtype="bfloat16", steps=steps,
-                       prompts_per_step=8, group_size=8, mini_batches=2, eval_every=10, eval_problems=64,
-                       logdir=str(logdir), run_id=f"demo-dppo-{time.strftime('%Y%m%d-%H%M%S')}")
+def demo_config(logdir: Path, steps: int = DEMO_STEPS) -> TrainConfig:
+    """The demo run: DPPO binary TV on toy world v2 with bf16 vLLM rollouts, lag 1, four mini-batches a step."""
+    return TrainConfig(**DEMO_SETTING, steps=steps, logdir=str(logdir),
+                       run_id=f"demo-dppo-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def toy_cached(cfg: TrainConfig) -> bool:
+    """Whether the toy world of ``cfg`` is built already (in the trustscope cache)."""
+    from trustscope.paths import cache_root
+    from trustscope.train.toy import META_FILE, TOY_PRESETS
+
+    toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
+    return (cache_root() / "toy" / f"{toy.task}-{toy.key()}" / META_FILE).exists()
 
 
 def check_port(host: str, port: int) -> None:
@@ -31,15 +70,127 @@ def check_port(host: str, port: int) -> None:
             raise OSError(f"port {port} on {host} is not free ({exc.strerror}); pick another with --port") from None
 
 
-def run_demo(logdir: Path, steps: int = 30, serve: bool = True, port: int = 8501) -> Path:
-    """Train the demo run into ``logdir`` and, when ``serve``, replace this process with the dashboard (its port
-    checked first)."""
+def link_sample_runs(logdir: Path, samples: Path | None = None) -> list[str]:
+    """Link every shipped run (``sample_logs/<run>``) into ``logdir`` beside the demo run, so one log directory
+    holds both; existing entries are left alone. Returns the names linked (none when no sample logs are found)."""
+    from app.launch import default_logdir
+    from trustscope import schema
+
+    samples = Path(samples or default_logdir()).resolve()
+    if not samples.is_dir() or samples == Path(logdir).resolve():
+        return []
+    Path(logdir).mkdir(parents=True, exist_ok=True)
+    linked = []
+    for run in schema.run_dirs(samples):
+        link = Path(logdir) / run.name
+        if link.exists() or link.is_symlink():
+            continue
+        link.symlink_to(os.path.relpath(run, Path(logdir).resolve()), target_is_directory=True)
+        linked.append(run.name)
+    return linked
+
+
+COMPARED = ("ppo_clip", "grpo", "dppo_binary_kl", "dppo_topk_tv")
+"""The rules the closing lines set beside the demo's own, as the shipped sweep does (Clip-Higher, GRPO's clip, the
+other DPPO masks), when the run's log has their counterfactual columns."""
+
+BASELINE = "pg_is"
+"""The shipped runs' rule without a trust region, whose collapse the closing lines point to."""
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _share(frame: Any) -> float:
+    return float(frame["n_blocked"].sum()) / max(float(frame["n_tokens"].sum()), 1.0)
+
+
+def look_first(run_dir: Path, shipped: list[Path] | None = None) -> list[str]:
+    """What to look at first in the dashboard, one line each (page, then what it shows), with the numbers of the
+    run in ``run_dir`` read through :meth:`trustscope.db.LogDB.overview` (exact, over every token, from the run's
+    summaries table); ``shipped``: run directories beside it, of which the first trained with :data:`BASELINE`
+    gets a line comparing its mismatch and reward with the demo's."""
+    from trustscope.db import connect
+
+    baseline = next((p for p in shipped or [] if p.name.startswith(f"sanity-{BASELINE}-")), None)
+    with connect([run_dir] if baseline is None else [run_dir, baseline], cache=False) as db:
+        ov = db.overview()
+    run_id = run_dir.name
+    steps = ov.steps[ov.steps["run_id"] == run_id]
+    blocked = ov.blocked[ov.blocked["run_id"] == run_id]
+    if steps.empty:
+        return [f"The run in {run_dir} logged no step: nothing to look at yet."]
+    rule = DEMO_SETTING["loss"]
+    mine = blocked[blocked["rule"] == rule]
+    applied = float(steps["n_trainer_blocked"].sum()) / max(float(steps["n_nonzero_advantage"].sum()), 1.0)
+    worst = steps.loc[steps["trainer_blocked_frac"].idxmax()]
+    quiet = int((steps["trainer_blocked_frac"] < 0.001).sum())
+    lines = [
+        f"Runs: {run_id} beside the shipped runs. {rule} blocked {_pct(applied)} of the "
+        f"{int(steps['n_nonzero_advantage'].sum()):,} tokens with A != 0 over {len(steps)} steps (from "
+        f"{_pct(float(steps['trainer_blocked_frac'].min()))} to {_pct(float(worst['trainer_blocked_frac']))} a step, "
+        f"{quiet} steps under 0.1%), at mean |pi - mu| {steps['mismatch_mean'].mean():.4f} (largest "
+        f"{steps['mismatch_max'].max():.2f}); reward {steps.head(5)['reward_mean'].mean():.2f} over the first 5 "
+        f"steps, {steps.tail(5)['reward_mean'].mean():.2f} over the last 5."]
+    neg, pos = mine[mine["advantage_side"] == "negative"], mine[mine["advantage_side"] == "positive"]
+    if len(neg) and len(pos):
+        lines.append(f"Rules side by side: {rule} blocked {_pct(_share(neg))} of the A < 0 tokens and "
+                     f"{_pct(_share(pos))} of the A > 0 ones; the page splits them by mu bucket.")
+    every = blocked[blocked["advantage_side"] == "all"]
+    others = [(r, _share(every[every["rule"] == r])) for r in COMPARED if (every["rule"] == r).any()]
+    if others:
+        lines.append("Counterfactual: on the same tokens the other rules would have blocked "
+                     + ", ".join(f"{_pct(v)} ({r})" for r, v in others)
+                     + f", against {_pct(_share(every[every['rule'] == rule]))} for {rule}.")
+    n_bad = float(steps["n_bad_negative"].sum())
+    lines.append(f"Bad negative updates: {int(n_bad):,} tokens had A < 0 and mu - pi >= "
+                 f"{float(steps['bad_negative_delta'].iloc[0]):g} ({_pct(n_bad / max(float(steps['n_tokens'].sum()), 1))}"
+                 f" of all tokens, {_pct(n_bad / max(float(steps['n_negative'].sum()), 1))} of those with A < 0).")
+    lines.append(f"Token explorer: step {int(worst['step'])}, where {rule} blocked the most "
+                 f"({int(worst['n_trainer_blocked'])} tokens), shows each blocked token in its response.")
+    other = ov.steps[ov.steps["run_id"] != run_id]
+    if baseline is not None and len(other):
+        reward = other.sort_values("step")["reward_mean"].rolling(10, min_periods=1).mean()
+        lines.append(f"Then {baseline.name} (shipped, {BASELINE}: no trust region): mean |pi - mu| "
+                     f"{other['mismatch_mean'].mean():.4f} against {steps['mismatch_mean'].mean():.4f} here, its "
+                     f"10-step reward from a best of {reward.max():.2f} down to {reward.iloc[-1]:.2f} by step "
+                     f"{int(other['step'].max())}.")
+    return lines
+
+
+def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: int = 8501,
+             samples: bool = True) -> Path:
+    """Train the demo run into ``logdir``, link the shipped runs beside it (``samples``), print what to look at
+    first and, when ``serve``, replace this process with the dashboard over ``logdir`` (its port checked first)."""
+    import warnings
+
+    from trustscope.train.loop import resolve_model, train_with_progress
+
     if serve:
         check_port("127.0.0.1", port)
-    cfg = demo_config(Path(logdir), steps)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the engine's import warnings, not the user's
+    start = time.perf_counter()
+    logdir = Path(logdir)
+    linked = link_sample_runs(logdir) if samples else []
+    cfg = demo_config(logdir, steps)
+    if not toy_cached(cfg):
+        print(f"trustscope demo: building the {cfg.model} model (first run only; about a minute on 2 CPU cores, "
+              "cached for the next runs)", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        resolve_model(cfg)
+        print(f"trustscope demo: {cfg.model} built in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
     train_with_progress(cfg)
+    shipped = sorted(p for p in logdir.iterdir() if p.is_symlink()) if samples else []
+    print(f"\ntrustscope demo: trained {cfg.run_id} in {time.perf_counter() - start:.0f} s"
+          + (f"; {len(shipped)} shipped runs linked beside it ({len(linked)} new)" if shipped else "")
+          + ". What to look at first:", file=sys.stderr)
+    for line in look_first(cfg.run_dir, shipped):
+        print(f"  - {line}", file=sys.stderr)
+    sys.stderr.flush()
     if serve:
         from app.launch import launch
 
-        launch(Path(logdir), port=port)
+        launch(logdir, port=port)
     return cfg.run_dir

@@ -45,8 +45,9 @@ class TrainConfig:
 
     # --- model and task ---------------------------------------------------------------------------------------
     model: str = "toy"
-    """The policy: ``toy`` (the tiny Qwen2 toy world, built locally on first use) or a Hugging Face model
-    directory / hub name."""
+    """The policy: a toy world by name, built locally on first use and cached (``toy``: the tiny Qwen2 of
+    one-digit addition; ``toy-v2``: the sample logs' deeper one; ``toy-gpu``), warm-started on ``task``; or a
+    Hugging Face model directory / hub name."""
     task: str = "add1"
     """Task and reward: a name registered in ``trustscope.train.tasks`` or a dotted import path ``pkg.mod:obj``."""
     device: str = "auto"

@@ -1,0 +1,135 @@
+"""The demo's setting, its closing lines and its log directory; the shipped run manifests name no machine path."""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from trustscope import schema
+from trustscope.demo import DEMO_SETTING, demo_config, link_sample_runs, look_first
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_LOGS = ROOT / "sample_logs"
+SHIPPED = sorted(SAMPLE_LOGS.glob("*/run.json"))
+
+
+def _experiments():
+    spec = importlib.util.spec_from_file_location("experiments", ROOT / "scripts" / "experiments.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("experiments", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_trains_in_the_sample_logs_setting(tmp_path):
+    """Toy world v2 with the mismatch knobs of the shipped runs: bf16 rollouts, lag, four mini-batches, their lr."""
+    exp = _experiments()
+    v2 = {**exp.PRESETS["sanity-v2"].setting, "model": exp.PRESETS["sanity-v2"].toy}
+    cfg = demo_config(tmp_path, steps=3)
+    for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "prompts_per_step", "group_size",
+                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_every",
+                 "eval_problems"):
+        assert getattr(cfg, knob) == v2[knob], knob
+    assert cfg.engine == "vllm" and cfg.engine_dtype == "bfloat16" and cfg.policy_lag >= 1 and cfg.mini_batches > 1
+    assert cfg.steps == 3 and cfg.run_dir.parent == tmp_path and cfg.run_id.startswith("demo-")
+
+
+def _strings(value, where=""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+MACHINE_PATH = re.compile(r"^(/|~|[A-Za-z]:[\\/]|\\\\)|(^|[\\/])(home|Users|root)[\\/]|\.cache[\\/]")
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no shipped sample logs in this checkout")
+@pytest.mark.parametrize("manifest", SHIPPED, ids=lambda p: p.parent.name)
+def test_shipped_manifests_name_no_path_of_the_machine(manifest):
+    """No absolute path, home directory or user cache in a shipped run.json: relative names or cache keys only."""
+    found = [f"{where}={value!r}" for where, value in _strings(json.loads(manifest.read_text()))
+             if MACHINE_PATH.search(value)]
+    assert not found, f"{manifest.relative_to(ROOT)} names paths of the machine that made it: {found}"
+
+
+def test_the_path_check_catches_what_it_is_for():
+    for bad in ("/root/.cache/trustscope/toy/addcol2-190f7da85daf7e0f", "/work/main/runs/sanity-v2",
+                "~/models/x", "C:\\Users\\me\\run", "data/home/me/x", "x/.cache/trustscope"):
+        assert MACHINE_PATH.search(bad), bad
+    for good in ("toy-v2", "toy/addcol2-190f7da85daf7e0f", "runs/sanity-v2", "Qwen/Qwen3-1.7B-Base",
+                 "processed_logprobs", "trustscope.engines.vllm.WeightSyncExtension", "2026-12-01T11:51:49+00:00"):
+        assert not MACHINE_PATH.search(good), good
+
+
+def test_the_manifest_records_portable_paths(tmp_path, monkeypatch):
+    from trustscope.train.loop import portable
+
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert portable(tmp_path / "cache" / "toy" / "addcol2-abc") == "toy/addcol2-abc"
+    assert portable(tmp_path / "runs" / "demo") == "runs/demo"
+    assert portable("runs/demo") == "runs/demo" and portable("toy-v2") == "toy-v2"
+    assert portable("Qwen/Qwen3-1.7B-Base") == "Qwen/Qwen3-1.7B-Base"
+    elsewhere = str(Path(os.path.abspath(os.sep)) / "models" / "elsewhere")
+    assert portable(elsewhere) == elsewhere  # a model outside the cache and the working directory: as given
+    assert portable(tmp_path) == str(tmp_path)  # the working directory itself is no relative name
+
+
+def test_toy_worlds_are_named_models(monkeypatch):
+    import trustscope.train.toy as toy
+    from trustscope.train.config import TrainConfig
+    from trustscope.train.loop import resolve_model
+
+    built = []
+    monkeypatch.setattr(toy, "build_toy_model", lambda config, **kw: built.append((config, kw)) or Path("m"))
+    resolve_model(TrainConfig(model="toy-v2", task="addcol2", max_tokens=32, run_id="x"))
+    resolve_model(TrainConfig(model="toy", run_id="x"))
+    assert built == [(toy.TOY_PRESETS["toy-v2"], {"task": "addcol2"}), (toy.TOY_PRESETS["toy"], {"task": "add1"})]
+    # the sample logs' model: the same build (cache key) as the one they were trained on
+    assert toy.TOY_PRESETS["toy-v2"].key() in json.loads(SHIPPED[0].read_text())["model"]["path"] if SHIPPED else True
+    assert resolve_model(TrainConfig(model="some/hub-model", run_id="x")) == "some/hub-model"
+
+
+def test_sample_runs_are_linked_beside_the_demo_run(tmp_path):
+    if not schema.run_dirs(SAMPLE_LOGS):
+        pytest.skip("no shipped sample logs in this checkout")
+    (tmp_path / "demo-run").mkdir()
+    linked = link_sample_runs(tmp_path, SAMPLE_LOGS)
+    assert sorted(linked) == sorted(p.name for p in schema.run_dirs(SAMPLE_LOGS))
+    assert all((tmp_path / name).is_symlink() and (tmp_path / name / "run.json").exists() for name in linked)
+    assert not os.path.isabs(os.readlink(tmp_path / linked[0]))
+    assert link_sample_runs(tmp_path, SAMPLE_LOGS) == []  # a second demo run leaves the links as they are
+    assert link_sample_runs(SAMPLE_LOGS, SAMPLE_LOGS) == []  # never into the sample logs themselves
+
+
+def test_closing_lines_name_the_page_and_the_run_s_own_numbers():
+    """Read through the overview of a shipped run trained with the demo's rule: every line names a page and
+    carries the run's figures, none of them made up."""
+    run = SAMPLE_LOGS / f"sanity-{DEMO_SETTING['loss']}-s0"
+    baseline = SAMPLE_LOGS / "sanity-pg_is-s0"
+    if not (run / "run.json").exists() or not (baseline / "run.json").exists():
+        pytest.skip("no shipped sample logs in this checkout")
+    from trustscope.db import connect
+
+    with connect(run, cache=False) as db:
+        steps = db.overview().steps
+    lines = look_first(run, [baseline])
+    pages = ["Runs", "Rules side by side", "Counterfactual", "Bad negative updates", "Token explorer", "Then"]
+    assert [line.split(":")[0].split(" sanity")[0] for line in lines] == pages, lines
+    blocked = steps["n_trainer_blocked"].sum() / steps["n_nonzero_advantage"].sum()
+    assert f"blocked {100 * blocked:.1f}% of the {int(steps['n_nonzero_advantage'].sum()):,} tokens" in lines[0]
+    assert f"mean |pi - mu| {steps['mismatch_mean'].mean():.4f}" in lines[0]
+    worst = int(steps.loc[steps["trainer_blocked_frac"].idxmax(), "step"])
+    assert f"step {worst}," in lines[4]
+    assert "ppo_clip" in lines[2] and f"{int(steps['n_bad_negative'].sum()):,} tokens" in lines[3]
+    assert baseline.name in lines[5]
+    assert all("\n" not in line for line in lines)
