@@ -117,16 +117,20 @@ def dashboard(
 
 @app.command()
 def demo(
-    logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written."),
+    logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written (the shipped runs are "
+                                "linked beside it)."),
     steps: int = typer.Option(30, help="Training steps of the demo run."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard over the run afterwards."),
     port: int = typer.Option(8501, help="Dashboard port."),
+    samples: bool = typer.Option(True, "--samples/--no-samples", help="Link the shipped sample runs into the log "
+                                 "directory, to compare the demo run with."),
 ) -> None:
-    """Build the toy world, train a short DPPO run with the logger on, and serve the dashboard over it."""
+    """Train a short DPPO run on toy world v2 where the trust region binds (bf16 rollouts, policy lag, four
+    mini-batches), print what to look at first, and serve the dashboard over it beside the shipped runs."""
     from trustscope.demo import run_demo
 
     try:
-        run_demo(logdir, steps=steps, serve=serve, port=port)
+        run_demo(logdir, steps=steps, serve=serve, port=port, samples=samples)
     except OSError as exc:
         typer.echo(f"trustscope demo: {exc}", err=True)
         raise typer.Exit(2) from exc
