@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -13,18 +15,23 @@ from test_importers_slime import write_dump
 from typer.testing import CliRunner
 
 from trustscope.cli import app
+from trustscope.importers import IMPORTERS
 
 runner = CliRunner()
 
+WRITERS = {
+    "prime-rl": lambda p: write_export(p, steps=2),
+    "miles": lambda p: write_dump(p, steps=2, tp=1, pp=1),
+    "slime": lambda p: write_dump(p, steps=2, kind="slime"),
+    "nemo-rl": lambda p: write_log_dir(p, steps=2),
+}
+"""A small source of each registered format, as its framework writes it (the importers' own test fixtures)."""
 
-@pytest.mark.parametrize("fmt, write", [
-    ("prime-rl", lambda p: write_export(p, steps=2)),
-    ("miles", lambda p: write_dump(p, steps=2, tp=1, pp=1)),
-    ("slime", lambda p: write_dump(p, steps=2, kind="slime")),
-    ("nemo-rl", lambda p: write_log_dir(p, steps=2)),
-])
-def test_import_then_validate_and_report(tmp_path, fmt, write):
-    write(tmp_path / "src")
+
+@pytest.mark.parametrize("fmt", list(IMPORTERS))
+def test_import_then_validate_and_report(tmp_path, fmt):
+    assert fmt in WRITERS, f"no test source for the registered format {fmt!r}: add its writer to WRITERS"
+    WRITERS[fmt](tmp_path / "src")
     result = runner.invoke(app, ["import", fmt, str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r",
                                  "--source-version", "9.9"])
     assert result.exit_code == 0, result.output
@@ -51,12 +58,41 @@ def test_bad_input_exits_1_naming_file_and_line(tmp_path):
 
 def test_unknown_format_and_existing_run(tmp_path):
     result = runner.invoke(app, ["import", "openrlhf", str(tmp_path), str(tmp_path / "logs")])
-    assert result.exit_code == 2 and "known: prime-rl, slime, miles, nemo-rl" in result.stderr
+    assert result.exit_code == 2 and "known: nemo-rl, prime-rl, slime, miles" in result.stderr
     write_export(tmp_path / "src", steps=1)
     args = ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id", "r"]
     assert runner.invoke(app, args).exit_code == 0
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and "already exists" in result.stderr
+
+
+def test_an_option_is_refused_by_a_format_that_does_not_take_it(tmp_path):
+    write_export(tmp_path / "src", steps=1)
+    result = runner.invoke(app, ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"),
+                                 "--allow-pickle"])
+    assert result.exit_code == 2
+    assert "'prime-rl' takes no option allow_pickle (allow_pickle: slime, miles)" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_help_lists_every_format_and_who_takes_each_option():
+    result = runner.invoke(app, ["import", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    for fmt in IMPORTERS.values():
+        assert f"{fmt.name}: {fmt.reads}" in result.output
+    assert "slime, miles: unpickle .pt files" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["prime-rl", "nemo-rl"])
+def test_json_lines_formats_read_without_torch(tmp_path, fmt):
+    # Reading JSON lines needs no torch (seconds to import); only the .pt formats load it, inside their reader.
+    WRITERS[fmt](tmp_path / "src")
+    code = (f"import sys; from trustscope.importers import read_source; "
+            f"run = read_source({fmt!r}, {str(tmp_path / 'src')!r}); "
+            f"print(len(run.sequences), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    n, torch_imported = out.stdout.split()
+    assert int(n) > 0 and torch_imported == "False", out.stderr
 
 
 def test_dashboard_runs_page_shows_imported_runs(tmp_path, monkeypatch):

@@ -168,8 +168,8 @@ def test_mixed_configurations_are_refused(tmp_path):
     path = tmp_path / "nemo/train_data_step2.jsonl"
     for n in range(1, 9):
         _edit_line(path, n, lambda r: r.update(filtered_rewards=r["rewards"]))
-    _fails(tmp_path / "nemo", tmp_path / "logs", r"step2\.jsonl:1: optional keys \['filtered_rewards'\], but .*"
-                                                 r"step1\.jsonl:1 has \[\]")
+    _fails(tmp_path / "nemo", tmp_path / "logs", r"step2\.jsonl:1: optional keys \['filtered_rewards'\], unlike .*"
+                                                 r"step1\.jsonl:1 \(optional keys \[\]\): .* mixed")
 
 
 def test_skipped_prev_logprobs_are_refused(tmp_path):

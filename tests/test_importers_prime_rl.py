@@ -312,8 +312,9 @@ def test_mixed_versions_are_refused(tmp_path):
     write_export(tmp_path / "out", steps=1, layout="weight-stream")
     write_export(tmp_path / "old", steps=2, layout="training-mode")
     (tmp_path / "old/token_exports/step_1").rename(tmp_path / "out/token_exports/step_1")
-    _import_fails(tmp_path / "out", tmp_path / "logs", r"step_1/rank_0\.jsonl:1: training-mode layout, but .* is "
-                                                       r"weight-stream: exports of two prime-rl versions are mixed")
+    _import_fails(tmp_path / "out", tmp_path / "logs", r"step_1/rank_0\.jsonl:1: training-mode layout, unlike .* "
+                                                       r"\(weight-stream layout\): exports of two prime-rl versions "
+                                                       r"are mixed")
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -379,5 +380,6 @@ def test_trace_streams_of_two_versions_are_refused(tmp_path):
     record["traces"][0]["verifiers"]["version"] = "0.2.0"
     lines[3] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
-    _import_fails(tmp_path / "run", tmp_path / "logs", r"traces\.jsonl:4: written by verifiers 0\.2\.0, but "
-                                                       r".*traces\.jsonl:1 by 0\.3\.1\.dev59")
+    _import_fails(tmp_path / "run", tmp_path / "logs", r"traces\.jsonl:4: written by verifiers 0\.2\.0, unlike "
+                                                       r".*traces\.jsonl:1 \(written by verifiers 0\.3\.1\.dev59\): "
+                                                       r"trace streams of two verifiers versions are mixed")

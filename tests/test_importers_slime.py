@@ -238,8 +238,8 @@ def test_mixed_writer_versions_are_refused(tmp_path):
     write_dump(tmp_path / "dump", steps=1)
     write_dump(tmp_path / "other", steps=1, kind="slime")
     (tmp_path / "other/train_data/0.pt").rename(tmp_path / "dump/train_data/0.pt")
-    _fails("slime", tmp_path / "dump", tmp_path / "logs", r"train_data/0_0\.pt: a per-rank train dump beside "
-                                                         r"a single one for rollout 0: .* mixed")
+    _fails("slime", tmp_path / "dump", tmp_path / "logs", r"train_data/0_0\.pt: a per-rank train dump, unlike "
+                                                         r".*train_data/0\.pt \(a single-file train dump\): .* mixed")
 
 
 def test_cp_rank_recorded_in_some_files_only_is_refused(tmp_path):
@@ -249,7 +249,8 @@ def test_cp_rank_recorded_in_some_files_only_is_refused(tmp_path):
     for key in ("cp_rank", "cp_size", "qkv_format"):
         pack.pop(key)
     torch.save(pack, path)
-    _fails("miles", tmp_path / "dump", tmp_path / "logs", r"mixes train files with and without cp_rank")
+    _fails("miles", tmp_path / "dump", tmp_path / "logs", r"0_1\.pt: no cp_rank recorded, unlike .*0_0\.pt "
+                                                         r"\(cp_rank recorded\): dumps of two writer versions")
 
 
 def test_unknown_format_version_and_wrong_length(tmp_path):

@@ -266,28 +266,45 @@ def report(
         raise typer.Exit(1) from exc
 
 
-@app.command("import")
+class ImportCommand(typer.core.TyperCommand):
+    """``trustscope import``, whose help lists the registered formats (:data:`trustscope.importers.IMPORTERS`)
+    and, for each format-specific option, the formats that declare it. The registry is read when this help is
+    shown, not when the CLI starts: importing the importers takes longer than the rest of the CLI's start."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from trustscope.importers import IMPORTERS
+
+        for param in self.params:
+            takers = [f for f in IMPORTERS.values() if param.name in f.options]
+            if param.name == "format":
+                param.help = "; ".join(f"{f.name}: {f.reads}" for f in IMPORTERS.values()) + "."
+            elif takers:
+                param.help = f"{', '.join(f.name for f in takers)}: {takers[0].options[param.name]}."
+        super().format_help(ctx, formatter)
+
+
+@app.command("import", cls=ImportCommand)
 def import_(
-    format: str = typer.Argument(..., help="prime-rl, slime, miles or nemo-rl."),
-    src: Path = typer.Argument(..., help="The framework's dump: token_exports/, a --dump-details dir, NeMo-RL's log dir."),
+    format: str = typer.Argument(..., help="A registered format; `trustscope import --help` lists them."),
+    src: Path = typer.Argument(..., help="The framework's files: the file or directory FORMAT reads."),
     logdir: Path = typer.Argument(..., help="Log directory the run is written into."),
     run_id: str | None = typer.Option(None, help="Run id (default: <framework>-<name of SRC>)."),
     source_version: str | None = typer.Option(None, help="The framework's version, recorded in run.json (the files "
                                                          "record none)."),
-    allow_pickle: bool = typer.Option(False, help="slime/miles: unpickle .pt files that hold more than tensors and "
-                                                  "plain values (only for files you trust)."),
+    allow_pickle: bool = typer.Option(False, help="Unpickle .pt files that hold more than tensors and plain values "
+                                                  "(only for files you trust), for the formats that read .pt."),
     tokenizer: Path | None = typer.Option(None, help="The run's Hugging Face tokenizer directory (local), so "
                                                      "statistics name tokens."),
 ) -> None:
     """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file)."""
-    from trustscope.importers import FORMATS, ImportFormatError, import_run
+    from trustscope.importers import ImportFormatError, ImportUsageError, import_run
 
-    if format not in FORMATS:
-        typer.echo(f"trustscope import: unknown format {format!r}; known: {', '.join(FORMATS)}", err=True)
-        raise typer.Exit(2)
     try:
         run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
                              allow_pickle=allow_pickle)
+    except ImportUsageError as exc:  # an unknown format, or an option the format does not take
+        typer.echo(f"trustscope import: {exc}", err=True)
+        raise typer.Exit(2) from exc
     except (ImportFormatError, OSError, ValueError) as exc:  # OSError: the run exists, the disk is full, ...
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(1) from exc

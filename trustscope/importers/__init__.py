@@ -1,44 +1,53 @@
 """Importers: other RL frameworks' per-token dumps as trustscope runs (``trustscope import FORMAT SRC LOGDIR``).
 
-One module per format, each with a ``read(src, *, version=None, ...)`` that parses and checks everything into an
-:class:`~trustscope.importers.base.ImportedRun`; :func:`import_run` then writes it through ``TokenLogger`` with
-``mu_source="imported"`` and the source framework in ``run.json``, all or nothing.
+One module per framework. Each registers its importer, a function that parses and checks a whole source into an
+:class:`~trustscope.importers.base.ImportedRun` (the :class:`~trustscope.importers.base.Importer` protocol), with
+:func:`~trustscope.importers.base.register_importer`; :data:`IMPORTERS` lists them and ``trustscope import --help``
+prints them. :func:`import_run` then writes the run through ``TokenLogger`` with ``mu_source="imported"`` and the
+source framework in ``run.json``, all or nothing.
 
-=============  ===============================================================  ===========================
-format         what it reads                                                    module
-=============  ===============================================================  ===========================
-``prime-rl``   ``token_exports/step_<N>/rank_<R>.jsonl`` (trainer token export)  :mod:`.prime_rl`
-``slime``      ``--dump-details`` dir: ``rollout_data/`` + ``train_data/`` .pt   :mod:`.slime`
-``miles``      the same for miles (per-rank train files, CP slices joined)      :mod:`.slime`
-``nemo-rl``    ``train_data_step<N>.jsonl`` (GRPO's per-step training data)      :mod:`.nemo_rl`
-=============  ===============================================================  ===========================
+A new format: a module here with ``@register_importer("name", reads="...")`` on its ``read``, imported below.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-from trustscope.importers.base import ImportedRun, ImportFormatError, write_run
+from trustscope.importers import nemo_rl, prime_rl, slime  # noqa: F401  (each registers its formats)
+from trustscope.importers.base import (
+    IMPORTERS,
+    ImportedRun,
+    ImportFormat,
+    ImportFormatError,
+    ImportUsageError,
+    register_importer,
+    write_run,
+)
 
-__all__ = ["FORMATS", "ImportFormatError", "import_run", "read_source"]
+__all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "format_for", "formats_table", "import_run",
+           "read_source", "register_importer"]
 
-FORMATS: dict[str, tuple[str, str]] = {
-    "prime-rl": ("trustscope.importers.prime_rl", "prime-rl"),
-    "slime": ("trustscope.importers.slime", "slime"),
-    "miles": ("trustscope.importers.slime", "miles"),
-    "nemo-rl": ("trustscope.importers.nemo_rl", "nemo-rl"),
-}
-"""Format name -> (module with ``read``, framework name recorded in run.json)."""
+
+def format_for(name: str) -> ImportFormat:
+    """The registered format ``name``; :class:`ImportUsageError` listing the known ones when there is none."""
+    if name not in IMPORTERS:
+        raise ImportUsageError(f"unknown format {name!r}; known: {', '.join(IMPORTERS)}")
+    return IMPORTERS[name]
 
 
 def read_source(fmt: str, src: str | Path, *, version: str | None = None, **options: Any) -> ImportedRun:
-    """Parse ``src`` as format ``fmt`` (a key of :data:`FORMATS`) without writing anything."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown import format {fmt!r}; known: {', '.join(FORMATS)}")
-    module, framework = FORMATS[fmt]
-    return importlib.import_module(module).read(Path(src), version=version, framework=framework, **options)
+    """Parse ``src`` as format ``fmt`` without writing anything. ``options`` are the format's own (see
+    :data:`IMPORTERS`); one it does not take is refused, as are options set to ``None`` or ``False`` never are."""
+    importer = format_for(fmt)
+    given = {name: value for name, value in options.items() if value not in (None, False)}
+    foreign = sorted(set(given) - set(importer.options))
+    if foreign:
+        takers = {name: [f.name for f in IMPORTERS.values() if name in f.options] for name in foreign}
+        raise ImportUsageError(f"format {fmt!r} takes no option {', '.join(foreign)} ("
+                               + "; ".join(f"{name}: {', '.join(fs) or 'no format'}" for name, fs in takers.items())
+                               + ")")
+    return importer.read(Path(src), version=version, **given)
 
 
 def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
@@ -58,3 +67,11 @@ def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
         except (OSError, ValueError) as err:
             raise ValueError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {err}") from None
     return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab)
+
+
+def formats_table() -> str:
+    """The registered formats as a Markdown table (format, what it reads, options), for the docs."""
+    rows = ["| format | what it reads | options |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.reads} | {', '.join(f'`{o}`' for o in f.options) or '-'} |"
+             for f in IMPORTERS.values()]
+    return "\n".join(rows) + "\n"

@@ -18,22 +18,99 @@ import contextlib
 import json
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import orjson
 
-from trustscope.logger import TokenLogger
 from trustscope.schema import LOGPROB_TOLERANCE
 
-__all__ = ["ImportFormatError", "ImportedRun", "Sequence", "json_lines", "write_run"]
+__all__ = ["IMPORTERS", "ImportFormat", "ImportFormatError", "ImportUsageError", "ImportedRun", "Importer",
+           "SameThroughout", "Sequence", "json_lines", "register_importer", "write_run"]
 
 
 class ImportFormatError(ValueError):
     """A source file that does not match its writer's format. The message starts with the file (and line or key)."""
+
+
+class ImportUsageError(ValueError):
+    """A format no importer is registered for, or an option the format does not take."""
+
+
+class Importer(Protocol):
+    """An importer: parses and checks a whole source (a file or a directory) into an :class:`ImportedRun`, or raises
+    :class:`ImportFormatError` naming the file and line (or tensor key) of the first thing that does not match.
+    ``version`` is the framework version the caller knows (the files record none); ``options`` are the keyword
+    flags the importer declares in :func:`register_importer`."""
+
+    def __call__(self, src: Path, *, version: str | None = None, **options: Any) -> ImportedRun: ...
+
+
+@dataclass(frozen=True)
+class ImportFormat:
+    """One registered format: its name (``trustscope import NAME``), its importer, what it reads (one line, for
+    the help and the docs) and the options it takes (keyword name -> what it does)."""
+
+    name: str
+    read: Importer
+    reads: str
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+IMPORTERS: dict[str, ImportFormat] = {}
+"""Every registered format by name, in the order registered; :mod:`trustscope.importers` registers the built-in
+ones."""
+
+
+def register_importer(name: str, *, reads: str, options: Mapping[str, str] | None = None
+                      ) -> Callable[[Importer], Importer]:
+    """Register the decorated function as the importer of format ``name``.
+
+    ``reads``: what the format's files are, in one line (``trustscope import --help`` lists it). ``options``: the
+    keyword flags the importer takes beyond ``version``, each with what it does (the CLI's ``--allow-pickle`` is
+    ``allow_pickle``); an option given for a format that does not declare it is refused.
+    """
+
+    def add(read: Importer) -> Importer:
+        if name in IMPORTERS:
+            raise ValueError(f"import format {name!r} is registered twice")
+        IMPORTERS[name] = ImportFormat(name, read, reads, dict(options or {}))
+        return read
+
+    return add
+
+
+T = TypeVar("T")
+
+
+class SameThroughout(Generic[T]):
+    """What every file of one source must agree on (a layout, a key set, a writer's version): files written by two
+    versions or configurations of a framework must not end up in one run.
+
+    :meth:`check` remembers the first value and where it was seen; a different one later is refused, naming both
+    places, each value as ``describe`` words it, and what is ``mixed``.
+    """
+
+    def __init__(self, mixed: str, describe: Callable[[T], str] = str):
+        self.mixed, self.describe = mixed, describe
+        self.first: tuple[T, str] | None = None
+
+    def check(self, value: T, where: str) -> None:
+        """Refuse ``value`` (found at ``where``) when it differs from the first value checked."""
+        if self.first is None:
+            self.first = (value, where)
+        elif value != self.first[0]:
+            first, first_where = self.first
+            raise ImportFormatError(f"{where}: {self.describe(value)}, unlike {first_where} "
+                                    f"({self.describe(first)}): {self.mixed}")
+
+    @property
+    def value(self) -> T | None:
+        """The value every file checked so far has, or None before the first."""
+        return None if self.first is None else self.first[0]
 
 
 @dataclass
@@ -219,6 +296,8 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, v
     ``run.json``). The run is built in ``<logdir>/.import-<run_id>-<random>/`` and renamed into place when every
     logger has closed; on any error the temporary directory is removed and the error re-raised.
     """
+    from trustscope.logger import TokenLogger  # the parse above needs none of the writer's libraries
+
     vocab_size = None if vocab is None else len(vocab)
     for seq in run.sequences:
         check_values(seq, vocab_size)

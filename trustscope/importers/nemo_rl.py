@@ -32,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from trustscope.importers.base import ImportedRun, ImportFormatError, Sequence, floats, ints, json_lines
+from trustscope.importers.base import (
+    ImportedRun,
+    ImportFormatError,
+    SameThroughout,
+    Sequence,
+    floats,
+    ints,
+    json_lines,
+    register_importer,
+)
 
 REQUIRED = frozenset({"content", "rewards", "input_lengths", "token_ids", "token_loss_mask", "sample_loss_mask",
                       "advantages", "generation_logprobs", "prev_logprobs", "idx"})
@@ -129,24 +138,20 @@ def _sequence(record: Any, step: int, where: str) -> Sequence:
     )
 
 
-def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRun:
+@register_importer("nemo-rl", reads="train_data_step<N>.jsonl (GRPO's per-step training data, in its log_dir)")
+def read(src: Path, *, version: str | None = None) -> ImportedRun:
     """Parse and check every step file; see the module docstring for the mapping."""
     src = Path(src)
     files = step_files(src)
     sequences: list[Sequence] = []
-    keys_seen: tuple[frozenset, str] | None = None
+    optional_keys = SameThroughout("files of differently configured or versioned runs are mixed",
+                                   lambda keys: f"optional keys {sorted(keys)}")
     for step, path in files:
         start = len(sequences)
         for line, record in json_lines(path):
             where = f"{path}:{line}"
             seq = _sequence(record, step, where)
-            keys = frozenset(record) & OPTIONAL
-            if keys_seen is None:
-                keys_seen = (keys, where)
-            elif keys != keys_seen[0]:
-                raise ImportFormatError(f"{where}: optional keys {sorted(keys)}, but {keys_seen[1]} has "
-                                        f"{sorted(keys_seen[0])}: files of differently configured or versioned "
-                                        f"runs are mixed")
+            optional_keys.check(frozenset(record) & OPTIONAL, where)
             sequences.append(seq)
         if len(sequences) == start:
             raise ImportFormatError(f"{path}: empty file (the writer writes one line per sample)")

@@ -57,7 +57,16 @@ from typing import Any
 
 import numpy as np
 
-from trustscope.importers.base import ImportedRun, ImportFormatError, Sequence, floats, ints, json_lines
+from trustscope.importers.base import (
+    ImportedRun,
+    ImportFormatError,
+    SameThroughout,
+    Sequence,
+    floats,
+    ints,
+    json_lines,
+    register_importer,
+)
 
 META = ("schema_version", "step", "rank", "micro_step", "micro_sequence_idx", "export_sequence_idx", "env_name")
 TOKEN_LISTS = ("token_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "trainer_logprobs",
@@ -178,7 +187,7 @@ def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | No
     root = run_dir / "rollouts"
     files = sorted(p for p in root.rglob("traces.jsonl") if _TRACE_FILE.match(p.relative_to(root).as_posix()))
     index: dict[tuple[int, ...], _Branch] = {}
-    seen_version: tuple[str, str] | None = None
+    versions = SameThroughout("trace streams of two verifiers versions are mixed", "written by verifiers {}".format)
     for path in files:
         for line, episode in json_lines(path):
             where = f"{path}:{line}"
@@ -190,15 +199,10 @@ def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | No
                     got = trace.get("version") if isinstance(trace, dict) else trace
                     raise ImportFormatError(f"{where}: trace record version {got!r}, this importer reads "
                                             f"{TRACE_VERSION}")
-                version = str((trace.get("verifiers") or {}).get("version"))
-                if seen_version is None:
-                    seen_version = (version, where)
-                elif version != seen_version[0]:
-                    raise ImportFormatError(f"{where}: written by verifiers {version}, but {seen_version[1]} by "
-                                            f"{seen_version[0]}: trace streams of two versions are mixed")
+                versions.check(str((trace.get("verifiers") or {}).get("version")), where)
                 for ids, path_nodes in _branches(trace, where):
                     index.setdefault(ids, _trace_branch(episode, trace, path_nodes))
-    return index, seen_version[0] if seen_version else None, len(files)
+    return index, versions.value, len(files)
 
 
 def step_scalars(path: Path) -> dict[int, dict[str, float]]:
@@ -280,12 +284,14 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
     )
 
 
-def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRun:
+@register_importer("prime-rl", reads="token_exports/step_<N>/rank_<R>.jsonl (the trainer's token export), "
+                                     "or the run directory holding it")
+def read(src: Path, *, version: str | None = None) -> ImportedRun:
     """Parse and check every export file under ``src``; see the module docstring for the mapping."""
     src = Path(src)
     files = export_files(src)
     sequences: list[Sequence] = []
-    layout_seen: tuple[str, str] | None = None  # (layout, where first seen)
+    layouts = SameThroughout("exports of two prime-rl versions are mixed", "{} layout".format)
     skipped_sft = 0
     any_mask = False
     for step, rank, path in files:
@@ -294,11 +300,7 @@ def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRu
         for line, record in json_lines(path):
             where = f"{path}:{line}"
             layout = _layout(record, where)
-            if layout_seen is None:
-                layout_seen = (layout, where)
-            elif layout != layout_seen[0]:
-                raise ImportFormatError(f"{where}: {layout} layout, but {layout_seen[1]} is {layout_seen[0]}: "
-                                        f"exports of two prime-rl versions are mixed")
+            layouts.check(layout, where)
             if record["schema_version"] != SCHEMA_VERSION:
                 raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
                                         f"reads {SCHEMA_VERSION}")
@@ -312,8 +314,8 @@ def read(src: str | Path, *, version: str | None = None, **_: Any) -> ImportedRu
                 continue
             any_mask |= seq.kept is not None
             sequences.append(seq)
-    assert layout_seen is not None  # at least one non-empty file was read
-    layout = layout_seen[0]
+    layout = layouts.value
+    assert layout is not None  # at least one non-empty file was read
     notes = dict(NOTES)
     fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout"
     n_files = len(files)

@@ -48,11 +48,22 @@ from typing import Any
 
 import numpy as np
 
-from trustscope.importers.base import ImportedRun, ImportFormatError, Sequence
+from trustscope.importers.base import (
+    ImportedRun,
+    ImportFormatError,
+    SameThroughout,
+    Sequence,
+    register_importer,
+)
 
 CP_FIELDS = ("log_probs", "rollout_log_probs", "ref_log_probs", "entropy", "ref_entropy", "advantages", "returns")
 _TRAIN_FILE = re.compile(r"^(\d+)(?:_(\d+))?\.pt$")
 _ROLLOUT_FILE = re.compile(r"^(\d+)\.pt$")
+
+ALLOW_PICKLE = {"allow_pickle": "unpickle .pt files that hold more than tensors and plain values (only for files "
+                                "you trust)"}
+MIXED = "dumps of two writer versions are mixed"
+KINDS = {"single": "a single-file train dump", "per-rank": "a per-rank train dump"}
 
 NOTES = {
     "mu_logprob": "rollout_log_probs (SGLang's, from the rollout dump; the train dump's when absent there)",
@@ -154,16 +165,14 @@ def _train_files(src: Path) -> dict[int, tuple[str, list[tuple[int, Path]]]]:
     if not train_dir.is_dir():
         raise ImportFormatError(f"{src}: no train_data/ directory (the run dumped no training side)")
     out: dict[int, tuple[str, list[tuple[int, Path]]]] = {}
+    kinds = SameThroughout(MIXED, KINDS.__getitem__)
     for path in sorted(train_dir.iterdir()):
         m = _TRAIN_FILE.match(path.name)
         if not m:
             continue
         rid, kind = int(m.group(1)), "single" if m.group(2) is None else "per-rank"
-        prev_kind, paths = out.setdefault(rid, (kind, []))
-        if prev_kind != kind:
-            raise ImportFormatError(f"{path}: a {kind} train dump beside a {prev_kind} one for rollout {rid}: dumps "
-                                    f"of two writer versions are mixed")
-        paths.append((int(m.group(2) or 0), path))
+        kinds.check(kind, str(path))
+        out.setdefault(rid, (kind, []))[1].append((int(m.group(2) or 0), path))
     return out
 
 
@@ -231,11 +240,10 @@ def _train_rows_per_rank(files: list[tuple[int, Path]], rid: int, allow_pickle: 
         for key in ("sample_indices", "tokens", "total_lengths", "response_lengths"):
             _get(data, key, f"{path}[rollout_data]")
         packs.append((rank, path, pack, data))
-    recorded = {"cp_rank" in pack for _, _, pack, _ in packs}
-    if len(recorded) > 1:
-        raise ImportFormatError(f"{files[0][1].parent}: rollout {rid} mixes train files with and without cp_rank: "
-                                f"dumps of two writer versions are mixed")
-    has_cp_rank = recorded.pop()
+    recorded = SameThroughout(MIXED, lambda has: "cp_rank recorded" if has else "no cp_rank recorded")
+    for _, path, pack, _ in packs:
+        recorded.check("cp_rank" in pack, str(path))
+    has_cp_rank = recorded.value
     cp_sizes = {int(pack.get("cp_size", 1) or 1) for _, _, pack, _ in packs}
     if len(cp_sizes) > 1:
         raise ImportFormatError(f"{files[0][1].parent}: rollout {rid} train files disagree on cp_size {sorted(cp_sizes)}")
@@ -388,14 +396,29 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
     )
 
 
-def read(src: str | Path, *, version: str | None = None, framework: str = "slime", allow_pickle: bool = False,
-         **_: Any) -> ImportedRun:
+@register_importer("slime", reads="a --dump-details directory: rollout_data/ and train_data/ .pt files",
+                   options=ALLOW_PICKLE)
+def read_slime(src: Path, *, version: str | None = None, allow_pickle: bool = False) -> ImportedRun:
+    """slime's ``--dump-details`` directory."""
+    return read(src, version=version, framework="slime", allow_pickle=allow_pickle)
+
+
+@register_importer("miles", reads="the same for miles (per-rank train files, context-parallel slices joined)",
+                   options=ALLOW_PICKLE)
+def read_miles(src: Path, *, version: str | None = None, allow_pickle: bool = False) -> ImportedRun:
+    """miles' ``--dump-details`` directory."""
+    return read(src, version=version, framework="miles", allow_pickle=allow_pickle)
+
+
+def read(src: str | Path, *, version: str | None = None, framework: str = "slime",
+         allow_pickle: bool = False) -> ImportedRun:
     """Parse, join and check every rollout step of a ``--dump-details`` directory; see the module docstring."""
     src = Path(src)
     rollouts, trains = _rollout_files(src), _train_files(src)
     for rid in sorted(set(trains) - set(rollouts)):
         raise ImportFormatError(f"{trains[rid][1][0][1]}: no rollout_data/{rid}.pt to join it with")
     sequences: list[Sequence] = []
+    writer = SameThroughout(MIXED)  # the train dump's layout, without its cp_size
     layouts: dict[str, int] = {}
     n_files = 0
     for rid in sorted(rollouts):
@@ -412,10 +435,7 @@ def read(src: str | Path, *, version: str | None = None, framework: str = "slime
             rows, raw_reward, layout = _train_rows_single(files, rid, samples, allow_pickle)
         else:
             rows, raw_reward, layout = _train_rows_per_rank(files, rid, allow_pickle)
-        if layouts and layout.split(" (")[0] not in {k.split(" (")[0] for k in layouts}:
-            first = next(iter(layouts))
-            raise ImportFormatError(f"{files[0][1]}: {layout}, but rollout {layouts[first]} is {first}: dumps of two "
-                                    f"writer versions are mixed")
+        writer.check(layout.split(" (")[0], str(files[0][1]))
         layouts.setdefault(layout, rid)
         n_files += 1 + len(files)
         by_index = {}
