@@ -38,7 +38,7 @@ def format_for(name: str) -> ImportFormat:
 
 def read_source(fmt: str, src: str | Path, *, version: str | None = None, **options: Any) -> ImportedRun:
     """Parse ``src`` as format ``fmt`` without writing anything. ``options`` are the format's own (see
-    :data:`IMPORTERS`); one it does not take is refused, as are options set to ``None`` or ``False`` never are."""
+    :data:`IMPORTERS`): one the format does not take is refused when it is set (not ``None`` or ``False``)."""
     importer = format_for(fmt)
     given = {name: value for name, value in options.items() if value not in (None, False)}
     foreign = sorted(set(given) - set(importer.options))
