@@ -186,6 +186,15 @@ def test_every_dashboard_page_is_in_the_dashboard_guide():
     assert not missing, f"dashboard pages missing from docs/dashboard.md's page list: {missing}"
 
 
+def test_every_import_format_is_in_the_importers_guide():
+    from trustscope import importers
+
+    formats = getattr(importers, "IMPORTERS", None) or importers.FORMATS
+    guide = doc("importers.md")
+    missing = [name for name in formats if f"| `{name}` |" not in guide]
+    assert not missing, f"import formats missing from docs/importers.md's format table: {missing}"
+
+
 ARCHITECTURE = doc("architecture.md")
 
 
