@@ -1,12 +1,14 @@
-"""Cached access to a log directory for the dashboard pages.
+"""Typed, cached access to a log directory for the dashboard pages.
 
-Every query goes through :mod:`trustscope.db`: one query-layer handle per log directory (``st.cache_resource``),
-its named analyses and its named queries (``trustscope/sql/queries/*.sql``, :meth:`LogDB.query`), with results
-cached by ``st.cache_data`` under the log directory and :meth:`LogDB.version` (which changes when a file lands),
-so a run that is still writing gets fresh results as soon as a new file lands and cached ones otherwise. The run
-table, seed groups and the collapse early warning are :mod:`trustscope.report`'s, shared with the report. The
-overview pages read :meth:`LogDB.overview` (exact from the summaries table where a run has one, else from its
-logged rows, which :func:`overview` says per run), the report's source too; the token-level pages read the rows.
+Every query goes through :mod:`trustscope.db`: one query-layer handle per log directory (:func:`handle`,
+``st.cache_resource``), its named analyses and its named queries (``trustscope/sql/queries/*.sql``). Each function
+here that reads the logs is declared with :func:`cached`: it takes the handle as its first argument, and is called
+without it; its result is kept by ``st.cache_data`` under the log directory and :meth:`LogDB.version` (which changes
+when a file lands), so a run that is still writing gets fresh results as soon as a new file lands and cached ones
+otherwise. Figures are built once per input by :func:`figure`. The run table, seed groups and the collapse early
+warning are :mod:`trustscope.report`'s, shared with the report. The overview pages read :meth:`LogDB.overview`
+(exact from the summaries table where a run has one, else from its logged rows, which :func:`sources` says per
+run), the report's source too; the token-level pages read the rows of a step window.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import argparse
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FunctionType
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 import duckdb
 import numpy as np
@@ -27,7 +31,13 @@ import streamlit as st
 
 from app.launch import LOGDIR_ENV, default_logdir
 from trustscope import db, figures, report, schema, storage
-from trustscope.losses import list_losses
+from trustscope.db import LogDB, Overview
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 METRIC_TITLES = {
     "reward": "reward",
@@ -53,7 +63,7 @@ BASELINE_RULE = "ppo_clip"
 COUNTERFACTUAL_RULE = "dppo_binary_tv"
 """The counterfactual page's default second rule: the paper's DPPO binary TV."""
 WINDOW_TOKENS = 1_000_000
-"""Tokens the token-level pages read by default (the last steps of a run up to this many)."""
+"""Logged tokens the token-level pages read by default (the last steps of a run up to this many)."""
 SQL_ROW_LIMIT = db.DEFAULT_MAX_ROWS
 WARNING_LINES = report.WarningLines()
 COLOUR_LEGEND = {
@@ -101,12 +111,12 @@ def check_logdir(logdir: Path | str) -> None:
     error naming each run that cannot be read whole and why (:attr:`trustscope.db.LogDB.broken_runs`: a manifest
     that is not JSON, a data file whose Parquet footer does not read). What still reads of such a run is shown,
     and the other runs as they are."""
-    handle = None
-    if storage.is_remote(logdir):
+    remote = storage.is_remote(logdir)
+    if remote:
         try:
-            handle = _db(str(logdir))
-            handle.refresh()  # the mirror, brought up to date, and its runs checked
-            logdir = handle.paths[0]
+            ours = _db(str(logdir))
+            ours.refresh()  # the mirror, brought up to date, and its runs checked
+            logdir = ours.paths[0]
         except (storage.StorageError, ValueError) as exc:
             raise LogDirError(f"The object store prefix cannot be read: {exc}") from None
     if not logdir.exists():
@@ -118,10 +128,10 @@ def check_logdir(logdir: Path | str) -> None:
         raise LogDirError(f"The log directory `{logdir}` holds no runs yet (no `<run>/{schema.MANIFEST}`). "
                           "Runs appear here once a trainer with a TokenLogger starts writing into it; "
                           "reload the page then.")
-    if handle is None:
-        handle = _db(current_logdir())
-        handle.refresh()  # new runs and files, each file's footer read once
-    for run, problem in sorted(handle.broken_runs.items()):
+    if not remote:
+        ours = handle()
+        ours.refresh()  # new runs and files, each file's footer read once
+    for run, problem in sorted(ours.broken_runs.items()):
         st.error(f"Could not read all of run `{run}`: {problem}\n\nWhat still reads of it is shown, marked broken; "
                  f"the other runs are as they are. Run `trustscope validate {logdir}` to list every broken file.",
                  icon=":material/error:")
@@ -146,92 +156,90 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:500]
 
 
-# ------------------------------------------------------------------------------------------------ queries
+# ------------------------------------------------------------------------------------------------ caching
 
 
-@st.cache_resource(show_spinner=False, max_entries=4, on_release=lambda handle: handle.close())
-def _db(logdir: str) -> db.LogDB:
-    """One query-layer handle per log directory; it keeps the per-file step aggregates between refreshes."""
+@st.cache_resource(show_spinner=False, max_entries=4, on_release=lambda ours: ours.close())
+def _db(logdir: str) -> LogDB:
+    """One query-layer handle per log directory, shared by every session; it keeps the per-file step aggregates
+    between refreshes."""
     return db.connect(logdir)
 
 
-def _thaw(params: tuple[tuple[str, object], ...]) -> dict[str, object]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in params}
+def handle() -> LogDB:
+    """The query-layer handle of the current log directory (for the rare caller that needs the handle itself;
+    read through :func:`cached` functions otherwise)."""
+    return _db(current_logdir())
 
 
-@st.cache_data(show_spinner=False, max_entries=256)
-def _analysis(logdir: str, version: str, method: str, kwargs: tuple[tuple[str, object], ...]) -> pd.DataFrame:
-    """A named analysis of :class:`trustscope.db.LogDB` (it refreshes itself: new files are picked up)."""
-    return getattr(_db(logdir), method)(**_thaw(kwargs))
+def cached(fn: Callable[Concatenate[LogDB, P], R]) -> Callable[P, R]:
+    """Declare a read of the logs: ``fn(handle, *args)`` becomes ``fn(*args)`` on the current log directory, its
+    result kept by ``st.cache_data`` under the directory, :meth:`LogDB.version` and the arguments (hashable
+    values: strings, numbers, tuples, lists)."""
+    def keyed(logdir: str, version: str, *args: P.args, **kwargs: P.kwargs) -> R:
+        return fn(_db(logdir), *args, **kwargs)
+
+    keyed.__module__, keyed.__qualname__, keyed.__name__ = fn.__module__, fn.__qualname__, fn.__name__
+    store = st.cache_data(show_spinner=False, max_entries=256)(keyed)
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        logdir = current_logdir()
+        return store(logdir, _db(logdir).version(), *args, **kwargs)
+
+    call.__module__, call.__qualname__, call.__name__, call.__doc__ = (
+        fn.__module__, fn.__qualname__, fn.__name__, fn.__doc__)
+    call.clear = store.clear  # type: ignore[attr-defined]
+    return call
 
 
-@st.cache_data(show_spinner=False, max_entries=256)
-def _query(logdir: str, version: str, name: str, params: tuple[tuple[str, object], ...]) -> pd.DataFrame:
-    """``trustscope/sql/queries/<name>.sql`` with bound parameters, through :meth:`LogDB.query`."""
-    return _db(logdir).query(name, **_thaw(params))
+def _qualified_name(fn: FunctionType) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def _run_table(logdir: str, version: str) -> pd.DataFrame:
-    return report.run_table(_db(logdir))
+@st.cache_data(show_spinner=False, max_entries=128, hash_funcs={FunctionType: _qualified_name})
+def _figure(builder: Callable[..., go.Figure], args: tuple, kwargs: dict) -> dict:
+    return builder(*args, **kwargs).to_plotly_json()
 
 
-@st.cache_data(show_spinner=False, max_entries=128)
-def figure(builder: str, *args: object, **kwargs: object) -> dict:
-    """``trustscope.figures.<builder>(*args, **kwargs)`` as plotly JSON, cached on its inputs: a revisit of a page
-    skips plotly's figure building, which costs more than the cached queries behind it."""
-    return getattr(figures, builder)(*args, **kwargs).to_plotly_json()
+def figure(builder: Callable[P, go.Figure], *args: P.args, **kwargs: P.kwargs) -> dict:
+    """``builder(*args, **kwargs)`` (a :mod:`trustscope.figures` builder) as plotly JSON, kept per input: a
+    revisit of a page skips plotly's figure building, which costs more than the cached queries behind it."""
+    return _figure(builder, args, kwargs)
 
 
-def _frozen(params: dict[str, object]) -> tuple[tuple[str, object], ...]:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in params.items()))
+def clear() -> None:
+    """Forget every cached result (not the handles): the next page run queries afresh."""
+    st.cache_data.clear()
 
 
-def _key() -> tuple[str, str]:
-    logdir = current_logdir()
-    return logdir, _db(logdir).version()
+# ------------------------------------------------------------------------------------------------ runs
 
 
-def fingerprint(logdir: str | None = None) -> str:
-    """The log directory's :meth:`LogDB.version` (what results are cached under), for sections that cache their
-    own results."""
-    return _db(logdir or current_logdir()).version()
+@cached
+def runs(ours: LogDB) -> pd.DataFrame:
+    """Runs with at least one logged step (:func:`trustscope.report.run_table`): run_id, loss_rule, status,
+    n_steps, first/last step, tokens_generated, tokens_logged, logged_frac, mean_reward, updated_at, group."""
+    return report.run_table(ours)
 
 
-def analysis(method: str, **kwargs: object) -> pd.DataFrame:
-    """Cached result of ``LogDB.<method>(**kwargs)`` for the current log directory and its files."""
-    return _analysis(*_key(), method, _frozen(kwargs))
+@cached
+def overview(ours: LogDB) -> Overview:
+    """:meth:`LogDB.overview` of every run (read once; the functions below filter it): exact from the summaries
+    table where a run has one, else from its logged token rows, as ``sources`` says."""
+    return ours.overview()
 
 
-def query(name: str, **params: object) -> pd.DataFrame:
-    """Cached result of ``LogDB.query(name, **params)`` for the current log directory and its files."""
-    return _query(*_key(), name, _frozen(params))
-
-
-def overview() -> db.Overview:
-    """:meth:`LogDB.overview` of every run (read once and filtered by the callers: the pages ask for different
-    runs of the same small frames): exact from the summaries table where a run has one, else from its logged
-    token rows, as ``sources`` says."""
-    return analysis("overview")
+def _of(view: Overview, run_ids: Sequence[str]) -> Overview:
+    """The part of ``view`` about ``run_ids``."""
+    wanted = list(run_ids)
+    return Overview(view.steps[view.steps["run_id"].isin(wanted)].reset_index(drop=True),
+                    view.blocked[view.blocked["run_id"].isin(wanted)].reset_index(drop=True),
+                    view.sources[view.sources["run_id"].isin(wanted)].reset_index(drop=True))
 
 
 def sources(run_ids: Sequence[str]) -> pd.DataFrame:
     """``run_id, exact, token_fraction, source`` of ``run_ids``: where their overview figures come from."""
-    df = overview().sources
-    return df[df["run_id"].isin(list(run_ids))].reset_index(drop=True)
-
-
-def summary(run_ids: Sequence[str] | None = None) -> pd.DataFrame:
-    """The step summary over the logged token rows (one row per run and step), for the token-level pages' step
-    windows; read once for every run and filtered here."""
-    df = analysis("step_summary")
-    return df if run_ids is None else df[df["run_id"].isin(list(run_ids))].reset_index(drop=True)
-
-
-def runs() -> pd.DataFrame:
-    """Runs with at least one logged step (:func:`trustscope.report.run_table`): run_id, loss_rule, status,
-    n_steps, first/last step, tokens_generated, tokens_logged, logged_frac, mean_reward, updated_at, group."""
-    return _run_table(*_key())
+    return _of(overview(), run_ids).sources
 
 
 def run_rule(run_id: str) -> str | None:
@@ -246,24 +254,56 @@ def step_range(run_id: str) -> tuple[int, int]:
     return int(row["first_step"]), int(row["last_step"])
 
 
-def default_first_step(run_id: str) -> int:
-    """The first step of the longest run of final steps holding at most :data:`WINDOW_TOKENS` tokens (at least
-    the last step)."""
-    steps = summary([run_id]).sort_values("step", ascending=False)
+def window_start(run_id: str, tokens: int = WINDOW_TOKENS) -> int:
+    """The first step of the longest run of final steps of ``run_id`` whose logged token rows add up to at most
+    ``tokens`` (at least the last step). Counted from the overview, so choosing a window reads no token row: a
+    step's logged rows are its tokens times the run's ``token_fraction`` where the figures are exact."""
+    view = _of(overview(), [run_id])
+    steps = view.steps.sort_values("step", ascending=False)
     if steps.empty:
         return step_range(run_id)[0]
-    within = steps[steps["n_tokens"].cumsum() <= WINDOW_TOKENS]
+    fraction = 1.0
+    if len(view.sources) and bool(view.sources["exact"].iloc[0]):
+        given = view.sources["token_fraction"].iloc[0]
+        fraction = 1.0 if given is None or pd.isna(given) else float(given)
+    within = steps[(steps["n_tokens"] * fraction).cumsum() <= tokens]
     return int(within["step"].min()) if len(within) else int(steps["step"].iloc[0])
 
 
+def default_run(table: pd.DataFrame) -> str:
+    """The run the drill-down pages open on: the first run of the Runs page's default comparison."""
+    first = default_comparison(table, "group")[0]
+    return str(table.loc[table["group"] == first, "run_id"].iloc[0])
+
+
+def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list[str]:
+    """The seed groups (``column`` 'group') or runs ('run_id') the Runs page compares by default: the PPO-clip
+    baseline, then one configuration per other rule, at most ``limit``: per rule the one with the most seeds, and
+    among those only the ones with at least the baseline's seeds when there are any."""
+    seeds = table.groupby(column, sort=False)["run_id"].transform("size")
+    # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
+    first = table.assign(seeds=seeds).sort_values("seeds", ascending=False, kind="stable").drop_duplicates(column)
+    baseline = first[first["loss_rule"] == BASELINE_RULE].head(1)
+    others = first[first["loss_rule"] != BASELINE_RULE].drop_duplicates("loss_rule")
+    if len(baseline):
+        matched = others[others["seeds"] >= baseline["seeds"].iloc[0]]
+        others = matched if len(matched) else others
+    return (baseline[column].tolist() + others[column].tolist())[:limit]
+
+
+@cached
+def _step_scalars(ours: LogDB, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return ours.query("step_scalars", run_ids=list(run_ids), names=list(ACCURACY_NAMES))
+
+
 def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
-    """Long form ``run_id, step, name, value`` for the metrics of :data:`METRIC_TITLES`, from :func:`overview`."""
-    steps = overview().steps
-    steps = steps[steps["run_id"].isin(list(run_ids))]
+    """Long form ``run_id, step, name, value`` for the metrics of :data:`METRIC_TITLES`, from :func:`overview`
+    and the logged accuracy scalars."""
+    steps = _of(overview(), run_ids).steps
     wide = steps[["run_id", "step", "reward_mean", "mismatch_mean", "entropy_mean"]].rename(
         columns={"reward_mean": "reward", "mismatch_mean": "mismatch", "entropy_mean": "entropy"})
     long = wide.melt(id_vars=["run_id", "step"], var_name="name", value_name="value").dropna(subset=["value"])
-    scalars = query("step_scalars", run_ids=list(run_ids), names=list(ACCURACY_NAMES))
+    scalars = _step_scalars(tuple(run_ids))
     rank = scalars["name"].map({n: i for i, n in enumerate(ACCURACY_NAMES)})
     best = rank.groupby(scalars["run_id"]).transform("min")
     accuracy = scalars[rank == best].assign(name="accuracy")
@@ -274,9 +314,7 @@ def blocked_by_rule(run_ids: Sequence[str], labels: dict[str, str] | None = None
     """``run_id, step, rule, n_blocked, n_tokens, blocked_frac`` (over the tokens with A != 0) for every rule that
     blocks anything in these runs, in registry order (:meth:`trustscope.db.Overview.blocked_by_rule`: the runs of
     one label in ``labels`` added up)."""
-    ours = overview()
-    mine = db.Overview(ours.steps, ours.blocked[ours.blocked["run_id"].isin(list(run_ids))], ours.sources)
-    df = mine.blocked_by_rule(labels)
+    df = _of(overview(), run_ids).blocked_by_rule(labels)
     order = {r: i for i, r in enumerate(figures.rule_order(df["rule"].unique()))}
     return df.sort_values(["rule", "run_id", "step"], key=lambda c: c.map(order) if c.name == "rule" else c,
                           kind="stable").reset_index(drop=True)
@@ -285,67 +323,13 @@ def blocked_by_rule(run_ids: Sequence[str], labels: dict[str, str] | None = None
 def blocked_totals(run_ids: Sequence[str], labels: dict[str, str] | None = None) -> pd.DataFrame:
     """``run_id, rule, n_blocked, n_tokens, blocked_frac`` over every step of these runs (A != 0 tokens), the
     runs of one label in ``labels`` added up (:meth:`trustscope.db.Overview.blocked_totals`)."""
-    ours = overview()
-    return db.Overview(ours.steps, ours.blocked[ours.blocked["run_id"].isin(list(run_ids))],
-                       ours.sources).blocked_totals(labels)
-
-
-def ratio_points(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """A uniform sample of at most 20,000 tokens: mu, ratio, tv, topk_tv, mu_bucket."""
-    return query("ratio_points", run_id=run_id, first_step=steps[0], last_step=steps[1])
-
-
-def spread_by_bucket(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    return query("spread_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
-
-
-def ratio_histogram(run_id: str, divergence: str) -> pd.DataFrame:
-    """The query layer's ratio-versus-divergence histogram with bin centres: mu_bucket, ratio, divergence, n."""
-    df = analysis("ratio_vs_divergence", run_ids=[run_id], divergences=[divergence])
-    df = df[(df["ratio_lo"] > 0) & (df["divergence_lo"] > 0)]
-    return pd.DataFrame({
-        "mu_bucket": df["mu_bucket"],
-        "ratio": (df["ratio_lo"] * df["ratio_hi"]) ** 0.5,
-        "divergence": (df["divergence_lo"] * df["divergence_hi"]) ** 0.5,
-        "n": df["n"],
-    }).reset_index(drop=True)
-
-
-def rules_by_bucket(run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """``rule, mu_bucket, adv_sign, n_tokens, n_blocked, blocked_frac`` over the A != 0 tokens of the window."""
-    return query("rules_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
-
-
-def masking_rules(run_id: str) -> list[str]:
-    """The registered rules that would block at least one logged token of the run, in registry order: read off
-    the logged rows (the token-level pages' source), so a rule registered after the run was logged, which its
-    summaries table cannot hold, is offered too."""
-    steps = summary([run_id])
-    blocking = {c.removeprefix("n_blocked__") for c in steps.columns
-                if c.startswith("n_blocked__") and steps[c].fillna(0).sum() > 0}
-    return [r for r in list_losses() if r in blocking]
-
-
-def clipped_tokens(run_id: str, rule: str, steps: tuple[int, int], adv_sign: str, min_count: int,
-                   top: int) -> pd.DataFrame:
-    """``text, token_id, n_blocked, n_occurrences, block_rate, mean_mu, mu_bucket, mean_entropy``: the tokens
-    ``rule`` blocks at the highest rate in the step window (``adv_sign`` 'A>0', 'A<0' or 'any')."""
-    return query("clipped_by_rate", run_id=run_id, rule=rule, first_step=steps[0], last_step=steps[1],
-                 adv_sign=adv_sign, min_count=int(min_count), top=int(top))
-
-
-def counterfactual(run_id: str, rule_a: str, rule_b: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """Every A != 0 token of the window one of the two rules blocks and the other keeps: step, rank, sample_id,
-    pos, token_text, blocked_by, kept_by, adv_sign, mu_bucket, mu_prob, pi_prob, ratio, binary_tv, advantage."""
-    return query("counterfactual_tokens", run_id=run_id, rule_a=rule_a, rule_b=rule_b, first_step=steps[0],
-                 last_step=steps[1])
+    return _of(overview(), run_ids).blocked_totals(labels)
 
 
 def bad_updates(run_id: str) -> pd.DataFrame:
     """``step, bad_rate, n_bad_negative, n_negative, n_tokens, reward, reward_fluctuation`` per step, from
     :func:`overview` (exact where the run has summaries)."""
-    df = overview().bad_updates()
-    df = df[df["run_id"] == run_id].sort_values("step")
+    df = _of(overview(), [run_id]).bad_updates().sort_values("step")
     return pd.DataFrame({
         "step": df["step"], "bad_rate": df["bad_negative_rate"], "n_bad_negative": df["n_bad_negative"],
         "n_negative": df["n_negative"], "n_tokens": df["n_tokens"], "reward": df["reward_mean"],
@@ -356,30 +340,102 @@ def bad_updates(run_id: str) -> pd.DataFrame:
 def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
     """Per run and step, :func:`trustscope.report.collapse_warnings` at :data:`WARNING_LINES` over
     :func:`overview`."""
-    return report.collapse_warnings(overview(), list(run_ids), WARNING_LINES)
+    return report.collapse_warnings(_of(overview(), run_ids), list(run_ids), WARNING_LINES)
 
 
-def samples(run_id: str, step: int) -> pd.DataFrame:
+# ------------------------------------------------------------------------------------------------ token windows
+
+
+@cached
+def ratio_points(ours: LogDB, run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
+    """A uniform sample of at most 20,000 tokens of the window: mu, ratio, tv, topk_tv, mu_bucket."""
+    return ours.query("ratio_points", run_id=run_id, first_step=steps[0], last_step=steps[1])
+
+
+@cached
+def spread_by_bucket(ours: LogDB, run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
+    """Per mu bucket of the window: the 99th percentiles of |ratio - 1| and binary TV, and the token count."""
+    return ours.query("spread_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
+
+
+@cached
+def ratio_histogram(ours: LogDB, run_id: str, divergence: str) -> pd.DataFrame:
+    """The query layer's ratio-versus-divergence histogram of every token of the run, with bin centres:
+    mu_bucket, ratio, divergence, n."""
+    df = ours.ratio_vs_divergence(run_ids=[run_id], divergences=[divergence])
+    df = df[(df["ratio_lo"] > 0) & (df["divergence_lo"] > 0)]
+    return pd.DataFrame({
+        "mu_bucket": df["mu_bucket"],
+        "ratio": (df["ratio_lo"] * df["ratio_hi"]) ** 0.5,
+        "divergence": (df["divergence_lo"] * df["divergence_hi"]) ** 0.5,
+        "n": df["n"],
+    }).reset_index(drop=True)
+
+
+@cached
+def rules_by_bucket(ours: LogDB, run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
+    """``rule, mu_bucket, adv_sign, n_tokens, n_blocked, blocked_frac`` over the A != 0 tokens of the window."""
+    return ours.query("rules_by_bucket", run_id=run_id, first_step=steps[0], last_step=steps[1])
+
+
+def masking_rules(run_id: str) -> list[str]:
+    """The registered rules that would block at least one logged token (A != 0) of the run, in registry order:
+    read off the logged rows of every step (the token-level pages' source), so a rule registered after the run
+    was logged, which its summaries table cannot hold, is offered too."""
+    df = rules_by_bucket(run_id, step_range(run_id))
+    blocking = df.groupby("rule")["n_blocked"].sum()
+    return figures.rule_order(blocking[blocking > 0].index)
+
+
+@cached
+def clipped_tokens(ours: LogDB, run_id: str, rule: str, steps: tuple[int, int], adv_sign: str, min_count: int,
+                   top: int) -> pd.DataFrame:
+    """``text, token_id, n_blocked, n_occurrences, block_rate, mean_mu, mu_bucket, mean_entropy``: the tokens
+    ``rule`` blocks at the highest rate in the step window (``adv_sign`` 'A>0', 'A<0' or 'any')."""
+    return ours.query("clipped_by_rate", run_id=run_id, rule=rule, first_step=steps[0], last_step=steps[1],
+                      adv_sign=adv_sign, min_count=int(min_count), top=int(top))
+
+
+@cached
+def counterfactual(ours: LogDB, run_id: str, rule_a: str, rule_b: str, steps: tuple[int, int]) -> pd.DataFrame:
+    """Every A != 0 token of the window one of the two rules blocks and the other keeps: step, rank, sample_id,
+    pos, token_text, blocked_by, kept_by, adv_sign, mu_bucket, mu_prob, pi_prob, ratio, binary_tv, advantage."""
+    return ours.query("counterfactual_tokens", run_id=run_id, rule_a=rule_a, rule_b=rule_b, first_step=steps[0],
+                      last_step=steps[1])
+
+
+# ------------------------------------------------------------------------------------------------ one response
+
+
+@cached
+def samples(ours: LogDB, run_id: str, step: int) -> pd.DataFrame:
     """The responses of one step whose tokens were logged (``token_fraction`` may leave some out), with
     ``n_logged`` and ``n_blocked`` (by the trainer's own rule)."""
-    df = analysis("samples", run_ids=[run_id], steps=[int(step)])
-    logged = query("logged_samples", run_id=run_id, step=int(step))
+    df = ours.samples(run_ids=[run_id], steps=[int(step)])
+    logged = ours.query("logged_samples", run_id=run_id, step=int(step))
     return df.merge(logged, on="sample_id").sort_values("sample_id").reset_index(drop=True)
 
 
-def explorer_start(run_id: str) -> tuple[int, int] | None:
+@cached
+def explorer_start(ours: LogDB, run_id: str) -> tuple[int, int] | None:
     """``(step, sample_id)`` the token explorer opens on: the latest step with a blocked token, its response
     with the most blocked tokens."""
-    df = query("explorer_start", run_id=run_id)
+    df = ours.query("explorer_start", run_id=run_id)
     return None if df.empty else (int(df["step"].iloc[0]), int(df["sample_id"].iloc[0]))
 
 
-def sample_tokens(run_id: str, step: int, sample_id: int) -> pd.DataFrame:
+@cached
+def _alternatives(ours: LogDB, run_id: str, step: int, sample_id: int) -> pd.DataFrame:
+    return ours.query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
+
+
+@cached
+def sample_tokens(ours: LogDB, run_id: str, step: int, sample_id: int) -> pd.DataFrame:
     """The tokens of one response: pos, text, mu, pi, ratio, tv, advantage, blocked (the trainer's own rule),
     ``blocks_<rule>`` for every rule, and ``alternatives`` (mu's top-K with pi's probabilities, as hover
     text)."""
-    metrics = analysis("sample_tokens", run_id=run_id, step=int(step), sample_id=int(sample_id))
-    alts = query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
+    metrics = ours.sample_tokens(run_id=run_id, step=int(step), sample_id=int(sample_id))
+    alts = ours.query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
     df = pd.DataFrame({
         "pos": metrics["pos"],
         "text": [t if isinstance(t, str) else f"#{i}"
@@ -408,7 +464,7 @@ def _alternatives_text(texts: object, probs: object, pis: object, rank: object) 
 
 def topk_table(run_id: str, step: int, sample_id: int, pos: int) -> pd.DataFrame:
     """mu's top-K at one position beside pi's probability of the same tokens: rank, text, mu, pi, pi - mu."""
-    alts = query("sample_alternatives", run_id=run_id, step=int(step), sample_id=int(sample_id))
+    alts = _alternatives(run_id, step, sample_id)
     row = alts[alts["pos"] == pos]
     if row.empty or not isinstance(row["alt_texts"].iloc[0], list | tuple | np.ndarray):
         return pd.DataFrame(columns=["rank", "text", "mu", "pi", "pi - mu"])
@@ -418,6 +474,9 @@ def topk_table(run_id: str, step: int, sample_id: int, pos: int) -> pd.DataFrame
     out = pd.DataFrame({"rank": range(1, len(texts) + 1), "text": [repr(t) for t in texts], "mu": mus, "pi": pis})
     out["pi - mu"] = out["pi"] - out["mu"]
     return out
+
+
+# ------------------------------------------------------------------------------------------------ SQL console
 
 
 @dataclass
@@ -434,22 +493,18 @@ def run_sql(sql: str) -> SqlResult:
     """Run user SQL through the query layer's sandbox (read-only, row limit, timeout); errors become messages."""
     start = time.perf_counter()
     try:
-        result = _db(current_logdir()).sql(sql, max_rows=SQL_ROW_LIMIT)
+        result = handle().sql(sql, max_rows=SQL_ROW_LIMIT)
     except (db.QueryRefused, db.QueryStopped, duckdb.Error) as exc:
         return SqlResult(pd.DataFrame(), False, time.perf_counter() - start, _first_line(exc))
     return SqlResult(result.to_pandas(), result.truncated, time.perf_counter() - start)
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def _columns(logdir: str, view: str) -> pd.DataFrame:
-    cur = _db(logdir).cursor()
+@cached
+def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
+    """``column, type`` of one view (for the SQL console's column browser)."""
+    cur = ours.cursor()
     try:
         rel = cur.view(view)
         return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
     finally:
         cur.close()
-
-
-def view_columns(view: str) -> pd.DataFrame:
-    """``column, type`` of one view (for the SQL console's column browser)."""
-    return _columns(current_logdir(), view)

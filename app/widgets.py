@@ -11,36 +11,40 @@ from trustscope import figures, report
 
 
 def pick_groups(runs: pd.DataFrame, limit: int = 4) -> tuple[list[str], bool]:
-    """Seed groups (or single runs) to compare, and whether seeds are grouped. The default holds the PPO-clip
-    baseline and then one configuration per other rule, at most ``limit``: per rule the one with the most seeds,
-    and among those only the ones with at least the baseline's seeds when there are any."""
+    """Seed groups (or single runs) to compare, and whether seeds are grouped; by default
+    :func:`app.data.default_comparison` (the PPO-clip baseline, then one configuration per other rule)."""
     grouped = st.toggle("Group seeds (mean, band = min..max)", value=True, key="group_seeds")
     column = "group" if grouped else "run_id"
     options = runs[column].drop_duplicates().tolist()
     remembered = [r for r in st.session_state.get(f"_{column}", []) if r in options]
-    seeds = runs.groupby(column, sort=False)["run_id"].transform("size")
-    # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
-    first = runs.assign(seeds=seeds).sort_values("seeds", ascending=False, kind="stable").drop_duplicates(column)
-    baseline = first[first["loss_rule"] == data.BASELINE_RULE].head(1)
-    others = first[first["loss_rule"] != data.BASELINE_RULE].drop_duplicates("loss_rule")
-    if len(baseline):
-        matched = others[others["seeds"] >= baseline["seeds"].iloc[0]]
-        others = matched if len(matched) else others
-    default = (baseline[column].tolist() + others[column].tolist())[:limit]
+    default = data.default_comparison(runs, column, limit)
     label = "Configurations (seeds averaged)" if grouped else "Runs"
     chosen = st.multiselect(label, options, default=remembered or default, key=f"{column}_picker")
     st.session_state[f"_{column}"] = chosen
+    st.session_state["_grouped"] = grouped
     return chosen, grouped
 
 
 def pick_run(runs: pd.DataFrame, label: str = "Run") -> str:
-    """One run (default: the one picked last on any page)."""
+    """One run: the one picked last on any page, else the first of the Runs page's comparison (as picked there,
+    else its default, :func:`app.data.default_run`), so every drill-down page opens on the same run."""
     ids = runs["run_id"].tolist()
     remembered = [r for r in st.session_state.get("_runs", []) if r in ids]
-    index = ids.index(remembered[0]) if remembered else 0
-    run = st.selectbox(label, ids, index=index, key="run_picker", format_func=lambda r: _run_label(runs, r))
+    if not remembered:
+        remembered = [_first_compared(runs)]
+    run = st.selectbox(label, ids, index=ids.index(remembered[0]), key="run_picker",
+                       format_func=lambda r: _run_label(runs, r))
     st.session_state["_runs"] = [run, *[r for r in remembered if r != run]]
     return run
+
+
+def _first_compared(runs: pd.DataFrame) -> str:
+    """The first run of the comparison the Runs page shows (picked there in this session, else its default)."""
+    column = "group" if st.session_state.get("_grouped", True) else "run_id"
+    picked = [g for g in st.session_state.get(f"_{column}", []) if g in set(runs[column])]
+    if not picked:
+        return data.default_run(runs)
+    return str(runs.loc[runs[column] == picked[0], "run_id"].iloc[0])
 
 
 def _run_label(runs: pd.DataFrame, run_id: str) -> str:
@@ -55,7 +59,7 @@ def pick_steps(run_id: str, key: str = "steps") -> tuple[int, int]:
     if first == last:
         st.caption(f"Step {first}")
         return first, last
-    start = data.default_first_step(run_id)
+    start = data.window_start(run_id)
     window = st.slider("Steps", first, last, (start, last), key=f"{key}_{run_id}")
     if window[0] > first:
         st.caption(f"Token-level charts read the last steps up to {data.WINDOW_TOKENS:,} tokens by default; "

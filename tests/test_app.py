@@ -323,6 +323,29 @@ def test_corrupt_logdir_shows_an_error_not_a_traceback(monkeypatch, tmp_path, lo
             else "unreadable run.json") in message
 
 
+# ---------------------------------------------------------------------------------------------- the page table
+
+
+def test_the_page_table_lists_every_view_once_and_the_docs_show_it():
+    from app.pages import PAGES, VIEWS, markdown_table
+
+    files = [p.file for p in PAGES]
+    assert sorted(files) == sorted(p.name for p in VIEWS.glob("*.py") if p.stem != "__init__")
+    assert len(set(files)) == len(files) and [p.default for p in PAGES].count(True) == 1
+    assert markdown_table() in (ROOT / "docs" / "architecture.md").read_text(), \
+        "docs/architecture.md's page table differs from app/pages.py: paste app.pages.markdown_table()"
+
+
+def test_every_page_of_the_table_is_in_the_menu(monkeypatch, logdir):
+    from app.pages import PAGES
+
+    at = _open(monkeypatch, logdir)
+    for shown in PAGES[1:]:
+        at.switch_page(shown.script)
+        at.run()
+        _ok(at, shown.title)
+
+
 # ---------------------------------------------------------------------------------------------- the command
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from app.pages import PAGES
 from trustscope import schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,19 +30,6 @@ ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-# url path -> (page title, a selector that only renders once the page's data is in)
-PAGES = {
-    "": ("Runs", ".js-plotly-plot"),
-    "live": ("Live", ".js-plotly-plot"),
-    "bad_updates": ("Bad negative updates", ".js-plotly-plot"),
-    "ratio_divergence": ("Ratio vs divergence", ".js-plotly-plot"),
-    "rules": ("Rules side by side", ".js-plotly-plot"),
-    "counterfactual": ("Counterfactual", "[data-testid='stMetric']"),
-    "clipped_tokens": ("Clipped tokens", "[data-testid='stMain'] h1"),
-    "token_explorer": ("Token explorer", "span.tok"),
-    "sql_console": ("SQL console", "[data-testid='stDataFrame']"),
-}
 
 # every plot of the page: whether it holds a point, its log axes' tick labels, and each rule trace's colour
 READ_PLOTS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => {
@@ -177,16 +165,17 @@ def test_every_page_renders_and_reads_right_in_chromium(server, browser):
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     timings, colours, problems = {}, {}, []
-    for path, (title, selector) in PAGES.items():
+    for shown in PAGES:
         start = time.monotonic()
-        page.goto(f"{url}/{path}", wait_until="domcontentloaded")
-        page.get_by_role("heading", name=title).first.wait_for(timeout=60_000)
+        page.goto(f"{url}/{shown.url_path}", wait_until="domcontentloaded")
+        page.get_by_role("heading", name=shown.title).first.wait_for(timeout=60_000)
         _settle(page)
-        page.wait_for_selector(selector, timeout=30_000)
-        timings[path or "runs"] = time.monotonic() - start
+        page.wait_for_selector(shown.ready, timeout=30_000)
+        stem = Path(shown.file).stem
+        timings[stem] = time.monotonic() - start
         page.wait_for_timeout(500)  # plotly draws after the script run ends
-        page.screenshot(path=str(artifacts / f"{path or 'runs'}.png"), full_page=True)
-        where = f"/{path} over {name}"
+        page.screenshot(path=str(artifacts / f"{stem}.png"), full_page=True)
+        where = f"/{shown.url_path} over {name}"
         assert page.locator("[data-testid='stException']").count() == 0, f"exception on {where}"
         assert page.locator("[data-testid='stAlertContentError']").count() == 0, f"error box on {where}"
         for i, plot in enumerate(page.evaluate(READ_PLOTS)):

@@ -3,6 +3,7 @@
 import streamlit as st
 
 from app import data, widgets
+from trustscope import figures
 
 st.title("Bad negative updates")
 runs = widgets.require_runs()
@@ -27,7 +28,7 @@ else:
 valid = df.dropna(subset=["reward_fluctuation"])
 corr = valid["bad_rate"].corr(valid["reward_fluctuation"]) if len(valid) > 2 and n_bad else float("nan")
 cols[2].metric("Correlation with reward fluctuation", "-" if corr != corr else f"{corr:+.2f}")
-widgets.chart(data.figure("bad_updates_vs_reward", df, data.WARNING_LINES.bad_rate, alert_steps[:1]), "bad_chart",
+widgets.chart(data.figure(figures.bad_updates_vs_reward, df, data.WARNING_LINES.bad_rate, alert_steps[:1]), "bad_chart",
               "No step has tokens yet.")
 if n_bad:
     st.caption(f"A token is a bad update when A < 0 and mu - pi >= {data.BAD_DELTA:g}: the update pushed its "

@@ -35,7 +35,7 @@ st.caption(f"Token texts ranked by the share of their occurrences (A != 0, {SIGN
            f"steps {steps[0]}-{steps[1]}, among tokens seen at least {int(min_count)} times; each bar says blocked "
            f"of seen. The top token, {df['text'].iloc[0]!r}, is blocked {int(df['n_blocked'].iloc[0]):,} times of "
            f"{int(df['n_occurrences'].iloc[0]):,}.")
-widgets.chart(data.figure("clipped_tokens", df, rule), "clipped_chart", "No token to show.")
+widgets.chart(data.figure(figures.clipped_tokens, df, rule), "clipped_chart", "No token to show.")
 st.dataframe(df.drop(columns=["token_id"]), hide_index=True, key="clipped_table", column_config={
     "block_rate": st.column_config.NumberColumn("block rate", format="percent"),
     "mean_mu": st.column_config.NumberColumn("mean mu", format="%.3f"),

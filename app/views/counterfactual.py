@@ -46,7 +46,7 @@ if diff.empty:
 by_bucket = diff.groupby(["mu_bucket", "adv_sign"]).agg(
     only_a=("blocked_by", lambda s: int((s == rule_a).sum())),
     only_b=("blocked_by", lambda s: int((s == rule_b).sum()))).reset_index()
-widgets.chart(data.figure("counterfactual_by_bucket", by_bucket, rule_a, rule_b), "cf_chart", "No difference.")
+widgets.chart(data.figure(figures.counterfactual_by_bucket, by_bucket, rule_a, rule_b), "cf_chart", "No difference.")
 
 diff = diff.assign(position=pd.cut(diff["pos"], POSITION_BINS, right=False, labels=POSITION_LABELS))
 left, right = st.columns(2)

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from app import data
+from trustscope import figures
 
 st.title("Live")
 every = st.select_slider("Refresh every", options=[2, 5, 10, 30, 60], value=5, format_func=lambda s: f"{s} s",
@@ -31,7 +32,7 @@ def live_view() -> None:
         cols[3].metric("Status", str(row["status"]))
         metrics = data.step_metrics([run])
         logged = [m for m in data.METRIC_TITLES if m in set(metrics["name"])]
-        st.plotly_chart(data.figure("metrics_over_steps", metrics, logged, data.METRIC_TITLES), key="live_chart")
+        st.plotly_chart(data.figure(figures.metrics_over_steps, metrics, logged, data.METRIC_TITLES), key="live_chart")
         updated = row["updated_at"]
         st.caption(f"Refreshed {datetime.now():%H:%M:%S}; the run's manifest was last updated "
                    + ("never" if updated is None or pd.isna(updated) else f"{updated:%Y-%m-%d %H:%M:%S} UTC") + ".")

@@ -4,6 +4,7 @@ import numpy as np
 import streamlit as st
 
 from app import data, widgets
+from trustscope import figures
 
 st.title("Ratio vs divergence")
 runs = widgets.require_runs()
@@ -27,15 +28,15 @@ st.caption(f"Each point is a token ({len(points):,} shown, a uniform sample when
            f"{low['ratio_dev']:.3g} in the lowest mu bucket ({low['mu_bucket']}, {int(low['n_tokens']):,} tokens) "
            f"against {high['ratio_dev']:.3g} in the highest ({high['mu_bucket']}, {int(high['n_tokens']):,} "
            f"tokens), while binary TV's is {low['tv']:.3g} against {high['tv']:.3g}.")
-widgets.chart(data.figure("ratio_vs_divergence", points, divergence), "figure2",
+widgets.chart(data.figure(figures.ratio_vs_divergence, points, divergence), "figure2",
               "No token of this window has a positive ratio and divergence to place on log axes.")
 st.subheader("Every token, binned")
 st.caption("All tokens of the run (every step) binned by ratio and divergence; marker area grows with the count.")
 histogram = data.ratio_histogram(run, data.VIEW_DIVERGENCE[divergence])
-widgets.chart(data.figure("ratio_divergence_histogram", histogram, data.VIEW_DIVERGENCE[divergence]), "histogram",
+widgets.chart(data.figure(figures.ratio_divergence_histogram, histogram, data.VIEW_DIVERGENCE[divergence]), "histogram",
               "Every token of this run has a divergence of exactly 0 (no probability moved), so none sits on a "
               "log axis; train with bf16 rollouts against the fp32 trainer to see mismatch.")
 st.subheader("Spread by mu bucket")
-widgets.chart(data.figure("spread_by_bucket", spread), "spread_chart", "No token in this window.")
+widgets.chart(data.figure(figures.spread_by_bucket, spread), "spread_chart", "No token in this window.")
 st.caption("The 99th percentile of |ratio - 1| and of binary TV within each mu bucket of the step window; the "
            "token count of each bucket is under its label.")

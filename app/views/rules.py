@@ -3,6 +3,7 @@
 import streamlit as st
 
 from app import data, widgets
+from trustscope import figures
 
 st.title("Rules side by side")
 runs = widgets.require_runs()
@@ -23,7 +24,7 @@ st.caption(f"Every rule on the same {n_tokens:,} tokens with a non-zero advantag
            "(A = 0 tokens carry no gradient, whichever rule looks at them). Here "
            + "; ".join(f"{r} blocks {widgets.count_of(row.n_blocked, n_tokens)}" for r, row in ranked.iterrows())
            + ". The trainer applied only " + (f"{applied}." if applied else "its own rule (not recorded)."))
-widgets.chart(data.figure("rules_by_bucket", df, applied=applied), "rules_chart",
+widgets.chart(data.figure(figures.rules_by_bucket, df, applied=applied), "rules_chart",
               "None of the picked rules blocks a token here.")
 table = df.assign(blocked=[widgets.count_of(b, n) for b, n in zip(df["n_blocked"], df["n_tokens"], strict=True)])
 table = table.pivot_table(index=["mu_bucket", "adv_sign", "n_tokens"], columns="rule", values="blocked",

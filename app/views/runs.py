@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app import data, widgets
-from app.views import doctor
+from app.sections import doctor
 from trustscope import figures, report
 
 st.title("Runs")
@@ -23,7 +23,7 @@ st.dataframe(table, hide_index=True, key="runs_table", column_config={
     "mean_reward": st.column_config.NumberColumn("mean reward", format="%.3f"),
 })
 st.caption("Status reads the writer: a run whose process is gone reads crashed, one whose manifest has not "
-           f"changed for {data.report.STALE_AFTER_S / 60:.0f} minutes reads stale, one with a file that cannot "
+           f"changed for {report.STALE_AFTER_S / 60:.0f} minutes reads stale, one with a file that cannot "
            "be read reads broken (a red line at the top of every page then names the file). Tokens logged are the "
            "token rows on disk (a run may log a fraction of what it generated).")
 
@@ -52,7 +52,7 @@ def compare(chosen: list[str], grouped: bool) -> None:
     series = series.set_index("run_id").loc[[c for c in chosen if c in set(series["run_id"])]].reset_index()
     logged = [m for m in metrics if m in set(series["name"])]
     if logged:
-        widgets.chart(data.figure("metrics_over_steps", series, logged, data.METRIC_TITLES, colours=colours),
+        widgets.chart(data.figure(figures.metrics_over_steps, series, logged, data.METRIC_TITLES, colours=colours),
                       "metrics_chart", "None of these runs has logged a step with these metrics yet.")
     missing = [data.METRIC_TITLES[m] for m in metrics if m not in logged]
     if missing:
@@ -71,7 +71,7 @@ def compare(chosen: list[str], grouped: bool) -> None:
     blocked = blocked[blocked["rule"].isin(rules)]
     totals = data.blocked_totals(members["run_id"].tolist(), labels)
     smoothed = figures.smooth(blocked, weight, ["run_id", "rule"], column="blocked_frac")
-    widgets.chart(data.figure("blocked_fraction_by_rule", smoothed, applied=applied), "blocked_chart",
+    widgets.chart(data.figure(figures.blocked_fraction_by_rule, smoothed, applied=applied), "blocked_chart",
                   "No rule would block any token of these runs (the policy never moved far from the rollouts). "
                   "Train with more mismatch (`--engine-dtype bfloat16`, `--mini-batches 4`) to see the rules bind.")
     added = ", the seeds of a configuration added up" if grouped else ""

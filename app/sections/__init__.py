@@ -1,0 +1,1 @@
+"""Parts of a page that are not pages themselves (each drawn by the page that imports it)."""
