@@ -195,6 +195,16 @@ def test_every_import_format_is_in_the_importers_guide():
     assert not missing, f"import formats missing from docs/importers.md's format table: {missing}"
 
 
+def test_every_doctor_check_is_in_the_doctor_guide():
+    doctor = pytest.importorskip("trustscope.doctor")
+    checks = getattr(doctor, "CHECKS", None)
+    if checks is None:
+        pytest.skip("trustscope.doctor has no CHECKS registry")
+    guide = doc("doctor.md")
+    missing = [name for name in checks if f"| `{name}` |" not in guide]
+    assert not missing, f"doctor checks missing from docs/doctor.md's table of checks: {missing}"
+
+
 ARCHITECTURE = doc("architecture.md")
 
 
