@@ -367,7 +367,35 @@ def test_rank_collisions_fail_when_ranks_count_from_zero(doctored):
     assert f.examples[0]["ranks"] == [0, 1]
 
 
+# ------------------------------------------------------------------------------------------------ the registry
+
+
+def test_every_doctor_sql_file_is_read_by_a_check():
+    files = {p.name for p in D.DOCTOR_SQL_DIR.glob("*.sql")}
+    assert files == {check.sql for check in D.CHECKS.values()}
+
+
+def test_a_check_is_declared_once_and_names_a_file_that_exists():
+    with pytest.raises(ValueError, match="'alignment' is declared twice"):
+        D.register_check("alignment", sql="alignment.sql", about="again")(D.judge_alignment)
+    with pytest.raises(ValueError, match=r"no nowhere\.sql in"):
+        D.register_check("nowhere", sql="nowhere.sql", about="a file that is not there")(D.judge_alignment)
+    assert "nowhere" not in D.CHECKS
+
+
+def test_findings_carry_the_name_they_were_declared_under(doctored):
+    assert all(name == f.check for found in doctored.values() for name, f in found.items())
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
+
+
+def test_cli_help_lists_every_check():
+    result = CliRunner().invoke(app, ["doctor", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # the help is wrapped
+    for check in D.CHECKS.values():
+        assert f"{check.name} ({check.about})" in text
 
 
 def test_cli_exit_codes(tmp_path):
@@ -377,7 +405,7 @@ def test_cli_exit_codes(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(app, ["doctor", str(clean)])
     assert ok.exit_code == 0, ok.output
-    assert "[OK] alignment" in ok.output and "8 ok" in ok.output
+    assert "[OK] alignment" in ok.output and "1 run(s): 8 ok, 0 warn, 0 fail, 0 skipped" in ok.output
     bad = runner.invoke(app, ["doctor", str(broken)])
     assert bad.exit_code == 1
     assert "[FAIL] alignment" in bad.output and "likely cause:" in bad.output and "e.g. step=" in bad.output

@@ -8,6 +8,13 @@ sample ids that several ranks reuse. Each check here measures one such mistake w
 which returns a :class:`Finding`: a verdict (``ok``, ``warn``, ``fail`` or ``skipped``), a one-line summary, the
 evidence (counts and a few example tokens with step, sample_id and pos) and the likely cause.
 
+A check is its judge, declared once with its name, SQL file and parameters::
+
+    @register_check("alignment", sql="alignment.sql", about="mu and pi logged one position apart")
+    def judge_alignment(m: Mapping[str, Any]) -> Judgement: ...
+
+Use::
+
     with connect("logs/") as db:
         findings = diagnose(db)              # {run_id: [Finding, ...]}, one Finding per check
         panel = doctor_panel(db, "my-run")   # the same as a DataFrame, for the dashboard
@@ -74,11 +81,10 @@ within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
 
 
 @dataclass(frozen=True)
-class Finding:
-    """The verdict of one check on one run.
+class Judgement:
+    """What a judge makes of one run's measurement.
 
     Attributes:
-        check: the check's name (a key of :data:`CHECKS`).
         verdict: ``ok``, ``warn``, ``fail`` or ``skipped`` (then ``summary`` says why).
         summary: one line: what was measured.
         evidence: counts and figures behind the verdict.
@@ -86,7 +92,6 @@ class Finding:
         cause: the likely cause and what to change, empty when there is nothing to fix.
     """
 
-    check: str
     verdict: str
     summary: str
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -95,19 +100,72 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
-            raise ValueError(f"Finding.verdict={self.verdict!r} must be one of {VERDICTS}")
+            raise ValueError(f"verdict={self.verdict!r} must be one of {VERDICTS}")
+
+
+@dataclass(frozen=True)
+class Finding(Judgement):
+    """The judgement of one check on one run, with the check's name (a key of :data:`CHECKS`)."""
+
+    check: str = field(kw_only=True)
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+
+Judge = Callable[..., Judgement]
+"""``judge(measurement) -> Judgement``, or ``judge(measurement, run.json field)`` for a check that reads one."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: the SQL file that measures it, its parameters, and the judge that reads the measurement."""
+
+    name: str
+    sql: str
+    """The file in ``trustscope/sql/doctor/``: one row per run, its parameters bound."""
+    judge: Judge
+    about: str
+    """What the check looks for, in a few words (``trustscope doctor --help`` lists them)."""
+    params: Mapping[str, float] = field(default_factory=dict)
+    manifest_field: str | None = None
+    """The run.json field handed to the judge after the measurement, if any."""
+
+
+CHECKS: dict[str, Check] = {}
+"""Every check by name, in the order they are declared and reported."""
+
+
+def register_check(name: str, *, sql: str, about: str, params: Mapping[str, float] | None = None,
+                   manifest_field: str | None = None) -> Callable[[Judge], Judge]:
+    """Declare the decorated judge as check ``name``, measured by ``sql`` (a file of ``trustscope/sql/doctor/``)
+    with bound ``params``; with ``manifest_field``, the judge also gets that field of the run's run.json. Checks
+    reading the same file with the same parameters share one measurement (one scan)."""
+
+    def add(judge: Judge) -> Judge:
+        if name in CHECKS:
+            raise ValueError(f"doctor check {name!r} is declared twice")
+        if not (DOCTOR_SQL_DIR / sql).is_file():
+            raise ValueError(f"doctor check {name!r}: no {sql} in {DOCTOR_SQL_DIR}")
+        CHECKS[name] = Check(name, sql, judge, about, dict(params or {}), manifest_field)
+        return judge
+
+    return add
+
+
+TOPK_PARAMS = {"tolerance": TOPK_MASS_TOLERANCE}
+"""The three top-K checks read one measurement (same file, same parameters): one scan of the lists."""
 
 
 # ------------------------------------------------------------------------------------------------ judges
 
 
-def judge_alignment(m: Mapping[str, Any]) -> Finding:
+@register_check("alignment", sql="alignment.sql", about="mu and pi logged one position apart")
+def judge_alignment(m: Mapping[str, Any]) -> Judgement:
     """mu and pi off by one position: a one-position shift (pi one later or one earlier) fits much better than the
     logged alignment, measured by mean |pi - mu| inside each response."""
-    name = "alignment"
     if not m or (m.get("n_pairs") or 0) < MIN_TOKENS:
-        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} pairs of adjacent positions to compare",
-                       _pick(m, "n_tokens", "n_pairs"))
+        return Judgement("skipped", f"fewer than {MIN_TOKENS} pairs of adjacent positions to compare",
+                         _pick(m, "n_tokens", "n_pairs"))
     evidence = _pick(m, "n_tokens", "n_pairs", "diff_logged", "diff_pi_later", "diff_pi_earlier", "corr_logged",
                      "corr_pi_later", "corr_pi_earlier")
     logged = m["diff_logged"]
@@ -116,19 +174,20 @@ def judge_alignment(m: Mapping[str, Any]) -> Finding:
     summary = (f"mean |pi - mu| {logged:.4g} as logged, {later:.4g} with pi one position later, "
                f"{earlier:.4g} with pi one position earlier")
     if logged >= ALIGN_FLOOR and best < ALIGN_FACTOR * logged:
-        return Finding(name, "fail", summary, evidence, m["examples"] or [],
-                       f"pi fits mu far better one position {direction}: the two are logged off by one. "
-                       + ALIGNMENT_CAUSES[direction])
-    return Finding(name, "ok", summary, evidence)
+        return Judgement("fail", summary, evidence, m["examples"] or [],
+                         f"pi fits mu far better one position {direction}: the two are logged off by one. "
+                         + ALIGNMENT_CAUSES[direction])
+    return Judgement("ok", summary, evidence)
 
 
-def judge_placeholders(m: Mapping[str, Any]) -> Finding:
+@register_check("placeholders", sql="placeholders.sql", about="padding or unscored positions logged as tokens",
+                params={"floor": PLACEHOLDER_FLOOR, "huge_tv": HUGE_TV, "huge_log_ratio": HUGE_LOG_RATIO})
+def judge_placeholders(m: Mapping[str, Any]) -> Judgement:
     """Positions carrying placeholder log-probs (exactly 0, or at most :data:`PLACEHOLDER_FLOOR`) together with a
     huge divergence: padding or unscored positions that the response mask let into the log. ``fail`` when the
     trainer kept some and they make :data:`PLACEHOLDER_SHARE` of the tokens or more, else ``warn``."""
-    name = "placeholders"
     if not m or not m.get("n_tokens"):
-        return Finding(name, "skipped", "no token rows")
+        return Judgement("skipped", "no token rows")
     evidence = _pick(m, "n_tokens", "n_flagged", "n_flagged_kept", "n_flagged_at_end", "n_mu_placeholder",
                      "n_pi_placeholder")
     n = m["n_flagged"]
@@ -136,41 +195,41 @@ def judge_placeholders(m: Mapping[str, Any]) -> Finding:
                f"|pi - mu| > {HUGE_TV:g} or |log ratio| > {HUGE_LOG_RATIO:g}; {m['n_flagged_kept']} kept, "
                f"{m['n_flagged_at_end']} at the end of their response")
     if not n:
-        return Finding(name, "ok", summary, evidence)
+        return Judgement("ok", summary, evidence)
     cause = ("padding or unscored positions were logged as response tokens: the mask passed to the logger does not "
              "exclude padding after EOS, tool output or truncated tails, or an importer filled missing log-probs "
              "with 0 / -inf stand-ins. Pass the real response mask (False on those positions); an "
              "importer should drop unscored positions, not fill them.")
     if m["n_flagged_kept"] and n >= PLACEHOLDER_SHARE * m["n_tokens"]:
-        return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
+        return Judgement("fail", summary, evidence, m["examples"] or [], cause)
     if m["n_flagged_kept"]:
         cause += (f" So few (under {PLACEHOLDER_SHARE:g} of the tokens) may also be genuine extremes, a policy that "
                   "drove pi to exactly 1 on a token mu found unlikely: read the examples.")
-    return Finding(name, "warn", summary, evidence, m["examples"] or [], cause)
+    return Judgement("warn", summary, evidence, m["examples"] or [], cause)
 
 
-def judge_topk_sampled(m: Mapping[str, Any]) -> Finding:
+@register_check("topk_sampled", sql="topk.sql", about="the sampled token missing from mu's top-K", params=TOPK_PARAMS)
+def judge_topk_sampled(m: Mapping[str, Any]) -> Judgement:
     """The sampled token missing from mu's top-K ids (the engines put it in, replacing the K-th entry)."""
-    name = "topk_sampled"
-    skip = _topk_skip(name, m)
+    skip = _topk_skip(m)
     if skip:
         return skip
     n = m["n_missing_sampled"]
     evidence = _pick(m, "n_topk", "k", "n_missing_sampled")
     summary = f"{n} of {m['n_topk']} top-K rows (K = {m['k']}) lack the sampled token"
     if not n:
-        return Finding(name, "ok", summary, evidence)
-    return Finding(name, "fail", summary, evidence, m["missing_examples"] or [],
-                   "mu's top-K is the engine's K most likely ids without the sampled token: top-K TV/KL then "
-                   "misses the token the update is about. Ask the engine for the sampled token's log-prob as well "
-                   "(vLLM returns it beside the K most likely) and put it in the K-th slot when it is not among "
-                   "them; or the ids are misaligned with the tokens (see the alignment check).")
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, m["missing_examples"] or [],
+                     "mu's top-K is the engine's K most likely ids without the sampled token: top-K TV/KL then "
+                     "misses the token the update is about. Ask the engine for the sampled token's log-prob as well "
+                     "(vLLM returns it beside the K most likely) and put it in the K-th slot when it is not among "
+                     "them; or the ids are misaligned with the tokens (see the alignment check).")
 
 
-def judge_topk_mass(m: Mapping[str, Any]) -> Finding:
+@register_check("topk_mass", sql="topk.sql", about="top-K probabilities summing above 1", params=TOPK_PARAMS)
+def judge_topk_mass(m: Mapping[str, Any]) -> Judgement:
     """mu's (or pi's) top-K probabilities summing above 1 + :data:`TOPK_MASS_TOLERANCE`."""
-    name = "topk_mass"
-    skip = _topk_skip(name, m)
+    skip = _topk_skip(m)
     if skip:
         return skip
     n_mu, n_pi = m["n_mu_over"], m["n_pi_over"]
@@ -179,41 +238,42 @@ def judge_topk_mass(m: Mapping[str, Any]) -> Finding:
     summary = (f"{n_mu} mu and {n_pi} pi top-K rows sum above 1 + {TOPK_MASS_TOLERANCE:g} "
                f"(largest sums: mu {m['mu_mass_max']:.4g}, pi {pi_max})")
     if not (n_mu or n_pi):
-        return Finding(name, "ok", summary, evidence)
-    return Finding(name, "fail", summary, evidence, m["mass_examples"] or [],
-                   "the lists are not log-probabilities of one distribution: raw logits or unnormalised scores "
-                   "logged as log-probs, an id listed twice (see topk_duplicates), or entries taken from two "
-                   "different distributions (processed and raw). The 'other' bucket then clamps at 0 and top-K "
-                   "TV/KL are wrong.")
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, m["mass_examples"] or [],
+                     "the lists are not log-probabilities of one distribution: raw logits or unnormalised scores "
+                     "logged as log-probs, an id listed twice (see topk_duplicates), or entries taken from two "
+                     "different distributions (processed and raw). The 'other' bucket then clamps at 0 and top-K "
+                     "TV/KL are wrong.")
 
 
-def judge_topk_duplicates(m: Mapping[str, Any]) -> Finding:
+@register_check("topk_duplicates", sql="topk.sql", about="an id listed twice in one top-K row", params=TOPK_PARAMS)
+def judge_topk_duplicates(m: Mapping[str, Any]) -> Judgement:
     """An id listed twice in one row of mu's top-K."""
-    name = "topk_duplicates"
-    skip = _topk_skip(name, m)
+    skip = _topk_skip(m)
     if skip:
         return skip
     n = m["n_duplicates"]
     evidence = _pick(m, "n_topk", "n_duplicates")
     summary = f"{n} of {m['n_topk']} top-K rows list an id more than once"
     if not n:
-        return Finding(name, "ok", summary, evidence)
-    return Finding(name, "fail", summary, evidence, m["duplicate_examples"] or [],
-                   "the sampled token was appended to (or written over) a top-K list that already held it, or "
-                   "padding ids (0, the pad id) fill short rows: the token's mass is counted twice and the "
-                   "'other' bucket shrinks. Put the sampled token in the K-th slot only when it is absent; pad "
-                   "nothing.")
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, m["duplicate_examples"] or [],
+                     "the sampled token was appended to (or written over) a top-K list that already held it, or "
+                     "padding ids (0, the pad id) fill short rows: the token's mass is counted twice and the "
+                     "'other' bucket shrinks. Put the sampled token in the K-th slot only when it is absent; pad "
+                     "nothing.")
 
 
-def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] | None) -> Finding:
+@register_check("processed_logprobs", sql="processed_logprobs.sql", about="the engine's processed log-probs against "
+                "the trainer's raw ones", params={"floor": PLACEHOLDER_FLOOR}, manifest_field="sampling")
+def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] | None) -> Judgement:
     """Processed-vs-raw log-probs: the engine reports log-probs after temperature / top-p / top-k while the trainer's
     are the raw softmax. For a token sampled from the processed q, E[log q - log p] = KL(q || p) > 0 for any
     temperature != 1, and top-p / top-k renormalise the kept tokens upwards: either way mu reads higher than pi.
     With top-K lists, the slope of mu's log-probs on pi's at the same ids (the ratio of their spreads within each
     row) is 1 / temperature instead of 1, whatever the normaliser."""
-    name = "processed_logprobs"
     if not m or (m.get("n_tokens") or 0) < MIN_TOKENS:
-        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens", _pick(m, "n_tokens"))
+        return Judgement("skipped", f"fewer than {MIN_TOKENS} tokens", _pick(m, "n_tokens"))
     evidence = _pick(m, "n_tokens", "n_ref_old", "mean_log_gap", "sd_log_gap", "n_topk_rows", "topk_slope")
     ref = "pi_old" if m["n_ref_old"] == m["n_tokens"] else "pi" if not m["n_ref_old"] else "pi_old (else pi)"
     gap, sd, n = m["mean_log_gap"], m["sd_log_gap"] or 0.0, m["n_tokens"]
@@ -224,7 +284,7 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     if slope is not None:
         measured += f", top-K slope of log mu on log pi {slope:.4g}"
     if not sampling:
-        return Finding(name, "skipped", "run.json records no sampling parameters; " + measured, evidence)
+        return Judgement("skipped", "run.json records no sampling parameters; " + measured, evidence)
     if not isinstance(sampling, Mapping):
         raise ValueError(f"run.json sampling={sampling!r} must be an object of sampling parameters")
     temperature = _number(sampling, "temperature", 1.0)
@@ -232,14 +292,14 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     top_k = _number(sampling, "top_k", 0.0)
     evidence.update(temperature=temperature, top_p=top_p, top_k=top_k)
     if temperature <= 0:
-        return Finding(name, "skipped", f"greedy decoding (temperature {temperature:g}): the engine's log-probs "
-                       "are of no sampling distribution to compare; " + measured, evidence)
+        return Judgement("skipped", f"greedy decoding (temperature {temperature:g}): the engine's log-probs "
+                         "are of no sampling distribution to compare; " + measured, evidence)
     processing = [f"temperature {temperature:g}"] if temperature != 1 else []
     processing += [f"top_p {top_p:g}"] if top_p < 1 else []
     processing += [f"top_k {top_k:g}"] if top_k > 0 else []
     if not processing:
-        return Finding(name, "skipped", "sampling at temperature 1 without top-p/top-k: processed and raw "
-                       "log-probs agree; " + measured, evidence)
+        return Judgement("skipped", "sampling at temperature 1 without top-p/top-k: processed and raw "
+                         "log-probs agree; " + measured, evidence)
     predicted = "mu above pi" + (f" and a top-K slope of 1 / {temperature:g} = {1 / temperature:.4g}"
                                  if temperature != 1 else "")
     summary = f"{measured}; at {', '.join(processing)}, a processed mu against a raw pi would read {predicted}"
@@ -250,25 +310,26 @@ def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] |
     truncating = top_p < 1 or top_k > 0
     biased = gap > BIAS_NATS and z > BIAS_Z and (truncating or not slope_says_raw)
     if not (sharpened or biased):
-        return Finding(name, "ok", summary, evidence)
+        return Judgement("ok", summary, evidence)
     cause = (f"mu holds the engine's processed log-probs (after {', '.join(processing)}) while pi is the "
              "trainer's raw softmax, so the ratio pi / mu carries the sampling transform, not the mismatch. "
              "Compute pi at the sampling temperature (divide the logits by it, e.g. capture(..., "
              "temperature=...)) and apply the same top-p / top-k, or log the engine's raw log-probs "
              "(vLLM logprobs_mode='raw_logprobs') and train on raw ones.")
     if sharpened or ref == "pi_old":
-        return Finding(name, "fail", summary, evidence, m["examples"] or [], cause)
-    return Finding(name, "warn", summary, evidence, m["examples"] or [],
-                   cause + " But pi has moved since the rollout, which raises the gap too: log pi_old "
-                   "(old_logprob, the trainer's log-probs at the rollout's weights) to tell the two apart.")
+        return Judgement("fail", summary, evidence, m["examples"] or [], cause)
+    return Judgement("warn", summary, evidence, m["examples"] or [],
+                     cause + " But pi has moved since the rollout, which raises the gap too: log pi_old "
+                     "(old_logprob, the trainer's log-probs at the rollout's weights) to tell the two apart.")
 
 
-def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
+@register_check("mu_recompute", sql="mu_recompute.sql", about="a mu that is the trainer's own recompute",
+                params={"informative": INFORMATIVE_LOGPROB, "same": SAME_NATS}, manifest_field="mu_source")
+def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Judgement:
     """mu identical to pi (or pi_old): a recompute by the trainer, so no training-inference mismatch is measured.
     ``fail`` when mu is exactly the trainer's numbers on :data:`RECOMPUTE_SHARE` of the tokens and ``run.json``
     claims otherwise; ``warn`` when it says so (``mu_source = "trainer_recompute"``), or when mu agrees to float32
     rounding without being a copy (a recompute, or an engine numerically identical to the trainer)."""
-    name = "mu_recompute"
     declared = mu_source == "trainer_recompute"
     declared_text = ("run.json says mu_source = 'trainer_recompute': mu is the trainer's own recompute, so "
                      "mismatch and ratio-based rules see no training-inference mismatch; log the engine's "
@@ -276,10 +337,10 @@ def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
     n = (m or {}).get("n_informative") or 0
     if n < MIN_TOKENS:
         if declared:
-            return Finding(name, "warn", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
-                           "to compare", _pick(m, "n_informative"), [], declared_text)
-        return Finding(name, "skipped", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
-                       "(all near-certain): too few to tell", _pick(m, "n_informative"))
+            return Judgement("warn", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
+                             "to compare", _pick(m, "n_informative"), [], declared_text)
+        return Judgement("skipped", f"fewer than {MIN_TOKENS} tokens with log mu < {INFORMATIVE_LOGPROB:g} "
+                         "(all near-certain): too few to tell", _pick(m, "n_informative"))
     evidence = _pick(m, "n_informative", "n_exact_pi", "n_same_pi", "n_informative_old", "n_exact_old",
                      "n_same_old", "mismatch_mean")
     evidence["mu_source"] = mu_source
@@ -289,81 +350,53 @@ def judge_mu_recompute(m: Mapping[str, Any], mu_source: str | None) -> Finding:
     summary = (f"mu equals pi or pi_old exactly on {exact:.1%} and within {SAME_NATS:g} nats on {near:.1%} of {n} "
                f"tokens with log mu < {INFORMATIVE_LOGPROB:g}; mean |pi - mu| {m['mismatch_mean']:.3g}")
     if declared:
-        return Finding(name, "warn", summary, evidence, m["examples"] or [], declared_text)
+        return Judgement("warn", summary, evidence, m["examples"] or [], declared_text)
     if exact >= RECOMPUTE_SHARE:
-        return Finding(name, "fail", summary, evidence, m["examples"] or [],
-                       "mu is the trainer's own log-prob, not the engine's: the framework kept no rollout "
-                       "log-probs and the trainer's numbers were logged as mu (TRL's transformers path, a pi_old "
-                       "written into the mu column). Log the engine's log-probs, or mark the run "
-                       "mu_source='trainer_recompute'.")
+        return Judgement("fail", summary, evidence, m["examples"] or [],
+                         "mu is the trainer's own log-prob, not the engine's: the framework kept no rollout "
+                         "log-probs and the trainer's numbers were logged as mu (TRL's transformers path, a pi_old "
+                         "written into the mu column). Log the engine's log-probs, or mark the run "
+                         "mu_source='trainer_recompute'.")
     if near >= RECOMPUTE_SHARE:
-        return Finding(name, "warn", summary, evidence, m["examples"] or [],
-                       "mu agrees with the trainer to float32 rounding: a recompute (a second trainer forward "
-                       "logged as mu), or an engine numerically identical to the trainer (same weights, dtype and "
-                       "kernels). Either way no training-inference mismatch is measured; if mu is a recompute, "
-                       "mark the run mu_source='trainer_recompute'.")
-    return Finding(name, "ok", summary, evidence)
+        return Judgement("warn", summary, evidence, m["examples"] or [],
+                         "mu agrees with the trainer to float32 rounding: a recompute (a second trainer forward "
+                         "logged as mu), or an engine numerically identical to the trainer (same weights, dtype and "
+                         "kernels). Either way no training-inference mismatch is measured; if mu is a recompute, "
+                         "mark the run mu_source='trainer_recompute'.")
+    return Judgement("ok", summary, evidence)
 
 
-def judge_rank_collisions(m: Mapping[str, Any]) -> Finding:
+@register_check("rank_collisions", sql="rank_collisions.sql", about="sample ids that several ranks reuse")
+def judge_rank_collisions(m: Mapping[str, Any]) -> Judgement:
     """The same (step, sample_id) written by two ranks, in the tokens or the samples table."""
-    name = "rank_collisions"
     if not m or not m.get("n_ranks"):
-        return Finding(name, "skipped", "no token or sample rows")
+        return Judgement("skipped", "no token or sample rows")
     evidence = _pick(m, "n_ranks", "n_token_collisions", "n_sample_collisions")
     if m["n_ranks"] < 2:
-        return Finding(name, "skipped", "one rank wrote this run: nothing can collide", evidence)
+        return Judgement("skipped", "one rank wrote this run: nothing can collide", evidence)
     n_tok, n_smp = m["n_token_collisions"], m["n_sample_collisions"]
     summary = (f"{n_tok} (step, sample_id) keys of tokens and {n_smp} of samples written by more than one of "
                f"{m['n_ranks']} ranks")
     if not (n_tok or n_smp):
-        return Finding(name, "ok", summary, evidence)
-    return Finding(name, "fail", summary, evidence, m["examples"] or [],
-                   "each rank numbers its samples from 0 (the logger's default when no sample_id is passed), so "
-                   "different responses share a key and joins mix them. Pass a global sample_id (e.g. the index "
-                   "in the global batch, or rank * per_rank + i); a context-parallel shard of one sample belongs "
-                   "to one rank's file once reassembled.")
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, m["examples"] or [],
+                     "each rank numbers its samples from 0 (the logger's default when no sample_id is passed), so "
+                     "different responses share a key and joins mix them. Pass a global sample_id (e.g. the index "
+                     "in the global batch, or rank * per_rank + i); a context-parallel shard of one sample belongs "
+                     "to one rank's file once reassembled.")
 
 
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-@dataclass(frozen=True)
-class Check:
-    """One check: the SQL file that measures it, its parameters, and the judge that reads the measurement."""
-
-    sql: str
-    judge: Callable[..., Finding]
-    params: Mapping[str, float] = field(default_factory=dict)
-    manifest_field: str | None = None
-    """The run.json field handed to the judge after the measurement, if any."""
-
-
-CHECKS: dict[str, Check] = {
-    "alignment": Check("alignment", judge_alignment),
-    "placeholders": Check("placeholders", judge_placeholders, {"floor": PLACEHOLDER_FLOOR, "huge_tv": HUGE_TV,
-                                                               "huge_log_ratio": HUGE_LOG_RATIO}),
-    # The three top-K checks read one measurement (same file, same parameters): one scan of the lists.
-    "topk_sampled": Check("topk", judge_topk_sampled, {"tolerance": TOPK_MASS_TOLERANCE}),
-    "topk_mass": Check("topk", judge_topk_mass, {"tolerance": TOPK_MASS_TOLERANCE}),
-    "topk_duplicates": Check("topk", judge_topk_duplicates, {"tolerance": TOPK_MASS_TOLERANCE}),
-    "processed_logprobs": Check("processed_logprobs", judge_processed_logprobs, {"floor": PLACEHOLDER_FLOOR},
-                                manifest_field="sampling"),
-    "mu_recompute": Check("mu_recompute", judge_mu_recompute, {"informative": INFORMATIVE_LOGPROB,
-                                                               "same": SAME_NATS}, manifest_field="mu_source"),
-    "rank_collisions": Check("rank_collisions", judge_rank_collisions),
-}
-"""Every check by name, in the order they are reported."""
-
-
 def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_step: int | None = None,
             **params: float) -> dict[str, dict[str, Any]]:
-    """Run ``sql/doctor/<sql>.sql`` with bound parameters over ``run_ids`` (or all runs) from ``first_step`` on (or
+    """Run ``sql/doctor/<sql>`` with bound parameters over ``run_ids`` (or all runs) from ``first_step`` on (or
     all steps); one row per run, keyed by run_id."""
     cur = db.cursor()
     try:
         bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
-        table = cur.sql((DOCTOR_SQL_DIR / f"{sql}.sql").read_text(), params=bound).to_arrow_table()
+        table = cur.sql((DOCTOR_SQL_DIR / sql).read_text(), params=bound).to_arrow_table()
     finally:
         cur.close()
     return {row["run_id"]: row for row in table.to_pylist()}
@@ -398,9 +431,10 @@ def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None, checks: Iter
             row = measured[key].get(run_id, {})
             args = (manifests[run_id].get(check.manifest_field),) if check.manifest_field else ()
             try:
-                out[run_id].append(check.judge(row, *args))
+                judged = check.judge(row, *args)
             except ValueError as err:  # a manifest field of the wrong kind: name the run
                 raise ValueError(f"run {run_id!r}: {err}") from None
+            out[run_id].append(Finding(**vars(judged), check=name))
     return out
 
 
@@ -454,12 +488,12 @@ def failed(findings: Mapping[str, list[Finding]]) -> int:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def _topk_skip(name: str, m: Mapping[str, Any]) -> Finding | None:
+def _topk_skip(m: Mapping[str, Any]) -> Judgement | None:
     if not m or not m.get("n_tokens"):
-        return Finding(name, "skipped", "no token rows")
+        return Judgement("skipped", "no token rows")
     if not m.get("n_topk"):
-        return Finding(name, "skipped", "the run logs no top-K lists (log_topk=False or none given)",
-                       _pick(m, "n_tokens", "n_topk"))
+        return Judgement("skipped", "the run logs no top-K lists (log_topk=False or none given)",
+                         _pick(m, "n_tokens", "n_topk"))
     return None
 
 
