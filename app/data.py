@@ -131,6 +131,7 @@ def check_logdir(logdir: Path | str) -> None:
     if not remote:
         ours = handle()
         ours.refresh()  # new runs and files, each file's footer read once
+    version(fresh=True)
     for run, problem in sorted(ours.broken_runs.items()):
         st.error(f"Could not read all of run `{run}`: {problem}\n\nWhat still reads of it is shown, marked broken; "
                  f"the other runs are as they are. Run `trustscope validate {logdir}` to list every broken file.",
@@ -166,6 +167,25 @@ def _db(logdir: str) -> LogDB:
     return db.connect(logdir)
 
 
+VERSION_TTL_S = 1.0
+"""How long a read :meth:`LogDB.version` stands for the log directory's files (it stats every file, and every cached
+read asks for it); each page run reads it afresh first (:func:`check_logdir`), so only a fragment that reruns on
+its own within a second of the last read sees the files as they were then."""
+_versions: dict[str, tuple[float, str]] = {}
+
+
+def version(logdir: str | None = None, fresh: bool = False) -> str:
+    """The current log directory's (or ``logdir``'s) :meth:`LogDB.version`, read at most once per
+    :data:`VERSION_TTL_S` unless ``fresh``."""
+    logdir = logdir or current_logdir()
+    now = time.monotonic()
+    read_at, value = _versions.get(logdir, (-VERSION_TTL_S, ""))
+    if fresh or now - read_at >= VERSION_TTL_S:
+        value = _db(logdir).version()
+        _versions[logdir] = (now, value)
+    return value
+
+
 def handle() -> LogDB:
     """The query-layer handle of the current log directory (for the rare caller that needs the handle itself;
     read through :func:`cached` functions otherwise)."""
@@ -184,7 +204,7 @@ def cached(fn: Callable[Concatenate[LogDB, P], R]) -> Callable[P, R]:
 
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         logdir = current_logdir()
-        return store(logdir, _db(logdir).version(), *args, **kwargs)
+        return store(logdir, version(logdir), *args, **kwargs)
 
     call.__module__, call.__qualname__, call.__name__, call.__doc__ = (
         fn.__module__, fn.__qualname__, fn.__name__, fn.__doc__)

@@ -1,154 +1,173 @@
-"""Time every dashboard page under Streamlit's AppTest, over the sample logs and over a large log.
+"""Time every dashboard page in a real headless Chromium, cold and warm, over the sample logs and a demo run.
 
-    .venv/bin/python bench/bench_dashboard.py                          # sample_logs/ (or a small synthetic log)
-    .venv/bin/python bench/bench_dashboard.py --big /tmp/logs_10m      # also a large log (made if missing)
+    .venv/bin/python bench/bench_dashboard.py                         # sample_logs/ and a fresh 12-step demo run
+    .venv/bin/python bench/bench_dashboard.py --demo runs/demo        # that demo log (trained there when missing)
+    .venv/bin/python bench/bench_dashboard.py --no-demo --pages runs,rules
+    .venv/bin/python bench/bench_dashboard.py --app /tmp/before/app/main.py     # another checkout's dashboard
 
-For each log directory it reports, per page:
-  first  the page's first visit on a freshly opened query-layer handle (its queries uncached, DuckDB's file cache
-         cold; the kept per-file aggregates come from the disk cache, as after a server restart),
-  cached a revisit (results served from st.cache_data),
-and once per log directory the cost of opening the query layer and building its kept per-file aggregates, with an
-empty disk cache (a log never opened before: the first page a fresh server shows pays it) and with a warm one. The baseline, timed in the same process, is a page that only writes a title: the
-ratio column says how many times the framework's own floor a page costs.
+For each log directory and each page of :data:`app.pages.PAGES`:
+  cold  a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
+        before): from the browser's request of the page to the page drawn,
+  warm  the same page opened again in a new tab of the same server (its caches filled, a new session);
+each with the server process's CPU seconds over the visit beside it (the machine's load does not inflate those).
+"Drawn" is: the page's script run over, the page's ready selector shown (:attr:`app.pages.Page.ready`) and every
+plotly chart laid out by plotly.js in the browser. The server's own start (to its health check answering) is
+reported apart. Needs Debian's chromium (``/usr/bin/chromium``) and playwright (``setup.sh --test``).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import streamlit as st  # noqa: E402
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from app.launch import MAIN, streamlit_command  # noqa: E402
+from app.pages import PAGES, Page  # noqa: E402
 
-from app import data  # noqa: E402
-from app.launch import LOGDIR_ENV  # noqa: E402
-from trustscope import db, schema  # noqa: E402
-
-MAIN = ROOT / "app" / "main.py"
-PAGES = ["runs", "live", "bad_updates", "ratio_divergence", "rules", "counterfactual", "clipped_tokens",
-         "token_explorer", "sql_console"]
-
-
-def _timed_run(at: AppTest) -> float:
-    start = time.perf_counter()
-    at.run()
-    elapsed = time.perf_counter() - start
-    if at.exception or at.error:
-        raise RuntimeError(f"page failed: {[e.message for e in at.exception]} {[e.value for e in at.error]}")
-    return elapsed
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TRUSTSCOPE = Path(sys.executable).with_name("trustscope")
+DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].every(gd => gd._fullLayout && gd._fullData)"""
+LIMIT = {"cold": 2.0, "warm": 1.0}
 
 
-def warm_up(logdir: Path) -> None:
-    """Render every page once so imports (torch through the loss registry, plotly) stay out of the timings."""
-    os.environ[LOGDIR_ENV] = str(logdir)
-    at = AppTest.from_file(str(MAIN), default_timeout=120)
-    _timed_run(at)
-    for page in PAGES[1:]:
-        at.switch_page(f"views/{page}.py")
-        _timed_run(at)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def baseline(repeat: int) -> float:
-    """Median seconds of an AppTest run of a page that only writes a title."""
-    times = []
-    for _ in range(repeat):
-        at = AppTest.from_string("import streamlit as st\nst.title('baseline')", default_timeout=60)
-        times.append(_timed_run(at))
-    return statistics.median(times)
+class Server:
+    """``trustscope dashboard LOGDIR`` on a free port with a new, empty cache; ``started`` is the seconds from
+    the command to its health check answering."""
+
+    def __init__(self, logdir: Path, main: Path | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cache = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
+        env = {**os.environ, "TRUSTSCOPE_CACHE": cache, "PYTHONUNBUFFERED": "1"}
+        start = time.monotonic()
+        command = [str(TRUSTSCOPE), "dashboard", str(logdir), "--port", str(self.port)]
+        if main is not None:  # another checkout's app: its streamlit command, with this server's flags
+            command = streamlit_command(logdir.resolve(), port=self.port)
+            command[command.index(str(MAIN))] = str(main)
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = start + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the dashboard exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2) as resp:
+                    if resp.read().strip() == b"ok":
+                        break
+            except OSError:
+                time.sleep(0.05)
+        self.started = time.monotonic() - start
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU seconds the server process has used so far (its threads included): a figure the
+        machine's load does not inflate, unlike the wall time."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
-def _clear_results() -> None:
-    st.cache_data.clear()
-    data._analysis.clear()
-    data._query.clear()
-    data._run_table.clear()
+def open_page(browser, url: str, page: Page) -> float:
+    """Seconds from requesting ``page`` in a new tab to it being drawn."""
+    tab = browser.new_page(viewport={"width": 1400, "height": 2000})
+    try:
+        start = time.monotonic()
+        tab.goto(f"{url}/{page.url_path}", wait_until="commit")
+        tab.get_by_role("heading", name=page.title).first.wait_for(timeout=120_000)
+        tab.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=120_000)
+        tab.wait_for_selector(page.ready, timeout=60_000)
+        tab.wait_for_function(DRAWN, timeout=60_000)
+        elapsed = time.monotonic() - start
+        if tab.locator("[data-testid='stException']").count():
+            raise RuntimeError(f"/{page.url_path}: exception on the page")
+        return elapsed
+    finally:
+        tab.close()
 
 
-def open_costs(logdir: Path) -> tuple[float, float]:
-    """Seconds to open a query-layer handle and build every kept per-file aggregate: with an empty disk cache
-    (a log never opened before), then again with the disk cache the first open left."""
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        with db.connect(logdir) as handle:
-            handle.step_summary()
-            handle.clipped_tokens(top=1)
-            handle.ratio_vs_divergence(divergences=["binary_tv"])
-        times.append(time.perf_counter() - start)
-    return times[0], times[1]
-
-
-def bench_logdir(logdir: Path, repeat: int) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
-    """Per page: the first visit on a fresh query-layer handle (DuckDB's file cache cold, the kept per-file
-    aggregates read from the disk cache, as after a server restart), then a cached revisit."""
-    os.environ[LOGDIR_ENV] = str(logdir)
-    opened = open_costs(logdir)
-    results = {}
-    for page in PAGES:
-        firsts, cached = [], []
+def bench_logdir(browser, logdir: Path, pages: list[Page], repeat: int,
+                 main: Path | None = None) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Per page, the median over ``repeat`` fresh servers of the cold and the warm visit (wall seconds, and the
+    server's CPU seconds beside them); and the median start."""
+    started, results = [], {}
+    for page in pages:
+        times: list[tuple[float, float, float, float]] = []
         for _ in range(repeat):
-            st.cache_resource.clear()
-            _clear_results()
-            data._db(str(logdir.resolve())).refresh()
-            at = AppTest.from_file(str(MAIN), default_timeout=300)
-            if page != "runs":
-                _timed_run(at)
-                at.switch_page(f"views/{page}.py")
-                _clear_results()
-            firsts.append(_timed_run(at))
-            cached.append(_timed_run(at))
-        results[page] = (statistics.median(firsts), statistics.median(cached))
-    return opened, results
+            server = Server(logdir, main)
+            try:
+                started.append(server.started)
+                visits = []
+                for _visit in ("cold", "warm"):
+                    cpu = server.cpu_seconds()
+                    visits += [open_page(browser, server.url, page), server.cpu_seconds() - cpu]
+                times.append(tuple(visits))
+            finally:
+                server.close()
+        cold, cold_cpu, warm, warm_cpu = (statistics.median(column) for column in zip(*times, strict=True))
+        results[page.title] = (cold, warm)
+        print(f"  {page.title:<22}{cold:>7.2f}{cold_cpu:>7.2f}{warm:>7.2f}{warm_cpu:>7.2f}", flush=True)
+    return statistics.median(started), results
 
 
-def report(name: str, floor: float, opened: tuple[float, float], results: dict[str, tuple[float, float]],
-           limit: float) -> None:
-    print(f"\n{name}: open + per-file aggregates {opened[0]:.2f} s with an empty disk cache, "
-          f"{opened[1]:.2f} s with the disk cache")
-    print(f"{'page':<18}{'first s':>9}{'cached s':>10}{'x floor':>9}  under {limit:g} s")
-    for page, (first, cached) in results.items():
-        print(f"{page:<18}{first:>9.2f}{cached:>10.2f}{first / floor:>9.1f}  {'yes' if first < limit else 'NO'}")
+def demo_logdir(path: Path | None, steps: int) -> Path:
+    """``path`` when it holds a run, else a demo run of ``steps`` steps trained there (a temporary folder when
+    ``path`` is None)."""
+    path = path or Path(tempfile.mkdtemp(prefix="bench-dashboard-demo-"))
+    if not any(path.glob("*/run.json")):
+        print(f"training a {steps}-step demo run into {path} ...", flush=True)
+        subprocess.run([str(TRUSTSCOPE), "demo", "--logdir", str(path), "--steps", str(steps), "--no-serve"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", type=Path, default=ROOT / "sample_logs")
-    parser.add_argument("--big", type=Path, help="a large log directory (generated with 10M tokens if missing)")
-    parser.add_argument("--big-tokens", type=int, default=10_000_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--demo", type=Path, help="a demo run's log directory (trained there when missing)")
+    parser.add_argument("--demo-steps", type=int, default=12)
+    parser.add_argument("--no-demo", action="store_true", help="only the --logdir")
+    parser.add_argument("--pages", help="comma-separated page files' stems (default: every page)")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--app", type=Path, help="another checkout's app/main.py to serve (a before/after)")
     args = parser.parse_args()
-    os.environ["TRUSTSCOPE_CACHE"] = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
+    from playwright.sync_api import sync_playwright
 
-    logdir = args.logdir
-    if not (logdir.is_dir() and schema.run_dirs(logdir)):
-        from trustscope.synthetic import SyntheticConfig, generate_logdir
-
-        logdir = generate_logdir(Path(tempfile.mkdtemp()) / "logs", runs=2, config=SyntheticConfig(tokens=50_000))
-        print(f"{args.logdir} holds no runs: using a synthetic log of 2 x 50k tokens at {logdir}")
-    logging.getLogger("streamlit").setLevel(logging.ERROR)
-    warm_up(logdir)
-    floor = baseline(args.repeat)
-    print(f"baseline (a page with one title): {floor * 1000:.0f} ms; {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}")
-    opened, results = bench_logdir(logdir, args.repeat)
-    report(f"{logdir}", floor, opened, results, 2.0)
-    if args.big:
-        if not (args.big.is_dir() and schema.run_dirs(args.big)):
-            from trustscope.synthetic import SyntheticConfig, generate_logdir
-
-            print(f"generating {args.big_tokens:,} tokens into {args.big} ...")
-            generate_logdir(args.big, runs=1, config=SyntheticConfig(tokens=args.big_tokens, steps=50))
-        opened, results = bench_logdir(args.big, max(1, args.repeat - 1))
-        report(f"{args.big}", floor, opened, results, 5.0)
+    pages = [p for p in PAGES if not args.pages or Path(p.file).stem in args.pages.split(",")]
+    logdirs = [args.logdir] + ([] if args.no_demo else [demo_logdir(args.demo, args.demo_steps)])
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        for logdir in logdirs:
+            print(f"\n{logdir}\n  {'page':<22}{'cold s':>7}{'cpu s':>7}{'warm s':>7}{'cpu s':>7}", flush=True)
+            started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app)
+            slow = [f"{title} {kind} {t:.2f} s" for title, times in results.items()
+                    for kind, t in zip(LIMIT, times, strict=True) if t >= LIMIT[kind]]
+            print(f"  server start (to healthy): {started:.2f} s; over the {LIMIT['cold']:g} s cold / "
+                  f"{LIMIT['warm']:g} s warm budget: {', '.join(slow) or 'none'}")
+        browser.close()
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":
