@@ -169,6 +169,35 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
     typer.echo(f"ok: {len(runs)} run(s) in {logdir} match schema version {SCHEMA_VERSION}")
 
 
+@app.command()
+def compact(
+    logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
+                                 "s3://bucket/prefix (endpoint and credentials from the AWS variables)."),
+    grace: float = typer.Option(5.0, help="Seconds the replaced files are kept after the commit, for readers "
+                                "that listed them just before."),
+    force: bool = typer.Option(False, "--force", help="s3:// only: also compact ranks whose manifest reads "
+                               "running (object stores have no locks; only when no logger writes them)."),
+) -> None:
+    """Rewrite each rank's many small committed files as a few large ones (readers see the same rows, switched
+    over in one manifest write), so reading costs follow rows, not files. A rank a live logger writes is skipped:
+    the logger compacts its own files (TokenLogger(compact_every=...))."""
+    from trustscope.logger.compaction import CompactionError, compact_logdir
+    from trustscope.storage import StorageError
+
+    try:
+        results = compact_logdir(logdir, grace_s=grace, force=force,
+                                 echo=lambda line: typer.echo(f"trustscope compact: {line}", err=True))
+    except (CompactionError, StorageError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"trustscope compact: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    for r in results:
+        ranges = ", ".join(f"{lo}-{hi}" for lo, hi in r.merged) or "nothing to merge"
+        typer.echo(f"{r.run_dir} rank {r.rank}: {r.files_before} -> {r.files_after} files (flushes {ranges}), "
+                   f"{r.deleted} deleted, {r.seconds:.1f} s")
+        for warning in r.warnings:
+            typer.echo(f"trustscope compact: {warning}", err=True)
+
+
 def _first_line(exc: BaseException) -> str:
     """An error's first line: DuckDB appends the failing SQL (views included) below it, which says nothing to a
     user and is not theirs to read."""

@@ -26,8 +26,11 @@ Nullable columns (``nullable=True`` below) may hold nulls; every other column mu
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import json
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -260,17 +263,28 @@ def data_file_name(rank: int, first_step: int, last_step: int, flush: int, part:
     return f"r{rank:04d}-s{first_step:08d}-{last_step:08d}-f{flush:08d}{suffix}.parquet"
 
 
-_DATA_FILE_RE = re.compile(r"^r(\d+)-s(\d+)-(\d+)-(?:f(\d+)(?:-p\d+)?|.*)\.parquet$")
+def compacted_file_name(rank: int, first_step: int, last_step: int, flushes: tuple[int, int],
+                        part: int | None = None) -> str:
+    """The name of a file that compaction (:mod:`trustscope.logger.compaction`) wrote from the committed files of
+    flushes ``flushes[0]..flushes[1]`` of rank ``rank``: ``r<rank>-s<first>-<last>-c<first flush>-<last flush>``.
+    It is visible only while its rank's manifest lists it (:data:`COMPACTED_KEY`)."""
+    suffix = "" if part is None else f"-p{part:02d}"
+    return f"r{rank:04d}-s{first_step:08d}-{last_step:08d}-c{flushes[0]:08d}-{flushes[1]:08d}{suffix}.parquet"
+
+
+_DATA_FILE_RE = re.compile(r"^r(\d+)-s(\d+)-(\d+)-(?:f(\d+)(?:-p\d+)?|c(\d+)-(\d+)(?:-p\d+)?|.*)\.parquet$")
 
 
 @dataclass(frozen=True)
 class DataFileName:
-    """What a data file's name says: its rank, its first and last step, and its flush (None: an older logger)."""
+    """What a data file's name says: its rank, its first and last step, and its flush (None: an older logger, or
+    a compacted file, whose ``compacted`` is the range of flushes it replaces)."""
 
     rank: int
     first_step: int
     last_step: int
     flush: int | None
+    compacted: tuple[int, int] | None = None
 
 
 def parse_data_file(name: str) -> DataFileName | None:
@@ -278,7 +292,8 @@ def parse_data_file(name: str) -> DataFileName | None:
     m = _DATA_FILE_RE.match(name)
     if m is None:
         return None
-    return DataFileName(int(m[1]), int(m[2]), int(m[3]), None if m[4] is None else int(m[4]))
+    compacted = None if m[5] is None else (int(m[5]), int(m[6]))
+    return DataFileName(int(m[1]), int(m[2]), int(m[3]), None if m[4] is None else int(m[4]), compacted)
 
 
 def rank_manifest_paths(run_dir: Path) -> list[Path]:
@@ -287,70 +302,162 @@ def rank_manifest_paths(run_dir: Path) -> list[Path]:
     return [run_dir / MANIFEST, *sorted((run_dir / RANKS_DIR).glob("rank*.json"))]
 
 
-def committed_marks(manifests: Iterable[bytes]) -> dict[int, int]:
-    """rank -> the last flush its manifest committed, from the manifests' bytes; unreadable manifests and
-    manifests without a ``committed_flush`` (older loggers) give no mark."""
-    marks = {}
+COMPACTED_KEY = "compacted"
+"""Manifest key of a rank's compactions: a list of ``{"flushes": [first, last], "files": ["<table>/<name>", ...],
+"at": <unix time>}``, one per compacted range (ranges never overlap). A flush file of the rank whose flush lies in
+a listed range is superseded (never read: its rows are in the listed files), and a compacted file is read only
+while a record lists it, so a compaction is committed, like a flush, by one atomic manifest write."""
+
+
+@dataclass(frozen=True)
+class Commits:
+    """What the rank manifests commit: each rank's last committed flush (``marks``), the flush ranges its
+    compactions supersede (``ranges``, sorted) and the compacted files they list (``listed``: ``<table>/<name>``)."""
+
+    marks: dict[int, int]
+    ranges: dict[int, tuple[tuple[int, int], ...]]
+    listed: frozenset[str]
+
+    def visible(self, table: str, name: str) -> bool:
+        """Whether a reader should see file ``name`` of ``table``'s folder: a finished ``.parquet`` file (never a
+        temporary one) that is either a compacted file some manifest lists, or a flush file whose flush is at most
+        its rank's committed flush and in none of its rank's compacted ranges. Files without a flush number (older
+        loggers) and files of ranks without a mark are always visible."""
+        if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
+            return False
+        parsed = _DATA_FILE_RE.match(name)
+        if parsed is None:
+            return True
+        if parsed[5] is not None:
+            return f"{table}/{name}" in self.listed
+        if parsed[4] is None:
+            return True
+        rank, flush = int(parsed[1]), int(parsed[4])
+        if rank in self.marks and flush > self.marks[rank]:
+            return False
+        ranges = self.ranges.get(rank, ())
+        i = bisect.bisect_right(ranges, (flush, math.inf)) - 1
+        return i < 0 or ranges[i][1] < flush
+
+
+def read_commits(manifests: Iterable[bytes]) -> Commits:
+    """The :class:`Commits` of a run from its rank manifests' bytes; unreadable manifests give nothing, manifests
+    without a ``committed_flush`` (older loggers) give no mark."""
+    marks: dict[int, int] = {}
+    ranges: dict[int, tuple[tuple[int, int], ...]] = {}
+    listed: set[str] = set()
     for data in manifests:
         try:
             manifest = json.loads(data)
         except ValueError:
             continue
-        if isinstance(manifest, dict) and isinstance(manifest.get("committed_flush"), int):
-            marks[int(manifest.get("rank", 0))] = manifest["committed_flush"]
-    return marks
+        if not isinstance(manifest, dict):
+            continue
+        rank = manifest.get("rank", 0)
+        rank = rank if isinstance(rank, int) else 0
+        if isinstance(manifest.get("committed_flush"), int):
+            marks[rank] = manifest["committed_flush"]
+        found = []
+        for record in compaction_records(manifest):
+            found.append((record["flushes"][0], record["flushes"][1]))
+            listed.update(f for f in record["files"] if (name := parse_data_file(f.rpartition("/")[2])) is not None
+                          and name.rank == rank and name.compacted is not None)
+        if found:
+            ranges[rank] = tuple(sorted(found))
+    return Commits(marks, ranges, frozenset(listed))
 
 
-def is_committed(name: str, marks: dict[int, int]) -> bool:
-    """Whether a reader should see the file ``name`` of a table folder: a finished ``.parquet`` file (never a
-    temporary one) whose flush is at most its rank's committed flush; files without a flush number (older
-    loggers) and files of ranks without a mark are always visible."""
-    if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
-        return False
-    parsed = _DATA_FILE_RE.match(name)
-    if parsed is not None and parsed[4] is not None:
-        rank, flush = int(parsed[1]), int(parsed[4])
-        if rank in marks and flush > marks[rank]:
-            return False
-    return True
+def compaction_records(manifest: dict) -> list[dict]:
+    """The well-formed records of a parsed rank manifest's :data:`COMPACTED_KEY` (others are ignored)."""
+    out = []
+    for record in manifest.get(COMPACTED_KEY) or ():
+        flushes = record.get("flushes") if isinstance(record, dict) else None
+        files = record.get("files") if isinstance(record, dict) else None
+        if (isinstance(flushes, list) and len(flushes) == 2 and all(isinstance(f, int) for f in flushes)
+                and isinstance(files, list) and all(isinstance(f, str) for f in files)):
+            out.append(record)
+    return out
 
 
-def _committed_flushes(run_dir: str) -> dict[int, int]:
-    """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
-    ranks_dir = os.path.join(run_dir, RANKS_DIR)
-    paths = [os.path.join(run_dir, MANIFEST)]
-    with contextlib.suppress(OSError):
-        paths += [e.path for e in os.scandir(ranks_dir) if e.name.startswith("rank") and e.name.endswith(".json")]
+def committed_marks(manifests: Iterable[bytes]) -> dict[int, int]:
+    """rank -> the last flush its manifest committed, from the manifests' bytes; unreadable manifests and
+    manifests without a ``committed_flush`` (older loggers) give no mark."""
+    return read_commits(manifests).marks
+
+
+def is_committed(name: str, marks: dict[int, int] | Commits, table: str | None = None) -> bool:
+    """Whether a reader should see the file ``name`` of folder ``table`` (see :meth:`Commits.visible`); with bare
+    ``marks`` (no compaction records) compacted files are never visible."""
+    commits = marks if isinstance(marks, Commits) else Commits(marks, {}, frozenset())
+    return commits.visible(table or "", name)
+
+
+def _read_all(paths: Iterable[str]) -> list[bytes]:
     texts = []
     for path in paths:
         with contextlib.suppress(OSError), open(path, "rb") as f:
             texts.append(f.read())
-    return committed_marks(texts)
+    return texts
+
+
+def _manifest_paths(run_dir: str) -> list[str]:
+    paths = [os.path.join(run_dir, MANIFEST)]
+    with contextlib.suppress(OSError):
+        paths += [e.path for e in os.scandir(os.path.join(run_dir, RANKS_DIR))
+                  if e.name.startswith("rank") and e.name.endswith(".json")]
+    return paths
+
+
+def _committed_flushes(run_dir: str) -> dict[int, int]:
+    """rank -> the last flush its manifest committed, for the ranks whose (readable) manifest records one."""
+    return committed_marks(_read_all(_manifest_paths(run_dir)))
+
+
+LISTING_TRIES = 5
+"""How often :func:`committed_files` lists again when a compaction commits while it lists."""
 
 
 def committed_files(run_dir: Path | PurePosixPath, fs: Any = None) -> dict[str, list[Path]]:
-    """The files of each table a reader should see, sorted: finished files whose flush is committed
-    (:func:`is_committed`).
+    """The files of each table a reader should see, sorted: finished files that a rank manifest commits
+    (:meth:`Commits.visible`): flush files of committed flushes that no compaction superseded, and the compacted
+    files the manifests list.
 
     A file whose flush number is above its rank's ``committed_flush`` belongs to a flush that was still being
     written, or whose writer died between the renames and the manifest update; it is never read, and the
     logger removes it when the run is resumed. Files without a flush number (older loggers) are always read.
-    Local runs are listed with ``os.scandir`` (this is called for every query cursor). With ``fs`` (a
-    ``pyarrow.fs.FileSystem``, e.g. an object store), ``run_dir`` is a path on it and the paths returned are
-    ``PurePosixPath``s on it.
+    The manifests are read before the folders are listed (a flush's files land before its commit) and again after:
+    a compaction deletes the files it supersedes only after its commit, so when the manifests are the same both
+    times the listing holds every file they commit; when a compaction committed meanwhile, the run is listed again.
+    Local runs are listed with ``os.scandir`` (this is called for every query cursor); no file is opened but the
+    manifests. With ``fs`` (a ``pyarrow.fs.FileSystem``, e.g. an object store), ``run_dir`` is a path on it and
+    the paths returned are ``PurePosixPath``s on it.
     """
     if fs is not None:
         return _committed_files_on(fs, PurePosixPath(run_dir))
     run_dir = Path(run_dir)
-    marks = _committed_flushes(str(run_dir))
-    out: dict[str, list[Path]] = {}
-    for table in TABLES:
-        folder = run_dir / table
-        names = []
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            names = [entry.name for entry in os.scandir(folder) if is_committed(entry.name, marks)]
-        out[table] = [folder / name for name in sorted(names)]
+    paths = _manifest_paths(str(run_dir))
+    before = _read_all(paths)
+    for _ in range(LISTING_TRIES):
+        commits = read_commits(before)
+        out: dict[str, list[Path]] = {}
+        for table in TABLES:
+            folder = run_dir / table
+            names = []
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                names = [entry.name for entry in os.scandir(folder) if commits.visible(table, entry.name)]
+            out[table] = [folder / name for name in sorted(names)]
+        after = _read_all(_manifest_paths(str(run_dir)))
+        if after == before or _same_compactions(before, after):
+            return out
+        before = after
     return out
+
+
+def _same_compactions(before: list[bytes], after: list[bytes]) -> bool:
+    """Whether two readings of a run's manifests commit the same compactions (flush commits may differ: files of a
+    later flush are simply not read)."""
+    a, b = read_commits(before), read_commits(after)
+    return a.ranges == b.ranges and a.listed == b.listed
 
 
 def _committed_files_on(fs: Any, run_dir: PurePosixPath) -> dict[str, list[Path]]:
@@ -360,15 +467,26 @@ def _committed_files_on(fs: Any, run_dir: PurePosixPath) -> dict[str, list[Path]
         infos = fs.get_file_info(FileSelector(str(folder), allow_not_found=True))
         return [PurePosixPath(i.path).name for i in infos if i.type == FileType.File]
 
-    paths = [run_dir / MANIFEST]
-    paths += [run_dir / RANKS_DIR / n for n in names(run_dir / RANKS_DIR) if n.startswith("rank") and n.endswith(".json")]
-    texts = []
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError, OSError), fs.open_input_stream(str(path)) as f:
-            texts.append(f.read())
-    marks = committed_marks(texts)
-    return {table: [run_dir / table / n for n in sorted(names(run_dir / table)) if is_committed(n, marks)]
-            for table in TABLES}
+    def manifests() -> list[bytes]:
+        paths = [run_dir / MANIFEST]
+        paths += [run_dir / RANKS_DIR / n for n in names(run_dir / RANKS_DIR)
+                  if n.startswith("rank") and n.endswith(".json")]
+        texts = []
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError, OSError), fs.open_input_stream(str(path)) as f:
+                texts.append(f.read())
+        return texts
+
+    before = manifests()
+    for _ in range(LISTING_TRIES):
+        commits = read_commits(before)
+        out = {table: [run_dir / table / n for n in sorted(names(run_dir / table)) if commits.visible(table, n)]
+               for table in TABLES}
+        after = manifests()
+        if after == before or _same_compactions(before, after):
+            return out
+        before = after
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -584,6 +702,27 @@ def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Pro
     return problems
 
 
+def _compaction_problems(run_dir: Path) -> list[Problem]:
+    """Compaction records (:data:`COMPACTED_KEY`) whose flush ranges overlap or whose listed files are gone."""
+    problems = []
+    for path in rank_manifest_paths(run_dir):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # reported as unreadable
+        if not isinstance(manifest, dict):
+            continue
+        records = sorted(compaction_records(manifest), key=lambda r: r["flushes"][0])
+        for before, after in itertools.pairwise(records):
+            if after["flushes"][0] <= before["flushes"][1]:
+                problems.append(Problem(path, f"compacted flush ranges {before['flushes']} and {after['flushes']} "
+                                              f"overlap"))
+        for rel in (rel for r in records for rel in r["files"]):
+            if not (run_dir / rel).is_file():
+                problems.append(Problem(path, f"compacted file {rel} is listed but missing"))
+    return problems
+
+
 def validate_run(run_dir: Path) -> list[Problem]:
     """Every problem of one run directory, each with the file it is in."""
     run_dir = Path(run_dir)
@@ -611,6 +750,7 @@ def validate_run(run_dir: Path) -> list[Problem]:
             problems += [Problem(path, m) for m in validate_file(path, table, run_id)]
         problems += [Problem(run_dir / table, m) for m in _key_problems(table, files)]
     problems += _row_count_problems(run_dir, visible)
+    problems += _compaction_problems(run_dir)
     vocab = run_dir / VOCAB_FILE
     if vocab.exists():
         problems += [Problem(vocab, m) for m in validate_file(vocab, "vocab")]

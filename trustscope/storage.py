@@ -331,22 +331,35 @@ def _committed_objects(fsspec_fs: Any, run: str) -> tuple[dict[str, bytes], dict
     """A consistent view of one run: (its manifests' bytes, the objects those manifests commit), by path inside
     the run. The manifests are read first and the objects listed after, so every object a manifest commits is
     in the listing (a flush's parts land before its commit). Data files of a rank whose manifest appeared after
-    the manifests were read are left out: nothing read commits them."""
-    manifests = {}
-    for rel in [rel for rel in _run_objects(fsspec_fs, run) if _manifest_rank(rel) is not None]:
-        with contextlib.suppress(FileNotFoundError):
-            manifests[rel] = fsspec_fs.cat_file(f"{run}/{rel}")
-    marks = S.committed_marks(manifests.values())
-    listed = _run_objects(fsspec_fs, run)
-    read = {_manifest_rank(rel) for rel in manifests}
-    late = {rank for rel in listed if (rank := _manifest_rank(rel)) is not None} - read
-    objects = {}
-    for rel, entry in listed.items():
-        folder, _, name = rel.rpartition("/")
-        parsed = S.parse_data_file(name)
-        if rel == S.VOCAB_FILE or (folder in S.TABLES and S.is_committed(name, marks)
-                                   and (parsed is None or parsed.rank not in late)):
-            objects[rel] = entry
+    the manifests were read are left out: nothing read commits them. A compaction deletes the objects it
+    supersedes only after its commit, so the manifests are read again after the listing, and the run listed again
+    when a compaction committed meanwhile (see :func:`trustscope.schema.committed_files`)."""
+
+    def read_manifests(listed: dict[str, dict]) -> dict[str, bytes]:
+        manifests = {}
+        for rel in [rel for rel in listed if _manifest_rank(rel) is not None]:
+            with contextlib.suppress(FileNotFoundError):
+                manifests[rel] = fsspec_fs.cat_file(f"{run}/{rel}")
+        return manifests
+
+    manifests = read_manifests(_run_objects(fsspec_fs, run))
+    for _ in range(S.LISTING_TRIES):
+        commits = S.read_commits(manifests.values())
+        listed = _run_objects(fsspec_fs, run)
+        read = {_manifest_rank(rel) for rel in manifests}
+        late = {rank for rel in listed if (rank := _manifest_rank(rel)) is not None} - read
+        objects = {}
+        for rel, entry in listed.items():
+            folder, _, name = rel.rpartition("/")
+            parsed = S.parse_data_file(name)
+            if rel == S.VOCAB_FILE or (folder in S.TABLES and commits.visible(folder, name)
+                                       and (parsed is None or parsed.rank not in late)):
+                objects[rel] = entry
+        again = read_manifests({rel: {} for rel in manifests})
+        now = S.read_commits(again.values())
+        if (now.ranges, now.listed) == (commits.ranges, commits.listed):
+            break
+        manifests = again
     return manifests, objects
 
 

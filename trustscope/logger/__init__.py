@@ -79,7 +79,7 @@ on a writer thread that has died.
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
 vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
 topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
-fsync=True, write_threads=None, summaries=True)``:
+fsync=True, write_threads=None, summaries=True, compact_every=10)``:
 
 - ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
   or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
@@ -104,6 +104,11 @@ fsync=True, write_threads=None, summaries=True)``:
 - ``write_threads``: how many files of the ``tokens`` table each flush encodes side by side, each on its own
   thread (default 2 where the process may use two cores, else 1); the row groups go to them in turn and the
   files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.
+- ``compact_every``: after every ``compact_every`` commits a background thread merges that many consecutive
+  units of one size class (flushes, or files it merged before) into one file per table, beside the writer, and
+  commits the switch in the manifest (:mod:`trustscope.logger.compaction`); a run flushed every step then holds a
+  few files per rank instead of one per step, and readers' cost follows its rows. Files that are already large
+  are left alone. ``0`` turns it off; ``trustscope compact`` does the same for logs already written.
 
 Every call with tokens also yields exact per-step summaries over all its tokens, before ``token_fraction``
 sampling (computed on the writer thread from the call's checked copy, then the sample is applied): blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and

@@ -235,6 +235,7 @@ class RunFiles:
         self.lock: RunLock | NoLock = NoLock(store.url) if store.remote else RunLock(self.run_dir, rank)
         self.manifest: dict[str, Any] = {}
         self._manifest_lock = threading.Lock()  # the writer thread saves, the training thread reads
+        self._save_lock = threading.Lock()  # the writer and the compaction thread both save
         self.disk_last_step: int | None = None
         """The last step of this rank in the committed files already on disk (resume), else None."""
         self.next_flush = 1
@@ -283,7 +284,8 @@ class RunFiles:
         kept = [S.parse_data_file(p.name) for p in mine if p in committed]
         steps = [n.last_step for n in kept if n is not None]
         self.disk_last_step = max(steps) if steps else None
-        flushes = [n.flush for n in kept if n is not None and n.flush is not None]
+        flushes = [n.flush if n.compacted is None else n.compacted[1] for n in kept
+                   if n is not None and (n.flush is not None or n.compacted is not None)]
         self.next_flush = max(flushes, default=0) + 1
 
     def start_manifest(self, resume: bool, run_info: dict[str, Any], logging_info: dict[str, Any]) -> int | None:
@@ -346,11 +348,12 @@ class RunFiles:
 
     def save(self, **changes: Any) -> None:
         """Update the manifest (``updated_at`` too) and write it atomically; raises the OSError if it fails."""
-        update = {**changes, "updated_at": now()}
-        self.store.write_atomic(self.path, json.dumps({**self.manifest, **update}, indent=2, default=str))
-        with self._manifest_lock:
-            self.manifest.update(update)
-        self.saved_at = time.monotonic()
+        with self._save_lock:
+            update = {**changes, "updated_at": now()}
+            self.store.write_atomic(self.path, json.dumps({**self.manifest, **update}, indent=2, default=str))
+            with self._manifest_lock:
+                self.manifest.update(update)
+            self.saved_at = time.monotonic()
 
     def snapshot(self) -> dict:
         """A deep copy of the manifest as last written."""
@@ -390,8 +393,12 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
 
     A flush is removed whole, in every table, so the run keeps whole steps. Each rank's lock is held meanwhile:
     a rank that a live logger writes is refused (:class:`LogDirError`). Token counts are rebuilt from the
-    files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none.
+    files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none. A
+    compacted file (:mod:`trustscope.logger.compaction`) that holds flushes on both sides of ``step`` is written
+    again with the kept flushes' rows, and the rank's compaction record changed with it.
     """
+    from trustscope.logger.compaction import cut_compacted, flush_firsts
+
     if is_remote(run_dir):
         raise ValueError(f"drop_steps_after cuts local runs only, not {run_dir!r}")
     run_dir = Path(run_dir)
@@ -406,26 +413,46 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
                 for path in files:
                     name = S.parse_data_file(path.name)
                     if name is not None and name.rank == rank:
-                        key = name.flush if name.flush is not None else path  # an older file stands alone
+                        key = name.flush if name.flush is not None else name.compacted or path  # older: alone
                         flushes.setdefault(key, []).append((table, path, name))
+            records = {tuple(r["flushes"]): r for r in S.compaction_records(manifest)}
             rows, counts, last_steps = dict.fromkeys(S.TABLES, 0), _no_counts(), []
-            for group in flushes.values():
-                if min(name.first_step for _, _, name in group) > step:
-                    for _, path, _ in group:
-                        path.unlink()
-                        removed += 1
+            gone: list[Path] = []
+            for key, group in flushes.items():
+                paths = [path for _, path, _ in group]
+                if isinstance(key, tuple):  # a compacted record's files
+                    record, written = cut_compacted(run_dir, rank, records.pop(key, {"flushes": list(key),
+                                                    "files": [f"{t}/{p.name}" for t, p, _ in group]}), step)
+                    if record is None or written:
+                        gone += paths
+                    if record is None:
+                        continue
+                    records[tuple(record["flushes"])] = record
+                    paths = [run_dir / rel for rel in record["files"]]
+                    flush_counts = [c for _, c in flush_firsts(paths).values()]
+                elif min(name.first_step for _, _, name in group) > step:
+                    gone += paths
                     continue
-                footer = pq.ParquetFile(group[0][1]).metadata.metadata or {}
-                for key in counts:
-                    value = footer.get(f"{S.FLUSH_META_PREFIX}{key}".encode())
-                    counts[key] = None if value is None or counts[key] is None else counts[key] + int(value)
-                for table, path, name in group:
-                    rows[table] += pq.ParquetFile(path).metadata.num_rows
-                    last_steps.append(name.last_step)
+                else:
+                    footer = pq.ParquetFile(paths[0]).metadata.metadata or {}
+                    flush_counts = [[None if (v := footer.get(f"{S.FLUSH_META_PREFIX}{k}".encode())) is None
+                                     else int(v) for k in counts]]
+                for values in flush_counts:
+                    for k, value in zip(list(counts), values, strict=True):
+                        counts[k] = None if value is None or counts[k] is None else counts[k] + int(value)
+                for path in paths:
+                    name = S.parse_data_file(path.name)
+                    rows[path.parent.name] += pq.ParquetFile(path).metadata.num_rows
+                    last_steps.append(name.last_step if name is not None else step)
             if flushes:
                 path = rank_file(run_dir, rank)
-                write_json_atomic(path, {**manifest, **counts, "rows": rows, "updated_at": now(),
+                cut = {S.COMPACTED_KEY: sorted(records.values(), key=lambda r: r["flushes"][0])} \
+                    if S.COMPACTED_KEY in manifest else {}
+                write_json_atomic(path, {**manifest, **counts, **cut, "rows": rows, "updated_at": now(),
                                          "last_step": max(last_steps) if last_steps else None})
+            for path in gone:
+                path.unlink(missing_ok=True)
+                removed += 1
         finally:
             lock.release()
     return removed

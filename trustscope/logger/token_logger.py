@@ -22,6 +22,7 @@ from typing import Any
 from trustscope import __version__
 from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
+from trustscope.logger.compaction import FANIN, BackgroundCompactor
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
 from trustscope.logger.summaries import blocked_rule_list
@@ -70,6 +71,7 @@ class TokenLogger:
         fsync: bool = True,
         write_threads: int | None = None,
         summaries: bool = True,
+        compact_every: int = FANIN,
         storage_options: Mapping[str, Any] | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
@@ -80,6 +82,8 @@ class TokenLogger:
                             ("write_threads", 1 if write_threads is None else write_threads)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if int(compact_every) < 0:
+            raise ValueError(f"compact_every must be >= 0 (0: no background compaction), got {compact_every}")
         if not isinstance(loss_rule, str) or not loss_rule:
             raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
         if mu_source not in MU_SOURCES:
@@ -124,7 +128,8 @@ class TokenLogger:
                         "tokenizer": jsonable(tokenizer)}
             logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
-                            "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds)}
+                            "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds),
+                            "compact_every": int(compact_every)}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
                 self._files.write_vocab(texts)
@@ -140,12 +145,15 @@ class TokenLogger:
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
                                      disk_last_step=self._files.disk_last_step, summaries=summaries)
+        self._compactor = (BackgroundCompactor(self._files, int(compact_every), int(row_group_size), fsync)
+                           if compact_every else None)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
                               flush_seconds=float(flush_seconds), max_queue=int(max_queue),
                               row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k,
                               write_threads=default_write_threads() if write_threads is None else int(write_threads),
-                              blocked_rules=blocked_rule_list() if summaries else None)
+                              blocked_rules=blocked_rule_list() if summaries else None,
+                              on_commit=None if self._compactor is None else self._compactor.committed)
         self._atexit = _close_at_exit(self)
         atexit.register(self._atexit)
 
@@ -197,6 +205,8 @@ class TokenLogger:
         atexit.unregister(self._atexit)
         try:
             self._writer.stop()
+            if self._compactor is not None:
+                self._compactor.stop()
             lost, fatal = self._writer.lost, self._writer.fatal
             if fatal is not None and status == "finished":
                 status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
@@ -232,6 +242,10 @@ class TokenLogger:
         return self._files.snapshot()
 
     def _raise_writer_error(self) -> None:
+        failed = None if self._compactor is None else self._compactor.take_error()
+        if failed is not None:  # nothing was lost: the files stay as they were, the next round tries again
+            warnings.warn(f"trustscope: compaction of run {self.run_id!r} rank {self.rank} failed, its files "
+                          f"stay as they are: {failed}", LogWarning, stacklevel=3)
         err = self._writer.take_error()
         if err is None:
             return

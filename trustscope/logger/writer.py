@@ -21,6 +21,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -264,8 +265,11 @@ class Writer:
 
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
-                 topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None):
+                 topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
+                 on_commit: Callable[[], None] | None = None):
         self.files = files
+        self._on_commit = on_commit
+        """Called on the writer thread after each commit (the background compaction counts them)."""
         self._bit_rules = tuple(name for name, _ in blocked_rules or ())
         """The rules whose blocks each token row records in ``blocked_rules`` (bit i: entry i), when summaries
         are computed; named with their parameters in every tokens file's footer."""
@@ -558,6 +562,8 @@ class Writer:
             self._report(err)
             return
         self._uncommitted.clear()
+        if self._on_commit is not None:
+            self._on_commit()
 
     def _give_up_uncommitted(self) -> None:
         """At the end: flushes whose commit never succeeded are lost; their files are removed if possible."""
