@@ -25,8 +25,8 @@ from trustscope.importers.base import (
     write_run,
 )
 
-__all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "format_for", "formats_table", "import_run",
-           "read_source", "register_importer"]
+__all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "format_for", "import_run", "read_source",
+           "register_importer"]
 
 
 def format_for(name: str) -> ImportFormat:
@@ -68,10 +68,3 @@ def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
             raise ValueError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {err}") from None
     return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab)
 
-
-def formats_table() -> str:
-    """The registered formats as a Markdown table (format, what it reads, options), for the docs."""
-    rows = ["| format | what it reads | options |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | {f.reads} | {', '.join(f'`{o}`' for o in f.options) or '-'} |"
-             for f in IMPORTERS.values()]
-    return "\n".join(rows) + "\n"
