@@ -130,7 +130,7 @@ def test_demo_hands_its_options_on(monkeypatch, tmp_path):
     assert seen == [((tmp_path,), {"steps": 2, "serve": False, "port": 9000, "samples": True})]
     result = runner.invoke(app, ["demo", "--no-serve", "--no-samples", "--logdir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert seen[-1] == ((tmp_path,), {"steps": 30, "serve": False, "port": 8501, "samples": False})
+    assert seen[-1] == ((tmp_path,), {"steps": 40, "serve": False, "port": 8501, "samples": False})
 
 
 def test_dashboard_hands_its_options_on_and_refuses_a_missing_logdir(monkeypatch, tmp_path):

@@ -30,7 +30,7 @@ def test_the_demo_trains_in_the_sample_logs_setting(tmp_path):
     exp = _experiments()
     v2 = {**exp.PRESETS["sanity-v2"].setting, "model": exp.PRESETS["sanity-v2"].toy}
     cfg = demo_config(tmp_path, steps=3)
-    for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "prompts_per_step", "group_size",
+    for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "threads", "prompts_per_step", "group_size",
                  "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_every",
                  "eval_problems"):
         assert getattr(cfg, knob) == v2[knob], knob

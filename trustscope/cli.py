@@ -119,7 +119,7 @@ def dashboard(
 def demo(
     logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written (the shipped runs are "
                                 "linked beside it)."),
-    steps: int = typer.Option(30, help="Training steps of the demo run."),
+    steps: int = typer.Option(40, help="Training steps of the demo run."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard over the run afterwards."),
     port: int = typer.Option(8501, help="Dashboard port."),
     samples: bool = typer.Option(True, "--samples/--no-samples", help="Link the shipped sample runs into the log "

@@ -26,6 +26,7 @@ DEMO_SETTING: dict[str, Any] = dict(
     engine="vllm",
     engine_dtype="bfloat16",
     trainer_dtype="float32",
+    threads=1,
     prompts_per_step=8,
     group_size=8,
     max_tokens=32,
@@ -39,10 +40,12 @@ DEMO_SETTING: dict[str, Any] = dict(
     log_topk_precision="float16",
 )
 """The sample logs' setting (``scripts/experiments.py``, preset ``sanity-v2``) less its length: the mismatch knobs
-(bf16 rollouts, ``policy_lag`` 1, four mini-batches, lr 2e-4) are the calibrated ones, every token is logged."""
+(bf16 rollouts, ``policy_lag`` 1, four mini-batches, lr 2e-4) are the calibrated ones, every token is logged. One
+torch thread: on two busy cores the trainer's updates ran 15-30x slower with two (10 steps: 62-79 s against
+2-4 s)."""
 
-DEMO_STEPS = 30
-"""Steps of the demo run: about a minute of training on two CPU cores."""
+DEMO_STEPS = 40
+"""Steps of the demo run: under a minute of training on two CPU cores, and every step blocks some tokens."""
 
 
 def demo_config(logdir: Path, steps: int = DEMO_STEPS) -> TrainConfig:
