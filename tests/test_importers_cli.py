@@ -15,7 +15,7 @@ from test_importers_slime import write_dump
 from typer.testing import CliRunner
 
 from trustscope.cli import app
-from trustscope.importers import IMPORTERS
+from trustscope.importers import IMPORTERS, register_importer
 
 runner = CliRunner()
 
@@ -73,6 +73,12 @@ def test_an_option_is_refused_by_a_format_that_does_not_take_it(tmp_path):
     assert result.exit_code == 2
     assert "'prime-rl' takes no option allow_pickle (allow_pickle: slime, miles)" in result.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_format_is_registered_once():
+    with pytest.raises(ValueError, match="'slime' is registered twice"):
+        register_importer("slime", reads="anything")(IMPORTERS["slime"].read)
+    assert IMPORTERS["slime"].reads.startswith("a --dump-details directory")
 
 
 def test_help_lists_every_format_and_who_takes_each_option():

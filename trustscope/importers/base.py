@@ -1,4 +1,5 @@
-"""Shared base of the importers: parsed sequences -> one trustscope run, written all or nothing.
+"""Shared base of the importers: the registry (:func:`register_importer`, the :class:`Importer` protocol), and
+parsed sequences -> one trustscope run, written all or nothing.
 
 Every importer reads its framework's files completely into :class:`ImportedRun` (one :class:`Sequence` per
 response, scalars per step) and raises :class:`ImportFormatError` naming the file and line (or tensor key) at the
@@ -43,10 +44,10 @@ class ImportUsageError(ValueError):
 class Importer(Protocol):
     """An importer: parses and checks a whole source (a file or a directory) into an :class:`ImportedRun`, or raises
     :class:`ImportFormatError` naming the file and line (or tensor key) of the first thing that does not match.
-    ``version`` is the framework version the caller knows (the files record none); ``options`` are the keyword
-    flags the importer declares in :func:`register_importer`."""
+    ``version`` is the framework version the caller knows (the files record none). An importer may take more
+    keyword flags, each with a default, which it declares in :func:`register_importer`'s ``options``."""
 
-    def __call__(self, src: Path, *, version: str | None = None, **options: Any) -> ImportedRun: ...
+    def __call__(self, src: Path, *, version: str | None = None) -> ImportedRun: ...
 
 
 @dataclass(frozen=True)
