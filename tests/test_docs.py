@@ -8,6 +8,8 @@ The generated blocks (the CLI reference in docs/cli.md, the rule table in docs/r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -56,6 +58,14 @@ def _cell(text: str) -> str:
     return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
+def _epilog(cmd, ctx) -> str:
+    """The text a command's help ends with. A command may fill in its help when the help is asked for (``doctor``
+    lists the registered checks, ``import`` the formats), so the help is rendered first and its output dropped."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        cmd.get_help(ctx)
+    return (cmd.epilog or "").strip()
+
+
 def cli_markdown() -> str:
     """docs/cli.md's generated block: a table of every command with its help's first paragraph, then per command
     its whole help, its usage and every argument and option with its help and default."""
@@ -68,6 +78,7 @@ def cli_markdown() -> str:
     ctx = click.Context(group, info_name="trustscope")
     names = group.list_commands(ctx)
     commands = {name: group.get_command(ctx, name) for name in names}
+    epilogs = {name: _epilog(cmd, click.Context(cmd, info_name=name, parent=ctx)) for name, cmd in commands.items()}
     out = ["| command | what it does |", "|---|---|"]
     for name, cmd in commands.items():
         first = (cmd.help or "").strip().split("\n\n")[0]
@@ -77,6 +88,8 @@ def cli_markdown() -> str:
         out += ["", f"## `trustscope {name}`", ""]
         for paragraph in (cmd.help or "").strip().split("\n\n"):
             out += [_cell(paragraph), ""]
+        if epilogs[name]:
+            out += [_cell(epilogs[name]), ""]
         out += ["```", f"trustscope {name} {' '.join(cmd.collect_usage_pieces(sub))}", "```"]
         rows = [record for record in (p.get_help_record(sub) for p in cmd.params) if record]
         if rows:
