@@ -5,8 +5,9 @@ make every diagnostic lie: mu and pi one position apart, padding logged as token
 token, an engine's processed log-probs against the trainer's raw ones, a mu that is the trainer's own recompute,
 sample ids that several ranks reuse. Each check here measures one such mistake with one SQL file of
 ``trustscope/sql/doctor/`` (bound parameters, one row per run) and judges the measurement with one pure function,
-which returns a :class:`Finding`: a verdict (``ok``, ``warn``, ``fail`` or ``skipped``), a one-line summary, the
-evidence (counts and a few example tokens with step, sample_id and pos) and the likely cause.
+which returns a :class:`Judgement`: a verdict (``ok``, ``warn``, ``fail`` or ``skipped``), a one-line summary, the
+evidence (counts and a few example tokens with step, sample_id and pos) and the likely cause. :func:`diagnose`
+reports it as the run's :class:`Finding` for that check.
 
 A check is its judge, declared once with its name, SQL file and parameters::
 
@@ -264,8 +265,9 @@ def judge_topk_duplicates(m: Mapping[str, Any]) -> Judgement:
                      "nothing.")
 
 
-@register_check("processed_logprobs", sql="processed_logprobs.sql", about="the engine's processed log-probs against "
-                "the trainer's raw ones", params={"floor": PLACEHOLDER_FLOOR}, manifest_field="sampling")
+@register_check("processed_logprobs", sql="processed_logprobs.sql",
+                about="the engine's processed log-probs against the trainer's raw ones",
+                params={"floor": PLACEHOLDER_FLOOR}, manifest_field="sampling")
 def judge_processed_logprobs(m: Mapping[str, Any], sampling: Mapping[str, Any] | None) -> Judgement:
     """Processed-vs-raw log-probs: the engine reports log-probs after temperature / top-p / top-k while the trainer's
     are the raw softmax. For a token sampled from the processed q, E[log q - log p] = KL(q || p) > 0 for any
