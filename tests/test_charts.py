@@ -186,6 +186,7 @@ def test_rules_by_bucket_one_panel_per_sign_one_bar_per_rule():
     assert grpo_pos.name == "grpo" + figures.APPLIED_MARK and list(grpo_pos.y) == [0.3, 0.01]
     assert grpo_pos.customdata.tolist() == [[3, 10], [1, 100]]
     assert fig.layout.barmode == "group" and fig.layout.yaxis.rangemode == "tozero"
+    assert list(fig.data[0].x) == list(fig.data[1].x) == ["low", "high"]  # every bucket on both panels
 
 
 def test_counterfactual_by_bucket_counts_on_an_integer_axis():
@@ -206,6 +207,8 @@ def test_clipped_tokens_ranked_by_rate_with_counts():
     assert list(bar.x) == [0.1, 0.5, 0.9] and list(bar.y) == ["\\n", "=", "Wait"]  # highest rate on top
     assert list(bar.text) == ["10 of 100", "50 of 100", "9 of 10"]
     assert fig.layout.xaxis.tickformat.endswith("%") and "grpo" in fig.layout.xaxis.title.text
+    spaced = figures.clipped_tokens(df.assign(text=[" ", " the", "\t"]), "grpo").data[0]
+    assert list(spaced.y) == ["\\t", "\u2423the", "\u2423"]  # no blank label
 
 
 # ------------------------------------------------------------------------------------------------ tokens

@@ -345,7 +345,7 @@ def ratio_vs_divergence(df: pd.DataFrame, divergence: str = "tv", bucket_order: 
     _check_columns(df, ["mu", "ratio", divergence, "mu_bucket"], "ratio_vs_divergence")
     label = {"tv": "binary TV |pi - mu|", "topk_tv": "top-K TV", "kl": "binary KL", "topk_kl": "top-K KL"}
     div_title = label.get(divergence, divergence)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.09, subplot_titles=["ratio pi / mu", div_title])
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=["ratio pi / mu", div_title])
     for i, bucket in enumerate(_buckets(df["mu_bucket"], bucket_order)):
         one = df[df["mu_bucket"] == bucket]
         style = {"size": 4, "color": bucket_colour(i), "opacity": 0.6}
@@ -433,8 +433,8 @@ def rules_by_bucket(df: pd.DataFrame, bucket_order: Sequence[str] | None = None,
     for rule in rule_order(df["rule"]):
         name = rule + (APPLIED_MARK if rule == applied else "")
         for col, sign in enumerate(signs, start=1):
-            one = df[(df["rule"] == rule) & (df["adv_sign"] == sign)].set_index("mu_bucket")
-            one = one.reindex([b for b in buckets if b in one.index])
+            # every bucket on every panel (an empty one stays a gap), so the panels' axes read the same
+            one = df[(df["rule"] == rule) & (df["adv_sign"] == sign)].set_index("mu_bucket").reindex(buckets)
             extra = {}
             if counts:
                 extra = {"customdata": one[["n_blocked", "n_tokens"]].to_numpy(),
@@ -478,6 +478,12 @@ def counterfactual_by_bucket(df: pd.DataFrame, rule_a: str, rule_b: str,
     return _finish(fig, 400, top=70)
 
 
+def visible(text: str) -> str:
+    """A token's text as an axis label: escapes for control characters, and spaces shown as ``␣`` (a token that
+    is a space would otherwise be a blank label)."""
+    return repr(text)[1:-1].replace(" ", "\u2423")
+
+
 def clipped_tokens(df: pd.DataFrame, rule: str) -> go.Figure:
     """The token texts one rule blocks at the highest rate, coloured by their mean mu, counts beside each bar.
 
@@ -486,7 +492,7 @@ def clipped_tokens(df: pd.DataFrame, rule: str) -> go.Figure:
     _check_columns(df, ["text", "block_rate", "n_blocked", "n_occurrences", "mean_mu", "mean_entropy"],
                    "clipped_tokens")
     df = df.iloc[::-1]
-    labels = [repr(t)[1:-1] if isinstance(t, str) else str(t) for t in df["text"]]
+    labels = [visible(t) if isinstance(t, str) else str(t) for t in df["text"]]
     fig = go.Figure(go.Bar(
         x=df["block_rate"], y=labels, orientation="h",
         text=[f"{b:,} of {n:,}" for b, n in zip(df["n_blocked"], df["n_occurrences"], strict=True)],

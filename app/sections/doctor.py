@@ -20,7 +20,7 @@ COLUMNS = ["run_id", "from_step", "check", "verdict", "summary", "cause"]
 WINDOW_TOKENS = 100_000
 """Logged tokens the section reads per run at most (whole steps, the last ones; at least the last step): plenty
 for every check's statistics, and the Runs page stays an overview."""
-ORDER = {"fail": 0, "warn": 1, "skipped": 2, "ok": 3}
+ORDER = {"fail": 0, "warn": 1, "ok": 2, "skipped": 3}
 """Failures first, then warnings."""
 QUIET = ("ok", "skipped")
 """Verdicts that say nothing is wrong: counted in one line, listed only on demand."""
@@ -49,9 +49,9 @@ def panel(ours: LogDB, by_first: tuple[tuple[int, tuple[str, ...]], ...]) -> pd.
 
 
 def counts_line(table: pd.DataFrame) -> str:
-    """``"2 fail, 0 warn, 36 ok, 12 skipped"``: every verdict's count, in :data:`VERDICTS` order."""
+    """``"2 fail, 0 warn, 36 ok, 12 skipped"``: every verdict's count, failures first."""
     counts = table["verdict"].value_counts()
-    return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in VERDICTS)
+    return ", ".join(f"{int(counts.get(v, 0))} {v}" for v in sorted(VERDICTS, key=ORDER.get))
 
 
 def doctor_section(run_ids: Sequence[str]) -> None:
