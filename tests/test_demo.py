@@ -85,17 +85,22 @@ def test_the_manifest_records_portable_paths(tmp_path, monkeypatch):
 
 
 def test_toy_worlds_are_named_models(monkeypatch):
+    import dataclasses
+
     import trustscope.train.toy as toy
+    import trustscope.train.toy_models as toy_models
     from trustscope.train.config import TrainConfig
     from trustscope.train.loop import resolve_model
 
-    built = []
+    built, seeded = [], []
     monkeypatch.setattr(toy, "build_toy_model", lambda config, **kw: built.append((config, kw)) or Path("m"))
+    monkeypatch.setattr(toy_models, "seed_cache", seeded.append)
     resolve_model(TrainConfig(model="toy-v2", task="addcol2", max_tokens=32, run_id="x"))
     resolve_model(TrainConfig(model="toy", run_id="x"))
-    assert built == [(toy.TOY_PRESETS["toy-v2"], {"task": "addcol2"}), (toy.TOY_PRESETS["toy"], {"task": "add1"})]
-    # the sample logs' model: the same build (cache key) as the one they were trained on
-    assert toy.TOY_PRESETS["toy-v2"].key() in json.loads(SHIPPED[0].read_text())["model"]["path"] if SHIPPED else True
+    resolve_model(TrainConfig(model="toy-v2", task="add1", run_id="x"))  # warm-started on the run's task
+    wanted = [toy.TOY_PRESETS["toy-v2"], toy.TOY_PRESETS["toy"],
+              dataclasses.replace(toy.TOY_PRESETS["toy-v2"], task="add1")]
+    assert built == [(c, {}) for c in wanted] and seeded == wanted
     assert resolve_model(TrainConfig(model="some/hub-model", run_id="x")) == "some/hub-model"
 
 
@@ -133,3 +138,23 @@ def test_closing_lines_name_the_page_and_the_run_s_own_numbers():
     assert "ppo_clip" in lines[2] and f"{int(steps['n_bad_negative'].sum()):,} tokens" in lines[3]
     assert baseline.name in lines[5]
     assert all("\n" not in line for line in lines)
+
+
+def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
+    """The sample logs' model ships with the key a build would give it now (a change to toy.py moves the key:
+    ship the new build, see trustscope/train/toy_models), and an empty cache takes it without a warm start."""
+    from trustscope.train.toy import TOY_PRESETS, build_toy_model, toy_meta
+    from trustscope.train.toy_models import seed_cache, shipped
+
+    config = TOY_PRESETS["toy-v2"]
+    source = shipped(config)
+    assert source is not None, ("trustscope/train/toy_models holds no toy-v2 build with the current key "
+                                f"{config.key()}: run the command in its docstring")
+    if SHIPPED:
+        assert json.loads(SHIPPED[0].read_text())["model"]["path"] == f"toy/{source.name}"
+    entry = seed_cache(config, cache_dir=tmp_path)
+    assert entry == tmp_path / "toy" / source.name and seed_cache(config, cache_dir=tmp_path) is None
+    assert build_toy_model(config, cache_dir=tmp_path) == entry  # found, not built
+    assert toy_meta(entry)["key"] == config.key()
+    assert (entry / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert not list((tmp_path / "toy").glob(".*"))  # no temporary folder left behind

@@ -54,13 +54,15 @@ def demo_config(logdir: Path, steps: int = DEMO_STEPS) -> TrainConfig:
                        run_id=f"demo-dppo-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def toy_cached(cfg: TrainConfig) -> bool:
-    """Whether the toy world of ``cfg`` is built already (in the trustscope cache)."""
+def toy_ready(cfg: TrainConfig) -> bool:
+    """Whether the toy world of ``cfg`` needs no build: it is in the trustscope cache, or ships built
+    (:mod:`trustscope.train.toy_models`)."""
     from trustscope.paths import cache_root
     from trustscope.train.toy import META_FILE, TOY_PRESETS
+    from trustscope.train.toy_models import entry_name, shipped
 
     toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
-    return (cache_root() / "toy" / f"{toy.task}-{toy.key()}" / META_FILE).exists()
+    return (cache_root() / "toy" / entry_name(toy) / META_FILE).exists() or shipped(toy) is not None
 
 
 def check_port(host: str, port: int) -> None:
@@ -177,9 +179,9 @@ def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: in
     logdir = Path(logdir)
     linked = link_sample_runs(logdir) if samples else []
     cfg = demo_config(logdir, steps)
-    if not toy_cached(cfg):
-        print(f"trustscope demo: building the {cfg.model} model (first run only; about a minute on 2 CPU cores, "
-              "cached for the next runs)", file=sys.stderr, flush=True)
+    if not toy_ready(cfg):
+        print(f"trustscope demo: building the {cfg.model} model (first run only: one to four minutes on 2 CPU "
+              "cores, cached for the next runs)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         resolve_model(cfg)
         print(f"trustscope demo: {cfg.model} built in {time.perf_counter() - t0:.0f} s", file=sys.stderr,

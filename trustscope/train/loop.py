@@ -43,6 +43,7 @@ Where it departs from the paper's recipe (verl, DAPO data, 16 responses per prom
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -348,12 +349,15 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
-    :data:`trustscope.train.toy.TOY_PRESETS` warm-started on ``cfg.task``, built and cached on first use) or
-    ``cfg.model`` as given."""
+    :data:`trustscope.train.toy.TOY_PRESETS` warm-started on ``cfg.task``, built and cached on first use, or
+    copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
+    from trustscope.train.toy_models import seed_cache
 
     if cfg.model in TOY_PRESETS:
-        return build_toy_model(TOY_PRESETS[cfg.model], task=cfg.task)
+        toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
+        seed_cache(toy)  # a build shipped with trustscope (toy-v2), when the cache lacks it
+        return build_toy_model(toy)
     return cfg.model
 
 
