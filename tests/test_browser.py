@@ -60,7 +60,7 @@ def _sample_logs(tmp_path_factory) -> Path:
 
 
 def _demo_logs(tmp_path_factory) -> Path:
-    """A short real demo run (the demo's own settings: bf16 vLLM rollouts, two mini-batches)."""
+    """A short real demo run (the demo's own settings: toy world v2, bf16 vLLM rollouts, lag 1, four mini-batches)."""
     given = os.environ.get("TRUSTSCOPE_DEMO_LOGDIR")
     if given:
         return Path(given)
