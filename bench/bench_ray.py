@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
 
     logdir = make_log(args.workdir, args.tokens, args.files)
-    n_files = sum(len(tsdb._data_files(run, "tokens")) for run in tsdb._run_dirs([logdir]))
+    n_files = sum(len(tsdb.data_files(run, "tokens")) for run in tsdb.run_dirs([logdir]))
     load_before = os.getloadavg()
     print(f"{n_files} tokens files, {args.tokens:,} tokens; load average {load_before[0]:.1f} "
           f"on {os.cpu_count()} cores")

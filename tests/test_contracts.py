@@ -9,6 +9,7 @@ import pytest
 
 from trustscope import db as tsdb
 from trustscope.losses import list_losses
+from trustscope.query.contracts import table_problems
 from trustscope.synthetic import SyntheticConfig, generate_run
 
 SAMPLE_LOGS = Path(__file__).resolve().parents[1] / "sample_logs"
@@ -49,7 +50,7 @@ def test_contracts_hold_on_a_synthetic_log(synthetic_db):
 def test_contract_checks_catch_broken_data():
     spec = {"unique": ["k"], "not_null": ["v"], "accepted": {"s": ["a", "b"]}, "between": {"v": [0, 1]}}
     data = pa.table({"k": [1, 1, None], "v": [0.5, None, 2.0], "s": ["a", "c", "b"]})
-    problems = tsdb._table_problems("t", spec, data)
+    problems = table_problems("t", spec, data)
     joined = "\n".join(problems)
     assert "t.k: 1 null" in joined and "t.v: 1 null" in joined
     assert "duplicate key" in joined and "['c']" in joined and "outside [0, 1]" in joined

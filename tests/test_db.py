@@ -243,26 +243,40 @@ def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_p
     pd.testing.assert_frame_equal(counts[0], counts[1])
 
 
-def test_flushes_reading_the_same_bits_share_a_query_up_to_the_row_cap(tmp_path, monkeypatch):
-    """batch_flushes: a flush that needs the windows (no bits, or a sequence rule left to SQL) is a query of its
-    own, its parts together; windowless flushes with the same variant share one until BATCH_ROWS rows."""
+def test_flushes_of_one_variant_share_a_query_up_to_the_row_cap(tmp_path, monkeypatch):
+    """batch_flushes: flushes of one variant share a query until BATCH_ROWS rows, a flush's parts together;
+    where the variant needs the windows, flushes of one rank whose steps overlap go to different queries (a
+    response could lie in both), and a file whose name does not say its steps is a query of its own."""
     import pyarrow as pa
 
-    def flush(name: str) -> list:
-        parts = [tmp_path / f"{name}-p0{i}.parquet" for i in range(2)]
+    from trustscope.query import partials
+
+    def flush(name: str, rank: int = 0) -> list:
+        folder = tmp_path / "run" / "tokens"
+        folder.mkdir(parents=True, exist_ok=True)
+        parts = [folder / f"{name}-p0{i}.parquet" for i in range(2)]
         for part in parts:
             pq.write_table(pa.table({"x": np.arange(10)}), part)
         return parts
 
-    monkeypatch.setattr(tsdb, "BATCH_ROWS", 40)
-    bits, other_bits, windows = ("a", False), ("b", False), ("c", True)
-    flushes = [flush(f"f{i}") for i in range(6)]
-    out = tsdb.batch_flushes(flushes, [bits, bits, None, bits, windows, other_bits])
-    got = sorted((tuple(map(str, files)), str(variant)) for files, variant in out)
-    want = sorted((tuple(map(str, files)), str(variant)) for files, variant in [
-        ([*flushes[0], *flushes[1]], bits), (flushes[2], None), (flushes[3], bits), (flushes[4], windows),
-        (flushes[5], other_bits)])
+    monkeypatch.setattr(partials, "BATCH_ROWS", 40)
+    bits, other_bits = tsdb.Variant("a", False), tsdb.Variant("b", False)
+    windows = tsdb.Variant("c", True)
+    flushes = [flush("r0000-s00000000-00000009-f00000001"), flush("r0000-s00000010-00000019-f00000002"),
+               flush("r0000-s00000020-00000029-f00000003"), flush("r0000-s00000005-00000012-f00000004"),
+               flush("r0001-s00000000-00000009-f00000001"), flush("old-name"),
+               flush("r0000-s00000030-00000039-f00000005")]
+    variants = [bits, bits, bits, windows, windows, windows, other_bits]
+    got = sorted((tuple(map(str, files)), str(v)) for files, v in partials.batch_flushes(flushes, variants))
+    want = sorted((tuple(map(str, files)), str(v)) for files, v in [
+        ([*flushes[0], *flushes[1]], bits), (flushes[2], bits),  # the row cap: 40 rows a query
+        ([*flushes[3], *flushes[4]], windows),  # ranks 0 and 1: their responses never meet
+        (flushes[5], windows), (flushes[6], other_bits)])
     assert got == want
+    # overlapping steps of one rank with the windows: two queries
+    overlap = partials.batch_flushes([flushes[0], flushes[3]], [None, None])
+    assert sorted(len(files) for files, _ in overlap) == [2, 2]
+    assert partials.batch_flushes([flushes[0], flushes[1]], [None, None]) == [([*flushes[0], *flushes[1]], None)]
 
 
 def test_a_footer_is_read_again_once_its_file_changes(tmp_path):

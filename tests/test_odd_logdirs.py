@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
 import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -65,7 +66,7 @@ def truncated(tmp_path_factory):
 
 
 def _no_traceback(result):
-    assert "Traceback" not in result.output and not isinstance(result.exception, tsdb.duckdb.Error), result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, duckdb.Error), result.output
 
 
 def test_a_symlinked_run_is_followed_by_the_query_layer(linked):

@@ -55,7 +55,7 @@ def local_ray():
 
 
 def _tokens_files(db: tsdb.LogDB) -> set[str]:
-    return {str(f) for run in db.runs_dirs for f in tsdb._data_files(run, "tokens")}
+    return {str(f) for run in db.runs_dirs for f in tsdb.data_files(run, "tokens")}
 
 
 def _sorted(table: pa.Table) -> pa.Table:
@@ -87,7 +87,7 @@ def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_p
             want, got = getattr(local, analysis)(), getattr(on_ray, analysis)()
             _assert_same_rows(pa.Table.from_pandas(got, preserve_index=False),
                               pa.Table.from_pandas(want, preserve_index=False), analysis)
-        for name in tsdb._CACHED_PARTIALS.values():  # the kept aggregates themselves, merged
+        for name in tsdb.CACHED_PARTIALS.values():  # the kept aggregates themselves, merged
             _assert_same_rows(on_ray._merged[name], local._merged[name], name)
 
         files = _tokens_files(on_ray)
@@ -180,7 +180,9 @@ def test_a_task_error_is_raised_as_its_own_class(logdir, local_ray, tmp_path, mo
     alike. A file unreadable when the files are listed is left out and its run marked broken
     (``test_odd_logdirs.py``); this one is damaged between the listing and the read, which the driver's check
     is told not to see."""
-    monkeypatch.setattr(tsdb, "unreadable_files", lambda files: {})
+    from trustscope.query import runs
+
+    monkeypatch.setattr(runs, "unreadable_files", lambda files: {})
     for ray_address in (None, "auto"):
         logs = tmp_path / str(ray_address) / "logs"
         shutil.copytree(logdir, logs)
@@ -200,4 +202,4 @@ def test_a_task_refuses_sql_other_than_the_drivers(logdir):
             aggregate_files(spec, files)
         good = TaskSpec(db._rule_blocks, db._fingerprint, db._params())
         [(name, tables)] = aggregate_files(good, files)
-        assert name == files[0] and set(tables) == set(tsdb._CACHED_PARTIALS)
+        assert name == files[0] and set(tables) == set(tsdb.CACHED_PARTIALS)

@@ -22,6 +22,7 @@ from trustscope import db as tsdb
 from trustscope import divergence as D
 from trustscope import losses as L
 from trustscope.losses import PolicyBatch, get_loss
+from trustscope.query import connection
 from trustscope.synthetic import SyntheticConfig, generate_run
 
 KEY = ["run_id", "step", "sample_id", "pos"]
@@ -338,7 +339,7 @@ def test_trainer_kept_mask_matches_the_view_for_its_rule(log):
 
 
 def _flushes(logdir: Path, run: str) -> list[list[Path]]:
-    return tsdb.flush_groups(tsdb._data_files(logdir / run, "tokens"))
+    return tsdb.flush_groups(tsdb.data_files(logdir / run, "tokens"))
 
 
 def test_logged_bits_are_the_sql_flags_token_for_token(log):
@@ -378,7 +379,7 @@ def test_a_caller_s_counterfactual_parameters_leave_that_rule_to_the_sql(log):
 def test_files_without_bits_are_aggregated_by_the_sql(tmp_path):
     generate_run(tmp_path, "nobits", SyntheticConfig(tokens=2_000, steps=2, mean_length=24, edge_cases=False,
                                                      summaries=False))
-    files = tsdb._data_files(tmp_path / "nobits", "tokens")
+    files = tsdb.data_files(tmp_path / "nobits", "tokens")
     assert pq.read_table(files[0]).column("blocked_rules").null_count == pq.read_metadata(files[0]).num_rows
     with tsdb.connect(tmp_path, cache=False) as db:
         assert tsdb.stored_rule_bits(files, db.rule_params) == {}
@@ -399,7 +400,7 @@ def test_the_cold_pass_on_logged_bits_gives_the_sql_s_answers(log, monkeypatch):
 
     with_bits, used, computed = answers()
     assert used == computed > 0
-    monkeypatch.setattr(tsdb, "stored_rule_bits", lambda files, rules: {})
+    monkeypatch.setattr(connection, "stored_rule_bits", lambda files, rules: {})
     from_sql, used, _ = answers()
     assert used == 0
     for name, want in from_sql.items():

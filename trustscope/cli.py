@@ -224,8 +224,11 @@ def sql(
 
     A run with an unreadable file is left out (named on stderr); the others are queried.
     """
-    from trustscope.db import QueryRefused, QueryStopped
-    from trustscope.report import NoRunsFound, connect_readable, write_result
+    from trustscope import sandbox
+
+    sandbox.prewarm()  # the SQL worker starts while this process opens the log directory
+    from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
+    from trustscope.results import write_result
     from trustscope.storage import StorageError
 
     if format not in ("table", "csv", "json", "parquet"):
@@ -271,8 +274,9 @@ def report(
 
     import duckdb
 
+    from trustscope.db import NoRunsFound, connect_readable
     from trustscope.distributed import RayUnavailable, RayUnavailableWarning
-    from trustscope.report import NoRunsFound, WarningLines, connect_readable, print_report, write_html
+    from trustscope.report import WarningLines, print_report, write_html
     from trustscope.storage import StorageError
 
     try:
@@ -362,8 +366,8 @@ def doctor(
     left out, and said so; the others are checked)."""
     import duckdb
 
+    from trustscope.db import NoRunsFound, connect_readable
     from trustscope.doctor import VERDICTS, diagnose, failed, format_finding
-    from trustscope.report import NoRunsFound, connect_readable
 
     if not logdir.is_dir():
         typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)

@@ -3,15 +3,15 @@ tasks, a small batch of files each, and every task opens its own DuckDB over onl
 
     db = connect("/shared/logs", ray="auto")        # or "HOST:PORT", "ray://HOST:PORT"
     db.step_summary()                              # new files aggregated as Ray tasks, then kept as usual
-    db.ray.tasks                                   # where each task ran (TaskRecord: pid, node, worker, task ids)
+    db.aggregator.tasks                            # where each task ran (TaskRecord: pid, node, worker, task ids)
 
 A task gets the paths of its files (storage every node reads at the same path), the rendered ``rule_blocks`` view,
 the bound parameters (every rule's parameters, each run's own rule set, the analysis settings) and the driver's
 SQL fingerprint. It loads the macros and views of the trustscope installed on its node, and refuses to run when
 their fingerprint differs from the driver's (another trustscope version there). It then runs the same statements
-the local pass runs (:func:`trustscope.db.aggregate_partials`) with the same parameters, so the rows it returns
+the local pass runs (:func:`trustscope.query.partials.aggregate_partials`) with the same parameters, so the rows it returns
 are the local pass's rows. Per file it returns every partial view's rows as pyarrow tables, and the driver keeps
-them in memory and on disk as it keeps its own (:meth:`trustscope.db.LogDB.refresh`).
+them in memory and on disk as it keeps its own (:class:`trustscope.query.partials.KeptAggregates`).
 
 Reaching the cluster: :func:`attach_ray` first opens a TCP connection to the address (``PROBE_TIMEOUT_S``),
 because ``ray.init`` on an address where nothing listens retries for minutes. Only then does it call
@@ -22,9 +22,7 @@ cluster. A cluster that cannot be reached warns and leaves the aggregation to th
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import socket
 import tempfile
 import time
@@ -37,7 +35,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from trustscope import db as tsdb
+from trustscope.query import catalogue
+from trustscope.query.partials import Variant, aggregate_partials, batch_flushes, flush_groups
 
 RAY_FALLBACKS = ("warn", "error")
 """What ``connect(..., ray_fallback=...)`` does when the cluster cannot be reached: warn and aggregate here, or raise."""
@@ -49,24 +48,6 @@ MAX_FILES_PER_TASK = 8
 """Files one task aggregates at most: its DuckDB set-up is paid once per task, its results come back together."""
 RAY_PIN = "ray==2.60.0"
 """The Ray release this module is tested with (the ``verl-deps`` extra installs it)."""
-
-
-def _views_read(views: Sequence[str]) -> list[Path]:
-    """The files of ``views`` and of every view they read, directly or through others (names found in the SQL
-    as :mod:`trustscope.db` finds them)."""
-    names = set(tsdb.VIEWS)
-    seen, todo = set(), list(views)
-    while todo:
-        view = todo.pop()
-        if view not in seen:
-            seen.add(view)
-            todo += re.findall(r"[a-z_]+", tsdb._strip_comments((tsdb.VIEW_DIR / f"{view}.sql").read_text()))
-            todo = [v for v in todo if v in names]
-    return [tsdb.VIEW_DIR / f"{v}.sql" for v in sorted(seen)]
-
-
-PARTIAL_VIEW_FILES = _views_read(list(tsdb._CACHED_PARTIALS))
-"""The partial views and the views under them: all a task's DuckDB loads."""
 
 
 class RayUnavailable(ConnectionError):
@@ -86,9 +67,9 @@ class TaskSpec:
     rule_blocks: str
     fingerprint: str
     params: dict[str, Any]
-    variants: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    """Per flush (its first file's path): the driver's :func:`trustscope.db.stored_variant`, the ``rule_blocks``
-    SQL that reads the logger's bits."""
+    variants: dict[str, Variant] = field(default_factory=dict)
+    """Per flush (its first file's path): the driver's :func:`~trustscope.query.partials.stored_variant`, the
+    ``rule_blocks`` SQL that reads the logger's bits."""
 
 
 @dataclass(frozen=True)
@@ -108,38 +89,36 @@ def aggregate_files(spec: TaskSpec, files: Sequence[str], threads: int | None = 
                     ) -> list[tuple[str, dict[str, pa.Table]]]:
     """``(file, every partial view's rows)`` for each tokens file, in a DuckDB of its own (no Ray needed).
 
-    The connection has only what the partial views read: the macros, :data:`PARTIAL_VIEW_FILES`,
-    ``spec``'s parameters, and file lists that hold the tables' empty files plus one flush's tokens files at a time
-    (its parts together, see :func:`trustscope.db.aggregate_partials`). It may
-    read only the files' directories. ``threads`` caps DuckDB's threads (a Ray task's CPUs).
+    The connection has only what the partial views read (:func:`trustscope.query.catalogue.install` of the partial
+    views), ``spec``'s parameters, and file lists that hold the tables' empty files plus one batch of flushes'
+    tokens files at a time (a flush's parts together, see :func:`~trustscope.query.partials.aggregate_partials`).
+    It may read only the files' directories. ``threads`` caps DuckDB's threads (a Ray task's CPUs).
     Raises RuntimeError when this trustscope's SQL differs from the driver's.
     """
-    mine = hashlib.sha256((tsdb._SQL_FINGERPRINT + spec.rule_blocks).encode()).hexdigest()
+    mine = catalogue.fingerprint(spec.rule_blocks)
     if mine != spec.fingerprint:
         raise RuntimeError(f"trustscope's SQL on {socket.gethostname()} differs from the driver's (fingerprint "
                            f"{mine[:12]} vs {spec.fingerprint[:12]}): install the driver's trustscope version there")
     with tempfile.TemporaryDirectory(prefix="trustscope-task-") as folder:
-        lists = tsdb.write_empty_files(Path(folder))
-        config = {"autoload_known_extensions": False, "autoinstall_known_extensions": False,
-                  "allow_community_extensions": False, "allow_persistent_secrets": False}
-        con = duckdb.connect(config={**config, **({"threads": threads} if threads else {})})
+        lists = catalogue.write_empty_files(Path(folder))
+        con = duckdb.connect(config={**catalogue.CONNECTION_CONFIG, **({"threads": threads} if threads else {})})
         try:
             con.execute("set variable trustscope_files = ?", [lists])
             con.execute("set variable trustscope_params = ?", [spec.params])
-            tsdb._load_sql(con, sorted(tsdb.MACRO_DIR.glob("*.sql")), "macro")
-            tsdb._load_sql(con, PARTIAL_VIEW_FILES, "view", texts={"rule_blocks": spec.rule_blocks})
+            catalogue.install(con, spec.rule_blocks, views=list(catalogue.CACHED_PARTIALS),
+                              on_partial=lambda view: None)
             readable = [*sorted({str(Path(f).parent) + os.sep for f in files}), folder + os.sep]
             con.execute("set allowed_directories = ?", [readable])
             con.execute("set enable_external_access = false")
             con.execute("set lock_configuration = true")
             out = []
-            flushes = tsdb.flush_groups(files)  # a flush's parts together (see tsdb.aggregate_partials)
-            for batch, variant in tsdb.batch_flushes(flushes, [spec.variants.get(f[0]) for f in flushes]):
+            flushes = flush_groups(files)  # a flush's parts together (see aggregate_partials)
+            for batch, variant in batch_flushes(flushes, [spec.variants.get(f[0]) for f in flushes]):
                 cur = con.cursor()  # its own temporary rule_blocks, dropped on close
                 try:
                     cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], *batch]}])
                     cur.execute("set variable trustscope_params = ?", [spec.params])
-                    out += zip(batch, tsdb.aggregate_partials(cur, batch, variant), strict=True)
+                    out += zip(batch, aggregate_partials(cur, batch, variant), strict=True)
                 finally:
                     cur.close()
             return out
@@ -161,7 +140,8 @@ def _ray_task(spec: TaskSpec, files: list[str]) -> tuple[list[tuple[str, dict[st
 
 
 class RayAggregator:
-    """Runs the cold pass as Ray tasks on the cluster this process is attached to (see :func:`attach_ray`)."""
+    """Runs the cold pass as Ray tasks on the cluster this process is attached to (see :func:`attach_ray`): an
+    :class:`~trustscope.query.partials.Aggregator`."""
 
     def __init__(self, address: str) -> None:
         import ray
@@ -178,12 +158,12 @@ class RayAggregator:
 
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         size = min(MAX_FILES_PER_TASK, max(1, len(files) // (TASKS_PER_CPU * cpus)))
-        flushes = tsdb.flush_groups(files)  # a flush's parts stay in one task
+        flushes = flush_groups(files)  # a flush's parts stay in one task
         size = max(1, size // max(len(f) for f in flushes)) if flushes else size
         return [[f for flush in flushes[i:i + size] for f in flush] for i in range(0, len(flushes), size)]
 
     def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any],
-                  variants: dict[str, tuple[str, bool]] | None = None
+                  variants: dict[str, Variant] | None = None
                   ) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
         """``(file, every partial view's rows)`` for each of ``files``, as the tasks finish. A task's error is
         raised here (Ray's error is also an instance of the task's own exception class)."""

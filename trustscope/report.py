@@ -21,15 +21,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trustscope import figures, schema, storage
-from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview, QueryResult, connect, run_problems
+from trustscope import figures, schema
+from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview
+from trustscope.query.connection import NoRunsFound as NoRunsFound
+from trustscope.query.connection import connect_readable as connect_readable
+from trustscope.results import result_table as result_table
+from trustscope.results import write_result as write_result
 
 MISMATCH_WARN = 0.01
 """Mean |pi - mu| above which a run is flagged: the paper's DPPO runs stay near 0.003."""
@@ -220,33 +222,6 @@ def first_warnings(warnings: pd.DataFrame) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ opening logs
-
-
-class NoRunsFound(Exception):
-    """A log directory with no readable run; the message says where and what to do."""
-
-
-def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str, list[str]]]:
-    """Open the runs of ``logdir`` that read cleanly; return the handle and ``{run: problems}`` of those left out.
-
-    The check is :func:`trustscope.db.run_problems`, the one behind :attr:`LogDB.broken_runs`; a report leaves a
-    broken run out whole (and says so), where the dashboard shows what still reads of it, marked broken.
-
-    Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
-    FileNotFoundError when it does not exist. An ``s3://`` prefix is read through its local mirror
-    (:func:`trustscope.storage.mirror`; StorageError when the store cannot be read).
-    """
-    logdir = storage.mirror(logdir) if storage.is_remote(logdir) else Path(logdir)
-    if not logdir.is_dir():
-        raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
-    dirs = schema.run_dirs(logdir)
-    broken = {d.name: p for d in dirs if (p := run_problems(d))}  # the check LogDB.broken_runs makes
-    readable = [d for d in dirs if d.name not in broken]
-    if not readable:
-        where = f"{logdir}: " + ("every run is unreadable" if broken else "no runs found (no <run>/run.json)")
-        raise NoRunsFound(f"{where}; point at a directory a trainer with a TokenLogger writes to"
-                          + (f", or run `trustscope validate {logdir}`" if broken else ""))
-    return connect(readable, **kwargs), broken
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -577,74 +552,3 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     )
     path.write_text(page, encoding="utf-8")
     return path
-
-
-# ------------------------------------------------------------------------------------------------ user sql
-
-
-def _cell(value: object, float32: bool) -> str:
-    if value is None:
-        return "NULL"
-    if float32 and isinstance(value, float):
-        return str(np.float32(value))
-    return str(value)
-
-
-def _float32_columns(table: pa.Table) -> list[bool]:
-    return [pa.types.is_float32(f.type) for f in table.schema]
-
-
-def result_table(result: QueryResult) -> Table:
-    """A user query's rows as a rich table (float32 columns at float32 precision), with a caption when rows
-    were cut."""
-    table = Table(show_lines=False)
-    for name in result.table.column_names:
-        table.add_column(name, overflow="fold")
-    narrow = _float32_columns(result.table)
-    for row in result.table.to_pylist():
-        table.add_row(*(_cell(v, f) for v, f in zip(row.values(), narrow, strict=True)))
-    if result.truncated:
-        table.caption = f"first {result.max_rows} rows shown (--max-rows)"
-    return table
-
-
-def _json_rows(table: pa.Table) -> list[dict[str, Any]]:
-    narrow = dict(zip(table.column_names, _float32_columns(table), strict=True))
-    return [{k: float(str(np.float32(v))) if narrow[k] and isinstance(v, float) else v for k, v in row.items()}
-            for row in table.to_pylist()]
-
-
-def write_result(result: QueryResult, fmt: str, out: Path | None = None) -> None:
-    """Write a user query's rows as ``fmt`` (table, csv, json, parquet) to ``out`` or stdout."""
-    import sys
-
-    import pyarrow.csv as pacsv
-
-    if fmt == "parquet":
-        if out is None:
-            raise ValueError("parquet output needs a file (--out)")
-        pq.write_table(result.table, out)
-    elif fmt == "csv":
-        buf = io.BytesIO()
-        pacsv.write_csv(result.table, buf)
-        _emit(buf.getvalue().decode(), out)
-    elif fmt == "json":
-        _emit(json.dumps(_json_rows(result.table), default=str, indent=1) + "\n", out)
-    elif fmt == "table":
-        if out is None:
-            Console().print(result_table(result))
-        else:
-            console = Console(record=True, width=200, file=io.StringIO())
-            console.print(result_table(result))
-            out.write_text(console.export_text())
-    else:
-        raise ValueError(f"format={fmt!r} is not one of table, csv, json, parquet")
-    if result.truncated and fmt != "table":
-        print(f"note: output cut at {result.max_rows} rows (--max-rows)", file=sys.stderr)
-
-
-def _emit(text: str, out: Path | None) -> None:
-    if out is None:
-        print(text, end="")
-    else:
-        Path(out).write_text(text)

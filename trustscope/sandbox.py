@@ -33,6 +33,7 @@ import select
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -507,6 +508,34 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _popen(cwd: Path | str) -> subprocess.Popen[bytes]:
+    """A worker process, importing its modules; it waits for its set-up (the database, the limits) on stdin."""
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.Popen([sys.executable, "-m", "trustscope.sandbox"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, cwd=cwd, env=env)
+
+
+_spare: list[subprocess.Popen[bytes]] = []
+
+
+def prewarm() -> None:
+    """Start a worker now for the next :class:`Sandbox` of this process, so that its start-up (a Python process
+    importing DuckDB and pyarrow, a few hundred ms) overlaps the caller's own (``trustscope sql`` calls this
+    first). A worker that is never used ends with this process."""
+    if not any(p.poll() is None for p in _spare):
+        _spare.append(_popen(tempfile.gettempdir()))
+
+
+def _take_spare() -> subprocess.Popen[bytes] | None:
+    while _spare:
+        proc = _spare.pop()
+        if proc.poll() is None:
+            return proc
+    return None
+
+
 class Sandbox:
     """One worker process for one :class:`trustscope.db.LogDB`, started on the first query; queries take turns.
 
@@ -519,22 +548,28 @@ class Sandbox:
         self.memory_bytes = memory_bytes
         self.peak_rss = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
         self._lock = threading.Lock()
 
-    def _start(self) -> subprocess.Popen[bytes]:
-        package_parent = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (package_parent, os.environ.get("PYTHONPATH", "")) if p)}
-        proc = subprocess.Popen([sys.executable, "-m", "trustscope.sandbox"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, cwd=self.database.parent, env=env)
+    def start(self) -> None:
+        """Start the worker now, without waiting for it, so that it gets ready while the caller works; the first
+        query waits for it (a no-op when one is running)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc, self._ready = self._spawn(), False
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        proc = _take_spare() or _popen(self.database.parent)
         _write_frame(proc.stdin.fileno(), json.dumps({
             "database": str(self.database), "roots": [], "memory_bytes": self.memory_bytes}).encode())
+        return proc
+
+    def _await_ready(self, proc: subprocess.Popen[bytes]) -> None:
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
         if not ready or _read_frame(proc.stdout.fileno()) is None:
             proc.kill()
             proc.wait()
             raise RuntimeError(f"the SQL worker did not start within {START_TIMEOUT_S:g} s (its error is on stderr)")
-        return proc
+        self._ready = True
 
     def run(self, query: str, *, roots: Sequence[Path], files: dict[str, list[str]], params: dict[str, Any],
             caches: dict[str, tuple[int, str]], max_rows: int, timeout_s: float) -> pa.Table:
@@ -558,11 +593,14 @@ class Sandbox:
         """Hand ``request`` to the worker, starting one when there is none (or it died since the last query)."""
         if self._proc is not None and self._proc.poll() is None:
             try:
+                if not self._ready:
+                    self._await_ready(self._proc)
                 _write_frame(self._proc.stdin.fileno(), request)
                 return self._proc
             except BrokenPipeError:
                 self.close()
-        self._proc = self._start()
+        self.start()
+        self._await_ready(self._proc)
         _write_frame(self._proc.stdin.fileno(), request)
         return self._proc
 
