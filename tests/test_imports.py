@@ -21,8 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trustscope"
 
 ALLOWED_EDGES = {
-    ("trustscope.db", "trustscope.distributed"):
-        "connect(ray=...) resolves the Ray backend lazily; goes when the query layer is split out of db.py",
     ("trustscope.losses", "trustscope.policy"):
         "a LossRule is callable as a loss: its __call__ (and its type hints) reach the torch side on first use",
     ("trustscope.logger.runfiles", "trustscope.logger.compaction"):
