@@ -72,14 +72,21 @@ def train_command() -> click.Command:
 
 
 class Commands(typer.core.TyperGroup):
-    """The command group, with ``train`` built on demand (see :func:`train_command`)."""
+    """The command group, with ``train`` built only when it runs (see :func:`train_command`): listing the
+    commands shows its one-line help and imports nothing."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = super().list_commands(ctx)
         return [*names[:2], "train", *names[2:]]
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        return train_command() if name == "train" else super().get_command(ctx, name)
+        if name == "train":
+            return click.Command("train", help=TRAIN_HELP, short_help=TRAIN_HELP.split("\n")[0])
+        return super().get_command(ctx, name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        return name, train_command() if name == "train" else command, rest
 
 
 app = typer.Typer(
