@@ -28,9 +28,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from trustscope.db import SQL_DIR, LogDB, connect
 
@@ -79,6 +77,9 @@ closely on 87 % of the informative tokens, and exactly on 1.5 %."""
 RECOMPUTE_SHARE = 0.95
 """mu exactly equal to pi (or pi_old) on this share of informative tokens is a copy of the trainer's numbers (fail);
 within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -442,9 +443,15 @@ def diagnose(db: LogDB, run_ids: Iterable[str] | str | None = None, checks: Iter
 
 def run_manifests(db: LogDB) -> dict[str, dict[str, Any]]:
     """Each run's manifest (run.json) as a dict, by run_id ({} for a run without one)."""
-    runs = db.runs()
-    return {row.run_id: json.loads(row.manifest) if isinstance(row.manifest, str) else (row.manifest or {})
-            for row in runs.itertuples()}
+    cur = db.cursor()
+    try:
+        rows = cur.sql("select run_id, manifest from runs").to_arrow_table().to_pylist()
+    finally:
+        cur.close()
+    out = {run_id: {} for run_id in db.broken_runs}  # a run whose run.json does not read
+    out.update({r["run_id"]: json.loads(r["manifest"]) if isinstance(r["manifest"], str) else (r["manifest"] or {})
+                for r in rows})
+    return out
 
 
 def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str, first_step: int | None = None) -> pd.DataFrame:
@@ -457,6 +464,8 @@ def doctor_panel(db: LogDB | str | Path, run_ids: Sequence[str] | str, first_ste
     rows = [{"run_id": run_id, "check": f.check, "verdict": f.verdict, "summary": f.summary, "cause": f.cause,
              "examples": json.dumps(f.examples, default=_json_default) if f.examples else ""}
             for run_id, fs in found.items() for f in fs]
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=["run_id", "check", "verdict", "summary", "cause", "examples"])
 
 

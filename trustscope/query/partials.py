@@ -150,12 +150,12 @@ def batch_flushes(flushes: Sequence[list[P]], variants: Sequence[Variant | None]
     return out
 
 
-_FLUSH_NAME = re.compile(r"r(\d+)-s(\d+)-(\d+)-f\d+")
+_FLUSH_NAME = re.compile(r"r(\d+)-s(\d+)-(\d+)-[fc]\d+")
 
 
 def flush_steps(file: Path | str) -> tuple[tuple[str, int], int, int] | None:
     """((run directory, rank), first step, last step) of a data file, from its name (``r<rank>-s<first>-<last>-
-    f<flush>...``), or None for a name that does not say."""
+    f<flush>...``, or ``-c<flushes>`` for a compacted file), or None for a name that does not say."""
     path = Path(file)
     match = _FLUSH_NAME.match(path.name)
     if match is None:
