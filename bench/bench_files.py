@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,12 +103,16 @@ print(json.dumps({"import": t1 - t0, "connect": t2 - t1, "overview": t3 - t2, "f
 """
 
 
-def read_times(logdir: Path, repeat: int, first_pass: bool = True) -> dict:
-    """The reads above in a new process with an empty cache."""
+def read_times(logdir: Path, repeat: int, first_pass: bool = True, timeout: float | None = None) -> dict | None:
+    """The reads above in a new process with an empty cache; None when it took more than ``timeout`` seconds."""
     with tempfile.TemporaryDirectory(prefix="bench-files-cache-") as cache:
         env = {**os.environ, "TRUSTSCOPE_CACHE": cache, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run([sys.executable, "-c", READER, str(logdir), str(repeat), "1" if first_pass else "0"],
-                             capture_output=True, text=True, env=env, check=False)
+        try:
+            out = subprocess.run([sys.executable, "-c", READER, str(logdir), str(repeat),
+                                  "1" if first_pass else "0"], capture_output=True, text=True, env=env,
+                                 check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -240,13 +245,13 @@ def build_at_scale(logdir: Path, ranks: int, steps: int) -> float:
     return time.perf_counter() - started
 
 
-def at_scale(ranks: int, steps: int, repeat: int, work: Path) -> None:
+def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float) -> None:
     from trustscope.logger.compaction import compact_logdir
 
     built = build_at_scale(work, ranks, steps)
     files = n_files(work)
     print(f"{ranks} ranks x {steps} steps: {files:,} files built in {built:.0f} s")
-    raw = read_times(work, repeat, first_pass=False)
+    raw = read_times(work, repeat, first_pass=False, timeout=raw_timeout)
     started = time.perf_counter()
     compact_logdir(work, grace_s=0)
     compaction_s = time.perf_counter() - started
@@ -254,10 +259,98 @@ def at_scale(ranks: int, steps: int, repeat: int, work: Path) -> None:
     assert not problems, problems[:3]
     packed = read_times(work, repeat, first_pass=True)
     print(f"trustscope compact: {compaction_s:.1f} s, {files:,} -> {n_files(work):,} files")
+    if raw is None:
+        print(f"per-step files   connect + overview did not finish in {raw_timeout:.0f} s")
     for name, t in (("per-step files", raw), ("compacted", packed)):
+        if t is None:
+            continue
         print(f"{name:<16} connect {t['connect']:.2f} s, overview cold {t['overview']:.2f} s, "
               f"warm {t['warm_overview']:.3f} s" + (f", first pass {t['first_pass']:.2f} s"
                                                     if name == "compacted" else ""))
+
+
+# ------------------------------------------------------------------------------------------------ Delta Lake
+
+
+READ_SQL = ("select count(*), count(distinct step), sum(mu_logprob), avg(pi_logprob - mu_logprob) "
+            "from read_parquet(?)")
+
+
+def duckdb_read_s(files: list[str], repeat: int) -> float:
+    """Median seconds of one aggregate over every token row of ``files`` (a fresh DuckDB connection each time)."""
+    import duckdb
+
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        con = duckdb.connect()
+        con.execute(READ_SQL, [files]).fetchall()
+        con.close()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def table_format(steps: int, repeat: int, work: Path) -> None:
+    """The same per-step flushes written and compacted by trustscope and by Delta Lake (``pip install deltalake``,
+    not a dependency), then read by DuckDB: write rate, compaction time, files, bytes and read time after."""
+    from deltalake import DeltaTable, WriterProperties, write_deltalake
+
+    from trustscope.logger.compaction import compact_logdir
+
+    log_run(work / "warm-up", 2, 1, 0)
+    ours = work / "trustscope"
+    written_s = log_run(ours, steps, 1, 0)
+    run = ours / RUN_ID
+    flushes: dict[int, dict[str, pa.Table]] = {}
+    for table, files in schema.committed_files(run).items():
+        for f in files:
+            flushes.setdefault(schema.parse_data_file(f.name).flush, {})[table] = pq.read_table(f)
+    tokens_rows = sum(f["tokens"].num_rows for f in flushes.values())
+    read_before = duckdb_read_s([str(f) for f in schema.committed_files(run)["tokens"]], repeat)
+    started = time.perf_counter()
+    compact_logdir(ours, grace_s=0)
+    compact_s = time.perf_counter() - started
+    our_files = [str(f) for f in schema.committed_files(run)["tokens"]]
+    started = time.perf_counter()
+    for _ in range(repeat):
+        schema.committed_files(run)
+    list_s = (time.perf_counter() - started) / repeat
+    figures = {"trustscope": {"write_s": written_s, "compact_s": compact_s, "read_before_s": read_before,
+                              "read_after_s": duckdb_read_s(our_files, repeat), "list_s": list_s,
+                              "files_after": len(our_files),
+                              "bytes_after": sum(Path(f).stat().st_size for f in our_files)}}
+
+    delta = work / "delta"
+    props = WriterProperties(compression="ZSTD", compression_level=1)
+    started = time.perf_counter()
+    for _flush, tables in sorted(flushes.items()):  # the same rows, one append (one commit) per table per flush
+        for table, data in tables.items():
+            write_deltalake(delta / table, data, mode="append", writer_properties=props)
+    delta_write_s = time.perf_counter() - started
+    tokens = DeltaTable(delta / "tokens")
+    read_before = duckdb_read_s(tokens.file_uris(), repeat)
+    started = time.perf_counter()
+    for table in schema.TABLES:
+        dt = DeltaTable(delta / table)
+        dt.optimize.compact(writer_properties=props)
+        dt.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False)
+    delta_compact_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(repeat):
+        files = DeltaTable(delta / "tokens").file_uris()
+    delta_list_s = (time.perf_counter() - started) / repeat
+    figures["deltalake"] = {"write_s": delta_write_s, "compact_s": delta_compact_s, "read_before_s": read_before,
+                            "read_after_s": duckdb_read_s(files, repeat), "list_s": delta_list_s,
+                            "files_after": len(files), "bytes_after": sum(Path(f.removeprefix("file://")).stat().st_size
+                                                                          for f in files)}
+    print(f"{steps} per-step flushes of one rank, {tokens_rows:,} token rows (trustscope's write includes its "
+          f"checks and summaries; Delta's, the appends of the same Arrow tables alone)")
+    print(f"{'':<12} {'write s':>8} {'flushes/s':>9} {'compact s':>9} {'read before':>11} {'read after':>10} "
+          f"{'list s':>7} {'files':>5} {'MB':>6}")
+    for name, f in figures.items():
+        print(f"{name:<12} {f['write_s']:8.2f} {steps / f['write_s']:9.1f} {f['compact_s']:9.2f} "
+              f"{f['read_before_s']:11.3f} {f['read_after_s']:10.3f} {f['list_s']:7.4f} {f['files_after']:>5} "
+              f"{f['bytes_after'] / 1e6:6.1f}")
 
 
 def main() -> None:
@@ -266,13 +359,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--scale", action="store_true", help="the at-scale log instead of the side-by-side logs")
+    parser.add_argument("--table-format", action="store_true", help="trustscope's compaction against Delta Lake's "
+                        "on --steps per-step flushes (needs `pip install deltalake`)")
+    parser.add_argument("--raw-timeout", type=float, default=900.0, help="--scale: seconds the read of the "
+                        "uncompacted log may take")
     parser.add_argument("--keep", type=Path, help="build the logs here and keep them")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-files-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         if args.scale:
-            at_scale(args.ranks, args.steps, args.repeat, work)
+            at_scale(args.ranks, args.steps, args.repeat, work, args.raw_timeout)
+        elif args.table_format:
+            table_format(args.steps, args.repeat, work)
         else:
             side_by_side(args.steps, args.repeat, work)
     finally:

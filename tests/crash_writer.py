@@ -33,7 +33,8 @@ def main() -> None:
 
         os.replace = replace_then_die
     rng = np.random.default_rng(first)
-    logger = TokenLogger(logdir, run_id, resume=True, flush_seconds=3600, vocab=[str(i) for i in range(100)])
+    logger = TokenLogger(logdir, run_id, resume=True, flush_seconds=3600, vocab=[str(i) for i in range(100)],
+                         compact_every=0)  # the test follows each committed file; compaction is killed in test_compact
     print("ready", flush=True)
     step = first
     while True:

@@ -16,6 +16,10 @@ one flush of a rank writes one file per table, all with the same flush number, a
 ``committed_flush`` in the rank's manifest. Readers see a file only once its flush is committed
 (:func:`committed_files`), so a step lands in every table at once or in none, and the manifest's ``rows`` always
 count exactly the files a reader sees. Files of older loggers, without a flush number, are always visible.
+Compaction (:mod:`trustscope.logger.compaction`) rewrites consecutive committed flushes of a rank as one file per
+table, ``r<rank>-s<first step>-<last step>-c<first flush>-<last flush>``, and commits the switch in the same
+manifest (:data:`COMPACTED_KEY`): from then on readers see the compacted files instead of the flush files they
+replace, never both, never neither.
 
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
@@ -626,7 +630,7 @@ def manifest_problems(manifest: dict, run_dir: Path) -> list[str]:
 def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str]:
     """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id."""
     try:
-        data = pq.read_table(path)
+        data = pq.ParquetFile(path).read()  # not read_table: its dataset layer imports pandas
     except Exception as err:  # any reader error means the file is not usable Parquet
         return [f"not readable as Parquet ({type(err).__name__}: {err})"]
     problems = schema_problems(table, data.schema)
@@ -646,7 +650,7 @@ def _key_problems(table: str, files: list[Path]) -> list[str]:
     parts = []
     for path in files:
         try:
-            part = pq.read_table(path, columns=read_cols)
+            part = pq.ParquetFile(path).read(columns=read_cols)
         except Exception:  # reported by validate_file already
             continue
         parts.append(part.select(read_cols))
