@@ -6,10 +6,14 @@
     .venv/bin/python bench/bench_dashboard.py --app /tmp/before/app/main.py     # another checkout's dashboard
 
 For each log directory and each page of :data:`app.pages.PAGES`:
-  cold  a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
-        before): from the browser's request of the page to the page drawn,
-  warm  the same page opened again in a new tab of the same server (its caches filled, a new session);
-each with the server process's CPU seconds over the visit beside it (the machine's load does not inflate those).
+  cold     a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
+           before): from the browser's request of the page in a new tab to the page drawn,
+  menu     warm: back to the page from another one through the sidebar's menu, in the same tab (the server's
+           caches and the browser's scripts loaded: how a user moves between pages),
+  new tab  warm: the page opened again in a new tab (a new session; the browser loads Streamlit's and plotly's
+           scripts again);
+each as wall seconds with the server's and the browser's CPU seconds over the visit beside them (the machine's
+load does not inflate those).
 "Drawn" is: the page's script run over, the page's ready selector shown (:attr:`app.pages.Page.ready`) and every
 plotly chart laid out by plotly.js in the browser. The server's own start (to its health check answering) is
 reported apart. Needs Debian's chromium (``/usr/bin/chromium``) and playwright (``setup.sh --test``).
@@ -18,6 +22,7 @@ reported apart. Needs Debian's chromium (``/usr/bin/chromium``) and playwright (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -46,6 +51,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stat(pid: int | str) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu(pid: int | str) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def browser_cpu_seconds() -> float:
+    """CPU seconds used so far by the browser: every process descended from this one but the servers (Chromium's
+    processes under playwright's driver)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = (int(_stat(entry.name)[1]), (entry / "cmdline").read_bytes())
+            except (OSError, IndexError):
+                continue
+    total, me = 0.0, os.getpid()
+    for pid, (_, cmdline) in parents.items():
+        ancestor = pid
+        while ancestor in parents and ancestor != me:
+            ancestor = parents[ancestor][0]
+        if ancestor == me and pid != me and b"chrom" in cmdline:
+            with contextlib.suppress(OSError):
+                total += _cpu(pid)
+    return total
 
 
 class Server:
@@ -78,8 +113,7 @@ class Server:
     def cpu_seconds(self) -> float:
         """User and system CPU seconds the server process has used so far (its threads included): a figure the
         machine's load does not inflate, unlike the wall time."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -89,45 +123,76 @@ class Server:
             self.proc.kill()
 
 
-def open_page(browser, url: str, page: Page) -> float:
-    """Seconds from requesting ``page`` in a new tab to it being drawn."""
+def _wait_drawn(tab, page: Page) -> None:
+    tab.get_by_role("heading", name=page.title).first.wait_for(timeout=120_000)
+    tab.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=120_000)
+    tab.wait_for_selector(page.ready, timeout=60_000)
+    tab.wait_for_function(DRAWN, timeout=60_000)
+    if tab.locator("[data-testid='stException']").count():
+        raise RuntimeError(f"/{page.url_path}: exception on the page")
+
+
+def open_page(browser, url: str, page: Page):
+    """A new tab on ``page`` and the seconds from its request to the page drawn."""
     tab = browser.new_page(viewport={"width": 1400, "height": 2000})
-    try:
-        start = time.monotonic()
-        tab.goto(f"{url}/{page.url_path}", wait_until="commit")
-        tab.get_by_role("heading", name=page.title).first.wait_for(timeout=120_000)
-        tab.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=120_000)
-        tab.wait_for_selector(page.ready, timeout=60_000)
-        tab.wait_for_function(DRAWN, timeout=60_000)
-        elapsed = time.monotonic() - start
-        if tab.locator("[data-testid='stException']").count():
-            raise RuntimeError(f"/{page.url_path}: exception on the page")
-        return elapsed
-    finally:
+    start = time.monotonic()
+    tab.goto(f"{url}/{page.url_path}", wait_until="commit")
+    _wait_drawn(tab, page)
+    return tab, time.monotonic() - start
+
+
+def navigate(tab, page: Page) -> float:
+    """Seconds from a click on ``page`` in the sidebar's menu to the page drawn (the same tab: no reload)."""
+    start = time.monotonic()
+    tab.locator("[data-testid='stSidebarNav']").get_by_role("link", name=page.title, exact=True).click()
+    _wait_drawn(tab, page)
+    return time.monotonic() - start
+
+
+COLUMNS = ("cold s", "server", "browser", "menu s", "server", "browser", "new tab s", "server", "browser")
+
+
+def visit(browser, server: Server, page: Page, away: Page) -> list[float]:
+    """The page cold (a new tab on the new server), then warm twice: from another page of the same tab through
+    the menu, and in a new tab (a new session); each as wall seconds, then the server's and the browser's CPU
+    seconds."""
+    def timed(action) -> list[float]:
+        cpu, seen = server.cpu_seconds(), browser_cpu_seconds()
+        wall = action()
+        return [wall, server.cpu_seconds() - cpu, browser_cpu_seconds() - seen]
+
+    tabs = []
+
+    def fresh() -> float:
+        tab, wall = open_page(browser, server.url, page)
+        tabs.append(tab)
+        return wall
+
+    times = timed(fresh)
+    navigate(tabs[0], away)
+    times += timed(lambda: navigate(tabs[0], page))
+    times += timed(fresh)
+    for tab in tabs:
         tab.close()
+    return times
 
 
 def bench_logdir(browser, logdir: Path, pages: list[Page], repeat: int,
-                 main: Path | None = None) -> tuple[float, dict[str, tuple[float, float]]]:
-    """Per page, the median over ``repeat`` fresh servers of the cold and the warm visit (wall seconds, and the
-    server's CPU seconds beside them); and the median start."""
+                 main: Path | None = None) -> tuple[float, dict[str, list[float]]]:
+    """Per page, the medians over ``repeat`` fresh servers of :func:`visit`'s figures; and the median start."""
     started, results = [], {}
     for page in pages:
-        times: list[tuple[float, float, float, float]] = []
+        runs = []
         for _ in range(repeat):
             server = Server(logdir, main)
             try:
                 started.append(server.started)
-                visits = []
-                for _visit in ("cold", "warm"):
-                    cpu = server.cpu_seconds()
-                    visits += [open_page(browser, server.url, page), server.cpu_seconds() - cpu]
-                times.append(tuple(visits))
+                runs.append(visit(browser, server, page, PAGES[-1] if page is PAGES[0] else PAGES[0]))
             finally:
                 server.close()
-        cold, cold_cpu, warm, warm_cpu = (statistics.median(column) for column in zip(*times, strict=True))
-        results[page.title] = (cold, warm)
-        print(f"  {page.title:<22}{cold:>7.2f}{cold_cpu:>7.2f}{warm:>7.2f}{warm_cpu:>7.2f}", flush=True)
+        results[page.title] = [statistics.median(column) for column in zip(*runs, strict=True)]
+        print(f"  {page.title:<22}" + "".join(f"{t:>{len(c) + 2}.2f}" for c, t in zip(COLUMNS, results[page.title],
+                                                                                       strict=True)), flush=True)
     return statistics.median(started), results
 
 
@@ -160,10 +225,10 @@ def main() -> None:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         for logdir in logdirs:
-            print(f"\n{logdir}\n  {'page':<22}{'cold s':>7}{'cpu s':>7}{'warm s':>7}{'cpu s':>7}", flush=True)
+            print(f"\n{logdir}\n  {'page':<22}" + "".join(f"{c:>{len(c) + 2}}" for c in COLUMNS), flush=True)
             started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app)
             slow = [f"{title} {kind} {t:.2f} s" for title, times in results.items()
-                    for kind, t in zip(LIMIT, times, strict=True) if t >= LIMIT[kind]]
+                    for kind, t in (("cold", times[0]), ("warm", times[3])) if t >= LIMIT[kind]]
             print(f"  server start (to healthy): {started:.2f} s; over the {LIMIT['cold']:g} s cold / "
                   f"{LIMIT['warm']:g} s warm budget: {', '.join(slow) or 'none'}")
         browser.close()
