@@ -450,3 +450,11 @@ def test_compaction_on_s3(endpoint, tmp_path, monkeypatch):  # noqa: F811
         assert count(db, "select count(distinct step) n from steps") == 15
     result = CliRunner().invoke(app, ["validate", url])
     assert result.exit_code == 0, result.output
+
+
+def test_compact_every_is_zero_or_at_least_two(tmp_path):
+    for bad in (-1, 1):
+        with pytest.raises(ValueError, match="compact_every"):
+            TokenLogger(tmp_path, "bad", compact_every=bad)
+    with pytest.raises(ValueError, match="fanin"):
+        C.plan([], full=False, fanin=1)

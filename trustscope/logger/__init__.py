@@ -108,7 +108,9 @@ fsync=True, write_threads=None, summaries=True, compact_every=10)``:
   units of one size class (flushes, or files it merged before) into one file per table, beside the writer, and
   commits the switch in the manifest (:mod:`trustscope.logger.compaction`); a run flushed every step then holds a
   few files per rank instead of one per step, and readers' cost follows its rows. Files that are already large
-  are left alone. ``0`` turns it off; ``trustscope compact`` does the same for logs already written.
+  are left alone; the files a merge replaced are deleted by a later round at least a minute after it (readers
+  that listed them just before still find them), or when the run is resumed. ``0`` turns it off (else at least
+  2); ``trustscope compact`` does the same for logs already written.
 
 Every call with tokens also yields exact per-step summaries over all its tokens, before ``token_fraction``
 sampling (computed on the writer thread from the call's checked copy, then the sample is applied): blocked counts of every registered rule by advantage sign and mu bucket, mismatch moments and

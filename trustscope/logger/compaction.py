@@ -243,6 +243,8 @@ def plan(units: list[_Unit], *, full: bool, fanin: int = FANIN, max_rows: int = 
     costs ``log_fanin(n)`` rewrites of its rows and keeps at most ``fanin - 1`` files per class and table.
     Units whose merge would pass ``max_rows`` or ``max_bytes`` are big enough and stay as they are.
     """
+    if fanin < 2:
+        raise ValueError(f"fanin must be >= 2, got {fanin}")
     groups: list[list[_Unit]] = []
     run: list[_Unit] = []
     for unit in units:
@@ -533,15 +535,19 @@ class BackgroundCompactor:
             self._round()
 
     def _round(self) -> None:
+        """Merge until nothing is left to merge: ``fanin`` units just merged may complete a class above."""
         try:
-            result = compact_rank(self.files.store, self.files.run_dir, self.files.rank, self.files.snapshot(),
-                                  lambda records: self.files.save(**{S.COMPACTED_KEY: records}), full=False,
-                                  fanin=self.every, row_group_size=self.row_group_size, fsync=self.fsync,
-                                  delete_after_s=self.delete_after_s, stop=self._stop)
-            self.rounds += 1
-            self.results = [*self.results[-9:], result]
-            if result.warnings:
-                self._error = CompactionError("; ".join(result.warnings[:3]))
+            while not self._stop.is_set():
+                result = compact_rank(self.files.store, self.files.run_dir, self.files.rank, self.files.snapshot(),
+                                      lambda records: self.files.save(**{S.COMPACTED_KEY: records}), full=False,
+                                      fanin=self.every, row_group_size=self.row_group_size, fsync=self.fsync,
+                                      delete_after_s=self.delete_after_s, stop=self._stop)
+                self.rounds += 1
+                self.results = [*self.results[-9:], result]
+                if result.warnings:
+                    self._error = CompactionError("; ".join(result.warnings[:3]))
+                if not result.merged:
+                    return
         except Exception as err:  # the log is as it was; the training thread hears of it
             self._error = err
 

@@ -82,8 +82,9 @@ class TokenLogger:
                             ("write_threads", 1 if write_threads is None else write_threads)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if int(compact_every) < 0:
-            raise ValueError(f"compact_every must be >= 0 (0: no background compaction), got {compact_every}")
+        if int(compact_every) < 0 or int(compact_every) == 1:
+            raise ValueError(f"compact_every must be 0 (no background compaction) or >= 2 (the units merged at a "
+                             f"time), got {compact_every}")
         if not isinstance(loss_rule, str) or not loss_rule:
             raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
         if mu_source not in MU_SOURCES:
