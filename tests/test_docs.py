@@ -77,7 +77,8 @@ def cli_markdown() -> str:
     group = typer.main.get_command(app)
     ctx = click.Context(group, info_name="trustscope")
     names = group.list_commands(ctx)
-    commands = {name: group.get_command(ctx, name) for name in names}
+    # resolve_command gives each command as it runs (train's options are built only then)
+    commands = {name: group.resolve_command(ctx, [name])[1] for name in names}
     epilogs = {name: _epilog(cmd, click.Context(cmd, info_name=name, parent=ctx)) for name, cmd in commands.items()}
     out = ["| command | what it does |", "|---|---|"]
     for name, cmd in commands.items():
