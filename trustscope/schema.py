@@ -584,7 +584,8 @@ def value_problems(table: str, data: pa.Table) -> list[str]:
 
 
 def _count(mask: pa.ChunkedArray | pa.Array) -> int:
-    return int(pc.sum(pc.cast(pc.fill_null(mask, False), pa.int64())).as_py() or 0)
+    """How many values of a boolean ``mask`` are true (nulls are not)."""
+    return int(pc.sum(mask).as_py() or 0)
 
 
 def _logprob_problems(name: str, col: pa.ChunkedArray | pa.Array) -> list[str]:

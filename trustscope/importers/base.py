@@ -320,8 +320,11 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, v
     loggers: dict[int, TokenLogger] = {}
     try:
         for rank in ranks:  # rank 0 first: it writes run.json
+            # every token is written, so the token rows are exact without the summaries table, whose rule masks
+            # need torch: an import reads JSON lines and writes Parquet, nothing more
             loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=run.loss_rule, vocab=vocab,
-                                        mu_source="imported", source=source, rank=rank, flush_seconds=3600.0)
+                                        mu_source="imported", source=source, rank=rank, flush_seconds=3600.0,
+                                        summaries=False)
         for step in sorted(set(by_step) | set(run.scalars)):
             seqs = sorted(by_step.get(step, []), key=lambda s: s.rank)
             sample_ids, prompt_ids = _ids(seqs)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -115,11 +114,13 @@ def split_by_file(table: pa.Table, files: Sequence[str]) -> dict[str, pa.Table]:
     if len(files) == 1:
         return {files[0]: table}
     codes = pc.dictionary_encode(table["source_file"].combine_chunks())
-    index = codes.indices.to_numpy(zero_copy_only=False)  # (rows,) the row's file, as a dictionary code
-    ordered = table.take(pa.array(np.argsort(index, kind="stable")))
-    counts = np.bincount(index, minlength=len(codes.dictionary))
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    by_name = {name: ordered.slice(starts[i], counts[i]) for i, name in enumerate(codes.dictionary.to_pylist())}
+    ordered = table.take(pc.sort_indices(codes.indices))  # a stable sort: by file, rows in their order
+    counted = pc.value_counts(codes.indices)
+    counts = dict(zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True))
+    by_name, start = {}, 0
+    for code, name in enumerate(codes.dictionary.to_pylist()):
+        by_name[name] = ordered.slice(start, counts.get(code, 0))
+        start += counts.get(code, 0)
     return {f: by_name.get(f, table.slice(0, 0)) for f in files}
 
 
@@ -248,7 +249,7 @@ class KeptAggregates:
                 for view in list(missing):
                     stored = self._disk_path(prefix, view, f, key)
                     if stored.is_file():
-                        self.rows[view][f] = (key, pq.read_table(stored))
+                        self.rows[view][f] = (key, pq.ParquetFile(stored).read())  # not read_table: pandas
                         missing.remove(view)
             if missing:
                 todo.append(f)
@@ -265,7 +266,7 @@ class KeptAggregates:
             return False  # the merged tables stay the same objects (the SQL worker rewrites only what changed)
         self.merged_files = files
         for view, cache_name in CACHED_PARTIALS.items():
-            empty = self.merged[cache_name].schema.empty_table()
+            empty = pa.Table.from_batches([], schema=self.merged[cache_name].schema)  # (empty_table imports pandas)
             parts = [self.rows[view][f][1] for f in files if f in self.rows[view]]
             self.merged[cache_name] = pa.concat_tables([empty, *parts], promote_options="permissive") if parts else empty
         return True
