@@ -240,6 +240,32 @@ def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
     assert at.selectbox(key="explorer_topk_pos").value == int(row["pos"])
 
 
+def test_drill_down_pages_open_on_the_runs_comparison_and_keep_what_was_picked(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir)
+    table = at.dataframe[0].value
+    first_group = at.multiselect(key="group_picker").value[0]
+    at.switch_page("views/rules.py")
+    at.run()
+    assert at.selectbox(key="run_picker").value == table.loc[table["group"] == first_group, "run_id"].iloc[0]
+    other = table["run_id"].iloc[-1]
+    at.selectbox(key="run_picker").set_value(other).run()
+    at.switch_page("views/token_explorer.py")
+    at.run()
+    assert at.selectbox(key="run_picker").value == other
+    steps = at.number_input(key="explorer_step")
+    picked = max(steps.min, steps.value - 1)
+    steps.set_value(picked).run()
+    sample = at.selectbox(key="explorer_sample").value
+    at.switch_page("views/counterfactual.py")
+    at.run()
+    assert at.selectbox(key="run_picker").value == other
+    at.switch_page("views/token_explorer.py")
+    at.run()
+    _ok(at, "Token explorer")
+    assert at.number_input(key="explorer_step").value == picked
+    assert at.selectbox(key="explorer_sample").value == sample
+
+
 def test_sql_console_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "sql_console")
     _ok(at, "SQL console")

@@ -26,6 +26,9 @@ elif st.session_state.get("_explorer_run") != run:
     st.session_state["explorer_step"] = start[0] if start else last
     st.session_state["explorer_sample"] = start[1] if start else None
     st.session_state.pop("explorer_pos", None)
+elif "explorer_step" not in st.session_state:  # back from another page, which dropped these widgets' state
+    st.session_state["explorer_step"] = st.session_state.get("_explorer_step", last)
+    st.session_state["explorer_sample"] = st.session_state.get("_explorer_sample")
 st.session_state["_explorer_run"] = run
 step = st.number_input("Step", min_value=first, max_value=last, step=1, key="explorer_step")
 samples = data.samples(run, int(step))
@@ -41,6 +44,7 @@ if st.session_state.get("explorer_sample") not in ids:
     busiest = samples.sort_values(["n_blocked", "n_would_block", "n_logged"], ascending=False)["sample_id"].iloc[0]
     st.session_state["explorer_sample"] = start[1] if start and start[0] == step and start[1] in ids else int(busiest)
 sample_id = st.selectbox("Sample", ids, format_func=labels.get, key="explorer_sample")
+st.session_state["_explorer_step"], st.session_state["_explorer_sample"] = int(step), int(sample_id)
 tokens = data.sample_tokens(run, int(step), int(sample_id))
 rule_columns = [c.removeprefix("blocks_") for c in tokens.columns if c.startswith("blocks_")]
 own = data.run_rule(run)
