@@ -96,6 +96,8 @@ class _Unit:
     """The most rows of one table's files (what :data:`MAX_ROWS` bounds)."""
     identity: dict[str, tuple] = field(default_factory=dict)
     """table -> what its files must share with another unit's to be merged (see :func:`_identity`)."""
+    metas: dict[str, pq.FileMetaData] = field(default_factory=dict)
+    """``<table>/<name>`` -> the file's footer, read once."""
 
     @property
     def size(self) -> int:
@@ -144,12 +146,13 @@ def _listing(store: RunStore, folder: Any) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _opened(store: RunStore, path: Any) -> Iterator[pq.ParquetFile]:
+def _opened(store: RunStore, path: Any, meta: pq.FileMetaData | None = None) -> Iterator[pq.ParquetFile]:
+    """``path`` opened for reading; with ``meta``, its footer is not read again."""
     if store.remote:
         with store.fs.open_input_file(str(path)) as f:
-            yield pq.ParquetFile(f)
+            yield pq.ParquetFile(f, metadata=meta)
     else:
-        with pq.ParquetFile(path) as f:
+        with pq.ParquetFile(path, metadata=meta) as f:
             yield f
 
 
@@ -208,7 +211,7 @@ def _describe(store: RunStore, run_dir: Any, unit: _Unit) -> None:
     """Fill in the unit's rows and identities from its files' footers."""
     rows: dict[str, int] = {}
     for f in unit.files:
-        meta = _footer(store, run_dir / f.table / f.name)
+        meta = unit.metas[f"{f.table}/{f.name}"] = _footer(store, run_dir / f.table / f.name)
         rows[f.table] = rows.get(f.table, 0) + meta.num_rows
         unit.identity.setdefault(f.table, _identity(meta))
     unit.rows = max(rows.values(), default=0)
@@ -266,14 +269,14 @@ def plan(units: list[_Unit], *, full: bool, fanin: int = FANIN, max_rows: int = 
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def _rewrite(store: RunStore, run_dir: Any, table: str, sources: list[list[_File]], tmp: Path,
-             row_group_size: int, stop: threading.Event | None) -> None:
-    """Write the rows of ``sources`` (per unit: its files of ``table``) into the local file ``tmp``, in order: a
-    flush's parts interleaved by row group, as the writer dealt them out, so the rows keep their logged order."""
+def _rewrite(store: RunStore, run_dir: Any, table: str, sources: list[list[_File]], footers: dict[str, pq.FileMetaData],
+             tmp: Path, row_group_size: int, stop: threading.Event | None) -> None:
+    """Write the rows of ``sources`` (per unit: its files of ``table``, ``footers`` by ``<table>/<name>``) into
+    the local file ``tmp``, in order: a flush's parts interleaved by row group, as the writer dealt them out, so the
+    rows keep their logged order."""
     flat = [f for files in sources for f in files]
-    metas = {f.name: _footer(store, run_dir / table / f.name) for f in flat}
-    with _opened(store, run_dir / table / flat[0].name) as first:
-        schema = first.schema_arrow
+    metas = {f.name: footers[f"{table}/{f.name}"] for f in flat}
+    schema = metas[flat[0].name].schema.to_arrow_schema()
     own = set((schema.metadata or {}).keys())
     footer = {k: v for k, v in (metas[flat[0].name].metadata or {}).items()
               if not k.startswith(_OWN_PREFIXES) and k not in own}
@@ -298,7 +301,8 @@ def _rewrite(store: RunStore, run_dir: Any, table: str, sources: list[list[_File
 
         for files in sources:
             with contextlib.ExitStack() as stack:
-                parts = [stack.enter_context(_opened(store, run_dir / table / f.name)) for f in files]
+                parts = [stack.enter_context(_opened(store, run_dir / table / f.name, metas[f.name]))
+                         for f in files]
                 for g in range(max(p.num_row_groups for p in parts)):
                     if stop is not None and stop.is_set():
                         raise Stopped
@@ -336,7 +340,8 @@ def _merge(store: RunStore, run_dir: Any, rank: int, group: list[_Unit], row_gro
             final = run_dir / table / name
             tmp = S.tmp_path(store.spool(run_dir / table) / name)
             try:
-                _rewrite(store, run_dir, table, sources, tmp, row_group_size, stop)
+                footers = {k: v for unit in group for k, v in unit.metas.items()}
+                _rewrite(store, run_dir, table, sources, footers, tmp, row_group_size, stop)
             except OSError as err:
                 raise CompactionError(f"cannot write {_where(store, final)}: {_why(err)}") from err
             try:
