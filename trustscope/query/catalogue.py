@@ -135,6 +135,12 @@ def quote(identifier: str) -> str:
     return f'"{identifier}"'
 
 
+def quote_any(name: str) -> str:
+    """Any column name DuckDB reports, double-quoted (its quotes doubled): for DDL generated from a view's own
+    columns, never from user input."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def rule_columns_sql(stored: Mapping[str, int] | None = None) -> str:
     """The generated ``blocks_<rule>`` columns of ``rule_blocks``: one family macro call per rule. Only
     identifiers are generated (validated, quoted); every parameter is read from the bound ``rule_values()``, a
@@ -207,8 +213,10 @@ def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[st
         if view in CACHED_PARTIALS:
             if on_partial is not None:
                 on_partial(view)
-            else:
-                con.execute(f"create or replace table {CACHED_PARTIALS[view]} as select * from {view} limit 0")
+            else:  # an empty table of the partial view's columns, from its bound types (nothing is run)
+                columns = ", ".join(f"{quote_any(name)} {kind}" for name, kind, *_ in
+                                    con.execute(f"describe {view}").fetchall())
+                con.execute(f"create or replace table {CACHED_PARTIALS[view]} ({columns})")
 
 
 def fingerprint(rule_blocks: str) -> str:
