@@ -22,7 +22,16 @@ key="$(sha256sum pyproject.toml | cut -c1-16) $extras"
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
 fi
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$key" ]]; then
+# installed already: the same pyproject.toml with these extras or more (a --test install serves the demo too)
+installed() {
+    local have want
+    read -r have_hash have < "$stamp" 2>/dev/null || return 1
+    [[ "$have_hash" == "${key%% *}" ]] || return 1
+    for want in ${extras//,/ }; do
+        [[ ",$have," == *",$want,"* ]] || return 1
+    done
+}
+if ! installed; then
     echo "setup: installing trustscope[$extras] into .venv (first run: 2-5 minutes; pip's progress follows)" >&2
     # (pip's notes about local find-links folders that do not hold a package are dropped)
     .venv/bin/pip install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
