@@ -299,3 +299,24 @@ def test_a_footer_is_read_again_once_its_file_changes(tmp_path):
     assert tsdb.footer(path).num_rows == 1000 and tsdb.unreadable_files([path]) == {}
     path.unlink()
     assert "cannot be read" in tsdb.footer(path)
+
+
+def test_a_compaction_merges_the_kept_aggregates_of_its_sources(tmp_path, monkeypatch):
+    """A connection that kept the rows of the per-step files takes a compacted file's rows from them (no pass over
+    its tokens), and answers as before; a new process reads them from the disk cache."""
+    from test_compact import compact, log_steps
+
+    log_steps(tmp_path / "logs", 0, 11)
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    with tsdb.connect(tmp_path / "logs") as db:
+        before = db.step_summary()
+        computed = db.partials_computed
+        assert computed == len(tsdb.data_files(tmp_path / "logs" / "c", "tokens")) >= 12  # a file or two a step
+        compact(tmp_path / "logs")
+        after = db.step_summary()
+        assert db.partials_computed == computed and db.kept.merged_from_sources >= 1
+        assert len(db.kept.rows["step_partials"]) < computed  # the sources' rows are dropped
+    pd.testing.assert_frame_equal(before, after, rtol=1e-12)
+    with tsdb.connect(tmp_path / "logs") as again:
+        pd.testing.assert_frame_equal(again.step_summary(), before, rtol=1e-12)
+        assert again.partials_computed == 0

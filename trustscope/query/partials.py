@@ -204,6 +204,18 @@ class LocalAggregator:
                 cur.close()
 
 
+def compacted_sources(file: Path) -> list[str]:
+    """The names of the files a compacted tokens file replaced, in its row order (none for a flush file)."""
+    from trustscope.logger.compaction import SOURCES_META
+
+    meta = footer(file)
+    listed = None if isinstance(meta, str) else (meta.metadata or {}).get(SOURCES_META.encode())
+    try:
+        return [name for name, _ in json.loads(listed)] if listed else []
+    except (TypeError, ValueError):
+        return []
+
+
 StatKey = tuple[int, int]
 """A file's size and modification time: what its kept rows are valid for."""
 
@@ -224,6 +236,8 @@ class KeptAggregates:
         self.merged_files: list[Path] | None = None
         self.computed = 0
         """How many tokens files were aggregated (their rows found neither in memory nor on disk)."""
+        self.merged_from_sources = 0
+        """How many compacted files took their rows from the rows kept of the files they replaced."""
 
     def update(self, files: Sequence[Path], aggregate: Callable[[list[Path]], Iterator[tuple[Path, dict[str, pa.Table]]]],
                disk_key: Callable[[Path], str]) -> bool:
@@ -236,10 +250,6 @@ class KeptAggregates:
         for f in files:
             st = f.stat()
             current[f] = (st.st_size, st.st_mtime_ns)
-        for kept in self.rows.values():
-            for gone in set(kept) - set(current):
-                del kept[gone]
-                changed = True
         todo = []
         for f, key in current.items():
             missing = [v for v, kept in self.rows.items() if not self.enabled or f not in kept or kept[f][0] != key]
@@ -251,8 +261,14 @@ class KeptAggregates:
                     if stored.is_file():
                         self.rows[view][f] = (key, pq.ParquetFile(stored).read())  # not read_table: pandas
                         missing.remove(view)
+            if missing and self._merge_sources(f, key, disk_key):
+                missing = []
             if missing:
                 todo.append(f)
+        for kept in self.rows.values():  # after the merges, which read the rows of the files a compaction replaced
+            for gone in set(kept) - set(current):
+                del kept[gone]
+                changed = True
         flushes = {flush_of(f) for f in todo}  # a flush's parts are aggregated together (see aggregate_partials)
         for f, tables in aggregate([f for f in current if flush_of(f) in flushes]):
             self.computed += 1
@@ -269,6 +285,27 @@ class KeptAggregates:
             empty = pa.Table.from_batches([], schema=self.merged[cache_name].schema)  # (empty_table imports pandas)
             parts = [self.rows[view][f][1] for f in files if f in self.rows[view]]
             self.merged[cache_name] = pa.concat_tables([empty, *parts], promote_options="permissive") if parts else empty
+        return True
+
+    def _merge_sources(self, file: Path, key: StatKey, disk_key: Callable[[Path], str]) -> bool:
+        """A compacted file's rows from the rows kept of the files it replaced (its footer lists them,
+        :data:`~trustscope.logger.compaction.SOURCES_META`), relabelled with its name: every partial view's rows
+        are mergeable (counts, sums, extremes by key), so the rows of the sources, together, are the file's own.
+        False when a source's rows are not all kept here (the file is then aggregated)."""
+        if not self.enabled:
+            return False
+        sources = compacted_sources(file)
+        if not sources or not all(file.parent / s in kept for s in sources for kept in self.rows.values()):
+            return False
+        prefix = disk_key(file) if self.cache_dir is not None else ""
+        for view, kept in self.rows.items():
+            table = pa.concat_tables([kept[file.parent / s][1] for s in sources])
+            column = table.schema.get_field_index("source_file")
+            labels = pa.array([str(file)] * table.num_rows, type=table.schema.field(column).type)
+            kept[file] = (key, table.set_column(column, "source_file", labels))
+            if self.cache_dir is not None:
+                _store(self._disk_path(prefix, view, file, key), kept[file][1])
+        self.merged_from_sources += 1
         return True
 
     def _disk_path(self, prefix: str, view: str, file: Path, stat_key: StatKey) -> Path:
