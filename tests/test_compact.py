@@ -210,6 +210,41 @@ def test_the_loggers_background_compaction_and_a_reader_polling_meanwhile(tmp_pa
     assert rows(run)["tokens"].num_rows == 45 * B * T
 
 
+def test_a_reader_polling_during_trustscope_compact_sees_every_step_once(pristine, tmp_path):
+    """Three compactions of a copy (one merge each time: the log is grown between them), a reader listing and
+    reading all the while: every view holds each step once, in every table; the superseded files are kept for
+    ``grace_s``, so a listing taken just before a commit still reads."""
+    run = copy_of(pristine, tmp_path / "log")
+    views, errors, stop = [], [], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                files = S.committed_files(run)
+                tables = {t: ds.dataset(files[t], format="parquet").to_table(columns=["step"]) for t in S.TABLES}
+            except Exception as err:  # a listed file gone before it was read
+                errors.append(err)
+                continue
+            views.append({t: np.bincount(d["step"].to_numpy()).tolist() for t, d in tables.items()})
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for i in range(3):
+            if i:
+                log_steps(tmp_path / "log", STEPS + 2 * i - 2, STEPS + 2 * i - 1, resume=True)
+            C.compact_logdir(tmp_path / "log", grace_s=0.5)
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors, errors[:3]
+    assert len(views) > 3
+    for view in views:
+        n = len(view["tokens"])
+        assert view["tokens"] == [B * T] * n and view["samples"] == [B] * n and view["steps"] == [1] * n
+    assert n_files(run) == 4
+
+
 def test_drop_steps_after_cuts_a_compacted_file(pristine, tmp_path):
     run = copy_of(pristine, tmp_path / "log")
     log_steps(tmp_path / "log", STEPS, STEPS + 3, resume=True)
