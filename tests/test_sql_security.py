@@ -6,6 +6,7 @@ that runs user SQL (the same escapes sent past the check write nothing and chang
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -298,3 +299,30 @@ def test_the_worker_reads_what_the_analyses_read(tmp_path):
             for column in ("step", "n", "f"):
                 assert got.column(column).to_pylist() == expected.column(column).to_pylist()
             assert got.column("mu").to_pylist() == pytest.approx(expected.column("mu").to_pylist(), rel=1e-9)
+
+
+def test_the_console_script_forks_its_worker_and_keeps_every_guard(tmp_path):
+    """``trustscope sql`` as a user runs it (the console script, whose one-shot process forks the SQL worker
+    before opening any connection): it answers, and the parse check, the engine that cannot write and the time
+    limit hold as they do for a spawned worker."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "trustscope"
+    logs = Path(__file__).resolve().parent.parent / "sample_logs"
+    env = {**os.environ, "TRUSTSCOPE_CACHE": str(tmp_path / "cache")}
+
+    def sql(query: str, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(script), "sql", str(logs), query, "--format", "csv", *extra],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    ok = sql("select count(distinct (run_id, step)) as n from steps")
+    assert ok.returncode == 0 and ok.stdout.splitlines() == ['"n"', "800"], ok.stderr  # 8 runs of 100 steps
+    refused = sql(f"select * from read_text('{tmp_path}')")
+    assert refused.returncode == 1 and "refused" in refused.stderr
+    target = tmp_path / "escaped.parquet"
+    written = sql(f"select * from (select 1) t, (copy (select 1) to '{target}')")
+    assert written.returncode == 1 and not target.exists()
+    slow = sql("select count(*) from range(100000000000) a", "--timeout", "1")
+    assert slow.returncode == 1 and "time limit" in slow.stderr, slow.stderr

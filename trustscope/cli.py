@@ -233,7 +233,7 @@ def sql(
     """
     from trustscope import sandbox
 
-    sandbox.prewarm()  # the SQL worker starts while this process opens the log directory
+    sandbox.prewarm()  # the SQL worker gets ready while this process opens the log directory
     from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
     from trustscope.results import write_result
     from trustscope.storage import StorageError
@@ -411,6 +411,11 @@ def doctor(
 
 
 def main() -> None:
+    """The console script: this process runs one command and ends, so ``sql`` may fork its SQL worker (see
+    :func:`trustscope.sandbox.prewarm`); the app called from elsewhere (a test's runner) spawns it."""
+    from trustscope import sandbox
+
+    sandbox.FORK_WORKER = True
     app()
 
 

@@ -517,18 +517,70 @@ def _popen(cwd: Path | str) -> subprocess.Popen[bytes]:
                             stdout=subprocess.PIPE, cwd=cwd, env=env)
 
 
-_spare: list[subprocess.Popen[bytes]] = []
+class _Forked:
+    """A worker forked from this process (see :func:`prewarm`), with the few ``Popen`` members the caller uses."""
+
+    def __init__(self, pid: int, stdin: int, stdout: int) -> None:
+        self.pid = pid
+        self.stdin = os.fdopen(stdin, "wb", buffering=0)
+        self.stdout = os.fdopen(stdout, "rb", buffering=0)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, 9)
+
+
+def _fork_worker() -> _Forked:
+    """A worker forked from this process before it opened any DuckDB connection: it has the worker's modules
+    already (no new interpreter to start), and from here on it is the same worker as a spawned one: its own
+    process and engine, the catalogue read-only, no local file system."""
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            os.close(requests_w)
+            os.close(answers_r)
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the frames
+            serve(requests_r, answers_w)
+        finally:
+            os._exit(0)
+    os.close(requests_r)
+    os.close(answers_w)
+    return _Forked(pid, requests_w, answers_r)
+
+
+_spare: list[Any] = []
+FORK_WORKER = False
+"""Set by the console script (``trustscope.cli.main``), whose process runs one command and has opened no DuckDB
+connection when ``sql`` calls :func:`prewarm`: only then is a worker forked from it."""
 
 
 def prewarm() -> None:
-    """Start a worker now for the next :class:`Sandbox` of this process, so that its start-up (a Python process
-    importing DuckDB and pyarrow, a few hundred ms) overlaps the caller's own (``trustscope sql`` calls this
-    first). A worker that is never used ends with this process."""
+    """Have a worker get ready for the next :class:`Sandbox` of this process while the caller opens its logs.
+
+    Forked from this process when :data:`FORK_WORKER` says it is a one-shot command that has opened no DuckDB
+    connection yet (so no engine thread or lock is copied): that skips a new interpreter's start-up and imports, a
+    few hundred ms. Otherwise spawned, as every worker of a long-lived process is. A worker that is never used
+    ends with this process (its pipe closes)."""
     if not any(p.poll() is None for p in _spare):
-        _spare.append(_popen(tempfile.gettempdir()))
+        _spare.append(_fork_worker() if FORK_WORKER else _popen(tempfile.gettempdir()))
 
 
-def _take_spare() -> subprocess.Popen[bytes] | None:
+def _take_spare() -> Any:
     while _spare:
         proc = _spare.pop()
         if proc.poll() is None:
