@@ -82,6 +82,7 @@ SQL_COLUMNS = frozenset({
 sample_id)``: the mean log-ratio, the length, the P90 of binary TV, and the sums of binary TV (and of pos times it)
 over the tokens before this one."""
 
+
 @dataclass(frozen=True)
 class SqlMask:
     """How the SQL views evaluate a rule's mask as a "would block" flag: the rule's mask family and its inputs.
