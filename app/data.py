@@ -227,11 +227,6 @@ def figure(builder: Callable[P, go.Figure], *args: P.args, **kwargs: P.kwargs) -
     return _figure(builder, args, kwargs)
 
 
-def clear() -> None:
-    """Forget every cached result (not the handles): the next page run queries afresh."""
-    st.cache_data.clear()
-
-
 # ------------------------------------------------------------------------------------------------ runs
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from app import data
 from trustscope import figures, report
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 
 def pick_groups(runs: pd.DataFrame, limit: int = 4) -> tuple[list[str], bool]:

@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from app import data, widgets
+from app import data, pages, widgets
 from trustscope import figures
 
 POSITION_BINS = [0, 1, 4, 16, 64, 256, 1 << 30]
@@ -46,7 +46,8 @@ if diff.empty:
 by_bucket = diff.groupby(["mu_bucket", "adv_sign"]).agg(
     only_a=("blocked_by", lambda s: int((s == rule_a).sum())),
     only_b=("blocked_by", lambda s: int((s == rule_b).sum()))).reset_index()
-widgets.chart(data.figure(figures.counterfactual_by_bucket, by_bucket, rule_a, rule_b), "cf_chart", "No difference.")
+widgets.chart(data.figure(figures.counterfactual_by_bucket, by_bucket, rule_a, rule_b), "cf_chart",
+              "No difference.")
 
 diff = diff.assign(position=pd.cut(diff["pos"], POSITION_BINS, right=False, labels=POSITION_LABELS))
 left, right = st.columns(2)
@@ -75,4 +76,4 @@ if picked:
     row = shown.iloc[picked[0]]
     st.session_state["explorer_target"] = {"run": run, "step": int(row["step"]), "sample": int(row["sample_id"]),
                                            "pos": int(row["pos"])}
-    st.switch_page("views/token_explorer.py")
+    st.switch_page(pages.by_file("token_explorer.py").script)

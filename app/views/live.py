@@ -32,7 +32,8 @@ def live_view() -> None:
         cols[3].metric("Status", str(row["status"]))
         metrics = data.step_metrics([run])
         logged = [m for m in data.METRIC_TITLES if m in set(metrics["name"])]
-        st.plotly_chart(data.figure(figures.metrics_over_steps, metrics, logged, data.METRIC_TITLES), key="live_chart")
+        chart = data.figure(figures.metrics_over_steps, metrics, logged, data.METRIC_TITLES)
+        st.plotly_chart(chart, key="live_chart")
         updated = row["updated_at"]
         st.caption(f"Refreshed {datetime.now():%H:%M:%S}; the run's manifest was last updated "
                    + ("never" if updated is None or pd.isna(updated) else f"{updated:%Y-%m-%d %H:%M:%S} UTC") + ".")

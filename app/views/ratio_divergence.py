@@ -32,8 +32,9 @@ widgets.chart(data.figure(figures.ratio_vs_divergence, points, divergence), "fig
               "No token of this window has a positive ratio and divergence to place on log axes.")
 st.subheader("Every token, binned")
 st.caption("All tokens of the run (every step) binned by ratio and divergence; marker area grows with the count.")
-histogram = data.ratio_histogram(run, data.VIEW_DIVERGENCE[divergence])
-widgets.chart(data.figure(figures.ratio_divergence_histogram, histogram, data.VIEW_DIVERGENCE[divergence]), "histogram",
+binned = data.VIEW_DIVERGENCE[divergence]
+histogram = data.ratio_histogram(run, binned)
+widgets.chart(data.figure(figures.ratio_divergence_histogram, histogram, binned), "histogram",
               "Every token of this run has a divergence of exactly 0 (no probability moved), so none sits on a "
               "log axis; train with bf16 rollouts against the fp32 trainer to see mismatch.")
 st.subheader("Spread by mu bucket")
