@@ -38,9 +38,17 @@ def streamlit_command(logdir: Path | str, host: str = "127.0.0.1", port: int = 8
     ]
 
 
-def launch(logdir: Path | str | None, host: str = "127.0.0.1", port: int = 8501) -> None:
+def launch(logdir: Path | str | None, host: str = "127.0.0.1", port: int = 8501, token: str | None = None,
+           no_auth: bool = False) -> None:
     """Replace this process with the Streamlit server (so signals reach it directly); never returns. An
-    ``s3://`` prefix is passed on as it is (the dashboard checks it when it opens)."""
+    ``s3://`` prefix is passed on as it is (the dashboard checks it when it opens).
+
+    Who may read it is :func:`app.auth.plan`'s call: on an address other than loopback, an access token (``token``,
+    ``$TRUSTSCOPE_DASHBOARD_TOKEN``, or one generated and printed with the URL when stderr is a terminal) or the
+    OIDC provider of ``.streamlit/secrets.toml``; else :class:`app.auth.AuthError` unless ``no_auth``. The token
+    reaches Streamlit in its environment, never on its command line (which ``ps`` shows to every user)."""
+    from app import auth
+
     if not (isinstance(logdir, str) and logdir.startswith("s3://")):
         logdir = Path(logdir or default_logdir()).resolve()
         if not logdir.exists():
@@ -49,7 +57,21 @@ def launch(logdir: Path | str | None, host: str = "127.0.0.1", port: int = 8501)
             raise NotADirectoryError(f"log directory {logdir} is not a directory")
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
+    chosen = auth.plan(host, token=token, no_auth=no_auth, interactive=sys.stderr.isatty())
     cmd = streamlit_command(logdir, host, port)
     env = {**os.environ, LOGDIR_ENV: str(logdir)}
-    print(f"trustscope dashboard: http://{host}:{port} over {logdir}", file=sys.stderr, flush=True)
+    for name, value in chosen.env.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    for warning in chosen.warnings:
+        print(warning, file=sys.stderr, flush=True)
+    url = f"http://{auth.display_host(host)}:{port}"
+    if chosen.generated:  # only ever printed to a terminal (plan generates none otherwise)
+        url += f"/?{auth.TOKEN_PARAM}={env[auth.TOKEN_ENV]}"
+    signed = {"token": f" (asks for the access token of --token / {auth.TOKEN_ENV})" if not chosen.generated
+              else " (the link carries the access token: share it only with those who may read every run)",
+              "oidc": " (sign-in through the [auth] provider of .streamlit/secrets.toml)"}.get(chosen.mode, "")
+    print(f"trustscope dashboard: {url} over {logdir}{signed}", file=sys.stderr, flush=True)
     os.execve(cmd[0], cmd, env)

@@ -1,5 +1,6 @@
 """The trustscope dashboard's router: resolves the log directory, checks it, and runs the page picked in the
-menu (:data:`app.pages.PAGES`).
+menu (:data:`app.pages.PAGES`), once :func:`app.auth.gate` has let the session in (a dashboard started with an access
+token or a sign-in provider shows nothing else until then).
 
 Start it with ``trustscope dashboard [LOGDIR]``, or ``streamlit run app/main.py -- --logdir LOGDIR``; the log
 directory may also come from the ``TRUSTSCOPE_LOGDIR`` environment variable.
@@ -14,9 +15,10 @@ if str(ROOT) not in sys.path:
 
 import streamlit as st  # noqa: E402
 
-from app import data, pages  # noqa: E402
+from app import auth, data, pages  # noqa: E402
 
 st.set_page_config(page_title="trustscope", page_icon=":material/troubleshoot:", layout="wide")
+auth.gate()  # before the menu and any read of the logs
 page = st.navigation(pages.navigation())
 logdir = data.resolve_logdir(sys.argv[1:])
 st.sidebar.caption(f"Log directory: `{logdir}`")

@@ -111,12 +111,18 @@ def dashboard(
                                                   "logs)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the dashboard to the network."),
     port: int = typer.Option(8501, help="Port to serve on."),
+    token: str | None = typer.Option(None, help="Access token every page asks for, on any address (default: "
+                                     "$TRUSTSCOPE_DASHBOARD_TOKEN; on an address other than loopback, one is "
+                                     "generated and printed with the URL when started from a terminal)."),
+    no_auth: bool = typer.Option(False, "--no-auth", help="Serve with no sign-in, even on an address other than "
+                                 "loopback (anyone who can reach the port reads every run)."),
 ) -> None:
-    """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise)."""
+    """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise; any other
+    address asks for an access token or an OIDC sign-in)."""
     from app.launch import launch
 
     try:
-        launch(logdir, host=host, port=port)
+        launch(logdir, host=host, port=port, token=token, no_auth=no_auth)
     except (OSError, ValueError) as exc:
         typer.echo(f"trustscope dashboard: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -233,7 +239,7 @@ def sql(
     """
     from trustscope import sandbox
 
-    sandbox.prewarm()  # the SQL worker gets ready while this process opens the log directory
+    sandbox.prewarm(fork=ONE_SHOT)  # the SQL worker gets ready while this process opens the log directory
     from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
     from trustscope.results import write_result
     from trustscope.storage import StorageError
@@ -410,12 +416,15 @@ def doctor(
         raise typer.Exit(1)
 
 
-def main() -> None:
-    """The console script: this process runs one command and ends, so ``sql`` may fork its SQL worker (see
-    :func:`trustscope.sandbox.prewarm`); the app called from elsewhere (a test's runner) spawns it."""
-    from trustscope import sandbox
+ONE_SHOT = False
+"""True in the console script's process, which runs one command and ends: ``sql`` may then fork its SQL worker
+(see :func:`trustscope.sandbox.prewarm`); the app called from elsewhere (a test's runner) spawns it."""
 
-    sandbox.FORK_WORKER = True
+
+def main() -> None:
+    """The console script."""
+    global ONE_SHOT
+    ONE_SHOT = True
     app()
 
 
