@@ -32,6 +32,7 @@ import streamlit as st
 from app.launch import LOGDIR_ENV, default_logdir
 from trustscope import db, figures, report, schema, storage
 from trustscope.db import LogDB, Overview
+from trustscope.losses import list_losses
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -394,12 +395,15 @@ def rules_by_bucket(ours: LogDB, run_id: str, steps: tuple[int, int]) -> pd.Data
 
 
 def masking_rules(run_id: str) -> list[str]:
-    """The registered rules that would block at least one logged token (A != 0) of the run, in registry order:
-    read off the logged rows of every step (the token-level pages' source), so a rule registered after the run
-    was logged, which its summaries table cannot hold, is offered too."""
-    df = rules_by_bucket(run_id, step_range(run_id))
-    blocking = df.groupby("rule")["n_blocked"].sum()
-    return figures.rule_order(blocking[blocking > 0].index)
+    """The registered rules that would block at least one token (A != 0) of the run, in registry order: those the
+    overview counts over every step, and those blocking a logged token of the default step window
+    (:func:`window_start`), so a rule registered after the run was logged, which its summaries table cannot hold,
+    is offered too, at a cost bounded however long the run grows."""
+    window = rules_by_bucket(run_id, (window_start(run_id), step_range(run_id)[1]))
+    blocked = _of(overview(), [run_id]).blocked
+    blocking = {*window.loc[window["n_blocked"] > 0, "rule"],
+                *blocked.loc[(blocked["advantage_side"] == "all") & (blocked["n_blocked"] > 0), "rule"]}
+    return [r for r in list_losses() if r in blocking]
 
 
 @cached
