@@ -26,7 +26,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trustscope import figures, schema
+from trustscope import schema
 from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview
 from trustscope.query.connection import NoRunsFound as NoRunsFound
 from trustscope.query.connection import connect_readable as connect_readable
@@ -449,6 +449,8 @@ def print_report(db: LogDB, console: Console | None = None, broken: dict[str, li
 
 def _group_colours(table: pd.DataFrame) -> dict[str, str]:
     """Each seed group drawn in its rule's colour when no two groups share a rule, else in series colours."""
+    from trustscope import figures  # plotly: only the HTML page draws
+
     groups = table.drop_duplicates("group")
     if groups["loss_rule"].notna().all() and groups["loss_rule"].is_unique:
         return {g: figures.rule_colour(r) for g, r in zip(groups["group"], groups["loss_rule"], strict=True)}
@@ -467,6 +469,8 @@ def figures_for(db: LogDB, overview: Overview | None = None) -> list[tuple[str, 
     """The report's figures: ``(title, caption, figure)``, seeds of one configuration drawn as their mean with a
     min-max band; built by :mod:`trustscope.figures`, as the dashboard's, from :meth:`LogDB.overview` (exact
     where a run has summaries), then the token-level figures from the logged rows."""
+    from trustscope import figures  # plotly: only the HTML page draws
+
     overview = overview or db.overview()
     where = source_caption(overview.sources)
     table = run_table(db)

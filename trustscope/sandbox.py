@@ -564,20 +564,17 @@ def _fork_worker() -> _Forked:
 
 
 _spare: list[Any] = []
-FORK_WORKER = False
-"""Set by the console script (``trustscope.cli.main``), whose process runs one command and has opened no DuckDB
-connection when ``sql`` calls :func:`prewarm`: only then is a worker forked from it."""
 
 
-def prewarm() -> None:
+def prewarm(fork: bool = False) -> None:
     """Have a worker get ready for the next :class:`Sandbox` of this process while the caller opens its logs.
 
-    Forked from this process when :data:`FORK_WORKER` says it is a one-shot command that has opened no DuckDB
-    connection yet (so no engine thread or lock is copied): that skips a new interpreter's start-up and imports, a
-    few hundred ms. Otherwise spawned, as every worker of a long-lived process is. A worker that is never used
-    ends with this process (its pipe closes)."""
+    ``fork``: forked from this process, which must be a one-shot command that has opened no DuckDB connection yet
+    (so no engine thread or lock is copied; the console script's ``trustscope sql``): that skips a new
+    interpreter's start-up and imports, a few hundred ms. Otherwise spawned, as every worker of a long-lived
+    process is. A worker that is never used ends with this process (its pipe closes)."""
     if not any(p.poll() is None for p in _spare):
-        _spare.append(_fork_worker() if FORK_WORKER else _popen(tempfile.gettempdir()))
+        _spare.append(_fork_worker() if fork else _popen(tempfile.gettempdir()))
 
 
 def _take_spare() -> Any:
