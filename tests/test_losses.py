@@ -13,15 +13,12 @@ from trustscope import divergence as D
 from trustscope import losses as L
 from trustscope.losses import LossOutput, PolicyBatch, get_loss, list_losses, register_loss
 
-RULES = [
-    "ppo_clip", "grpo", "pg_is", "cispo", "minirl", "minirl_tis", "dppo_binary_tv", "dppo_binary_kl",
-    "dppo_topk_tv", "dppo_topk_kl", "dppo_decoupled", "ppo_lowprob_relax", "minimal_negative_mask",
-    "token_tis", "token_mis", "icepop",
-]
+RULES = sorted(n for n in L.BUILTIN_RULES if not get_loss(n).sql.sequence and get_loss(n).weight is L.weight_is)
 """Token-level hard-mask rules: a token's mask reads only that token; the weight is the (capped) pi/mu."""
-SEQUENCE_RULES = ["gspo", "geo_mask", "cppo"]
+SEQUENCE_RULES = sorted(n for n in L.BUILTIN_RULES if get_loss(n).sql.sequence)
 """Rules whose mask reads the whole response."""
-NEVER_BLOCK = ("pg_is", "cispo", "token_tis")
+NEVER_BLOCK = tuple(sorted(n for n in L.BUILTIN_RULES if get_loss(n).sql.family == "none"))
+"""Rules without a trust region (their mask keeps every token)."""
 
 
 def batch_of(pi: list[float], mu: list[float], adv: list[float], *, old: list[float] | None = None,
@@ -43,7 +40,8 @@ def batch_of(pi: list[float], mu: list[float], adv: list[float], *, old: list[fl
 
 
 def test_paper_defaults():
-    assert set(RULES) <= set(list_losses())
+    assert {"ppo_clip", "dppo_binary_tv", "dppo_topk_kl", "minirl"} <= set(RULES)
+    assert set(SEQUENCE_RULES) == {"gspo", "geo_mask", "cppo"} and set(NEVER_BLOCK) == {"pg_is", "cispo", "token_tis"}
     assert get_loss("dppo_binary_tv").defaults["delta"] == 0.15
     assert get_loss("dppo_topk_tv").defaults["delta"] == 0.15
     assert get_loss("dppo_binary_kl").defaults["delta"] == 0.05
@@ -815,3 +813,15 @@ def test_the_catalogue_names_what_the_torch_side_has():
     assert terms <= L.SQL_COLUMNS, sorted(terms - L.SQL_COLUMNS)
     assert set(L.DIVERGENCES) == {"binary_tv", "binary_kl", "topk_tv", "topk_kl"}
     assert all(hasattr(MaskTerms, term) for pair in L.DIVERGENCES.values() for term in pair)
+
+
+def test_every_term_a_mask_family_reads_is_computed_by_rule_blocks():
+    """SQL_COLUMNS is the per-token vocabulary of the mask macros: every name is a column rule_blocks computes
+    (or token_metrics_core, which it reads)."""
+    import re
+
+    from trustscope.query.catalogue import VIEW_DIR
+
+    text = "".join((VIEW_DIR / f"{v}.sql").read_text() for v in ("rule_blocks", "token_metrics_core"))
+    computed = set(re.findall(r"\bas ([a-z_][a-z0-9_]*)", text)) | set(re.findall(r"[a-z_][a-z0-9_]*", text))
+    assert computed >= L.SQL_COLUMNS, sorted(L.SQL_COLUMNS - computed)
