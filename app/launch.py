@@ -6,6 +6,7 @@ Kept free of Streamlit imports so the command line starts fast; Streamlit runs i
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,4 +75,24 @@ def launch(logdir: Path | str | None, host: str = "127.0.0.1", port: int = 8501,
               else " (the link carries the access token: share it only with those who may read every run)",
               "oidc": " (sign-in through the [auth] provider of .streamlit/secrets.toml)"}.get(chosen.mode, "")
     print(f"trustscope dashboard: {url} over {logdir}{signed}", file=sys.stderr, flush=True)
+    if isinstance(logdir, Path):
+        warm_up(logdir, env)
     os.execve(cmd[0], cmd, env)
+
+
+def warm_up(logdir: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Open ``logdir`` once in a background process while the server starts: the SQL catalogue is built and every
+    kept aggregate computed and stored in the cache (``TRUSTSCOPE_CACHE``), so the first page a browser asks for
+    reads them instead of computing them. Its own session, at a lower priority than the server, its output and
+    failures dropped: a page computes whatever it did not. It ends when done."""
+    return subprocess.Popen([sys.executable, "-c", WARM_UP, str(logdir)], env=env, start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+WARM_UP = """
+import os, sys
+os.nice(10)
+from trustscope.db import VIEWS, connect
+with connect(sys.argv[1]) as db:
+    db.refresh(VIEWS)
+"""

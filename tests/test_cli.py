@@ -174,3 +174,19 @@ def test_report(logdir, tmp_path):
     assert "run0" in result.output and (tmp_path / "r.html").stat().st_size > 0
     result = runner.invoke(app, ["report", str(tmp_path / "nowhere")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_the_dashboard_warms_its_cache_while_the_server_starts(logdir, tmp_path):
+    """``trustscope dashboard`` opens the log once in a background process: the catalogue and every kept aggregate
+    land in the cache, and a connection opened afterwards computes nothing."""
+    import os
+
+    from app.launch import warm_up
+    from trustscope.db import connect
+
+    cache = tmp_path / "cache"
+    proc = warm_up(logdir, {**os.environ, "TRUSTSCOPE_CACHE": str(cache)})
+    assert proc.wait(timeout=300) == 0
+    assert list((cache / "queries" / "catalogue").glob("catalogue-*.duckdb"))
+    with connect(logdir, cache_dir=cache / "queries") as db:
+        assert len(db.step_summary()) > 0 and db.partials_computed == 0
