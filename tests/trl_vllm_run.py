@@ -27,11 +27,29 @@ from trustscope.train.tasks import get_task  # noqa: E402
 TASK = get_task("add1")
 
 
+def sync_weights_on_cpu(self) -> None:
+    """TRL 1.16's colocated weight sync, as vLLM's CPU backend needs it. TRL hands each parameter to the model's
+    ``load_weights``; on CPU vLLM prepacks every linear weight after loading (oneDNN or sgl kernels) and drops the
+    parameters' ``weight_loader``, so that call fails on CPUs whose kernels repack (AttributeError: 'Parameter'
+    object has no attribute 'weight_loader'). vLLM's own ``reload_weights`` re-runs the packing layer by layer; the
+    tied lm_head's packed copy is then re-packed from the updated embedding (shared/notes: vllm_cpu.md, part 5)."""
+    runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(self._iter_named_params())})
+    lm_head = runner.model.lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    self.llm.reset_prefix_cache()
+
+
 def reward(completions, answer, **kwargs):
     return [TASK.reward(c, a, "stop") for c, a in zip(completions, answer, strict=True)]
 
 
 def main() -> None:
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        VLLMGeneration.sync_weights = sync_weights_on_cpu
     model_dir, work = sys.argv[1], sys.argv[2]
     problems = TASK.split("train")[:16]
     data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
