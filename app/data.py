@@ -29,7 +29,7 @@ import pandas as pd
 import pyarrow as pa
 import streamlit as st
 
-from app.launch import LOGDIR_ENV, default_logdir
+from app.launch import FOCUS_ENV, LOGDIR_ENV, default_logdir
 from trustscope import db, figures, report, schema, storage
 from trustscope.db import LogDB, Overview
 from trustscope.losses import list_losses
@@ -287,15 +287,22 @@ def window_start(run_id: str, tokens: int = WINDOW_TOKENS) -> int:
 
 
 def default_run(table: pd.DataFrame) -> str:
-    """The run the drill-down pages open on: the first run of the Runs page's default comparison."""
+    """The run the drill-down pages open on: the run the dashboard was opened for (``$TRUSTSCOPE_FOCUS_RUN``), else
+    the first run of the Runs page's default comparison."""
+    focus = os.environ.get(FOCUS_ENV, "")
+    if focus in set(table["run_id"]):
+        return focus
     first = default_comparison(table, "group")[0]
     return str(table.loc[table["group"] == first, "run_id"].iloc[0])
+
+
 
 
 def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list[str]:
     """The seed groups (``column`` 'group') or runs ('run_id') the Runs page compares by default: the PPO-clip
     baseline, then one configuration per other rule, at most ``limit``: per rule the one with the most seeds, and
-    among those only the ones with at least the baseline's seeds when there are any."""
+    among those only the ones with at least the baseline's seeds when there are any. The run named by
+    ``$TRUSTSCOPE_FOCUS_RUN`` (``trustscope demo`` sets it to its run) comes first, so every page opens on it."""
     seeds = table.groupby(column, sort=False)["run_id"].transform("size")
     # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
     first = table.assign(seeds=seeds).sort_values("seeds", ascending=False, kind="stable").drop_duplicates(column)
@@ -304,7 +311,11 @@ def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list
     if len(baseline):
         matched = others[others["seeds"] >= baseline["seeds"].iloc[0]]
         others = matched if len(matched) else others
-    return (baseline[column].tolist() + others[column].tolist())[:limit]
+    picked = baseline[column].tolist() + others[column].tolist()
+    focus = table.loc[table["run_id"] == os.environ.get(FOCUS_ENV, ""), column]
+    if len(focus):  # the run the dashboard was opened for (the demo's) first, beside the comparison
+        picked = [focus.iloc[0], *(c for c in picked if c != focus.iloc[0])]
+    return picked[:limit]
 
 
 @cached

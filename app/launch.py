@@ -12,6 +12,8 @@ from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent / "main.py"
 LOGDIR_ENV = "TRUSTSCOPE_LOGDIR"
+FOCUS_ENV = "TRUSTSCOPE_FOCUS_RUN"
+"""A run the dashboard opens on: first in the Runs page's default comparison, so the drill-down pages open on it."""
 
 
 def default_logdir() -> Path:

@@ -48,7 +48,9 @@ def _first_compared(runs: pd.DataFrame) -> str:
     picked = [g for g in st.session_state.get(f"_{column}", []) if g in set(runs[column])]
     if not picked:
         return data.default_run(runs)
-    return str(runs.loc[runs[column] == picked[0], "run_id"].iloc[0])
+    members = runs.loc[runs[column] == picked[0], "run_id"]
+    focus = data.default_run(runs)  # the run the dashboard was opened for, when it is in that group
+    return focus if focus in set(members) else str(members.iloc[0])
 
 
 def _run_label(runs: pd.DataFrame, run_id: str) -> str:

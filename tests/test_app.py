@@ -266,6 +266,22 @@ def test_drill_down_pages_open_on_the_runs_comparison_and_keep_what_was_picked(m
     assert at.selectbox(key="explorer_sample").value == sample
 
 
+def test_the_run_the_dashboard_was_opened_for_comes_first(monkeypatch, logdir):
+    """``trustscope demo`` names its run (TRUSTSCOPE_FOCUS_RUN): the Runs page compares it first and the
+    drill-down pages open on it, whatever the default comparison would have put first."""
+    from app.launch import FOCUS_ENV
+
+    table = _open(monkeypatch, logdir).dataframe[0].value
+    focus = table["run_id"].iloc[-1]
+    monkeypatch.setenv(FOCUS_ENV, focus)
+    at = _open(monkeypatch, logdir)
+    group = table.loc[table["run_id"] == focus, "group"].iloc[0]
+    assert at.multiselect(key="group_picker").value[0] == group
+    at.switch_page("views/rules.py")
+    at.run()
+    assert at.selectbox(key="run_picker").value == focus
+
+
 def test_sql_console_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "sql_console")
     _ok(at, "SQL console")

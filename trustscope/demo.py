@@ -196,7 +196,8 @@ def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: in
         print(f"  - {line}", file=sys.stderr)
     sys.stderr.flush()
     if serve:
-        from app.launch import launch
+        from app.launch import FOCUS_ENV, launch
 
+        os.environ[FOCUS_ENV] = cfg.run_id  # every page opens on the demo's run, the shipped runs beside it
         launch(logdir, port=port)
     return cfg.run_dir
