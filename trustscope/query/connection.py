@@ -207,10 +207,16 @@ class LogDB(NamedAnalyses):
         return [storage.mirror(store.url, self.mirror_dir, store=store) for store in self._stores]
 
     def _file_lists(self) -> dict[str, list[str]]:
-        """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`)."""
+        """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`).
+        A run with a listed file gone by the time it is checked is listed once more: a compaction committed in
+        between and deleted the files it replaced (after its grace period), which is no damage."""
         lists: dict[str, list[str]] = {}
         committed = {run: schema.committed_files(run) for run in self.runs_dirs}
         checked = {run: check_run(run, files) for run, files in committed.items()}
+        for run, (_, bad) in list(checked.items()):
+            if any(not f.exists() for f in bad):
+                committed[run] = schema.committed_files(run)
+                checked[run] = check_run(run, committed[run])
         self._unreadable = {f: problem for _, bad in checked.values() for f, problem in bad.items()}
         problems = {run.name: listed(*found) for run, found in checked.items()}
         for table in schema.TABLES:
