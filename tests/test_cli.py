@@ -187,6 +187,6 @@ def test_the_dashboard_warms_its_cache_while_the_server_starts(logdir, tmp_path)
     cache = tmp_path / "cache"
     proc = warm_up(logdir, {**os.environ, "TRUSTSCOPE_CACHE": str(cache)})
     assert proc.wait(timeout=300) == 0
-    assert list((cache / "queries" / "catalogue").glob("catalogue-*.duckdb"))
+    assert list((cache / "queries" / "step_partials").glob("*.parquet"))
     with connect(logdir, cache_dir=cache / "queries") as db:
         assert len(db.step_summary()) > 0 and db.partials_computed == 0

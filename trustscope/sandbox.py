@@ -10,8 +10,8 @@ independent guards:
 2. **An engine that cannot write.** The worker opens the views and macros from a database file in
    ``read_only`` mode (no CREATE, DROP, ALTER, INSERT on the shared catalogue; temporary objects die with the
    query's own cursor), disables DuckDB's local file system altogether and reads the log directory through
-   :class:`ReadOnlyLogFS`, which opens files for reading only and only under the log directories: COPY ... TO,
-   EXPORT, ATTACH, INSTALL have no file system to write to. External access is off and the configuration locked.
+   ``ReadOnlyLogFS`` (:func:`read_only_fs_class`), which opens files for reading only and only under the log
+   directories: COPY ... TO, EXPORT, ATTACH, INSTALL have no file system to write to. External access is off and the configuration locked.
 
 Limits: DuckDB's ``memory_limit`` inside the worker, and a watchdog in the calling process that reads the
 worker's resident memory and the clock while it waits. At the time limit the worker interrupts its own
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import glob as _glob
 import json
 import os
@@ -41,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -323,68 +323,76 @@ class _PositionalFile:
         self.close()
 
 
-class ReadOnlyLogFS(fsspec.AbstractFileSystem):
-    """``tslog://`` paths: the files under ``roots`` (resolved), opened for reading only; every write refused."""
+@functools.cache
+def read_only_fs_class() -> type:
+    """:class:`ReadOnlyLogFS`, defined on first use: it is an fsspec file system, and only the worker needs one
+    (the processes that hand it queries never import fsspec)."""
+    import fsspec
 
-    protocol = PROTOCOL
-    root_marker = "/"
-    cachable = False
+    class ReadOnlyLogFS(fsspec.AbstractFileSystem):
+        """``tslog://`` paths: the files under ``roots`` (resolved), opened for reading only; every write refused."""
 
-    def __init__(self, roots: Iterable[str] = (), **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.roots = list(roots)
+        protocol = PROTOCOL
+        root_marker = "/"
+        cachable = False
 
-    @property
-    def roots(self) -> list[str]:
-        return self._roots
+        def __init__(self, roots: Iterable[str] = (), **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.roots = list(roots)
 
-    @roots.setter
-    def roots(self, roots: Iterable[str]) -> None:
-        self._roots = [os.path.realpath(r) for r in roots]
-        self._resolved: dict[str, str] = {}  # path -> its real path, under a root (DuckDB asks several times)
+        @property
+        def roots(self) -> list[str]:
+            return self._roots
 
-    def _local(self, path: str) -> str:
-        """The real path of ``path`` (links followed); refused unless it lies under one of the roots."""
-        if path in self._resolved:
-            return self._resolved[path]
-        real = os.path.realpath(self._strip_protocol(path) or "/")
-        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self._roots):
-            raise Forbidden(f"refused: reads outside the log directory ({real})")
-        self._resolved[path] = real
-        return real
+        @roots.setter
+        def roots(self, roots: Iterable[str]) -> None:
+            self._roots = [os.path.realpath(r) for r in roots]
+            self._resolved: dict[str, str] = {}  # path -> its real path, under a root (DuckDB asks several times)
 
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if mode != "rb":
-            raise Forbidden(f"refused: user SQL cannot write ({self._strip_protocol(path)})")
-        return _PositionalFile(self._local(path))  # DuckDB closes it
+        def _local(self, path: str) -> str:
+            """The real path of ``path`` (links followed); refused unless it lies under one of the roots."""
+            if path in self._resolved:
+                return self._resolved[path]
+            real = os.path.realpath(self._strip_protocol(path) or "/")
+            if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self._roots):
+                raise Forbidden(f"refused: reads outside the log directory ({real})")
+            self._resolved[path] = real
+            return real
 
-    def glob(self, path: str, **kwargs: Any) -> list[str]:
-        pattern = self._strip_protocol(path)
-        self._local(re.split(r"[*?\[{]", pattern, maxsplit=1)[0])  # refuse before searching
-        return [p for p in sorted(_glob.glob(pattern)) if self._local(p)]
+        def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+            if mode != "rb":
+                raise Forbidden(f"refused: user SQL cannot write ({self._strip_protocol(path)})")
+            return _PositionalFile(self._local(path))  # DuckDB closes it
 
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        local, name = self._local(path), self._strip_protocol(path)
-        entries = [self.info(os.path.join(name, n)) for n in sorted(os.listdir(local))] \
-            if os.path.isdir(local) else [self.info(name)]
-        return entries if detail else [e["name"] for e in entries]
+        def glob(self, path: str, **kwargs: Any) -> list[str]:
+            pattern = self._strip_protocol(path)
+            self._local(re.split(r"[*?\[{]", pattern, maxsplit=1)[0])  # refuse before searching
+            return [p for p in sorted(_glob.glob(pattern)) if self._local(p)]
 
-    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        local = self._local(path)
-        st = os.stat(local)
-        name = self._strip_protocol(path)
-        return {"name": name, "size": st.st_size, "type": "directory" if os.path.isdir(local) else "file"}
+        def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+            local, name = self._local(path), self._strip_protocol(path)
+            entries = [self.info(os.path.join(name, n)) for n in sorted(os.listdir(local))] \
+                if os.path.isdir(local) else [self.info(name)]
+            return entries if detail else [e["name"] for e in entries]
 
-    def modified(self, path: str) -> _dt.datetime:
-        return _dt.datetime.fromtimestamp(os.stat(self._local(path)).st_mtime, _dt.UTC)
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            local = self._local(path)
+            st = os.stat(local)
+            name = self._strip_protocol(path)
+            return {"name": name, "size": st.st_size, "type": "directory" if os.path.isdir(local) else "file"}
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise Forbidden("refused: user SQL cannot write")
+        def modified(self, path: str) -> _dt.datetime:
+            return _dt.datetime.fromtimestamp(os.stat(self._local(path)).st_mtime, _dt.UTC)
 
-    mkdir = makedirs = rm = rm_file = rmdir = mv = cp_file = put_file = touch = pipe_file = _refuse
+        def _refuse(self, *args: Any, **kwargs: Any) -> None:
+            raise Forbidden("refused: user SQL cannot write")
+
+        mkdir = makedirs = rm = rm_file = rmdir = mv = cp_file = put_file = touch = pipe_file = _refuse
+
+    return ReadOnlyLogFS
 
 
-def _open_database(init: dict[str, Any]) -> tuple[duckdb.DuckDBPyConnection, ReadOnlyLogFS]:
+def _open_database(init: dict[str, Any]) -> tuple[duckdb.DuckDBPyConnection, Any]:
     """The worker's connection: the catalogue read-only, only ``tslog://`` readable, nothing writable."""
     con = duckdb.connect(init["database"], read_only=True, config={
         "autoload_known_extensions": False,
@@ -394,7 +402,7 @@ def _open_database(init: dict[str, Any]) -> tuple[duckdb.DuckDBPyConnection, Rea
         "memory_limit": f"{int(init['memory_bytes'] * DUCKDB_MEMORY_SHARE)}B",
         "temp_directory": "",
     })
-    fs = ReadOnlyLogFS(init["roots"])
+    fs = read_only_fs_class()(init["roots"])
     con.register_filesystem(fs)
     con.execute("set allowed_directories = ?", [[f"{PROTOCOL}://"]])
     con.execute("set enable_external_access = false")
@@ -403,7 +411,7 @@ def _open_database(init: dict[str, Any]) -> tuple[duckdb.DuckDBPyConnection, Rea
     return con, fs
 
 
-def _run(con: duckdb.DuckDBPyConnection, fs: ReadOnlyLogFS, request: dict[str, Any],
+def _run(con: duckdb.DuckDBPyConnection, fs: Any, request: dict[str, Any],
          caches: dict[str, tuple[int, pa.Table]]) -> pa.Table:
     fs.roots = request["roots"]
     cur = con.cursor()

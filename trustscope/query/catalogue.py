@@ -33,6 +33,9 @@ VIEW_DIR = SQL_DIR / "views"
 QUERY_DIR = SQL_DIR / "queries"
 """Parameterised queries over the views (``$name`` parameters), run by :meth:`LogDB.query`."""
 DOCTOR_DIR = SQL_DIR / "doctor"
+CATALOGUE_DIR = SQL_DIR / "__catalogue__"
+"""Where the catalogue files are built, beside the SQL they are built from (a read-only install builds them in
+the cache folder instead)."""
 RULE_COLUMNS_MARKER = "/* rule columns */"
 """Where the generated ``blocks_<rule>`` columns go in ``views/rule_blocks.sql``."""
 

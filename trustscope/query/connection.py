@@ -41,6 +41,7 @@ from trustscope.paths import cache_root
 from trustscope.query.analyses import NamedAnalyses
 from trustscope.query.catalogue import (
     CACHED_PARTIALS,
+    CATALOGUE_DIR,
     CONNECTION_CONFIG,
     QUERIES,
     QUERY_DIR,
@@ -184,15 +185,17 @@ class LogDB(NamedAnalyses):
         return self.kept.merged
 
     def _catalogue(self) -> Path:
-        """This connection's catalogue file: a link to (or a copy of) the one built in the cache folder, shared by
-        every process, or built in the private folder when there is no cache or it cannot be written. A path of
+        """This connection's catalogue file: a link to (or a copy of) the one built beside the SQL files it is built
+        from (``sql/__catalogue__/``, as Python keeps its bytecode), or in the cache folder where the package
+        cannot be written, shared by every process; built in the private folder when neither can be. A path of
         its own, because DuckDB keeps one database instance per path in a process, and each connection locks its
         own configuration (its readable directories)."""
         params = self._params()
         shared = None
-        if self.cache_dir is not None:
+        for folder in (CATALOGUE_DIR, *([self.cache_dir / "catalogue"] if self.cache_dir is not None else [])):
             with contextlib.suppress(OSError, duckdb.IOException):
-                shared = catalogue_file(self._rule_blocks, params, self.cache_dir / "catalogue")
+                shared = catalogue_file(self._rule_blocks, params, folder)
+                break
         if shared is None:
             return catalogue_file(self._rule_blocks, params, self._private / "catalogue")
         own = self._private / shared.name
