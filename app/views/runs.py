@@ -14,11 +14,12 @@ from trustscope import figures, report
 st.title("Runs")
 runs = widgets.require_runs()
 table = runs.drop(columns=["group_key"]).assign(
-    updated_at=runs["updated_at"].map(lambda t: "-" if t is None or pd.isna(t) else f"{t:%Y-%m-%d %H:%M} UTC"))
+    updated_at=runs["updated_at"].map(lambda t: "-" if t is None or pd.isna(t) else f"{t:%Y-%m-%d %H:%M} UTC"),
+    logged_frac=100 * runs["logged_frac"])  # shown with its two decimals on every row
 st.dataframe(table, hide_index=True, key="runs_table", column_config={
     "tokens_generated": st.column_config.NumberColumn("tokens generated", format="localized"),
     "tokens_logged": st.column_config.NumberColumn("tokens logged", format="localized"),
-    "logged_frac": st.column_config.NumberColumn("logged", format="percent"),
+    "logged_frac": st.column_config.NumberColumn("logged", format="%.2f%%"),
     "updated_at": st.column_config.TextColumn("updated (manifest)"),
     "mean_reward": st.column_config.NumberColumn("mean reward", format="%.3f"),
 })
