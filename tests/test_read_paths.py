@@ -17,12 +17,14 @@ SAMPLE_LOGS = ROOT / "sample_logs"
 HEAVY = ("torch", "transformers", "vllm")
 
 RUN_CLI = """
-import contextlib, io, json, runpy, sys
+import contextlib, io, json, sys
 sys.argv = ["trustscope", *json.loads(sys.argv[1])]
 out = io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    from trustscope import cli
+    cli.ONE_SHOT = True  # as the console script runs (its main() then ends the process without a teardown)
     try:
-        runpy.run_module("trustscope.cli", run_name="__main__")
+        cli.app()
         code = 0
     except SystemExit as exc:
         code = exc.code or 0
