@@ -69,8 +69,10 @@ the problem is not in a row). Nothing already written is touched.
 ``log_step`` copies the data (tensors go to CPU numpy), checks it and puts it on a bounded queue; a background
 thread turns it into Arrow and writes one file per table and flush: when a new step begins after ``flush_rows``
 token rows are buffered or ``flush_seconds`` passed (so these flushes never split a step), when idle for
-``flush_seconds``, on :meth:`flush` and on :meth:`close`. When the queue is full ``log_step`` waits
-(back-pressure). Errors of the writer thread (disk full, a read-only directory, ...) are raised as
+``flush_seconds``, on :meth:`flush` and on :meth:`close`. What waits in memory is bounded (``max_buffered_rows``
+token rows, ``max_queue`` calls): when a call does not fit, ``log_step`` waits (``on_full="block"``, up to
+``block_timeout_s``) or drops the call's trailing whole sequences (``on_full="drop"``), counted in the manifest's
+``buffer`` key (:mod:`trustscope.logger.memory`). Errors of the writer thread (disk full, a read-only directory, ...) are raised as
 :class:`LogDirError`, with the cause, by the next ``log_step``/``flush``/``close`` (strict) or warned about
 (``strict=False``); a batch that cannot be written is lost alone (a file that cannot be written: its flush),
 never the other buffered steps, and what was lost is counted in the manifest (``lost``). No call waits forever
@@ -78,8 +80,8 @@ on a writer thread that has died.
 
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
 vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
-topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, seed=0, row_group_size=131072,
-fsync=True, write_threads=None, summaries=True, compact_every=10)``:
+topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, max_buffered_rows=None,
+on_full="block", block_timeout_s=60.0, seed=0, row_group_size=131072, fsync=True, write_threads=None, summaries=True, compact_every=10)``:
 
 - ``run_id``: default ``<UTC time>-<random>``; ``rank``: default from ``torch.distributed`` (when initialised)
   or the ``RANK`` environment variable, else 0. Each rank writes its own files; rank 0 writes ``run.json`` and
@@ -101,6 +103,12 @@ fsync=True, write_threads=None, summaries=True, compact_every=10)``:
   schema does not change), which makes them compress much better; ``topk_tv``/``topk_kl`` are computed before the
   rounding. The precision it costs is in ``docs/performance.md``.
 
+- ``max_buffered_rows``: the token rows that may wait in memory, queued or in the open flush, until their flush
+  is stored (default ``None``: 4 x ``flush_rows``, at least 4,000,000); ``max_queue``: the calls with data that may
+  wait on the queue. ``on_full``: what a call that does not fit does, ``"block"`` (wait for room, up to
+  ``block_timeout_s`` seconds, ``None`` for no limit, then drop) or ``"drop"`` (drop its trailing whole sequences,
+  with a :class:`LogWarning`). All recorded in the manifest's ``logging``; see "Bounded memory" in
+  ``docs/logging.md``.
 - ``write_threads``: how many files of the ``tokens`` table each flush encodes side by side, each on its own
   thread (default 2 where the process may use two cores, else 1); the row groups go to them in turn and the
   files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.

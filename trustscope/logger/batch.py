@@ -28,6 +28,7 @@ class Batch:
     summarize: bool = False  # the writer computes the summaries over every token row, then applies ``sampled``
     sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
     summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
+    held_rows: int = 0  # token rows counted against max_buffered_rows until their flush is stored
 
     def apply_sample(self) -> None:
         """Keep only the token rows of the ``token_fraction`` sample (once the summaries have seen them all)."""

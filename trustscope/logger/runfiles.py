@@ -355,6 +355,11 @@ class RunFiles:
                 self.manifest.update(update)
             self.saved_at = time.monotonic()
 
+    def note(self, **changes: Any) -> None:
+        """Change the manifest in memory only (each value replaced whole); the next save writes it."""
+        with self._manifest_lock:
+            self.manifest.update(changes)
+
     def snapshot(self) -> dict:
         """A deep copy of the manifest as last written."""
         with self._manifest_lock:

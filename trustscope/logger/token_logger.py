@@ -24,6 +24,7 @@ from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
 from trustscope.logger.compaction import FANIN, BackgroundCompactor
 from trustscope.logger.errors import LogDirError, LogWarning
+from trustscope.logger.memory import ON_FULL, RowBudget, default_max_buffered_rows
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
 from trustscope.logger.summaries import blocked_rule_list
 from trustscope.logger.writer import Writer, default_write_threads
@@ -66,6 +67,9 @@ class TokenLogger:
         flush_rows: int = 1_000_000,
         flush_seconds: float = 30.0,
         max_queue: int = 8,
+        max_buffered_rows: int | None = None,
+        on_full: str = "block",
+        block_timeout_s: float | None = 60.0,
         seed: int = 0,
         row_group_size: int = 1 << 17,
         fsync: bool = True,
@@ -82,6 +86,18 @@ class TokenLogger:
                             ("write_threads", 1 if write_threads is None else write_threads)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_buffered_rows is None:
+            max_buffered_rows = default_max_buffered_rows(int(flush_rows))
+        if isinstance(max_buffered_rows, bool) or not isinstance(max_buffered_rows, int) or max_buffered_rows < 1:
+            raise ValueError(f"max_buffered_rows must be an int >= 1 (token rows waiting in memory) or None (the "
+                             f"default, {default_max_buffered_rows(int(flush_rows))} here), got {max_buffered_rows!r}")
+        if on_full not in ON_FULL:
+            raise ValueError(f"on_full must be one of {list(ON_FULL)}, got {on_full!r}")
+        if block_timeout_s is not None and (isinstance(block_timeout_s, bool)
+                                            or not isinstance(block_timeout_s, int | float)
+                                            or not 0 <= block_timeout_s < float("inf")):
+            raise ValueError(f"block_timeout_s must be a finite number of seconds >= 0, or None (wait as long as it "
+                             f"takes), got {block_timeout_s!r}")
         if int(compact_every) < 0 or int(compact_every) == 1:
             raise ValueError(f"compact_every must be 0 (no background compaction) or >= 2 (the units merged at a "
                              f"time), got {compact_every}")
@@ -130,7 +146,9 @@ class TokenLogger:
             logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds),
-                            "compact_every": int(compact_every)}
+                            "compact_every": int(compact_every), "max_queue": int(max_queue),
+                            "max_buffered_rows": int(max_buffered_rows), "on_full": on_full,
+                            "block_timeout_s": None if block_timeout_s is None else float(block_timeout_s)}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
                 self._files.write_vocab(texts)
@@ -146,6 +164,11 @@ class TokenLogger:
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
                                      disk_last_step=self._files.disk_last_step, summaries=summaries)
+        prior = self._files.manifest.get("buffer") if resume else None
+        self._budget = RowBudget(int(max_buffered_rows), int(max_queue), on_full,
+                                 None if block_timeout_s is None else float(block_timeout_s),
+                                 prior if isinstance(prior, dict) else None)
+        self._files.note(buffer=self._budget.report())
         self._compactor = (BackgroundCompactor(self._files, int(compact_every), int(row_group_size), fsync)
                            if compact_every else None)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
@@ -154,7 +177,8 @@ class TokenLogger:
                               row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k,
                               write_threads=default_write_threads() if write_threads is None else int(write_threads),
                               blocked_rules=blocked_rule_list() if summaries else None,
-                              on_commit=None if self._compactor is None else self._compactor.committed)
+                              on_commit=None if self._compactor is None else self._compactor.committed,
+                              budget=self._budget)
         self._atexit = _close_at_exit(self)
         atexit.register(self._atexit)
 
@@ -180,6 +204,8 @@ class TokenLogger:
                 raise SchemaError(str(err)) from None
             warnings.warn(f"trustscope: step {step} not logged: {err}", LogWarning, stacklevel=2)
             return
+        if self._budget.admit(batch, lambda: self._writer.alive, self._writer.ask_room):
+            self._files.note(buffer=self._budget.report())
         if not self._writer.put(batch):
             self._writer.lose(batch)
             self._raise_writer_error()
@@ -217,6 +243,7 @@ class TokenLogger:
                 prior = self._files.prior_lost
                 error = (f"an earlier session lost {sum(prior.get('rows', {}).values())} row(s) of steps "
                          f"{prior.get('first_step')}-{prior.get('last_step')} (see lost)")
+            self._files.note(buffer=self._budget.report())
             self._files.finish(status, error, lost)
         except OSError as err:
             raise LogDirError(f"trustscope could not write run {self.run_id!r}: {err}") from err
@@ -241,6 +268,12 @@ class TokenLogger:
     def manifest(self) -> dict:
         """A copy of this rank's manifest as last written."""
         return self._files.snapshot()
+
+    @property
+    def buffer(self) -> dict:
+        """The memory bound and what it did so far (the manifest's ``buffer`` key), with ``rows``: the token rows
+        waiting in memory now (queued, or in the open flush not yet stored)."""
+        return {**self._budget.report(), "rows": self._budget.rows}
 
     def _raise_writer_error(self) -> None:
         failed = None if self._compactor is None else self._compactor.take_error()

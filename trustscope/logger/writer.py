@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from trustscope import schema as S
 from trustscope.divergence_np import topk_divergences_np
 from trustscope.logger.batch import Batch
+from trustscope.logger.memory import RowBudget
 from trustscope.logger.runfiles import RunFiles
 from trustscope.logger.summaries import summarize_call
 from trustscope.storage import RunStore
@@ -266,8 +267,13 @@ class Writer:
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
-                 on_commit: Callable[[], None] | None = None):
+                 on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None):
         self.files = files
+        self.budget = budget or RowBudget(2**62, max_queue, "block", None)
+        """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
+        batch against it, this thread releases the rows once their flush is stored and the calls as it takes them."""
+        self._open_held = 0  # rows of the open flush still counted in the budget
+        self._room_asked = threading.Event()
         self._on_commit = on_commit
         """Called on the writer thread after each commit (the background compaction counts them)."""
         self._bit_rules = tuple(name for name, _ in blocked_rules or ())
@@ -295,7 +301,7 @@ class Writer:
         self._errors: list[str] = []
         self._error: BaseException | None = None  # not yet handed to the training thread
         self._fatal: BaseException | None = None  # what ended the thread, if not a stop
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue = queue.Queue()  # bounded by the budget (max_queue calls with data)
         self._thread = threading.Thread(target=self._run, name=f"trustscope-logger-r{rank}", daemon=True)
         self._thread.start()
 
@@ -310,8 +316,15 @@ class Writer:
         return self._thread.is_alive()
 
     def put(self, batch: Batch) -> bool:
-        """Queue ``batch`` (waits while the queue is full); False when the thread is gone and it was not queued."""
+        """Queue ``batch`` (admitted by the budget); False when the thread is gone and it was not queued."""
         return self._put(("data", batch))
+
+    def ask_room(self) -> None:
+        """A caller waits for room (or dropped for want of it): the thread stores its open flush when it comes to
+        this request, even in the middle of a step."""
+        if not self._room_asked.is_set():
+            self._room_asked.set()
+            self._put(("room", None))
 
     def flush(self) -> None:
         """Wait until everything queued so far is committed, or the thread is gone."""
@@ -333,6 +346,7 @@ class Writer:
         still queued with it."""
         self._lose(self._fatal or RuntimeError("the writer thread stopped"), _batch_rows(batch), batch.step,
                    batch.step)
+        self.budget.release(batch.held_rows, 1)
         self._drain_lost()
 
     @property
@@ -397,6 +411,7 @@ class Writer:
                 return
             if kind == "data":
                 self._lose(err, _batch_rows(payload), payload.step, payload.step)
+                self.budget.release(payload.held_rows, 1)
 
     def _loop(self) -> None:
         last_flush = time.monotonic()
@@ -409,6 +424,7 @@ class Writer:
                 last_flush = time.monotonic()
                 continue
             if kind == "data":
+                self.budget.release(calls=1)
                 due = (self._tables["tokens"].rows >= self.flush_rows
                        or time.monotonic() - last_flush >= self.flush_seconds)
                 if due and self._open_step is not None and payload.step != self._open_step:
@@ -417,6 +433,11 @@ class Writer:
                 self._add(payload)
                 if time.monotonic() - self.files.saved_at >= self.flush_seconds:  # a long step: still alive
                     self._heartbeat()
+            elif kind == "room":
+                self._room_asked.clear()
+                if self._open_held:
+                    self._rotate()
+                    last_flush = time.monotonic()
             else:
                 self._rotate()
                 last_flush = time.monotonic()
@@ -455,14 +476,22 @@ class Writer:
             lasts.append(waiting.step)
         self._open_counts = self._no_counts()
         self._open_step = None
+        self._release_open()
         self._lose(err, rows, min(firsts, default=None), max(lasts, default=None))
+
+    def _release_open(self) -> None:
+        """The open flush is stored or lost: its rows leave the budget."""
+        held, self._open_held = self._open_held, 0
+        self.budget.release(held)
 
     def _add(self, batch: Batch) -> None:
         try:
             parts = self._arrow(batch)
         except Exception as err:  # this batch alone is lost
             self._lose(err, _batch_rows(batch), batch.step, batch.step)
+            self.budget.release(batch.held_rows)
             return
+        self._open_held += batch.held_rows  # released with the open flush, stored or lost
         try:
             for name, table in parts.items():
                 self._tables[name].add(table, batch.step)
@@ -500,6 +529,7 @@ class Writer:
             return
         open_tables = [t for t in self._tables.values() if t.rows]
         if not open_tables:
+            self._release_open()  # rows all sampled out: nothing to store
             if self._uncommitted:
                 self._commit()
             elif heartbeat:
@@ -524,6 +554,7 @@ class Writer:
             self._lose(err, {t: n for t, n in rows.items() if any(p.parent.name == t for p in published)},
                        first_step, last_step)
             return
+        self._release_open()
         self.files.next_flush += 1
         self._uncommitted.append(_Flush(number, rows, last_step, self._open_counts, published))
         self._open_counts = self._no_counts()
