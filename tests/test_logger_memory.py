@@ -161,3 +161,15 @@ def test_bad_values_are_refused(tmp_path, option, value):
     with pytest.raises(ValueError, match=rf"^{option} must .*got {value!r}"):
         TokenLogger(tmp_path, "bad", **{option: value})
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_counts_add_up_over_a_resumed_run(tmp_path, slow_store):
+    for session in range(2):
+        with (pytest.warns(LogWarning, match="dropped"),
+              open_logger(tmp_path, "resumed", max_buffered_rows=100, on_full="drop", resume=session > 0) as lg):
+            for s in range(4 * session, 4 * session + 4):
+                lg.log_step(s, **step_data(s))
+    manifest = json.loads((tmp_path / "resumed" / "run.json").read_text())
+    tokens, _ = assert_steps_whole(tmp_path / "resumed", 8)
+    assert manifest["buffer"]["dropped_rows"] == 8 * B * T - len(tokens)
+    assert manifest["buffer"]["last_dropped_step"] >= 4

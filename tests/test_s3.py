@@ -336,3 +336,29 @@ def test_a_failed_upload_loses_its_flush_alone(endpoint, tmp_path, monkeypatch):
     with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
         assert sorted(db.step_summary()["step"]) == [0, 1, 3]
     assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
+
+
+def test_a_slow_bucket_drops_counted_whole_sequences_under_the_memory_bound(endpoint, monkeypatch):
+    """Uploads throttled to a fraction of the logging rate, ``on_full="drop"``: the buffered rows stay under the
+    bound, log_step does not wait for the uploads, and what was not uploaded is exactly what run.json counts."""
+    upload = storage.ObjectStore.publish
+
+    def slow(self, tmp, final, fsync):
+        time.sleep(0.2)
+        upload(self, tmp, final, fsync)
+
+    monkeypatch.setattr(storage.ObjectStore, "publish", slow)
+    url, steps, bound = f"s3://{BUCKET}/slow", 10, 2 * B * T
+    with (pytest.warns(LogWarning, match="dropped .* sequence"),
+          TokenLogger(url, "slow", flush_rows=B * T, max_buffered_rows=bound, on_full="drop", summaries=False,
+                      write_threads=1, compact_every=0, storage_options={"endpoint_url": endpoint}) as lg):
+        t0 = time.perf_counter()
+        for step in range(steps):
+            lg.log_step(step, **step_data(step))
+            assert lg.buffer["rows"] <= bound
+        logging_s = time.perf_counter() - t0
+    manifest, buffer = lg.manifest, lg.manifest["buffer"]
+    assert logging_s < 1.0 and buffer["peak_rows"] <= bound and buffer["dropped_rows"] > 0
+    assert manifest["rows"]["tokens"] + buffer["dropped_rows"] == steps * B * T
+    assert manifest["rows"]["samples"] + buffer["dropped_sequences"] == steps * B
+    assert manifest["rows"]["steps"] == steps  # the scalars of every step are kept
