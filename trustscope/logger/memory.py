@@ -55,6 +55,7 @@ class RowBudget:
         self._counts = _no_counts()
         self._prior = {**_no_counts(), **(prior or {})}  # an earlier session's (resume), added to ours
         self._warned_at: float | None = None
+        self._wanted: int | None = None  # the rows a blocked caller waits for room for
 
     # ------------------------------------------------------------------------------------ training thread
 
@@ -72,16 +73,19 @@ class RowBudget:
                 self._take(batch, n)
                 return False
             if not self._has_room(want):
-                ask_room()
                 if self.on_full == "block":
                     started = time.monotonic()
                     deadline = None if self.block_timeout_s is None else started + self.block_timeout_s
-                    while not self._has_room(want) and alive():
-                        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-                        if left <= 0:
-                            break
-                        self._cond.wait(left)
-                        ask_room()
+                    self._wanted = want
+                    try:
+                        while not self._has_room(want) and alive():
+                            ask_room()
+                            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+                            if left <= 0:
+                                break
+                            self._cond.wait(left)
+                    finally:
+                        self._wanted = None
                     waited = time.monotonic() - started
                     self._counts["blocked_calls"] += 1
                     self._counts["blocked_s"] += waited
@@ -148,6 +152,11 @@ class RowBudget:
                           LogWarning, stacklevel=4)
 
     # -------------------------------------------------------------------------------------- writer thread
+
+    def caller_waits(self) -> bool:
+        """Whether a blocked caller still waits for room that only storing the open flush can give."""
+        with self._cond:
+            return self._wanted is not None and not self._has_room(self._wanted)
 
     def release(self, rows: int = 0, calls: int = 0) -> None:
         """``rows`` token rows are stored (or lost), ``calls`` calls left the queue."""

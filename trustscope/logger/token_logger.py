@@ -338,6 +338,10 @@ class NullLogger:
     def manifest(self) -> dict:
         return {}
 
+    @property
+    def buffer(self) -> dict:
+        return {}
+
     def __enter__(self) -> NullLogger:
         return self
 

@@ -320,8 +320,8 @@ class Writer:
         return self._put(("data", batch))
 
     def ask_room(self) -> None:
-        """A caller waits for room (or dropped for want of it): the thread stores its open flush when it comes to
-        this request, even in the middle of a step."""
+        """A caller waits for room (``on_full="block"``): when the thread comes to this request and the caller
+        still waits, it stores its open flush, even in the middle of a step (a step larger than the bound)."""
         if not self._room_asked.is_set():
             self._room_asked.set()
             self._put(("room", None))
@@ -433,9 +433,9 @@ class Writer:
                 self._add(payload)
                 if time.monotonic() - self.files.saved_at >= self.flush_seconds:  # a long step: still alive
                     self._heartbeat()
-            elif kind == "room":
+            elif kind == "room":  # everything queued before it is in the open flush now
                 self._room_asked.clear()
-                if self._open_held:
+                if self._open_held and self.budget.caller_waits():
                     self._rotate()
                     last_flush = time.monotonic()
             else:
@@ -586,6 +586,7 @@ class Writer:
             return
         rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
         counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
+        self.files.note(buffer=self.budget.report())  # the bound's figures so far ride along
         try:
             self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
                               counts, self._k, self.lost)
