@@ -452,7 +452,7 @@ def test_compact_refuses_a_rank_a_live_logger_writes(pristine, tmp_path):
 
 def test_compact_imports_no_torch(pristine, tmp_path):
     copy_of(pristine, tmp_path / "log")
-    code = ("import sys; from trustscope.cli import main; sys.argv = ['trustscope', 'compact', sys.argv[1], "
+    code = ("import sys; from trustscope.cli import app as main; sys.argv = ['trustscope', 'compact', sys.argv[1], "
             "'--grace', '0']\ntry:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "log")], capture_output=True, text=True)

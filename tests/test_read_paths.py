@@ -21,8 +21,8 @@ import contextlib, io, json, sys
 sys.argv = ["trustscope", *json.loads(sys.argv[1])]
 out = io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-    from trustscope import cli
-    cli.ONE_SHOT = True  # as the console script runs (its main() then ends the process without a teardown)
+    from trustscope import cli, sql_command
+    sql_command.ONE_SHOT = True  # as the console script runs it (trustscope.entry)
     try:
         cli.app()
         code = 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,8 @@ import typer
 import typer.core
 
 from trustscope import __version__
+from trustscope.sql_command import first_line, left_out
+from trustscope.sql_command import sql as sql_command
 
 TRAIN_HELP = """Train with DPPO (or any registered rule) on the toy world or a Hugging Face model, logging every token.
 
@@ -79,11 +79,15 @@ class Commands(typer.core.TyperGroup):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         names = super().list_commands(ctx)
+        at = names.index("report") if "report" in names else len(names)
+        names = [*names[:at], "sql", *names[at:]]  # sql: a click command of its own (trustscope.sql_command)
         return [*names[:2], "train", *names[2:]]
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name == "train":
             return click.Command("train", help=TRAIN_HELP, short_help=TRAIN_HELP.split("\n")[0])
+        if name == "sql":
+            return sql_command
         return super().get_command(ctx, name)
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
@@ -213,59 +217,6 @@ def compact(
             typer.echo(f"trustscope compact: {warning}", err=True)
 
 
-def _first_line(exc: BaseException) -> str:
-    """An error's first line: DuckDB appends the failing SQL (views included) below it, which says nothing to a
-    user and is not theirs to read."""
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
-
-
-def _left_out(command: str, broken: dict[str, list[str]]) -> None:
-    for run_id, problems in broken.items():
-        typer.echo(f"trustscope {command}: run {run_id} left out, unreadable: {problems[0]}"
-                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), err=True)
-
-
-@app.command()
-def sql(
-    logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an s3://bucket/prefix."),
-    query: str = typer.Argument(..., help="One read-only SELECT over the views (tokens, step_summary, ...)."),
-    format: str = typer.Option("table", "--format", "-f", help="table, csv, json or parquet."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write the result here instead of stdout."),
-    max_rows: int = typer.Option(10_000, help="Rows returned at most (the output says when rows were cut)."),
-    timeout: float = typer.Option(30.0, help="Seconds before the query is interrupted."),
-) -> None:
-    """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded).
-
-    A run with an unreadable file is left out (named on stderr); the others are queried.
-    """
-    from trustscope import sandbox
-
-    sandbox.prewarm(fork=ONE_SHOT)  # the SQL worker gets ready while this process opens the log directory
-    from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
-    from trustscope.results import write_result
-    from trustscope.storage import StorageError
-
-    if format not in ("table", "csv", "json", "parquet"):
-        typer.echo(f"trustscope sql: --format {format!r} is not one of table, csv, json, parquet", err=True)
-        raise typer.Exit(2)
-    if format == "parquet" and out is None:
-        typer.echo("trustscope sql: --format parquet needs --out FILE", err=True)
-        raise typer.Exit(2)
-    try:
-        db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout)
-        _left_out("sql", broken)
-        with db:
-            result = db.sql(query)
-    except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, StorageError, ValueError) as exc:
-        typer.echo(f"trustscope sql: {_first_line(exc)}", err=True)
-        raise typer.Exit(1) from exc
-    except Exception as exc:  # a DuckDB error in the user's SQL: say it plainly
-        typer.echo(f"trustscope sql: {type(exc).__name__}: {_first_line(exc)}", err=True)
-        raise typer.Exit(1) from exc
-    write_result(result, format, out)
-
-
 @app.command()
 def report(
     logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an s3://bucket/prefix."),
@@ -306,10 +257,10 @@ def report(
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
     except (FileNotFoundError, NoRunsFound, StorageError, ValueError, RayUnavailable) as exc:
-        typer.echo(f"trustscope report: {_first_line(exc)}", err=True)
+        typer.echo(f"trustscope report: {first_line(exc)}", err=True)
         raise typer.Exit(2 if isinstance(exc, FileNotFoundError | StorageError | RayUnavailable) else 1) from exc
     except (duckdb.Error, OSError) as exc:
-        typer.echo(f"trustscope report: could not read {logdir}: {_first_line(exc)}; run `trustscope validate "
+        typer.echo(f"trustscope report: could not read {logdir}: {first_line(exc)}; run `trustscope validate "
                    f"{logdir}` to list broken files", err=True)
         raise typer.Exit(1) from exc
 
@@ -401,7 +352,7 @@ def doctor(
         typer.echo(f"trustscope doctor: cannot read {logdir}: {str(exc).splitlines()[0]}; `trustscope validate "
                    f"{logdir}` names every broken file", err=True)
         raise typer.Exit(2) from exc
-    _left_out("doctor", broken)
+    left_out("doctor", broken)
     if not findings:
         typer.echo(f"trustscope doctor: no runs in {logdir}", err=True)
         raise typer.Exit(2)
@@ -418,36 +369,5 @@ def doctor(
         raise typer.Exit(1)
 
 
-ONE_SHOT = False
-"""True in the console script's process, which runs one command and ends: ``sql`` may then fork its SQL worker
-(see :func:`trustscope.sandbox.prewarm`); the app called from elsewhere (a test's runner) spawns it."""
-
-
-READ_ONLY = ("sql", "report", "validate", "doctor")
-"""Commands that write nothing but their output: the console script ends them without the interpreter's teardown
-(unloading DuckDB, pyarrow and pandas takes 0.15-0.2 s; ``docs/performance.md``), once the output is flushed."""
-
-
-def main() -> None:
-    """The console script."""
-    global ONE_SHOT
-    ONE_SHOT = True
-    try:
-        app()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-    if len(sys.argv) > 1 and sys.argv[1] in READ_ONLY:
-        import atexit
-
-        atexit._run_exitfuncs()  # the exit handlers still run (a LogDB's finaliser on an error path, say)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m trustscope.cli; the console script is trustscope.entry
+    app()
