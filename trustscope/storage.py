@@ -93,6 +93,17 @@ def check_store(url: str, fsspec_fs: Any, write: bool) -> None:
                            f"{type(err).__name__}: {err}") from None
 
 
+def replace_file(tmp: str | os.PathLike, final: str | os.PathLike, fsync: bool) -> None:
+    """Rename the finished local file ``tmp`` to ``final`` atomically, its bytes on disk first when ``fsync``."""
+    if fsync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
+
+
 class LocalStore:
     """A run on local disk: files are written under a temporary name, fsynced and renamed into place."""
 
@@ -150,13 +161,7 @@ class LocalStore:
 
     def publish(self, tmp: Path, final: Path, fsync: bool) -> None:
         """Make the finished temporary file ``tmp`` the file ``final`` (an atomic rename)."""
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, final)
+        replace_file(tmp, final, fsync)
 
     def close(self) -> None:
         pass

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trustscope import schema as S
-from trustscope.storage import RunStore
+from trustscope.storage import RunStore, replace_file
 
 SOURCES_META = "trustscope.compacted.sources"
 """Footer key of a compacted file: JSON ``[[name, rows], ...]``, the files it replaced (flush files or earlier
@@ -705,13 +705,7 @@ def cut_compacted(run_dir: Path, rank: int, record: dict, step: int, fsync: bool
                         out.write_table(data, row_group_size=max(1, data.num_rows))
                         left -= data.num_rows
                     out.add_key_value_metadata(footer)
-            if fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(tmp, final)
+            replace_file(tmp, final, fsync)
             written.append(final)
             new["files"].append(f"{table}/{name}")
     except BaseException:
