@@ -37,7 +37,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -679,15 +679,23 @@ def _key_problems(table: str, files: list[Path]) -> list[str]:
     return [message]
 
 
-def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Problem]:
-    """Where a rank's manifest ``rows`` disagree with the rows of the files a reader sees."""
-    problems = []
+def _readable_manifests(run_dir: Path) -> Iterator[tuple[Path, dict]]:
+    """Each rank manifest of ``run_dir`` that reads as a JSON object, with its path (an unreadable one is reported
+    by the manifest check)."""
     for path in rank_manifest_paths(run_dir):
         try:
             manifest = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
-            continue  # reported as unreadable
-        rows = manifest.get("rows") if isinstance(manifest, dict) else None
+            continue
+        if isinstance(manifest, dict):
+            yield path, manifest
+
+
+def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Problem]:
+    """Where a rank's manifest ``rows`` disagree with the rows of the files a reader sees."""
+    problems = []
+    for path, manifest in _readable_manifests(run_dir):
+        rows = manifest.get("rows")
         if not isinstance(rows, dict):
             continue
         rank = int(manifest.get("rank", 0))
@@ -710,13 +718,7 @@ def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Pro
 def _compaction_problems(run_dir: Path) -> list[Problem]:
     """Compaction records (:data:`COMPACTED_KEY`) whose flush ranges overlap or whose listed files are gone."""
     problems = []
-    for path in rank_manifest_paths(run_dir):
-        try:
-            manifest = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # reported as unreadable
-        if not isinstance(manifest, dict):
-            continue
+    for path, manifest in _readable_manifests(run_dir):
         records = sorted(compaction_records(manifest), key=lambda r: r["flushes"][0])
         for before, after in itertools.pairwise(records):
             if after["flushes"][0] <= before["flushes"][1]:
