@@ -256,9 +256,14 @@ class LogDB(NamedAnalyses):
         return pd.DataFrame(self.binding.run_rule_rows(self.runs_dirs),
                             columns=["run_id", "loss_rule", "parameters", "source"])
 
-    def _prepare(self, con: duckdb.DuckDBPyConnection, **analysis: float) -> None:
-        """Bind the file lists and parameters on ``con`` (DuckDB variables live per connection)."""
-        con.execute("set variable trustscope_files = ?", [self._file_lists()])
+    def _prepare(self, con: duckdb.DuckDBPyConnection, tokens: Sequence[Path] | None = None,
+                 **analysis: float) -> None:
+        """Bind the file lists and parameters on ``con`` (DuckDB variables live per connection); ``tokens``, when
+        given, replaces the tokens files (one query of the cold pass)."""
+        lists = self._file_lists()
+        if tokens is not None:
+            lists = {**lists, "tokens": [lists["tokens"][0], *map(str, tokens)]}
+        con.execute("set variable trustscope_files = ?", [lists])
         con.execute("set variable trustscope_params = ?", [self._params(**analysis)])
 
     def _lock_down(self) -> None:
@@ -275,8 +280,11 @@ class LogDB(NamedAnalyses):
 
         ``analysis`` overrides :data:`ANALYSIS_DEFAULTS` for this cursor only.
         """
+        return self._cursor(None, **analysis)
+
+    def _cursor(self, tokens: Sequence[Path] | None, **analysis: float) -> duckdb.DuckDBPyConnection:
         cur = self.con.cursor()
-        self._prepare(cur, **analysis)
+        self._prepare(cur, tokens, **analysis)
         for name, table in self.kept.merged.items():
             cur.register(name, table)
         return cur
@@ -325,10 +333,7 @@ class LogDB(NamedAnalyses):
 
     def _cursor_for(self, files: Sequence[Path]) -> duckdb.DuckDBPyConnection:
         """A cursor whose tokens list holds only ``files`` (one query of the cold pass)."""
-        cur = self.cursor()
-        lists = self._file_lists()
-        cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [lists["tokens"][0], *map(str, files)]}])
-        return cur
+        return self._cursor(files)
 
     def _disk_key(self) -> Any:
         """``file -> key``: what a file's kept rows on disk depend on besides the file itself (the SQL, the bound
