@@ -337,6 +337,32 @@ def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
     return pd.concat([long, accuracy], ignore_index=True)
 
 
+SIGNAL_TITLES = {
+    "ess_frac": "ESS of pi/mu over tokens (share of the step's tokens)",
+    "seq_log_ratio_p99": "p99 of |mean log(pi/mu)| per response",
+    "mismatch_mean": "mismatch mean |pi - mu|",
+    "entropy_slope": "entropy slope (nats a step, last 10 steps)",
+    "grad_norm": "grad norm",
+    "bad_negative_rate": "bad negative updates (share of tokens)",
+}
+"""The early-warning signals the Runs and Live pages draw, from the ``early_signals`` view (exact over every
+token; docs/experiments.md says which of them warn)."""
+
+
+@cached
+def _early_signals(ours: LogDB, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return ours.query("early_signals", run_ids=list(run_ids))
+
+
+def early_signals(run_ids: Sequence[str]) -> pd.DataFrame:
+    """Long form ``run_id, step, name, value`` of :data:`SIGNAL_TITLES` (runs without a summaries table, or
+    logged before the importance-weight rows, have none or only some)."""
+    wide = _early_signals(tuple(run_ids))
+    names = [n for n in SIGNAL_TITLES if n in wide.columns]
+    long = wide[["run_id", "step", *names]].melt(id_vars=["run_id", "step"], var_name="name", value_name="value")
+    return long.dropna(subset=["value"]).reset_index(drop=True)
+
+
 def blocked_by_rule(run_ids: Sequence[str], labels: dict[str, str] | None = None) -> pd.DataFrame:
     """``run_id, step, rule, n_blocked, n_tokens, blocked_frac`` (over the tokens with A != 0) for every rule that
     blocks anything in these runs, in registry order (:meth:`trustscope.db.Overview.blocked_by_rule`: the runs of

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app import data
 from app.launch import LOGDIR_ENV
 from trustscope import schema
 
@@ -67,7 +68,10 @@ def test_runs_page(monkeypatch, logdir):
     assert {"run_id", "status", "loss_rule", "n_steps", "tokens_generated", "tokens_logged",
             "updated_at"} <= set(table.columns) and len(table) >= 1
     assert "running" not in set(table["status"])  # every sample run's writer is long gone
-    assert len(_charts(at)) == 2
+    assert len(_charts(at)) == 3  # the metrics, the early-warning signals, the blocked fractions
+    signals = json.loads(_charts(at)[1].proto.spec)
+    titles = [a["text"] for a in signals["layout"]["annotations"]]
+    assert titles and set(titles) <= set(data.SIGNAL_TITLES.values()) and all(len(t["y"]) for t in signals["data"])
     picked = at.multiselect(key="group_picker").value
     rules = table.drop_duplicates("group").set_index("group")["loss_rule"]
     assert 1 <= len(picked) <= 4 and len({rules[g] for g in picked}) == len(picked)
@@ -105,7 +109,7 @@ def test_live_page(monkeypatch, logdir):
     _ok(at, "Live")
     labels = [m.label for m in at.metric]
     assert labels == ["Last step", "Tokens logged", "Mean reward", "Status"]
-    assert len(_charts(at)) == 1
+    assert len(_charts(at)) == 2  # the metrics and the early-warning signals
     assert any("Refreshed" in c.value for c in at.caption)
 
 

@@ -34,6 +34,12 @@ def live_view() -> None:
         logged = [m for m in data.METRIC_TITLES if m in set(metrics["name"])]
         chart = data.figure(figures.metrics_over_steps, metrics, logged, data.METRIC_TITLES)
         st.plotly_chart(chart, key="live_chart")
+        signals = data.early_signals([run])
+        shown = [n for n in data.SIGNAL_TITLES if n in set(signals["name"])]
+        if shown:
+            st.plotly_chart(data.figure(figures.metrics_over_steps, signals, shown, data.SIGNAL_TITLES),
+                            key="live_signals_chart")
+            st.caption("Early-warning signals, exact over every token of each step (the `early_signals` view).")
         updated = row["updated_at"]
         st.caption(f"Refreshed {datetime.now():%H:%M:%S}; the run's manifest was last updated "
                    + ("never" if updated is None or pd.isna(updated) else f"{updated:%Y-%m-%d %H:%M:%S} UTC") + ".")

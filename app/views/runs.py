@@ -65,6 +65,8 @@ def compare(chosen: list[str], grouped: bool) -> None:
                    + ", ".join(f"{g}: {n} seed{'s' * (n > 1)}" for g, n in sizes.items()) + ".")
     st.caption(where)
 
+    signals_section(members["run_id"].tolist(), weight)
+
     st.subheader("Blocked fraction by rule")
     blocked = data.blocked_by_rule(members["run_id"].tolist(), labels)
     applied = rules_of.to_dict()
@@ -88,6 +90,26 @@ def compare(chosen: list[str], grouped: bool) -> None:
         st.dataframe(table.rename_axis(column).reset_index(), hide_index=True, key="blocked_totals")
         st.caption("Blocked over every step: the share of the tokens with A != 0, with the counts (blocked of "
                    "tokens with A != 0).")
+
+
+def signals_section(run_ids: list[str], weight: float) -> None:
+    """The early-warning signals over steps, one line per run (seeds are not grouped here)."""
+    st.subheader("Early-warning signals")
+    long = data.early_signals(run_ids)
+    shown = [n for n in data.SIGNAL_TITLES if n in set(long["name"])]
+    if not shown:
+        st.caption("These runs log no early-warning signals (runs without a summaries table, or logged before the "
+                   "importance-weight rows).")
+        return
+    picked = st.multiselect("Signals", shown, default=shown[:4], format_func=data.SIGNAL_TITLES.get,
+                            key="signals_picker")
+    series = figures.smooth(long[long["name"].isin(picked)], weight, ["run_id", "name"])
+    widgets.chart(data.figure(figures.metrics_over_steps, series, picked, data.SIGNAL_TITLES),
+                  "signals_chart", "None of these runs has logged these signals yet.")
+    st.caption("Exact over every token of each step (the `early_signals` view, `trustscope sql \"select * from "
+               "early_signals\"`): the effective sample size of the importance weights pi/mu, the tail of the "
+               "responses' mean log-ratio, |pi - mu|, the entropy's slope, the grad norm. Which of them warn "
+               "before a collapse, and how early: docs/experiments.md.")
 
 
 chosen, grouped = widgets.pick_groups(runs)

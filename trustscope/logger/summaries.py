@@ -20,8 +20,15 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   SQL's ``bad_negative_delta``).
 - ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``:
   count, sum, sum of squares, min and max;
-- ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``: the count per fixed bin
+- ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``, ``abs_seq_log_ratio``: the count per fixed bin
   ``[bin_low, bin_high)`` of :data:`HIST_EDGES`, so quantiles follow exactly to bin resolution (8 bins a decade).
+- The early-warning signals (:func:`ratio_rows`), count, sum, sum of squares, min and max like the moments above:
+  ``is_weight``, the importance weight w = pi / mu of every token (the step's effective sample size is
+  ``sum^2 / sum_sq``, which merges exactly from the two sums); ``log_ratio``, log(pi / mu) per token;
+  ``seq_log_ratio``, the mean log-ratio of each response (``count`` is responses), ``seq_is_weight``, its
+  exponential (the response's geometric-mean weight, whose ESS is the response-level one), and
+  ``abs_seq_log_ratio`` with its histogram, for the tails. A response is one call's rows of its ``sample_id``: the
+  trainer hands each response whole to one call, so the per-response figures are exact.
 
 The mu buckets are those of the SQL macro ``mu_bucket`` (``sql/macros/mu_bucket.sql``), whose edges are read from
 that file: one definition. A bucket is stored as its lower edge (``mu_low``), which the view labels with the macro.
@@ -98,6 +105,16 @@ def _grouped(metric: str, group: np.ndarray, where: np.ndarray | None, signs: in
     return [{"metric": metric, "advantage_sign": SIGNS[g // len(MU_LOWS)], "mu_low": float(MU_LOWS[g % len(MU_LOWS)]),
              "count": int(counts[g]), **extra}
             for g in np.flatnonzero(counts[: signs * len(MU_LOWS)])]
+
+
+def ratio_rows(mu_logprob: np.ndarray, pi_logprob: np.ndarray, seq: np.ndarray) -> list[dict]:
+    """The importance-weight rows of one call (see the module docstring): ``mu_logprob``, ``pi_logprob`` ``(N,)``,
+    ``seq`` ``(N,)`` the response of each token as an index ``0..B-1``, every index present. In float64."""
+    log_ratio = pi_logprob.astype(np.float64) - mu_logprob.astype(np.float64)  # (N,)
+    seq_mean = np.bincount(seq, weights=log_ratio) / np.bincount(seq)  # (B,)
+    return [_moments("is_weight", np.exp(log_ratio)), _moments("log_ratio", log_ratio),
+            _moments("seq_log_ratio", seq_mean), _moments("seq_is_weight", np.exp(seq_mean)),
+            _moments("abs_seq_log_ratio", np.abs(seq_mean)), *_hist("abs_seq_log_ratio", np.abs(seq_mean))]
 
 
 def blocked_rule_list() -> list[tuple[str, dict]]:
@@ -190,6 +207,7 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> l
     if bits is not None:
         cols["blocked_rules"] = bits
 
+    rows += ratio_rows(cols["mu_logprob"], cols["pi_logprob"], row)
     delta = float(get_loss("minimal_negative_mask").defaults["delta"])
     bad = int(((adv < 0) & (mu_prob - pi_prob >= delta)).sum())
     rows.append({"metric": "bad_negative", "advantage_sign": "negative", "count": bad, "threshold": delta})
