@@ -14,7 +14,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     engine=cpu
 fi
-extras="$engine"
+extras="$engine,train"  # train: torch and transformers, which the default (reader's) install leaves out
 [[ $want_test == 1 ]] && extras="$extras,test,verl-deps"
 
 stamp=".venv/.trustscope-install"

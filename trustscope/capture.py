@@ -36,8 +36,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.capture")
 
 DEFAULT_CHUNK_TOKENS = 1024
 """Tokens per chunk: a chunk's float32 copy of the logits is ``chunk x V`` (1024 x 152k x 4 B = 620 MB)."""

@@ -125,10 +125,10 @@ def dashboard(
 ) -> None:
     """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise; any other
     address asks for an access token or an OIDC sign-in)."""
-    from app.launch import launch
+    from trustscope._dashboard import load
 
     try:
-        launch(logdir, host=host, port=port, token=token, no_auth=no_auth)
+        load("app.launch").launch(logdir, host=host, port=port, token=token, no_auth=no_auth)
     except (OSError, ValueError) as exc:
         typer.echo(f"trustscope dashboard: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -219,7 +219,8 @@ def compact(
 
 @app.command()
 def report(
-    logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an s3://bucket/prefix."),
+    logdir: str | None = typer.Argument(None, help="A log directory, one run directory inside it, or an "
+                                        "s3://bucket/prefix (default: the sample logs)."),
     html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
     inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
                                    "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
@@ -245,6 +246,10 @@ def report(
     from trustscope.report import WarningLines, print_report, write_html
     from trustscope.storage import StorageError
 
+    if logdir is None:
+        from trustscope.paths import sample_logdir
+
+        logdir = str(sample_logdir())
     try:
         lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
         with warnings.catch_warnings(record=True) as caught:

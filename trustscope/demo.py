@@ -79,10 +79,10 @@ def check_port(host: str, port: int) -> None:
 def link_sample_runs(logdir: Path, samples: Path | None = None) -> list[str]:
     """Link every shipped run (``sample_logs/<run>``) into ``logdir`` beside the demo run, so one log directory
     holds both; existing entries are left alone. Returns the names linked (none when no sample logs are found)."""
-    from app.launch import default_logdir
     from trustscope import schema
+    from trustscope.paths import sample_logdir
 
-    samples = Path(samples or default_logdir()).resolve()
+    samples = Path(samples or sample_logdir()).resolve()
     if not samples.is_dir() or samples == Path(logdir).resolve():
         return []
     Path(logdir).mkdir(parents=True, exist_ok=True)
@@ -196,8 +196,9 @@ def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: in
         print(f"  - {line}", file=sys.stderr)
     sys.stderr.flush()
     if serve:
-        from app.launch import FOCUS_ENV, launch
+        from trustscope._dashboard import load
 
-        os.environ[FOCUS_ENV] = cfg.run_id  # every page opens on the demo's run, the shipped runs beside it
-        launch(logdir, port=port)
+        launcher = load("app.launch")
+        os.environ[launcher.FOCUS_ENV] = cfg.run_id  # every page opens on the demo's run, the shipped runs beside it
+        launcher.launch(logdir, port=port)
     return cfg.run_dir

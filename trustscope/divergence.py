@@ -20,8 +20,13 @@ room for the second-order terms. In words: a bf16 mask only disagrees with the f
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.divergence")
 
 # The top-K pair in numpy, for callers without torch (the logger's writer thread).
 from trustscope.divergence_np import topk_divergences_np as topk_divergences_np

@@ -32,6 +32,13 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    except ModuleNotFoundError as exc:  # a library an install extra brings (trustscope.extras), else a bug
+        from trustscope import extras
+
+        if extras.extra_for(exc.name) is None:
+            raise
+        print(extras.message(exc.name, f"trustscope {command}"), file=sys.stderr)
+        code = 2
     if command in READ_ONLY:
         import atexit
 

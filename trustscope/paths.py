@@ -13,3 +13,14 @@ def cache_root() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trustscope"
+
+
+def sample_logdir() -> Path:
+    """The sample runs: a checkout's ``sample_logs/`` (all of them), else the two the wheel ships inside the package
+    (``trustscope/sample_logs``, ``setup.py``). What ``trustscope dashboard``, ``sql`` and ``report`` open when no
+    log directory is given."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "sample_logs").is_dir():
+        return checkout / "sample_logs"
+    return package / "sample_logs"

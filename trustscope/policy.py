@@ -21,8 +21,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.policy")
 
 from trustscope import divergence as D
 from trustscope.losses import DIVERGENCES, get_loss, list_losses

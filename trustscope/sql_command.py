@@ -34,8 +34,8 @@ def left_out(command: str, broken: dict[str, list[str]]) -> None:
 
 @click.command("sql", short_help="Run one read-only SQL query over a log directory (macros and views of "
                                  "trustscope/sql loaded).")
-@click.argument("logdir")
-@click.argument("query")
+@click.argument("logdir", metavar="[LOGDIR]")
+@click.argument("query", required=False, metavar="QUERY")  # one argument: the query, over the sample logs
 @click.option("--format", "-f", "fmt", default="table", show_default=True, help="table, csv, json or parquet.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=None,
               help="Write the result here instead of stdout.")
@@ -43,15 +43,19 @@ def left_out(command: str, broken: dict[str, list[str]]) -> None:
               help="Rows returned at most (the output says when rows were cut).")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds before the query is interrupted.")
-def sql(logdir: str, query: str, fmt: str, out: Path | None, max_rows: int, timeout: float) -> None:
+def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: int, timeout: float) -> None:
     """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded).
 
-    LOGDIR is a log directory, one run directory inside it, or an s3://bucket/prefix; QUERY one read-only SELECT
-    over the views (tokens, step_summary, ...). A run with an unreadable file is left out (named on stderr); the
-    others are queried.
+    LOGDIR is a log directory, one run directory inside it, or an s3://bucket/prefix (default: the sample logs);
+    QUERY one read-only SELECT over the views (tokens, step_summary, ...). A run with an unreadable file is left
+    out (named on stderr); the others are queried.
     """
     from trustscope import sandbox
 
+    if query is None:  # `trustscope sql QUERY`: over the sample logs
+        from trustscope.paths import sample_logdir
+
+        logdir, query = str(sample_logdir()), logdir
     sandbox.prewarm(fork=ONE_SHOT)  # the SQL worker gets ready while this process opens the log directory
     from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
     from trustscope.results import write_result

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.synthetic")
 
 from trustscope import divergence as D
 from trustscope.losses import PolicyBatch, get_loss

@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch import Tensor
+
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.engines.base")
 
 from trustscope.divergence import force_sampled_into_topk
 

@@ -59,8 +59,13 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-from torch import Tensor
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings torch and trl
+    missing(exc, "trustscope.integrations.trl", extra="trl")
 
 from trustscope.capture import capture, top_k
 from trustscope.divergence import force_sampled_into_topk

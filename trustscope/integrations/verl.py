@@ -65,8 +65,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
-from torch import Tensor
+from trustscope.extras import missing
+
+try:
+    import torch
+    from torch import Tensor
+except ModuleNotFoundError as exc:  # a reader's install: the [verl] extra brings torch and verl
+    missing(exc, "trustscope.integrations.verl", extra="verl")
 
 from trustscope import losses as L
 from trustscope.logger import TokenLogger

@@ -56,8 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
+
+from trustscope.extras import missing
+
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.loop")
 
 from trustscope import schema
 from trustscope.capture import Capture, capture

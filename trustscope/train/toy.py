@@ -35,7 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.toy")
 
 from trustscope.paths import cache_root
 from trustscope.train.tasks import Problem, get_task
