@@ -23,6 +23,7 @@ EXTRAS = {
     "verl": "verl",
     "omegaconf": "verl",
     "s3fs": "s3",
+    "ray": "ray",
 }
 """``{top-level module: the extra that installs it}``; ``tests/test_dependencies.py`` checks each against
 ``pyproject.toml``."""
