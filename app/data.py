@@ -401,7 +401,7 @@ def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
 
 @cached
 def ratio_points(ours: LogDB, run_id: str, steps: tuple[int, int]) -> pd.DataFrame:
-    """A uniform sample of at most 20,000 tokens of the window: mu, ratio, tv, topk_tv, mu_bucket."""
+    """A uniform sample of at most 8,000 tokens of the window: mu, ratio, tv, topk_tv, mu_bucket."""
     return ours.query("ratio_points", run_id=run_id, first_step=steps[0], last_step=steps[1])
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 MAIN = Path(__file__).resolve().parent / "main.py"
+SERVE = MAIN.with_name("serve.py")
 LOGDIR_ENV = "TRUSTSCOPE_LOGDIR"
 FOCUS_ENV = "TRUSTSCOPE_FOCUS_RUN"
 """A run the dashboard opens on: first in the Runs page's default comparison, so the drill-down pages open on it."""
@@ -30,7 +31,7 @@ def default_logdir() -> Path:
 def streamlit_command(logdir: Path | str, host: str = "127.0.0.1", port: int = 8501) -> list[str]:
     """The ``streamlit run`` command line serving the dashboard over ``logdir`` on ``host:port``."""
     return [
-        sys.executable, "-m", "streamlit", "run", str(MAIN),
+        sys.executable, str(SERVE), "run", str(MAIN),
         "--server.address", host,
         "--server.port", str(port),
         "--server.headless", "true",

@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_dashboard.py --demo runs/demo        # that demo log (trained there when missing)
     .venv/bin/python bench/bench_dashboard.py --no-demo --pages runs,rules
     .venv/bin/python bench/bench_dashboard.py --app /tmp/before/app/main.py     # another checkout's dashboard
+    .venv/bin/python bench/bench_dashboard.py --no-demo --browser-cache        # a returning browser
 
 For each log directory and each page of :data:`app.pages.PAGES`:
   cold     a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
@@ -14,6 +15,12 @@ For each log directory and each page of :data:`app.pages.PAGES`:
            scripts again);
 each as wall seconds with the server's and the browser's CPU seconds over the visit beside them (the machine's
 load does not inflate those).
+Beside the pages, in the same command: **floor**, a bare Streamlit page (a heading and a line of text) served
+with the same flags and timed the same way: what Streamlit's frontend alone costs this browser on this machine,
+the part of every first render no page can remove. With ``--browser-cache`` every server of the command listens on
+one port and the pages open in one persistent browser profile visited once before (Streamlit's hashed scripts in
+the browser's HTTP cache, as for anyone who opened the dashboard before): **cold** is then a new server with a new
+``TRUSTSCOPE_CACHE`` on a log never opened, met by a returning browser.
 "Drawn" is: the page's script run over, the page's ready selector shown (:attr:`app.pages.Page.ready`) and every
 plotly chart laid out by plotly.js in the browser. The server's own start (to its health check answering) is
 reported apart. Needs Debian's chromium (``/usr/bin/chromium``) and playwright (``setup.sh --test``).
@@ -45,6 +52,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 TRUSTSCOPE = Path(sys.executable).with_name("trustscope")
 DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')].every(gd => gd._fullLayout && gd._fullData)"""
 LIMIT = {"cold": 2.0, "warm": 1.0}
+VIEWPORT = {"width": 1400, "height": 2000}
 
 
 def _free_port() -> int:
@@ -87,16 +95,19 @@ class Server:
     """``trustscope dashboard LOGDIR`` on a free port with a new, empty cache; ``started`` is the seconds from
     the command to its health check answering."""
 
-    def __init__(self, logdir: Path, main: Path | None = None) -> None:
-        self.port = _free_port()
+    def __init__(self, logdir: Path, main: Path | None = None, port: int | None = None,
+                 script: Path | None = None) -> None:
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cache = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
         env = {**os.environ, "TRUSTSCOPE_CACHE": cache, "PYTHONUNBUFFERED": "1"}
         start = time.monotonic()
         command = [str(TRUSTSCOPE), "dashboard", str(logdir), "--port", str(self.port)]
-        if main is not None:  # another checkout's app: its streamlit command, with this server's flags
+        if main is not None or script is not None:  # another app: Streamlit's own command, this server's flags
             command = streamlit_command(logdir.resolve(), port=self.port)
-            command[command.index(str(MAIN))] = str(main)
+            command[command.index(str(MAIN))] = str(main or script)
+            if script is not None:
+                command[1:2] = ["-m", "streamlit"]
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = start + 120
         while time.monotonic() < deadline:
@@ -134,7 +145,8 @@ def _wait_drawn(tab, page: Page) -> None:
 
 def open_page(browser, url: str, page: Page):
     """A new tab on ``page`` and the seconds from its request to the page drawn."""
-    tab = browser.new_page(viewport={"width": 1400, "height": 2000})
+    # a persistent profile (--browser-cache) is one context, its viewport set at launch
+    tab = browser.new_page(**({} if hasattr(browser, "browser") else {"viewport": VIEWPORT}))
     start = time.monotonic()
     tab.goto(f"{url}/{page.url_path}", wait_until="commit")
     _wait_drawn(tab, page)
@@ -177,14 +189,38 @@ def visit(browser, server: Server, page: Page, away: Page) -> list[float]:
     return times
 
 
-def bench_logdir(browser, logdir: Path, pages: list[Page], repeat: int,
-                 main: Path | None = None) -> tuple[float, dict[str, list[float]]]:
+FLOOR = Page("Floor", "floor.py", "", "", "[data-testid='stMarkdown']")
+FLOOR_APP = """import streamlit as st
+st.title("Floor")
+st.write("A bare Streamlit page: what the frontend costs before any page of the dashboard draws.")
+"""
+
+
+def floor(browser, repeat: int, port: int | None) -> list[float]:
+    """The bare page's cold first render (wall, server and browser CPU seconds), medians over ``repeat`` servers."""
+    script = Path(tempfile.mkdtemp(prefix="bench-dashboard-floor-")) / "floor.py"
+    script.write_text(FLOOR_APP)
+    runs = []
+    for _ in range(repeat):
+        server = Server(script.parent, port=port, script=script)
+        try:
+            cpu, seen = server.cpu_seconds(), browser_cpu_seconds()
+            tab, wall = open_page(browser, server.url, FLOOR)
+            runs.append([wall, server.cpu_seconds() - cpu, browser_cpu_seconds() - seen])
+            tab.close()
+        finally:
+            server.close()
+    return [statistics.median(column) for column in zip(*runs, strict=True)]
+
+
+def bench_logdir(browser, logdir: Path, pages: list[Page], repeat: int, main: Path | None = None,
+                 port: int | None = None) -> tuple[float, dict[str, list[float]]]:
     """Per page, the medians over ``repeat`` fresh servers of :func:`visit`'s figures; and the median start."""
     started, results = [], {}
     for page in pages:
         runs = []
         for _ in range(repeat):
-            server = Server(logdir, main)
+            server = Server(logdir, main, port)
             try:
                 started.append(server.started)
                 runs.append(visit(browser, server, page, PAGES[-1] if page is PAGES[0] else PAGES[0]))
@@ -216,6 +252,8 @@ def main() -> None:
     parser.add_argument("--pages", help="comma-separated page files' stems (default: every page)")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--app", type=Path, help="another checkout's app/main.py to serve (a before/after)")
+    parser.add_argument("--browser-cache", action="store_true",
+                        help="one port and one browser profile visited before: a returning browser")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -223,10 +261,25 @@ def main() -> None:
     logdirs = [args.logdir] + ([] if args.no_demo else [demo_logdir(args.demo, args.demo_steps)])
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        port = None
+        if args.browser_cache:
+            port = _free_port()
+            browser = pw.chromium.launch_persistent_context(tempfile.mkdtemp(prefix="bench-dashboard-profile-"),
+                                                            executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                                            viewport=VIEWPORT)
+            server = Server(args.logdir, args.app, port)
+            try:  # the visit before: Streamlit's and plotly's scripts into the profile's cache
+                open_page(browser, server.url, PAGES[0])[0].close()
+            finally:
+                server.close()
+        else:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        wall, server_cpu, browser_cpu = floor(browser, args.repeat, port)
+        print(f"floor (a bare Streamlit page, cold): {wall:.2f} s, server {server_cpu:.2f} / browser "
+              f"{browser_cpu:.2f} CPU s", flush=True)
         for logdir in logdirs:
             print(f"\n{logdir}\n  {'page':<22}" + "".join(f"{c:>{len(c) + 2}}" for c in COLUMNS), flush=True)
-            started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app)
+            started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app, port)
             slow = [f"{title} {kind} {t:.2f} s" for title, times in results.items()
                     for kind, t in (("cold", times[0]), ("warm", times[3])) if t >= LIMIT[kind]]
             print(f"  server start (to healthy): {started:.2f} s; over the {LIMIT['cold']:g} s cold / "

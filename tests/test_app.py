@@ -406,10 +406,10 @@ def test_dashboard_command_refuses_a_missing_logdir(tmp_path):
 
 
 def test_dashboard_command_line_binds_localhost_and_passes_the_logdir(tmp_path):
-    from app.launch import MAIN, default_logdir, streamlit_command
+    from app.launch import MAIN, SERVE, default_logdir, streamlit_command
 
     cmd = streamlit_command(tmp_path, port=8765)
-    assert cmd[1:5] == ["-m", "streamlit", "run", str(MAIN)]
+    assert cmd[1:4] == [str(SERVE), "run", str(MAIN)]
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--server.port") + 1] == "8765"
     assert cmd[-3:] == ["--", "--logdir", str(tmp_path)]

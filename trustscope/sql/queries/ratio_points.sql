@@ -1,4 +1,4 @@
--- a uniform sample of at most 20,000 tokens of run $run_id in steps $first_step..$last_step: mu, the ratio pi / mu,
+-- a uniform sample of at most 8,000 tokens of run $run_id in steps $first_step..$last_step: mu, the ratio pi / mu,
 -- binary and top-k tv and the mu bucket, for the ratio-versus-divergence scatter.
 with window_tokens as (
     select mu_prob as mu, ratio, binary_tv as tv, topk_tv, mu_bucket
@@ -9,7 +9,7 @@ with window_tokens as (
 final as (
     select *
     from window_tokens
-    using sample reservoir (20000 rows) repeatable (7)
+    using sample reservoir (8000 rows) repeatable (7)
 )
 
 select * from final
