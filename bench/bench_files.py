@@ -118,6 +118,32 @@ def read_times(logdir: Path, repeat: int, first_pass: bool = True, timeout: floa
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+POLARS_READER = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import polars as pl
+files = json.loads(open(sys.argv[1]).read())
+t1 = time.perf_counter()
+per_step = (pl.scan_parquet(files).group_by("step")
+            .agg(pl.len(), pl.col("mu_logprob").sum(), (pl.col("pi_logprob") - pl.col("mu_logprob")).mean())
+            .collect())
+print(json.dumps({"import": t1 - t0, "scan": time.perf_counter() - t1, "steps": per_step.height}))
+"""
+
+
+def polars_scan(files: list[Path]) -> dict:
+    """polars (lazy ``scan_parquet``) over ``files`` in a new process: one per-step aggregate of every token row,
+    the scan rate a first pass is held against; its import timed apart."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as listing:
+        json.dump([str(f) for f in files], listing)
+    try:
+        out = subprocess.run([sys.executable, "-c", POLARS_READER, listing.name], capture_output=True, text=True,
+                             check=True)
+    finally:
+        os.unlink(listing.name)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def n_files(logdir: Path) -> int:
     return sum(len(f) for run in schema.run_dirs(logdir) for f in schema.committed_files(run).values())
 
@@ -259,6 +285,15 @@ def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float
     assert not problems, problems[:3]
     packed = read_times(work, repeat, first_pass=True)
     print(f"trustscope compact: {compaction_s:.1f} s, {files:,} -> {n_files(work):,} files")
+    run = work / RUN_ID
+    token_files = schema.committed_files(run)["tokens"]
+    token_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in token_files)
+    scan = polars_scan(token_files)
+    assert scan["steps"] == steps, scan
+    print(f"first pass against polars over the same {token_rows:,} token rows (compacted files, new processes): "
+          f"trustscope {packed['first_pass']:.2f} s = {token_rows / packed['first_pass']:,.0f} rows/s (every kept "
+          f"aggregate of every rule), polars {scan['scan']:.2f} s = {token_rows / scan['scan']:,.0f} rows/s (one "
+          f"per-step aggregate; its import {scan['import']:.2f} s apart)")
     if raw is None:
         print(f"per-step files   connect + overview did not finish in {raw_timeout:.0f} s")
     for name, t in (("per-step files", raw), ("compacted", packed)):
