@@ -299,20 +299,53 @@ def import_(
                                                   "(only for files you trust), for the formats that read .pt."),
     tokenizer: Path | None = typer.Option(None, help="The run's Hugging Face tokenizer directory (local), so "
                                                      "statistics name tokens."),
+    follow: bool = typer.Option(False, "--follow", help="Follow a running job: append each step to the run once "
+                                                        "its writer has finished it (prime-rl: STABLE; NeMo-RL: "
+                                                        "a closed, settled file; slime/miles: both .pt sides, "
+                                                        "settled), until --stop-after-idle or Ctrl-C. Stopped "
+                                                        "and started again, it resumes after the last committed "
+                                                        "step."),
+    poll: float = typer.Option(2.0, min=0.0, help="--follow: seconds between two looks at SRC."),
+    settle: float = typer.Option(2.0, min=0.0, help="--follow: seconds a step's files must stay unchanged "
+                                                    "(after prime-rl's STABLE: for its metrics.jsonl row) before "
+                                                    "the step is taken as finished."),
+    stop_after_idle: float | None = typer.Option(None, min=0.0, help="--follow: stop once no new step has been "
+                                                                     "finished for this many seconds (default: "
+                                                                     "follow until Ctrl-C)."),
 ) -> None:
-    """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file)."""
-    from trustscope.importers import ImportFormatError, ImportUsageError, import_run
+    """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file).
+    With --follow, a running job's dump is followed step by step."""
+    from trustscope.importers import ImportFormatError, ImportUsageError, follow_run, import_run
 
     try:
-        run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
-                             allow_pickle=allow_pickle)
+        if follow:
+            def said(step: int, sequences: int, rows: int) -> None:
+                typer.echo(f"step {step}: {sequences} sequences, {rows} token rows")
+
+            typer.echo(f"following {src} ({format}) into {logdir}; Ctrl-C stops after the step being imported",
+                       err=True)
+            result = follow_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                                poll_s=poll, settle_s=settle, stop_after_idle_s=stop_after_idle, on_step=said,
+                                allow_pickle=allow_pickle)
+        else:
+            for name, value in (("--poll", poll != 2.0), ("--settle", settle != 2.0),
+                                ("--stop-after-idle", stop_after_idle is not None)):
+                if value:
+                    raise ImportUsageError(f"{name} is an option of --follow")
+            run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                                 allow_pickle=allow_pickle)
     except ImportUsageError as exc:  # an unknown format, or an option the format does not take
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(2) from exc
     except (ImportFormatError, OSError, ValueError) as exc:  # OSError: the run exists, the disk is full, ...
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"imported {src} as {run_dir}")
+    if follow:
+        last = "no step" if result.last_step is None else f"steps through {result.last_step}"
+        typer.echo(f"followed {src} as {result.run_dir}: {len(result.imported)} step(s) imported this time, {last} "
+                   f"in the run ({'idle' if result.stopped == 'idle' else 'stopped'})")
+    else:
+        typer.echo(f"imported {src} as {run_dir}")
 
 
 class DoctorCommand(typer.core.TyperCommand):

@@ -25,8 +25,8 @@ from trustscope.importers.base import (
     write_run,
 )
 
-__all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "format_for", "import_run", "read_source",
-           "register_importer"]
+__all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "checked_options", "follow_run", "format_for",
+           "import_run", "load_vocab", "read_source", "register_importer"]
 
 
 def format_for(name: str) -> ImportFormat:
@@ -36,9 +36,9 @@ def format_for(name: str) -> ImportFormat:
     return IMPORTERS[name]
 
 
-def read_source(fmt: str, src: str | Path, *, version: str | None = None, **options: Any) -> ImportedRun:
-    """Parse ``src`` as format ``fmt`` without writing anything. ``options`` are the format's own (see
-    :data:`IMPORTERS`): one the format does not take is refused when it is set (not ``None`` or ``False``)."""
+def checked_options(fmt: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``options`` that are set (not ``None`` or ``False``); :class:`ImportUsageError` when format
+    ``fmt`` does not take one of them, naming the formats that do."""
     importer = format_for(fmt)
     given = {name: value for name, value in options.items() if value not in (None, False)}
     foreign = sorted(set(given) - set(importer.options))
@@ -47,7 +47,26 @@ def read_source(fmt: str, src: str | Path, *, version: str | None = None, **opti
         raise ImportUsageError(f"format {fmt!r} takes no option {', '.join(foreign)} ("
                                + "; ".join(f"{name}: {', '.join(fs) or 'no format'}" for name, fs in takers.items())
                                + ")")
-    return importer.read(Path(src), version=version, **given)
+    return given
+
+
+def read_source(fmt: str, src: str | Path, *, version: str | None = None, **options: Any) -> ImportedRun:
+    """Parse ``src`` as format ``fmt`` without writing anything. ``options`` are the format's own (see
+    :data:`IMPORTERS`): one the format does not take is refused when it is set (not ``None`` or ``False``)."""
+    given = checked_options(fmt, options)
+    return format_for(fmt).read(Path(src), version=version, **given)
+
+
+def load_vocab(tokenizer: str | Path | None) -> Any:
+    """The tokenizer in the local directory ``tokenizer`` (loaded without network access), or None."""
+    if tokenizer is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {err}") from None
 
 
 def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
@@ -58,13 +77,20 @@ def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
     token texts become the run's vocab table. Nothing is written unless every file parses and checks; the run
     appears by one rename at the end.
     """
-    vocab = None
-    if tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        try:
-            vocab = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {err}") from None
+    vocab = load_vocab(tokenizer)
     return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab)
+
+
+def follow_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
+               version: str | None = None, tokenizer: str | Path | None = None, poll_s: float = 2.0,
+               settle_s: float = 2.0, stop_after_idle_s: float | None = None, on_step: Any = None,
+               should_stop: Any = None, **options: Any) -> Any:
+    """Follow a running job's ``src`` into one run under ``logdir``, step by step as its writer finishes them
+    (:func:`trustscope.importers.follow.follow`, whose docstring says when a step is finished); returns its
+    :class:`~trustscope.importers.follow.FollowResult`."""
+    from trustscope.importers.follow import follow
+
+    return follow(fmt, src, logdir, run_id=run_id, version=version, vocab=load_vocab(tokenizer), poll_s=poll_s,
+                  settle_s=settle_s, stop_after_idle_s=stop_after_idle_s, on_step=on_step, options=options,
+                  should_stop=should_stop)
 

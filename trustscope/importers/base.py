@@ -19,7 +19,7 @@ import contextlib
 import json
 import secrets
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -30,7 +30,7 @@ import orjson
 from trustscope.schema import LOGPROB_TOLERANCE
 
 __all__ = ["IMPORTERS", "ImportFormat", "ImportFormatError", "ImportUsageError", "ImportedRun", "Importer",
-           "SameThroughout", "Sequence", "json_lines", "register_importer", "write_run"]
+           "SameThroughout", "Sequence", "json_lines", "log_step", "register_importer", "unscored", "write_run"]
 
 
 class ImportFormatError(ValueError):
@@ -44,10 +44,13 @@ class ImportUsageError(ValueError):
 class Importer(Protocol):
     """An importer: parses and checks a whole source (a file or a directory) into an :class:`ImportedRun`, or raises
     :class:`ImportFormatError` naming the file and line (or tensor key) of the first thing that does not match.
-    ``version`` is the framework version the caller knows (the files record none). An importer may take more
+    ``version`` is the framework version the caller knows (the files record none); ``steps``, when given, are
+    the only steps read (a followed source: the files of other steps may be half written, and side streams that
+    are still being appended to end at their last complete line). An importer may take more
     keyword flags, each with a default, which it declares in :func:`register_importer`'s ``options``."""
 
-    def __call__(self, src: Path, *, version: str | None = None) -> ImportedRun: ...
+    def __call__(self, src: Path, *, version: str | None = None, steps: Collection[int] | None = None
+                 ) -> ImportedRun: ...
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,11 @@ class ImportedRun:
     files: int = 0
 
 
-def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+def json_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, Any]]:
     """``(line number, parsed object)`` for each line of a JSONL file; a truncated or unparsable line is an error.
+
+    ``partial_tail``: a file another process is still appending to; its last line without a newline is not
+    written yet and is left out instead of refused.
 
     Parsed by orjson (about 9x faster than ``json`` on token-export lines); a line orjson refuses is parsed again
     by Python's ``json``, which also accepts the bare ``NaN`` / ``Infinity`` that ``json.dumps`` writes by default.
@@ -167,6 +173,8 @@ def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
+                if partial_tail:
+                    return
                 raise ImportFormatError(f"{path}:{number}: last line has no newline: the file is truncated "
                                         f"(the writer ends every record with one)")
             try:
@@ -289,6 +297,30 @@ def _ids(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
     return own, prompt_ids
 
 
+def log_step(loggers: Mapping[int, Any], step: int, seqs: list[Sequence], scalars: Mapping[str, float] | None,
+             ranks: Collection[int] | None = None) -> None:
+    """Log one step's sequences (each source rank through its own logger of ``loggers``) and scalars (rank 0's
+    logger), one ``log_step`` call per rank, so no flush ever holds part of a rank's share of the step.
+    ``ranks``: only these ranks' share (a followed run, whose ranks commit one after the other); None, all."""
+    seqs = sorted(seqs, key=lambda s: s.rank)
+    sample_ids, prompt_ids = _ids(seqs)  # over the whole step, whichever ranks are logged
+    present = {s.rank for s in seqs}
+    for rank in sorted(present | ({0} if scalars else set())):
+        if ranks is not None and rank not in ranks:
+            continue
+        kwargs: dict[str, Any] = {"scalars": scalars} if rank == 0 and scalars else {}
+        if rank in present:
+            idx = [i for i, s in enumerate(seqs) if s.rank == rank]
+            kwargs["tokens"], kwargs["mask"], kwargs["samples"] = _step_call(
+                [seqs[i] for i in idx], [sample_ids[i] for i in idx], [prompt_ids[i] for i in idx])
+        loggers[rank].log_step(step, **kwargs)
+
+
+def unscored(seqs: list[Sequence]) -> int:
+    """Trained tokens left out as unscored (a NaN log-prob, advantage or entropy)."""
+    return int(sum(int((s.mask & ~_scored(s)).sum()) for s in seqs))
+
+
 def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None) -> Path:
     """Write ``run`` as ``<logdir>/<run_id>`` through :class:`TokenLogger`; returns the run directory.
 
@@ -309,9 +341,9 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, v
         raise FileExistsError(f"{target} already exists; choose another --run-id or remove it")
     logdir.mkdir(parents=True, exist_ok=True)
     tmp_root = logdir / f".import-{run_id}-{secrets.token_hex(4)}"
-    unscored = int(sum(int((s.mask & ~_scored(s)).sum()) for s in run.sequences))
     config = {"import": {"format": run.format, "src": str(run.src), "files": run.files,
-                        "sequences": len(run.sequences), "unscored_tokens": unscored, "columns": run.notes}}
+                        "sequences": len(run.sequences), "unscored_tokens": unscored(run.sequences),
+                        "columns": run.notes}}
     source = {"framework": run.framework, "version": run.version, "format": run.format, "src": str(run.src)}
     by_step: dict[int, list[Sequence]] = {}
     for seq in run.sequences:
@@ -326,15 +358,7 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, v
                                         mu_source="imported", source=source, rank=rank, flush_seconds=3600.0,
                                         summaries=False)
         for step in sorted(set(by_step) | set(run.scalars)):
-            seqs = sorted(by_step.get(step, []), key=lambda s: s.rank)
-            sample_ids, prompt_ids = _ids(seqs)
-            for rank in sorted({s.rank for s in seqs}):
-                idx = [i for i, s in enumerate(seqs) if s.rank == rank]
-                tokens, mask, samples = _step_call([seqs[i] for i in idx], [sample_ids[i] for i in idx],
-                                                   [prompt_ids[i] for i in idx])
-                loggers[rank].log_step(step, tokens=tokens, mask=mask, samples=samples)
-            if run.scalars.get(step):
-                loggers[0].log_step(step, scalars=run.scalars[step])
+            log_step(loggers, step, by_step.get(step, []), run.scalars.get(step))
         for rank in reversed(ranks):
             loggers.pop(rank).close()
         (tmp_root / run_id).rename(target)

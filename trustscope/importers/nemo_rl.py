@@ -27,6 +27,7 @@ clip mask is not logged). Samples: ``sample_id`` = ``idx``, ``prompt_id`` groups
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -139,10 +140,10 @@ def _sequence(record: Any, step: int, where: str) -> Sequence:
 
 
 @register_importer("nemo-rl", reads="train_data_step<N>.jsonl (GRPO's per-step training data, in its log_dir)")
-def read(src: Path, *, version: str | None = None) -> ImportedRun:
-    """Parse and check every step file; see the module docstring for the mapping."""
+def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
+    """Parse and check every step file (of ``steps`` when given); see the module docstring for the mapping."""
     src = Path(src)
-    files = step_files(src)
+    files = [(step, path) for step, path in step_files(src) if steps is None or step in steps]
     sequences: list[Sequence] = []
     optional_keys = SameThroughout("files of differently configured or versioned runs are mixed",
                                    lambda keys: f"optional keys {sorted(keys)}")

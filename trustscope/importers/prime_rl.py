@@ -51,6 +51,7 @@ are read:
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,21 +94,36 @@ NOTES = {
 }
 
 
-def export_files(src: Path) -> list[tuple[int, int, Path]]:
-    """``(step, rank, path)`` of every ``step_<N>/rank_<R>.jsonl`` under ``src`` (a ``token_exports`` directory or
-    the trainer output directory holding one), sorted by step and rank."""
+def export_root(src: Path) -> Path:
+    """The ``token_exports`` directory of ``src`` (that directory itself, or the trainer output directory)."""
     root = src / "token_exports" if (src / "token_exports").is_dir() else src
     if not root.is_dir():
         raise ImportFormatError(f"{src}: not a directory (expected prime-rl's token_exports/ or its parent)")
-    found = []
+    return root
+
+
+def step_dirs(root: Path) -> dict[int, Path]:
+    """``{step: step_<N> directory}`` of a ``token_exports`` directory."""
+    out = {}
     for step_dir in root.iterdir():
         m = _STEP_DIR.match(step_dir.name)
-        if not (m and step_dir.is_dir()):
+        if m and step_dir.is_dir():
+            out[int(m.group(1))] = step_dir
+    return out
+
+
+def export_files(src: Path, steps: Collection[int] | None = None) -> list[tuple[int, int, Path]]:
+    """``(step, rank, path)`` of every ``step_<N>/rank_<R>.jsonl`` under ``src`` (a ``token_exports`` directory or
+    the trainer output directory holding one), sorted by step and rank; only of ``steps`` when given."""
+    root = export_root(src)
+    found = []
+    for step, step_dir in step_dirs(root).items():
+        if steps is not None and step not in steps:
             continue
         for path in step_dir.iterdir():
             r = _RANK_FILE.match(path.name)
             if r:
-                found.append((int(m.group(1)), int(r.group(1)), path))
+                found.append((step, int(r.group(1)), path))
     if not found:
         raise ImportFormatError(f"{root}: no step_<N>/rank_<R>.jsonl files (prime-rl token export)")
     stable = {path.parent for _, _, path in found if (path.parent / "STABLE").exists()}
@@ -181,15 +197,18 @@ def _trace_branch(episode: dict, trace: dict, path: list[dict]) -> _Branch:
     )
 
 
-def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | None, int]:
-    """Branches of every train trace stream under ``run_dir/rollouts``, keyed by their token ids; the verifiers
+def trace_index(run_dir: Path, steps: Collection[int] | None = None
+                ) -> tuple[dict[tuple[int, ...], _Branch], str | None, int]:
+    """Branches of every train trace stream under ``run_dir/rollouts`` (of ``steps`` when given: the orchestrator
+    may still be appending, so each file ends at its last complete line), keyed by their token ids; the verifiers
     version that wrote them; the number of files read."""
     root = run_dir / "rollouts"
-    files = sorted(p for p in root.rglob("traces.jsonl") if _TRACE_FILE.match(p.relative_to(root).as_posix()))
+    files = sorted(p for p in root.rglob("traces.jsonl") if (m := _TRACE_FILE.match(p.relative_to(root).as_posix()))
+                   and (steps is None or int(m.group(1)) in steps))
     index: dict[tuple[int, ...], _Branch] = {}
     versions = SameThroughout("trace streams of two verifiers versions are mixed", "written by verifiers {}".format)
     for path in files:
-        for line, episode in json_lines(path):
+        for line, episode in json_lines(path, partial_tail=steps is not None):
             where = f"{path}:{line}"
             traces = episode.get("traces") if isinstance(episode, dict) else None
             if not isinstance(traces, list):
@@ -205,12 +224,15 @@ def trace_index(run_dir: Path) -> tuple[dict[tuple[int, ...], _Branch], str | No
     return index, versions.value, len(files)
 
 
-def step_scalars(path: Path) -> dict[int, dict[str, float]]:
-    """``{step: {name: value}}`` from prime-rl's ``metrics.jsonl`` (numbers only; later lines win)."""
+def step_scalars(path: Path, steps: Collection[int] | None = None) -> dict[int, dict[str, float]]:
+    """``{step: {name: value}}`` from prime-rl's ``metrics.jsonl`` (numbers only; later lines win); only of
+    ``steps`` when given (the file is still being appended to: it ends at its last complete line)."""
     out: dict[int, dict[str, float]] = {}
-    for line, row in json_lines(path):
+    for line, row in json_lines(path, partial_tail=steps is not None):
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ImportFormatError(f"{path}:{line}: a metrics row needs an integer 'step'")
+        if steps is not None and row["step"] not in steps:
+            continue
         values = {k: float(v) for k, v in row.items() if k not in ("step", "time")
                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
         out.setdefault(row["step"], {}).update(values)
@@ -286,10 +308,11 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
 
 @register_importer("prime-rl", reads="token_exports/step_<N>/rank_<R>.jsonl (the trainer's token export), "
                                      "or the run directory holding it")
-def read(src: Path, *, version: str | None = None) -> ImportedRun:
-    """Parse and check every export file under ``src``; see the module docstring for the mapping."""
+def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
+    """Parse and check every export file under ``src`` (of ``steps`` when given); see the module docstring for
+    the mapping."""
     src = Path(src)
-    files = export_files(src)
+    files = export_files(src, steps)
     sequences: list[Sequence] = []
     layouts = SameThroughout("exports of two prime-rl versions are mixed", "{} layout".format)
     skipped_sft = 0
@@ -319,7 +342,8 @@ def read(src: Path, *, version: str | None = None) -> ImportedRun:
     notes = dict(NOTES)
     fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout"
     n_files = len(files)
-    traces, verifiers_version, n_trace_files = trace_index(src) if (src / "rollouts").is_dir() else ({}, None, 0)
+    traces, verifiers_version, n_trace_files = (trace_index(src, steps) if (src / "rollouts").is_dir()
+                                                else ({}, None, 0))
     if n_trace_files:
         matched = 0
         for seq in sequences:
@@ -335,7 +359,7 @@ def read(src: Path, *, version: str | None = None) -> ImportedRun:
                             f"traces.jsonl, joined by token ids: {matched} of {len(sequences)} sequences matched")
         fmt += f"; trace streams (trace version {TRACE_VERSION}, verifiers {verifiers_version})"
         n_files += n_trace_files
-    scalars = step_scalars(src / "metrics.jsonl") if (src / "metrics.jsonl").is_file() else {}
+    scalars = step_scalars(src / "metrics.jsonl", steps) if (src / "metrics.jsonl").is_file() else {}
     if scalars:
         n_files += 1
     if not any_mask:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -398,23 +399,29 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
 
 @register_importer("slime", reads="a --dump-details directory: rollout_data/ and train_data/ .pt files",
                    options=ALLOW_PICKLE)
-def read_slime(src: Path, *, version: str | None = None, allow_pickle: bool = False) -> ImportedRun:
+def read_slime(src: Path, *, version: str | None = None, steps: Collection[int] | None = None,
+               allow_pickle: bool = False) -> ImportedRun:
     """slime's ``--dump-details`` directory."""
-    return read(src, version=version, framework="slime", allow_pickle=allow_pickle)
+    return read(src, version=version, framework="slime", steps=steps, allow_pickle=allow_pickle)
 
 
 @register_importer("miles", reads="the same for miles (per-rank train files, context-parallel slices joined)",
                    options=ALLOW_PICKLE)
-def read_miles(src: Path, *, version: str | None = None, allow_pickle: bool = False) -> ImportedRun:
+def read_miles(src: Path, *, version: str | None = None, steps: Collection[int] | None = None,
+               allow_pickle: bool = False) -> ImportedRun:
     """miles' ``--dump-details`` directory."""
-    return read(src, version=version, framework="miles", allow_pickle=allow_pickle)
+    return read(src, version=version, framework="miles", steps=steps, allow_pickle=allow_pickle)
 
 
 def read(src: str | Path, *, version: str | None = None, framework: str = "slime",
-         allow_pickle: bool = False) -> ImportedRun:
-    """Parse, join and check every rollout step of a ``--dump-details`` directory; see the module docstring."""
+         steps: Collection[int] | None = None, allow_pickle: bool = False) -> ImportedRun:
+    """Parse, join and check every rollout step of a ``--dump-details`` directory (of ``steps`` when given); see
+    the module docstring."""
     src = Path(src)
     rollouts, trains = _rollout_files(src), _train_files(src)
+    if steps is not None:
+        rollouts = {rid: p for rid, p in rollouts.items() if rid in steps}
+        trains = {rid: t for rid, t in trains.items() if rid in steps}
     for rid in sorted(set(trains) - set(rollouts)):
         raise ImportFormatError(f"{trains[rid][1][0][1]}: no rollout_data/{rid}.pt to join it with")
     sequences: list[Sequence] = []

@@ -1,0 +1,331 @@
+"""Follow a running job: ``trustscope import --follow FORMAT SRC LOGDIR`` appends each step of another framework's
+dump to one trustscope run once its writer has finished it, so the dashboard is live on that job.
+
+When a step is finished (each format's writer says so its own way, :data:`FINISHED`):
+
+- prime-rl: the trainer touches ``STABLE`` in ``token_exports/step_<N>/`` once every rank has flushed the step
+  (``TokenExporter.mark_stable``, after a barrier). Exports of writers before ``STABLE`` existed (#2641): a step is
+  finished once a later step's directory exists.
+- NeMo-RL: ``Logger.log_batched_dict_as_jsonl`` writes ``train_data_step<N>.jsonl`` in one ``open(..., "w")``,
+  one line per sample, and writes no marker: the file is finished once a later step's file exists, or once it
+  ends with a closed line and has not changed for ``settle_s``.
+- slime / miles: ``torch.save`` straight to ``rollout_data/<id>.pt`` and ``train_data/<id>[_<rank>].pt`` (no
+  rename, so a file may be half written): the step is finished once both sides exist and a later rollout has
+  train data, or none of the step's files has changed for ``settle_s``.
+
+A finished prime-rl step also waits ``settle_s`` after ``STABLE``, for the trainer's ``metrics.jsonl`` row of
+the step. Steps are imported in order, each only once the steps before it in the source are (a step finished
+before an earlier one waits for it).
+
+Each step is read by the format's importer alone (``steps={n}``), checked, and logged through one
+:class:`~trustscope.logger.TokenLogger` per source rank with one ``log_step`` call per rank; the ranks other
+than 0 are flushed first and rank 0 last. The position is what the run has committed, nothing else: rank 0's
+``last_step`` is the last step every rank has, and a rank whose ``last_step`` is already at a step (it committed
+before the follower was stopped) is not given that step again. Stopping (idle, Ctrl-C: both finish the step being
+imported first) or killing the follower and starting it again therefore imports nothing twice and loses nothing.
+
+A finished step that does not parse stops the follower with the file and line (the importer's error): the steps
+committed before stay, and a restart once the file is fixed or removed resumes at that step. Steps are appended in
+order and a run cannot take an earlier step later, so skipping it would lose it for good. A source that
+disappears stops the follower the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trustscope.importers import nemo_rl, prime_rl, slime
+from trustscope.importers.base import ImportedRun, ImportFormatError, check_values, log_step, unscored
+
+__all__ = ["FINISHED", "FollowResult", "SourceGone", "follow"]
+
+UNSCORED_SCALAR = "import/unscored_tokens"
+"""The per-step scalar counting the trained tokens left out as unscored (a one-shot import counts them in
+``config.import.unscored_tokens``)."""
+
+
+class SourceGone(ImportFormatError):
+    """The followed source disappeared."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a poll of the source found: every step it holds, and those whose writer has finished them."""
+
+    steps: frozenset[int]
+    finished: frozenset[int]
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def _prime_rl(src: Path, settle_s: float, now: float) -> Listing:
+    root = prime_rl.export_root(src)
+    dirs = prime_rl.step_dirs(root)
+    marked = {n for n, d in dirs.items() if (d / "STABLE").exists()}
+    finished = set()
+    for n, d in dirs.items():
+        if n in marked:
+            if now - _mtime(d / "STABLE") >= settle_s:
+                finished.add(n)
+        elif not marked and any(m > n for m in dirs):  # a writer from before STABLE: the next step began
+            finished.add(n)
+    return Listing(frozenset(dirs), frozenset(finished))
+
+
+def _nemo_rl(src: Path, settle_s: float, now: float) -> Listing:
+    if src.is_file():
+        files = nemo_rl.step_files(src)
+    elif src.is_dir():
+        files = sorted((int(m.group(1)), p) for p in src.iterdir() if (m := nemo_rl._FILE.match(p.name)))
+    else:
+        raise SourceGone(f"{src}: no such file or directory")
+    finished = set()
+    for i, (n, path) in enumerate(files):
+        if i + 1 < len(files):  # the writer writes the steps in order, each file in one go
+            finished.add(n)
+            continue
+        stat = path.stat()
+        if stat.st_size and now - stat.st_mtime >= settle_s:
+            with path.open("rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) == b"\n":
+                    finished.add(n)
+    return Listing(frozenset(n for n, _ in files), frozenset(finished))
+
+
+def _slime(src: Path, settle_s: float, now: float) -> Listing:
+    if not src.is_dir():
+        raise SourceGone(f"{src}: not a directory (expected a --dump-details directory)")
+    rollouts: dict[int, Path] = {}
+    if (src / "rollout_data").is_dir():
+        for p in (src / "rollout_data").iterdir():
+            if m := slime._ROLLOUT_FILE.match(p.name):
+                rollouts[int(m.group(1))] = p
+    trains: dict[int, list[Path]] = {}
+    if (src / "train_data").is_dir():
+        for p in (src / "train_data").iterdir():
+            if m := slime._TRAIN_FILE.match(p.name):
+                trains.setdefault(int(m.group(1)), []).append(p)
+    finished = set()
+    for rid, path in rollouts.items():
+        if rid not in trains:
+            continue
+        later = any(other > rid for other in trains)
+        if later or now - max(_mtime(p) for p in (path, *trains[rid])) >= settle_s:
+            finished.add(rid)
+    return Listing(frozenset(rollouts), frozenset(finished))
+
+
+FINISHED: dict[str, Callable[[Path, float, float], Listing]] = {
+    "prime-rl": _prime_rl, "nemo-rl": _nemo_rl, "slime": _slime, "miles": _slime,
+}
+"""Per format: ``(src, settle_s, now) -> Listing``: the steps of the source, and those its writer finished."""
+
+
+@dataclass
+class FollowResult:
+    """What a follow session did: the run directory, the steps it imported, why it stopped."""
+
+    run_dir: Path
+    imported: list[int]
+    last_step: int | None
+    stopped: str  # "idle", "interrupted"
+
+
+class _DeferInterrupt:
+    """Ctrl-C during a step's import is held until the step is committed (main thread only)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._old: Any = None
+
+    def __enter__(self) -> _DeferInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.asked = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        if self.asked:
+            raise KeyboardInterrupt
+
+
+class _Run:
+    """The trustscope run a follow session appends to: its loggers (opened per rank on first use, always as a
+    resume, so a restart continues) and what each rank has committed."""
+
+    def __init__(self, logdir: Path, run_id: str, fmt: str, src: Path, vocab: Any):
+        self.logdir, self.run_id, self.fmt, self.src, self.vocab = logdir, run_id, fmt, src, vocab
+        self.dir = logdir / run_id
+        self.loggers: dict[int, Any] = {}
+        self.last: dict[int, int | None] = {}
+        self.format: str | None = None
+        manifest = self.dir / "run.json"
+        if manifest.exists():
+            info = json.loads(manifest.read_text())
+            follow = ((info.get("config") or {}).get("import") or {}).get("follow")
+            if not isinstance(follow, dict) or follow.get("format") != fmt or follow.get("src") != str(src):
+                was = (f"a followed import of {follow.get('format')} {follow.get('src')}"
+                       if isinstance(follow, dict) else "not a followed import")
+                raise FileExistsError(f"{self.dir} already exists and is {was}; choose another --run-id")
+            self.format = (info.get("source") or {}).get("format")
+            self.open(0)
+
+    def open(self, rank: int, run: ImportedRun | None = None) -> Any:
+        from trustscope.logger import TokenLogger
+
+        if rank in self.loggers:
+            return self.loggers[rank]
+        config = source = None
+        loss_rule = "imported"
+        if run is not None:
+            loss_rule = run.loss_rule
+            if rank == 0:
+                config = {"import": {"format": run.format, "src": str(self.src), "files": None,
+                                     "sequences": None, "unscored_tokens": None, "columns": run.notes,
+                                     "follow": {"format": self.fmt, "src": str(self.src)}}}
+                source = {"framework": run.framework, "version": run.version, "format": run.format,
+                          "src": str(self.src)}
+        # every step is committed by an explicit flush, one log_step call per rank: no automatic flush splits
+        # a step (the memory bound is never reached: one step is in memory at a time, parsed already)
+        logger = TokenLogger(self.logdir, self.run_id, config=config, loss_rule=loss_rule, vocab=self.vocab,
+                             mu_source="imported", source=source, rank=rank, resume=True, summaries=False,
+                             max_buffered_rows=2**62, block_timeout_s=None)
+        self.loggers[rank] = logger
+        last = logger.manifest.get("last_step")
+        self.last[rank] = last if isinstance(last, int) else None
+        return logger
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step every rank has committed (rank 0 commits each step last)."""
+        return self.last.get(0)
+
+    def add(self, step: int, run: ImportedRun) -> int:
+        """Log and commit ``step`` (``run`` holds it alone); returns the token rows written."""
+        vocab_size = None if self.vocab is None else len(self.vocab)
+        for seq in run.sequences:
+            check_values(seq, vocab_size)
+        layout = run.format.split(";")[0]
+        if self.format is None:
+            self.format = run.format
+        elif layout != self.format.split(";")[0]:
+            raise ImportFormatError(f"{self.src} step {step}: {layout}, unlike the steps imported before "
+                                    f"({self.format.split(';')[0]}): a run does not mix writer versions")
+        ranks = sorted({s.rank for s in run.sequences} | {0})
+        self.open(0, run)  # rank 0 first: it writes run.json
+        for rank in ranks:
+            self.open(rank, run)
+        scalars = {**run.scalars.get(step, {}), UNSCORED_SCALAR: float(unscored(run.sequences))}
+        need = [r for r in ranks if self.last[r] is None or self.last[r] < step]
+        others = [r for r in need if r != 0]
+        log_step(self.loggers, step, run.sequences, scalars, ranks=others)
+        for rank in others:
+            self.loggers[rank].flush()
+            self.last[rank] = step
+        log_step(self.loggers, step, run.sequences, scalars, ranks=[0])
+        self.loggers[0].flush()  # the step's commit point
+        self.last[0] = step
+        written = [s for s in run.sequences if s.rank in need]
+        return int(sum(int(s.mask.sum()) for s in written)) - unscored(written)
+
+    def close(self, status: str = "finished", error: str | None = None) -> None:
+        for rank in sorted(self.loggers, reverse=True):  # rank 0 last
+            with contextlib.suppress(Exception) if status != "finished" else contextlib.nullcontext():
+                self.loggers.pop(rank).close(status=status, error=error)
+
+
+def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
+           version: str | None = None, vocab: Any = None, poll_s: float = 2.0, settle_s: float = 2.0,
+           stop_after_idle_s: float | None = None, on_step: Callable[[int, int, int], None] | None = None,
+           options: Mapping[str, Any] | None = None, should_stop: Callable[[], bool] | None = None
+           ) -> FollowResult:
+    """Follow ``src`` (format ``fmt``) into ``<logdir>/<run_id>`` until it has been idle ``stop_after_idle_s``
+    (no new finished step), ``should_stop()`` is true, or Ctrl-C; see the module docstring.
+
+    ``on_step(step, sequences, token_rows)`` is called after each step is committed. Errors: a finished step
+    that does not parse raises :class:`ImportFormatError` (file and line first), a vanished source
+    :class:`SourceGone`; in both cases the steps committed before stay, named in the message.
+    """
+    from trustscope.importers import checked_options, format_for
+
+    importer = format_for(fmt)
+    if fmt not in FINISHED:
+        raise ImportFormatError(f"format {fmt!r} cannot be followed (followed: {', '.join(FINISHED)})")
+    for name, value in (("poll_s", poll_s), ("settle_s", settle_s)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if stop_after_idle_s is not None and not stop_after_idle_s >= 0:
+        raise ValueError(f"stop_after_idle_s must be a number of seconds >= 0, got {stop_after_idle_s!r}")
+    given = checked_options(fmt, dict(options or {}))
+    src, logdir = Path(src), Path(logdir)
+    if not src.exists():
+        raise SourceGone(f"{src}: no such file or directory")
+    run = _Run(logdir, run_id or f"{fmt}-{src.resolve().name}", fmt, src, vocab)
+    imported: list[int] = []
+    idle_since = time.monotonic()
+    stopped = "interrupted"
+
+    def kept() -> str:
+        last = run.last_step
+        return (f"steps through {last} are committed in {run.dir}" if last is not None
+                else f"no step was committed in {run.dir}")
+
+    try:
+        while True:
+            try:
+                listing = FINISHED[fmt](src, settle_s, time.time())
+            except (FileNotFoundError, NotADirectoryError, ImportFormatError) as err:
+                if not src.exists():
+                    raise SourceGone(f"{src}: disappeared while followed; {kept()}") from None
+                raise ImportFormatError(f"{err}; {kept()}") from None
+            new = False
+            for step in sorted(listing.steps):
+                if run.last_step is not None and step <= run.last_step:
+                    continue
+                if step not in listing.finished:
+                    break  # steps are appended in order: the later ones wait for this one
+                try:
+                    with _DeferInterrupt():
+                        part = importer.read(src, version=version, steps={step}, **given)
+                        rows = run.add(step, part)
+                except (FileNotFoundError, ImportFormatError) as err:
+                    if not src.exists():
+                        raise SourceGone(f"{src}: disappeared while followed (during step {step}); "
+                                         f"{kept()}") from None
+                    raise ImportFormatError(f"{err}; step {step} is not imported, {kept()}") from None
+                imported.append(step)
+                new = True
+                if on_step is not None:
+                    on_step(step, len(part.sequences), rows)
+            now = time.monotonic()
+            if new:
+                idle_since = now
+            if should_stop is not None and should_stop():
+                stopped = "stopped"
+                break
+            if stop_after_idle_s is not None and now - idle_since >= stop_after_idle_s:
+                stopped = "idle"
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    except BaseException as err:
+        run.close(status="crashed", error=f"follow stopped: {err}")
+        raise
+    run.close()
+    return FollowResult(run.dir, imported, run.last_step, stopped)
