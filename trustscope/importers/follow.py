@@ -157,10 +157,10 @@ class _DeferInterrupt:
     def _hold(self, signum: int, frame: Any) -> None:
         self.asked = True
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
-        if self.asked:
+        if self.asked and exc_type is None:
             raise KeyboardInterrupt
 
 
@@ -299,19 +299,19 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
                     continue
                 if step not in listing.finished:
                     break  # steps are appended in order: the later ones wait for this one
-                try:
-                    with _DeferInterrupt():
+                with _DeferInterrupt():  # a Ctrl-C meanwhile stops the follower once the step is committed
+                    try:
                         part = importer.read(src, version=version, steps={step}, **given)
                         rows = run.add(step, part)
-                except (FileNotFoundError, ImportFormatError) as err:
-                    if not src.exists():
-                        raise SourceGone(f"{src}: disappeared while followed (during step {step}); "
-                                         f"{kept()}") from None
-                    raise ImportFormatError(f"{err}; step {step} is not imported, {kept()}") from None
-                imported.append(step)
-                new = True
-                if on_step is not None:
-                    on_step(step, len(part.sequences), rows)
+                    except (FileNotFoundError, ImportFormatError) as err:
+                        if not src.exists():
+                            raise SourceGone(f"{src}: disappeared while followed (during step {step}); "
+                                             f"{kept()}") from None
+                        raise ImportFormatError(f"{err}; step {step} is not imported, {kept()}") from None
+                    imported.append(step)
+                    new = True
+                    if on_step is not None:
+                        on_step(step, len(part.sequences), rows)
             now = time.monotonic()
             if new:
                 idle_since = now
