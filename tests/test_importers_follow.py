@@ -240,8 +240,13 @@ def test_nemo_rl_followed_while_written_then_stopped_and_restarted(tmp_path):
         job.write(step)
     result = follow_run("nemo-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.2, **FAST)
     assert result.imported == [3, 4] and result.stopped == "idle"
-    again = follow_run("nemo-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.1, **FAST)
-    assert again.imported == [] and again.last_step == 4
+    (src / "train_data_step5.jsonl").write_bytes(b'{"content": [["user: q0"')  # the next step, being written
+    again = CliRunner().invoke(app, ["import", "--follow", "nemo-rl", str(src), str(tmp_path / "logs"), "--run-id",
+                                     "live", "--poll", "0.05", "--settle", "0", "--stop-after-idle", "0.1"])
+    assert again.exit_code == 0, again.output
+    assert "0 step(s) imported this time, steps through 4 in the run (idle)" in again.stdout
+    assert "not finished by the writer yet: step(s) 5" in again.stdout
+    (src / "train_data_step5.jsonl").unlink()
     final, dup, scalars = counts(tmp_path / "logs")
     assert {k: v for k, v in final.items() if k[0] <= 2} == first
     assert final == one_shot("nemo-rl", src, tmp_path) and dup == 0 and scalars == dict.fromkeys(range(1, 5), 1)
@@ -359,7 +364,8 @@ def test_slime_step_waits_for_its_train_dump_and_the_next_one(tmp_path):
     publish(1)
     publish(2, train=False)  # rolled out, not trained yet
     slow = {"poll_s": 0.05, "settle_s": 600.0, "stop_after_idle_s": 0.2}
-    assert follow_run("slime", src, tmp_path / "logs", run_id="live", **slow).imported == [0]
+    first = follow_run("slime", src, tmp_path / "logs", run_id="live", **slow)
+    assert first.imported == [0] and first.waiting == [1, 2]
     os.replace(staged / "train_data/2.pt", src / "train_data/2.pt")
     assert follow_run("slime", src, tmp_path / "logs", run_id="live", **slow).imported == [1]
     settled = follow_run("slime", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.2, **FAST)

@@ -344,6 +344,9 @@ def import_(
         last = "no step" if result.last_step is None else f"steps through {result.last_step}"
         typer.echo(f"followed {src} as {result.run_dir}: {len(result.imported)} step(s) imported this time, {last} "
                    f"in the run ({'idle' if result.stopped == 'idle' else 'stopped'})")
+        if result.waiting:
+            typer.echo(f"not finished by the writer yet: step(s) {', '.join(map(str, result.waiting))} (the next "
+                       f"start takes them once they are)")
     else:
         typer.echo(f"imported {src} as {run_dir}")
 

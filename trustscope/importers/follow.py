@@ -139,7 +139,8 @@ class FollowResult:
     run_dir: Path
     imported: list[int]
     last_step: int | None
-    stopped: str  # "idle", "interrupted"
+    stopped: str  # "idle", "stopped" (should_stop), "interrupted" (Ctrl-C)
+    waiting: list[int]  # steps of the source not finished (or behind an unfinished one) when it stopped
 
 
 class _DeferInterrupt:
@@ -277,6 +278,7 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
         raise SourceGone(f"{src}: no such file or directory")
     run = _Run(logdir, run_id or f"{fmt}-{src.resolve().name}", fmt, src, vocab)
     imported: list[int] = []
+    listing = Listing(frozenset(), frozenset())
     idle_since = time.monotonic()
     stopped = "interrupted"
 
@@ -328,4 +330,6 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
         run.close(status="crashed", error=f"follow stopped: {err}")
         raise
     run.close()
-    return FollowResult(run.dir, imported, run.last_step, stopped)
+    last = run.last_step
+    return FollowResult(run.dir, imported, last, stopped,
+                        sorted(s for s in listing.steps if last is None or s > last))
