@@ -116,9 +116,9 @@ class PrimeRLJob:
     def finish(self, step: int) -> None:
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "time": 1.7e9, "loss": 0.1 * step}) + "\n")
+        self.stable = step
         for exp in self.exporters:
             exp.mark_stable(step)
-        self.stable = step
 
 
 def test_prime_rl_steps_arrive_once_in_order_while_the_job_writes(tmp_path):
@@ -212,6 +212,7 @@ class NemoRLJob:
         self.written = 0
 
     def write(self, step: int, pause_s: float = 0.0, piece: int = 1500) -> None:
+        self.written = step
         write_step(self.staging, step, make_batch(self.rng))
         data = (self.staging / f"train_data_step{step}.jsonl").read_bytes()
         with open(self.log_dir / f"train_data_step{step}.jsonl", "wb") as f:
@@ -221,7 +222,6 @@ class NemoRLJob:
                 if pause_s and start + piece < len(data):
                     assert not data[: start + piece].endswith(b"\n")
                     time.sleep(pause_s)
-        self.written = step
 
 
 def test_nemo_rl_followed_while_written_then_stopped_and_restarted(tmp_path):
@@ -306,6 +306,13 @@ def test_follow_refuses_another_run_and_bad_options(tmp_path):
     import_run("nemo-rl", src, tmp_path / "logs", run_id="once")
     with pytest.raises(FileExistsError, match="not a followed import"):
         follow_run("nemo-rl", src, tmp_path / "logs", run_id="once", stop_after_idle_s=0, **FAST)
+    follow_run("nemo-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0, **FAST)
+    os.symlink(src, tmp_path / "same")  # the same source, spelled otherwise: resumed
+    assert follow_run("nemo-rl", tmp_path / "same", tmp_path / "logs", run_id="live", stop_after_idle_s=0,
+                      **FAST).last_step == 1
+    (tmp_path / "other").mkdir()
+    with pytest.raises(FileExistsError, match=f"is a followed import of nemo-rl {src}; choose another"):
+        follow_run("nemo-rl", tmp_path / "other", tmp_path / "logs", run_id="live", stop_after_idle_s=0, **FAST)
     with pytest.raises(SourceGone, match="no such file or directory"):
         follow_run("nemo-rl", tmp_path / "nothing", tmp_path / "logs", stop_after_idle_s=0, **FAST)
     with pytest.raises(ValueError, match="poll_s must be"):

@@ -172,6 +172,7 @@ class _Run:
     def __init__(self, logdir: Path, run_id: str, fmt: str, src: Path, vocab: Any):
         self.logdir, self.run_id, self.fmt, self.src, self.vocab = logdir, run_id, fmt, src, vocab
         self.dir = logdir / run_id
+        self.key = str(src.resolve())  # what a restart must follow again, however SRC is spelled
         self.loggers: dict[int, Any] = {}
         self.last: dict[int, int | None] = {}
         self.format: str | None = None
@@ -179,7 +180,7 @@ class _Run:
         if manifest.exists():
             info = json.loads(manifest.read_text())
             follow = ((info.get("config") or {}).get("import") or {}).get("follow")
-            if not isinstance(follow, dict) or follow.get("format") != fmt or follow.get("src") != str(src):
+            if not isinstance(follow, dict) or follow.get("format") != fmt or follow.get("src") != self.key:
                 was = (f"a followed import of {follow.get('format')} {follow.get('src')}"
                        if isinstance(follow, dict) else "not a followed import")
                 raise FileExistsError(f"{self.dir} already exists and is {was}; choose another --run-id")
@@ -198,7 +199,7 @@ class _Run:
             if rank == 0:
                 config = {"import": {"format": run.format, "src": str(self.src), "files": None,
                                      "sequences": None, "unscored_tokens": None, "columns": run.notes,
-                                     "follow": {"format": self.fmt, "src": str(self.src)}}}
+                                     "follow": {"format": self.fmt, "src": self.key}}}
                 source = {"framework": run.framework, "version": run.version, "format": run.format,
                           "src": str(self.src)}
         # every step is committed by an explicit flush, one log_step call per rank: no automatic flush splits
