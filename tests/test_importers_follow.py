@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from trustscope.cli import app
 from trustscope.db import connect
-from trustscope.importers import ImportUsageError, follow_run, import_run
+from trustscope.importers import ImportFormatError, ImportUsageError, follow_run, import_run
 from trustscope.importers.follow import SourceGone
 from trustscope.schema import validate_logdir
 
@@ -379,3 +379,19 @@ def test_slime_step_waits_for_its_train_dump_and_the_next_one(tmp_path):
     assert settled.imported == [2]
     rows, dup, scalars = counts(tmp_path / "logs")
     assert rows == one_shot("slime", src, tmp_path) and dup == 0 and scalars == dict.fromkeys(range(3), 1)
+
+
+def test_a_step_of_another_writer_version_stops_the_follower(tmp_path):
+    """Each step is read alone, so the follower itself refuses a step whose layout differs from the run's."""
+    src = tmp_path / "run"
+    job = PrimeRLJob(src, ranks=1)
+    job.write(0, 0)
+    job.finish(0)
+    job.exporters = [PrimeRLExporter(src, 0, layout="training-mode")]  # the trainer was upgraded mid-run
+    job.write(1, 0)
+    job.finish(1)
+    with pytest.raises(ImportFormatError, match=r"step 1: prime-rl token_export schema_version 1, training-mode "
+                                                r"layout, unlike the steps imported before .*weight-stream.*"
+                                                r"step 1 is not imported, steps through 0 are committed"):
+        follow_run("prime-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.1, **FAST)
+    assert set(rows_per_step(tmp_path / "logs")) == {(0, 0)}
