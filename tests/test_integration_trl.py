@@ -125,6 +125,27 @@ def test_attach_log_validates_and_records_trl_settings(attached_run):
 
 
 @pytest.mark.slow
+def test_attach_adds_the_step_summaries_to_the_metrics_trl_logs(attached_run):
+    """What TRL hands every ``report_to`` tracker (its log history holds the same dict) carries the step's exact
+    summaries as ``trustscope/...``, equal to what landed on disk, and the scalars table does not repeat them."""
+    from trustscope.trackers import committed_step_rows, step_metrics
+
+    trainer, _, run, _, _ = attached_run
+    logged = [h for h in trainer.state.log_history if "trustscope/step" in h]
+    assert len(logged) >= 2
+    for h in logged:
+        step = int(h["trustscope/step"])
+        assert step <= h["step"] - 1  # the step TRL logs at, or (not waited for) one before it
+        want = step_metrics(committed_step_rows(run, step), step)
+        assert want["trustscope/tokens/total"] > 0 and "trustscope/warning" in h
+        assert {k: h[k] for k in want} == pytest.approx(want, nan_ok=True)
+        # a rule that blocked nothing at this step (no rows) but did at another reads 0, not a gap
+        assert all(h[k] == 0 for k in h if k.startswith("trustscope/blocked_count/") and k not in want)
+    assert [int(h["trustscope/step"]) for h in logged] == sorted({int(h["trustscope/step"]) for h in logged})
+    assert not [n for (n,) in read(run, "select distinct name from steps") if n.startswith("trl/trustscope/")]
+
+
+@pytest.mark.slow
 def test_kept_reproduces_trl_clip_ratio_region_mean_per_step(attached_run):
     trainer, _, run, _, _ = attached_run
     trl_region = {h["step"] - 1: h["clip_ratio/region_mean"] for h in trainer.state.log_history

@@ -505,6 +505,29 @@ def test_attach_records_what_verl_keeps(case, tmp_path):
 
 
 
+def test_attach_adds_the_step_summaries_to_verls_step_metrics(tmp_path):
+    """The actor update's metrics, which verl's ``reduce_metrics`` hands its ``Tracking`` logger, carry the step's
+    exact summaries over the actors' tokens as ``trustscope/...``; a malformed webhook fails at attach."""
+    from verl.utils.metric import reduce_metrics
+
+    from trustscope.trackers import committed_step_rows, step_metrics
+
+    batch, pi = make_batch(B=8, seed=7)
+    trainer = local_trainer(ppo_config(), LocalActorGroup(pi))
+    with pytest.raises(ValueError, match="webhook url 'slack' must start with http"):
+        tv.attach(trainer, tmp_path, run_id="bad", webhook="slack")
+    with tv.attach(trainer, tmp_path, run_id="m"):
+        output = trainer._update_actor(batch)
+    metrics = reduce_metrics(dict(output.meta_info["metrics"]))
+    want = step_metrics(committed_step_rows(tmp_path / "m", 1, ranks=[1]), 1)
+    assert want["trustscope/tokens/total"] == int(batch.batch["response_mask"].sum())
+    assert {k: metrics[k] for k in want} == pytest.approx(want, nan_ok=True)
+    assert metrics["trustscope/warning"] == 0 and "actor/pg_clipfrac" in metrics
+    with tv.attach(trainer, tmp_path, run_id="off", metrics=False):
+        output = trainer._update_actor(batch)
+    assert not [k for k in output.meta_info["metrics"] if k.startswith("trustscope/")]
+
+
 def _ray_actor_class():
     """A verl ``Worker`` that trains like ``ActorRolloutRefWorker.update_actor`` with the model's forward replaced.
 

@@ -24,6 +24,10 @@ EXTRAS = {
     "omegaconf": "verl",
     "s3fs": "s3",
     "ray": "ray",
+    "wandb": "trackers",
+    "tensorboard": "trackers",
+    "mlflow": "trackers",
+    "trackio": "trackers",
 }
 """``{top-level module: the extra that installs it}``; ``tests/test_dependencies.py`` checks each against
 ``pyproject.toml``."""

@@ -67,9 +67,11 @@ try:
 except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings torch and trl
     missing(exc, "trustscope.integrations.trl", extra="trl")
 
+from trustscope.alerts import Alerts, check_webhook_url
 from trustscope.capture import capture, top_k
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
+from trustscope.trackers import StepReporter
 
 TESTED_TRL = "1.16.0"
 """The TRL version this module reads the internals of (the ``[trl]`` extra pins it)."""
@@ -88,6 +90,7 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
                             "off_policy_threshold"),
     "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "log": ("logs",),
 }
 """GRPOTrainer methods attach wraps or calls, with the parameters it relies on."""
 _ATTRIBUTES = ("loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "temperature", "top_p",
@@ -316,6 +319,8 @@ class _Hooks:
         self._wrap(trainer, "_generate_and_score_completions", self.generate_and_score)
         self._wrap(trainer, "_get_per_token_logps_and_entropies", self.per_token_logps)
         self._wrap(trainer, "compute_loss", self.compute_loss)
+        if self.a.reporter is not None:
+            self._wrap(trainer, "log", self.log)
         if trainer.use_vllm and self.a.topk:
             self._wrap(trainer.vllm_generation, "generate", self.vllm_generate)
 
@@ -333,6 +338,17 @@ class _Hooks:
         wrapped.__wrapped__ = original  # inspect.signature sees TRL's parameters
         setattr(obj, name, wrapped)
         self.installed.append((obj, name))
+
+    def log(self, original: Callable, logs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``log`` with the latest summarised step's ``trustscope/...`` metrics added to what it logs, so
+        every ``report_to`` tracker receives them (training mode only)."""
+        reporter = self.a.reporter
+        if self.a.active and reporter is not None and getattr(self.a.trainer.model, "training", True):
+            try:
+                logs.update(reporter.metrics())
+            except Exception as err:  # the metrics must never stop the training
+                self.a._warn_once("metrics", f"the step metrics could not be added to TRL's logs: {err!r}")
+        return original(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ rollout side
 
@@ -388,9 +404,13 @@ class Attachment:
     """What :func:`attach` returns: the trainer, its :class:`~trustscope.logger.TokenLogger` (``logger``) and the
     installed hooks. :meth:`detach` removes the hooks and closes the log (done at the end of ``train()``)."""
 
-    def __init__(self, trainer: Any, logger: TokenLogger, topk: int, topk_forward: bool):
+    def __init__(self, trainer: Any, logger: TokenLogger, topk: int, topk_forward: bool,
+                 reporter: StepReporter | None = None, alerts: Alerts | None = None):
         self.trainer = trainer
         self.logger = logger
+        self.reporter = reporter
+        """Adds the step summaries to TRL's logged metrics (None: ``metrics=False``)."""
+        self.alerts = alerts
         self.topk = topk
         self.topk_forward = topk_forward
         self.active = True
@@ -410,6 +430,8 @@ class Attachment:
         self.hooks.remove()
         if self.engine_logprobs is not None:  # TRL reads lp[0] as the sampled token's only with logprobs=0
             self.trainer.vllm_generation.logprobs = self.engine_logprobs
+        if self.alerts is not None:
+            self.alerts.close()
         self.logger.close()
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -586,7 +608,8 @@ class Attachment:
         if step != self._scalar_step:
             self._scalar_step, self._scalar_names = step, set()
         scalars = {f"trl/{k}": float(v) for k, v in logs.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and f"trl/{k}" not in self._scalar_names}
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and f"trl/{k}" not in self._scalar_names
+                   and not k.startswith("trustscope/")}  # the step summaries attach added: already in the log
         self._scalar_names.update(scalars)
         if self._unscored:
             scalars["trustscope/unscored_tokens"] = float(self._unscored)
@@ -612,8 +635,8 @@ def _callback(attachment: Attachment) -> Any:
     return TrustscopeCallback()
 
 
-def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = False,
-           **logger_options: Any) -> Attachment:
+def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = False, metrics: bool = True,
+           metrics_wait_s: float = 1.0, webhook: str | None = None, **logger_options: Any) -> Attachment:
     """Log ``trainer`` (a TRL ``GRPOTrainer``) to ``logdir`` with trustscope. Call before ``trainer.train()``.
 
     Args:
@@ -624,6 +647,14 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
             per micro-batch (pi's log-probs at the ids need logits, which TRL's fused head does not make).
         topk_forward: on the transformers path, stand the trainer's own top-K at the rollout's weights in for
             the engine's (one more no-grad forward per rollout). Ignored with vLLM.
+        metrics: add the latest step's exact summaries, as ``trustscope/...`` metrics
+            (:mod:`trustscope.trackers`, ``docs/trackers.md``), with the collapse early warning, to the metrics
+            TRL logs, so every ``report_to`` tracker carries them (this process's tokens: with several
+            processes, the main one's share).
+        metrics_wait_s: how long TRL's ``log`` may wait for the logger's writer thread to summarise the step
+            (0: never; the metrics are then those of the newest step it has summarised, ``trustscope/step``).
+        webhook: a Slack-compatible webhook URL the early warning is posted to (:class:`trustscope.alerts.Alerts`,
+            on a background thread); a malformed URL raises ``ValueError`` here.
         **logger_options: passed to :class:`~trustscope.logger.TokenLogger` (``run_id``, ``token_fraction``,
             ``strict``, ...). Defaults set here: ``loss_rule="trl:<loss_type>"``, ``mu_source`` as the module
             docstring says, ``source``, ``sampling``, ``model``, ``tokenizer``, ``vocab``, ``rank`` (the
@@ -636,6 +667,10 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     import trl
 
     check_trainer(trainer)
+    alerts_url = None if webhook is None else check_webhook_url(webhook)
+    if isinstance(metrics_wait_s, bool) or not isinstance(metrics_wait_s, int | float) \
+            or not 0 <= metrics_wait_s < math.inf:
+        raise ValueError(f"metrics_wait_s must be a finite number of seconds >= 0, got {metrics_wait_s!r}")
     if "compute_loss" in vars(trainer):
         raise ValueError("this trainer already has an attachment (or another wrapper of compute_loss); attach once "
                          "per trainer, or detach() the first")
@@ -685,7 +720,9 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     options.update(logger_options)
     options["config"] = {"trl": settings, **({"user": dict(user_config)} if user_config else {})}
     logger = TokenLogger(logdir, mu_source=mu_source, **options)
-    attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm)
+    alerts = None if alerts_url is None else Alerts(alerts_url, logger=logger)
+    reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts) if metrics else None
+    attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm, reporter, alerts)
     if trainer.use_vllm and topk:
         attachment.engine_logprobs = trainer.vllm_generation.logprobs
         trainer.vllm_generation.logprobs = topk

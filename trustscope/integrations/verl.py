@@ -512,11 +512,15 @@ def _to_plain(cfg: Any) -> Any:
 class VerlLogging:
     """What :func:`attach` set up: the driver's logger and the actor hook. :meth:`close` at the end of training."""
 
-    def __init__(self, trainer: Any, logger: TokenLogger, hook: ActorLogHook, update_actor: Callable[..., Any]):
+    def __init__(self, trainer: Any, logger: TokenLogger, hook: ActorLogHook, update_actor: Callable[..., Any],
+                 reporter: Any = None, alerts: Any = None):
         self.trainer = trainer
         self.logger = logger
         self.hook = hook
         self._update_actor = update_actor
+        self.reporter = reporter
+        """Adds the step's summaries to verl's step metrics (None: ``metrics=False``)."""
+        self.alerts = alerts
 
     @property
     def run_id(self) -> str:
@@ -533,11 +537,32 @@ class VerlLogging:
         scalars = actor_scalars(output.meta_info.get("metrics", {}))
         if scalars:
             self.logger.log_step(step, scalars=scalars)
+        if self.reporter is not None:
+            self._add_step_metrics(output, step)
         return output
+
+    def _add_step_metrics(self, output: Any, step: int) -> None:
+        """The step's exact summaries from every actor's committed files (an actor closes its logger once its
+        share of the step is logged, so they are on disk when the update returns), as ``trustscope/...``
+        metrics in the actor output's metrics, which verl's ``reduce_metrics`` passes to its ``Tracking``
+        logger (``trainer.logger``). Never raises into training."""
+        from trustscope.trackers import committed_step_rows
+
+        try:
+            rows = committed_step_rows(self.logger.run_dir, step, ranks=None)
+            metrics = self.reporter.from_rows(rows, step)
+        except Exception as err:  # the metrics must never stop the training
+            warnings.warn(f"trustscope: step {step}'s summaries could not be added to verl's metrics: {err!r}",
+                          stacklevel=3)
+            return
+        if metrics:
+            output.meta_info.setdefault("metrics", {}).update(metrics)
 
     def close(self) -> None:
         """Restore the trainer's ``_update_actor`` and close the driver's logger (the actors close theirs per step)."""
         self.trainer.__dict__.pop("_update_actor", None)
+        if self.alerts is not None:
+            self.alerts.close()
         self.logger.close()
 
     def __enter__(self) -> VerlLogging:
@@ -548,10 +573,13 @@ class VerlLogging:
             self.close()
         else:
             self.trainer.__dict__.pop("_update_actor", None)
+            if self.alerts is not None:
+                self.alerts.close()
             self.logger.close(status="crashed", error=f"{exc_type.__name__}: {exc}")
 
 
-def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, **logger_options: Any) -> VerlLogging:
+def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *, metrics: bool = True,
+           webhook: str | None = None, **logger_options: Any) -> VerlLogging:
     """Log verl ``RayPPOTrainer`` ``trainer`` to ``<logdir>/<run_id>/``; call after ``init_workers()``.
 
     verl 0.9.1 runs ``RayPPOTrainer`` with ``trainer.use_v1=False`` (``main_ppo_v0``'s task runner) or from a script
@@ -562,7 +590,18 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     ``set_loss_fn``. ``logger_options`` go to every :class:`~trustscope.logger.TokenLogger` (e.g.
     ``token_fraction``); ``strict`` defaults to False so bad rows are dropped with a warning, never an error in
     the middle of training.
+
+    ``metrics`` (default True): after each actor update, the step's exact summaries over every actor's tokens
+    (read from their committed files) and the collapse early warning go into the step's metrics as
+    ``trustscope/...`` (:mod:`trustscope.trackers`, ``docs/trackers.md``), so verl's ``trainer.logger`` trackers
+    carry them. ``webhook``: a Slack-compatible URL the early warning is posted to
+    (:class:`trustscope.alerts.Alerts`); a malformed one raises ``ValueError`` here. Both need a log directory the
+    driver can read (local or shared).
     """
+    from trustscope.alerts import Alerts, check_webhook_url
+    from trustscope.trackers import StepReporter
+
+    alerts_url = None if webhook is None else check_webhook_url(webhook)
     version = verl_version()
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
     params = list(inspect.signature(trainer._update_actor).parameters)
@@ -625,7 +664,9 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
                         mask_fn=partial(verl_mask, config=actor_config) if verl_mask else None,
                         logger_options=options)
     trainer.actor_rollout_wg.set_loss_fn(hook)
-    handle = VerlLogging(trainer, logger, hook, trainer._update_actor)
+    alerts = None if alerts_url is None else Alerts(alerts_url, logger=logger)
+    reporter = StepReporter(logger, alerts=alerts) if metrics else None
+    handle = VerlLogging(trainer, logger, hook, trainer._update_actor, reporter, alerts)
     trainer._update_actor = handle.update_actor
     return handle
 

@@ -179,6 +179,8 @@ class TokenLogger:
                               blocked_rules=blocked_rule_list() if summaries else None,
                               on_commit=None if self._compactor is None else self._compactor.committed,
                               budget=self._budget)
+        self._summary_calls = 0  # calls with summaries queued so far
+        self._calls_through: dict[int, int] = {}  # step -> calls with summaries queued up to its last call
         self._atexit = _close_at_exit(self)
         atexit.register(self._atexit)
 
@@ -206,9 +208,34 @@ class TokenLogger:
             return
         if self._budget.admit(batch, lambda: self._writer.alive, self._writer.ask_room):
             self._files.note(buffer=self._budget.report())
+        if batch.summarize and batch.tokens is not None:
+            self._summary_calls += 1
+            self._calls_through[batch.step] = self._summary_calls
+            if len(self._calls_through) > 4:  # only the newest steps are ever asked about
+                del self._calls_through[min(self._calls_through)]
         if not self._writer.put(batch):
             self._writer.lose(batch)
             self._raise_writer_error()
+
+    def step_summaries(self, wait_s: float = 0.0) -> tuple[int, list[dict[str, Any]]] | None:
+        """``(step, rows)``: the exact summary rows (:mod:`trustscope.logger.summaries`, this rank's calls of the
+        step merged) of the newest step whose calls logged so far the writer thread has all summarised, or None.
+
+        Never waits on I/O by default: the rows are kept in memory as the writer thread summarises each call, so
+        the answer is the newest whole step it has reached (``step`` says which; it may be a step behind the
+        caller's). ``wait_s`` > 0 first waits up to that long for the thread to summarise every call logged so far
+        (its flushes are written before it reaches later calls, so this may wait on them).
+        :func:`trustscope.trackers.step_metrics` turns the rows into tracker metrics."""
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s < float("inf"):
+            raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
+        through = dict(self._calls_through)
+        return self._writer.step_summaries(lambda step, done: through.get(step, 0) <= done, self._summary_calls,
+                                           float(wait_s))
+
+    def note_alerts(self, alerts: Mapping[str, Any]) -> None:
+        """Record what the run's alerts did (:mod:`trustscope.alerts`) in this rank's manifest, key ``alerts``
+        (written at the writer's next save: at most ``flush_seconds`` later, and at close). Any thread."""
+        self._files.note(alerts=jsonable(dict(alerts)))
 
     def flush(self) -> None:
         """Block until everything logged so far is in committed Parquet files (visible to readers), then raise
@@ -332,6 +359,12 @@ class NullLogger:
         pass
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
+        pass
+
+    def step_summaries(self, wait_s: float = 0.0) -> None:
+        return None
+
+    def note_alerts(self, alerts: Mapping[str, Any]) -> None:
         pass
 
     @property

@@ -145,6 +145,12 @@ class TrainConfig:
     """Log the top-K list columns (mu's ids and logprobs, pi's at the same ids); top-K TV/KL are kept either way."""
     log_topk_precision: str = "float32"
     """``float16`` rounds the logged top-K logprobs to half precision (smaller files; see docs/performance.md)."""
+    report_to: str = ""
+    """Trackers that receive each step's scalars and the exact step summaries as ``trustscope/...`` metrics,
+    comma-separated: ``wandb``, ``tensorboard``, ``mlflow``, ``trackio`` (docs/trackers.md; the ``trackers``
+    extra installs them). Empty: none."""
+    webhook: str = ""
+    """A Slack-compatible webhook URL the collapse early warning is posted to (docs/trackers.md); empty: none."""
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -215,6 +221,18 @@ def _validate(c: TrainConfig) -> None:
     if not 0 < c.log_token_fraction <= 1:
         raise _fail("log_token_fraction", c.log_token_fraction, "set log_token_fraction in (0, 1]")
     choice("log_topk_precision", ("float32", "float16"))
+    from trustscope.alerts import check_webhook_url
+    from trustscope.trackers import parse_report_to
+
+    try:
+        parse_report_to(c.report_to)
+    except ValueError as e:
+        raise _fail("report_to", c.report_to, f"{e.args[0]}, e.g. report_to=wandb,tensorboard") from None
+    if c.webhook:
+        try:
+            check_webhook_url(c.webhook)
+        except ValueError as e:
+            raise _fail("webhook", c.webhook, f"{e.args[0]}; set an https:// webhook URL or leave it empty") from None
     if c.group_size < 2:
         raise _fail("group_size", c.group_size, "set group_size >= 2: a group baseline needs two responses")
     if c.batch_size % c.mini_batches:

@@ -71,6 +71,7 @@ from trustscope.divergence import binary_tv
 from trustscope.engines import DTYPES, Rollout, make_engine
 from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
+from trustscope.trackers import RunReporting, parse_report_to
 from trustscope.train.config import TrainConfig, check_world
 from trustscope.train.tasks import Problem, Task, get_task
 
@@ -638,6 +639,10 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                 engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
             stream = rollout_stream(engine, task, cfg, start.step, start.pending)
         logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks))
+        reporting = None
+        if ranks.main and (cfg.report_to or cfg.webhook):  # closed before the logger (the last step reported)
+            reporting = running.enter_context(RunReporting(logger, parse_report_to(cfg.report_to), cfg.webhook,
+                                                           cfg.run_dir, cfg.run_id, cfg.to_dict()))
 
         # ---- steps ---------------------------------------------------------------------------------------------
         for step in range(start.step, cfg.steps):
@@ -671,6 +676,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             if batch is not None:
                 scalars = {**step_scalars(batch, totals, up, step, scheduler.get_last_lr()[0], times), **evals}
             log_step(logger, step, mine, x, up, scalars if ranks.main else None)
+            if reporting is not None:
+                reporting.step(step, scalars)
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
                 logger.flush()  # on every rank: each log file then ends at or before the checkpoint
                 if ranks.main:
