@@ -201,3 +201,30 @@ def test_the_early_warning_reaches_the_webhook_from_the_step_summaries(hook, tmp
     assert alerts.report["rate_limited"] == 2
     assert h.bodies[0][1]["text"].startswith("trustscope: collapse early warning in run r at step 3: bad negative")
     assert json.loads((tmp_path / "r" / "run.json").read_text())["alerts"]["sent"] == 1
+
+
+def test_doctor_command_posts_its_failed_checks(hook, tmp_path):
+    """``trustscope doctor --webhook``: two ranks reusing sample ids fail rank_collisions, which is posted."""
+    from typer.testing import CliRunner
+
+    from trustscope.cli import app
+
+    h = hook("ok")
+    rng = np.random.default_rng(2)
+    loggers = [TokenLogger(tmp_path, "clash", rank=r, fsync=False) for r in range(2)]
+    for step in range(2):
+        for logger in loggers:
+            mu = np.log(rng.uniform(0.1, 1.0, (4, 5)))
+            logger.log_step(step, tokens={"token_id": rng.integers(0, 9, (4, 5)), "mu_logprob": mu, "pi_logprob": mu,
+                                          "advantage": np.ones(4), "sample_id": np.arange(4),
+                                          "prompt_id": np.arange(4)}, mask=np.ones((4, 5), bool))
+    for logger in loggers:
+        logger.close()
+    bad = CliRunner().invoke(app, ["doctor", str(tmp_path), "--webhook", "hooks.slack.com/x"])
+    assert bad.exit_code == 2 and "--webhook: webhook url 'hooks.slack.com/x' must start with http" in bad.output
+    assert h.bodies == []
+    result = CliRunner().invoke(app, ["doctor", str(tmp_path), "--webhook", h.url])
+    assert result.exit_code == 1, result.output
+    texts = [b["text"] for _, b in h.bodies]
+    assert texts and all(t.startswith("trustscope doctor: run clash fails check ") for t in texts)
+    assert any("'rank_collisions'" in t for t in texts) and f"webhook: {len(texts)} alert(s) sent" in result.output

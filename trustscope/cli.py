@@ -367,18 +367,26 @@ def doctor(
     logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it."),
     run: list[str] | None = typer.Option(None, "--run", help="Check only this run (repeatable)."),
     from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
+    webhook: str | None = typer.Option(None, "--webhook", help="Post each failed check to this Slack-compatible "
+                                       "webhook URL (docs/trackers.md)."),
 ) -> None:
     """Contract checks on any log, native or imported: each measures one way the logged numbers can be wrong and
     gives a verdict (the list ends this help). Exit 1 when a check fails, 2 when a run cannot be read whole (it is
     left out, and said so; the others are checked)."""
     import duckdb
 
+    from trustscope.alerts import Alerts, check_webhook_url
     from trustscope.db import NoRunsFound, connect_readable
     from trustscope.doctor import VERDICTS, diagnose, failed, format_finding
 
     if not logdir.is_dir():
         typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
         raise typer.Exit(2)
+    try:
+        webhook = None if webhook is None else check_webhook_url(webhook)
+    except ValueError as exc:
+        typer.echo(f"trustscope doctor: --webhook: {exc}", err=True)
+        raise typer.Exit(2) from exc
     try:
         db, broken = connect_readable(logdir, cache=False)
         with db:
@@ -404,6 +412,13 @@ def doctor(
     n_failed = failed(findings)
     verdicts = [f.verdict for fs in findings.values() for f in fs]
     typer.echo(f"{len(findings)} run(s): " + ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS))
+    if webhook is not None and n_failed:
+        alerts = Alerts(webhook, min_interval_s=0)
+        alerts.doctor(findings)
+        alerts.close(timeout_s=60)  # sends what is queued (a post that fails is retried at once when closing)
+        report = alerts.report
+        typer.echo(f"webhook: {report['sent']} alert(s) sent" + (f", {report['failed']} failed: {report['errors'][0]}"
+                                                                 if report["failed"] else ""), err=True)
     if broken:
         raise typer.Exit(2)
     if n_failed:

@@ -720,7 +720,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     options.update(logger_options)
     options["config"] = {"trl": settings, **({"user": dict(user_config)} if user_config else {})}
     logger = TokenLogger(logdir, mu_source=mu_source, **options)
-    alerts = None if alerts_url is None else Alerts(alerts_url, logger=logger)
+    main = getattr(trainer.accelerator, "is_main_process", True)
+    alerts = None if alerts_url is None or not main else Alerts(alerts_url, logger=logger)  # one process posts
     reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts) if metrics else None
     attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm, reporter, alerts)
     if trainer.use_vllm and topk:
