@@ -22,6 +22,8 @@ EXTRAS = {
     "trl": "trl",
     "verl": "verl",
     "omegaconf": "verl",
+    "tensordict": "verl",
+    "transfer_queue": "verl",
     "s3fs": "s3",
     "ray": "ray",
     "wandb": "trackers",
