@@ -15,6 +15,11 @@ SERVE = MAIN.with_name("serve.py")
 LOGDIR_ENV = "TRUSTSCOPE_LOGDIR"
 FOCUS_ENV = "TRUSTSCOPE_FOCUS_RUN"
 """A run the dashboard opens on: first in the Runs page's default comparison, so the drill-down pages open on it."""
+CACHE_DATA_BUDGET = "256mb"
+"""The most every ``st.cache_data`` entry together may hold, serialized, across functions and sessions (Streamlit's
+``server.maxCacheDataSize``: least recently used entries go first). A live run changes the log directory's version
+with every file it commits, which keys every cached read afresh: without a budget the entries of past versions stay
+until each function's ``max_entries``, at a size that grows with the log."""
 
 
 def default_logdir() -> Path:
@@ -38,6 +43,7 @@ def streamlit_command(logdir: Path | str, host: str = "127.0.0.1", port: int = 8
         "--server.fileWatcherType", "none",
         "--browser.gatherUsageStats", "false",
         "--client.toolbarMode", "minimal",
+        "--server.maxCacheDataSize", CACHE_DATA_BUDGET,
         "--", "--logdir", str(logdir),
     ]
 
