@@ -3,7 +3,7 @@ run keeps logging into it, the server's memory sampled throughout.
 
     .venv/bin/python bench/bench_many_readers.py                      # 8 sessions, 1M tokens in /tmp, 1 walk each
     .venv/bin/python bench/bench_many_readers.py --sessions 8 --walks 3 --json /tmp/many.json
-    .venv/bin/python bench/bench_many_readers.py --logdir sample_logs --no-live
+    .venv/bin/python bench/bench_many_readers.py --logdir sample_logs --reuse --no-live
 
 What runs, in one command:
 
@@ -25,7 +25,8 @@ What runs, in one command:
   script run, 60 s more to its ready selector and its charts) is a failure.
 - **The server's memory**: the resident set of the Streamlit process and of it with its children (the warm-up
   process, the SQL console's worker), sampled every 0.5 s: the baseline (the server idle before any reader), the
-  peak while the readers read, and after (every reader gone, ``--after`` seconds later), per walk too.
+  peak while the readers read, and after (every reader gone, ``--after`` seconds later), per walk too; and what
+  ``st.cache_data`` holds once the readers are done (the server's ``/_stcore/metrics``).
 
 Prints a table per phase and the ratio of each page's median under many readers to one reader alone, and writes
 every figure as JSON (``--json``). The load average is printed at the start and the end.
