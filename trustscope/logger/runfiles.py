@@ -277,7 +277,8 @@ class RunFiles:
             for n in names:
                 if n.startswith(prefix) and n.endswith(S.TMP_SUFFIX):
                     store.delete(self.run_dir / table / n)
-        committed = {p for files in S.committed_files(self.run_dir, store.fs).values() for p in files}
+        committed = store.committed(self.run_dir) if store.remote else {
+            p for files in S.committed_files(self.run_dir).values() for p in files}
         for path in mine:  # files of a flush whose commit never happened: never visible, and removed now
             if path not in committed:
                 store.delete(path)
@@ -301,6 +302,8 @@ class RunFiles:
                                   f"writes {S.SCHEMA_VERSION} and cannot append to it")
             topk_k = old.get("logging", {}).get("topk_k")
             self.prior_lost = old.get("lost")
+            if self.store.remote:  # the earlier sessions' store failures stay counted
+                self.store.faults.add_prior(old.get("storage_faults"))
             entry = {"at": now(), **process, "last_step_on_disk": self.disk_last_step,
                      "previous_status": old.get("status")}
             config = run_info.get("config")
@@ -350,6 +353,8 @@ class RunFiles:
         """Update the manifest (``updated_at`` too) and write it atomically; raises the OSError if it fails."""
         with self._save_lock:
             update = {**changes, "updated_at": now()}
+            if self.store.remote:  # the store's transient failures so far (storage.FaultLog.report)
+                update.setdefault("storage_faults", self.store.faults.report())
             self.store.write_atomic(self.path, json.dumps({**self.manifest, **update}, indent=2, default=str))
             with self._manifest_lock:
                 self.manifest.update(update)
