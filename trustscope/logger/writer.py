@@ -306,6 +306,12 @@ class Writer:
         self._error: BaseException | None = None  # not yet handed to the training thread
         self._fatal: BaseException | None = None  # what ended the thread, if not a stop
         self._queue: queue.Queue = queue.Queue()  # bounded by the budget (max_queue calls with data)
+        self._summarised = threading.Condition()
+        self._summarised_calls = 0  # calls with summaries the thread has taken (summarised, or lost)
+        self._latest: tuple[int, list[dict[str, Any]]] | None = None  # the newest step's merged rows so far
+        self._before: tuple[int, list[dict[str, Any]]] | None = None  # the step before it, whole
+        self._carry: list[dict[str, Any]] = []  # the newest step's rows of an earlier flush (a flush cut it)
+        self._part = 0
         self._thread = threading.Thread(target=self._run, name=f"trustscope-logger-r{rank}", daemon=True)
         self._thread.start()
 
@@ -373,6 +379,46 @@ class Writer:
         first, last = self._lost_steps or (None, None)
         return {"rows": dict(self._lost_rows), "first_step": first, "last_step": last,
                 "errors": list(self._errors)}
+
+    def step_summaries(self, done: Callable[[int, int], bool], queued: int,
+                       wait_s: float) -> tuple[int, list[dict[str, Any]]] | None:
+        """The merged summary rows of the newest step whose calls so far are all summarised, as ``(step, rows)``.
+
+        ``queued``: the calls with summaries queued so far; ``done(step, summarised)``: whether every call of
+        ``step`` queued so far is among the first ``summarised``. Waits up to ``wait_s`` for the thread to take
+        the ``queued`` calls (never on a thread that is gone); then gives the newest step if it is whole, else the
+        one before it (or None)."""
+        deadline = time.monotonic() + wait_s
+        with self._summarised:
+            while self._summarised_calls < queued and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._summarised.wait(min(left, POLL_S))
+            latest, before = self._latest, self._before
+            if latest is not None and done(latest[0], self._summarised_calls):
+                return latest
+            return before
+
+    def _summarised_call(self, batch: Batch) -> None:
+        """Writer thread: a call with summaries was taken; publish its step's merged rows so far."""
+        merged = self._step_summaries
+        with self._summarised:
+            self._summarised_calls += 1
+            if merged is not None and merged.step == batch.step:
+                if self._latest is not None and self._latest[0] != batch.step:
+                    self._before, self._carry = self._latest, []
+                elif self._latest is not None and merged.part != self._part:  # a flush cut the step
+                    self._carry = self._latest[1]
+                self._part = merged.part
+                rows = [dict(row) for row in merged.rows.values()]
+                if self._carry:  # the step's rows written by the earlier flush, added back
+                    both = _StepSummaries(batch.step, 0)
+                    both.add(self._carry)
+                    both.add(rows)
+                    rows = list(both.rows.values())
+                self._latest = (batch.step, rows)
+            self._summarised.notify_all()
 
     def _put(self, item: tuple[str, Any]) -> bool:
         while self._thread.is_alive():
@@ -489,6 +535,14 @@ class Writer:
         self.budget.release(held)
 
     def _add(self, batch: Batch) -> None:
+        summarised = batch.summarize and batch.tokens is not None
+        try:
+            self._add_batch(batch)
+        finally:
+            if summarised:
+                self._summarised_call(batch)
+
+    def _add_batch(self, batch: Batch) -> None:
         try:
             parts = self._arrow(batch)
         except Exception as err:  # this batch alone is lost
