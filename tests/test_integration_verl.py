@@ -79,12 +79,16 @@ def make_batch(B: int = 8, P: int = 4, T: int = 6, group: int = 2, seed: int = 0
 def model_output(micro, pi: torch.Tensor, entropy: torch.Tensor | None = None) -> dict:
     """What verl's engine hands the loss: log-probs over each whole unpadded sequence (nested), shifted by one."""
 
+    def lengths(row: int) -> tuple[int, int]:
+        if micro["prompts"].is_nested:  # V1's TransferQueue rows: one unpadded tensor per sample
+            return len(micro["prompts"][row]), len(micro["responses"][row])
+        return (int(micro["attention_mask"][row, : micro["prompts"].shape[1]].sum()),
+                int(micro["response_mask"][row].sum()))
+
     def nested(values: torch.Tensor):
         seqs = []
-        prompt_mask = micro["attention_mask"][:, : micro["prompts"].shape[1]]
         for row, sid in enumerate(micro[tv.SAMPLE_KEY].tolist()):
-            p = int(prompt_mask[row].sum())
-            r = int(micro["response_mask"][row].sum())
+            p, r = lengths(row)
             seqs.append(torch.cat([torch.full((p - 1,), -7.0), values[sid, :r], torch.full((1,), -7.0)]))
         return torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
 
@@ -610,12 +614,127 @@ def test_attach_before_init_workers_says_so(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_verl_v1_trainer_is_refused_with_advice(tmp_path):
-    class PPOTrainer:  # verl 0.9.1's V1 trainer: _update_actor(batch: KVBatchMeta, metrics)
+def test_another_update_actor_is_refused_with_advice(tmp_path):
+    class PPOTrainer:  # neither RayPPOTrainer's _update_actor(batch) nor the V1 trainer's (batch, metrics)
         config, global_steps, actor_rollout_wg = ppo_config(), 1, LocalActorGroup(torch.zeros(1, 1))
 
-        def _update_actor(self, batch, metrics):
+        def _update_actor(self, batch, metrics, extra):
             raise AssertionError("not called")
 
-    with pytest.raises(NotImplementedError, match=r"trainer\.use_v1=False"):
+    with pytest.raises(NotImplementedError, match=r"neither .*trainer\.use_v1=False"):
         tv.attach(PPOTrainer(), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_verl_v1_trainer_without_transfer_queue_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    trainer = object.__new__(PPOTrainerSync)
+    trainer.config, trainer.global_steps, trainer.actor_rollout_wg = ppo_config(), 1, LocalActorGroup(torch.zeros(1))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transfer_queue"
+                        else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"transferqueue==0\.1\.11.*trainer\.use_v1=False"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def _v1_keys(batch) -> list[str]:
+    """TransferQueue keys as verl's V1 agent loop names trajectories: ``{uid}_{session}_{index}``."""
+    return [f"{uid}_0_{i}" for i, uid in enumerate(batch.non_tensor_batch["uid"])]
+
+
+def _v1_rows(batch):
+    """The batch's rows as verl's V1 agent loop puts them into TransferQueue: one unpadded tensor per sample and
+    field (``AgentLoopWorkerTQ``: prompts, responses, input_ids, an all-ones attention_mask, position_ids; the
+    per-response fields as long as the response)."""
+    from tensordict import TensorDict
+
+    b = batch.batch
+    P = b["prompts"].shape[1]
+    per_sample: dict[str, list] = {}
+    for i in range(len(batch)):
+        prompt = b["prompts"][i][b["attention_mask"][i, :P].bool()]
+        r = int(b["response_mask"][i].sum())
+        response = b["responses"][i, :r]
+        row = {"prompts": prompt, "responses": response, "input_ids": torch.cat([prompt, response]),
+               "attention_mask": torch.ones(len(prompt) + r, dtype=torch.int64),
+               "position_ids": torch.arange(len(prompt) + r), "response_mask": b["response_mask"][i, :r],
+               "loss_mask": b["response_mask"][i, :r]}
+        for key in ("old_log_probs", "rollout_log_probs", "advantages", "token_level_scores"):
+            row[key] = b[key][i, :r]
+        for key, value in row.items():
+            per_sample.setdefault(key, []).append(value)
+    return TensorDict({k: torch.nested.as_nested_tensor(v, layout=torch.jagged) for k, v in per_sample.items()},
+                      batch_size=[len(batch)])
+
+
+@pytest.mark.slow
+def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
+    """``attach`` on verl's V1 trainer (``trainer.use_v1=True``, the default): its own ``_update_actor(batch,
+    metrics)`` with a real TransferQueue in local Ray and two actor workers that fetch their rows from it.
+
+    The same guarantees as the V0 path: one valid, finished run; each actor's tokens as its own rank, joined to the
+    driver's samples by the sample id the driver wrote into TransferQueue; mu from ``rollout_log_probs``; the
+    applied mask (the rule's) against verl's own ``pg_clipfrac``.
+    """
+    import ray
+    import transfer_queue as tq
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    batch, pi = make_batch(B=8, seed=23)
+    cfg = ppo_config(**{"transfer_queue.enable": True,
+                        "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1})
+    fields = _v1_rows(batch)
+    # logical CPUs: TransferQueue's controller and its storage unit hold one each, beside the two actors' bundles
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+    try:
+        tq.init(cfg.transfer_queue)
+        meta = tq.kv_batch_put(keys=_v1_keys(batch), partition_id="train", fields=fields,
+                               tags=[{"status": "success"} for _ in range(8)])
+        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+        group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                               ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
+        trainer = object.__new__(PPOTrainerSync)
+        trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 1, group
+        metrics: dict = {}
+        with tv.attach(trainer, tmp_path, run_id="v1-run") as run:
+            out = trainer._update_actor(meta, metrics)
+        assert trainer._update_actor.__func__ is PPOTrainer._update_actor  # restored on close
+        assert out is meta and tv.STEP_KEY not in meta.extra_info and tv.SAMPLE_KEY not in meta.fields
+        stamped = tq.kv_batch_get(keys=meta.keys, partition_id="train", select_fields=[tv.SAMPLE_KEY])
+    finally:
+        tq.close()
+        ray.shutdown()
+    assert isinstance(run, tv.VerlV1Logging) and stamped[tv.SAMPLE_KEY].tolist() == list(range(8))
+    run_dir = tmp_path / "v1-run"
+    assert S.validate_logdir(tmp_path) == [] and run_status(run_dir) == "finished"
+    tokens, samples, steps = _read(run_dir, "tokens"), _read(run_dir, "samples"), _read(run_dir, "steps")
+    assert sorted(set(tokens["rank"])) == [1, 2] and set(samples["rank"]) == {0}
+    assert tokens.groupby("rank")["sample_id"].nunique().tolist() == [4, 4]
+    b = batch.batch
+    assert len(tokens) == int(b["response_mask"].sum())
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["old_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
+    np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
+    # the driver's samples rows from TransferQueue: lengths, rewards, and prompt groups from the keys' uids
+    samples = samples.sort_values("sample_id")
+    assert samples["sample_id"].tolist() == list(range(8))
+    assert samples["length"].tolist() == b["response_mask"].sum(-1).tolist()
+    np.testing.assert_allclose(samples["reward"], b["token_level_scores"].sum(-1).numpy(), atol=1e-6)
+    assert samples["prompt_id"].nunique() == 4 and samples.groupby("prompt_id").size().tolist() == [2, 2, 2, 2]
+    # the mask the rule applied, against verl's pg_clipfrac as the V1 trainer reduced it into the step's metrics
+    assert 0 < metrics["actor/pg_clipfrac"] < 1 and "actor/pg_clipfrac" in set(steps["name"])
+    logged = dict(zip(steps["name"], steps["value"], strict=True))
+    assert logged["actor/pg_clipfrac"] == pytest.approx(metrics["actor/pg_clipfrac"])
+    assert not tokens["kept"].all()
+    # the step's summaries over both actors' tokens, in the metrics the V1 trainer hands its trackers
+    assert metrics["trustscope/tokens/total"] == len(tokens)
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"

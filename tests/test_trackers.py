@@ -22,6 +22,7 @@ from trustscope.query.analyses import OVERVIEW_COLUMNS
 from trustscope.report import WarningLines, collapse_warnings
 from trustscope.trackers import (
     EarlyWarning,
+    LiveTrackerAlerts,
     StepReporter,
     Trackers,
     TrackerWarning,
@@ -211,9 +212,11 @@ def test_wandb_tensorboard_mlflow_read_back_with_their_own_readers(tmp_path, mon
     for s, metrics in enumerate(METRICS):
         trackers.log(metrics, step=s + 10)  # the trainer's step; the summaries' is trustscope/step
     trackers.alert("collapse warning: run-1", "bad negative updates")
+    LiveTrackerAlerts(["wandb", "tensorboard"]).alert("live run", "as TRL's report_to run gets it")
     trackers.close()
 
     history = read_wandb_history(tmp_path)
+    assert {"alert": "live run", "text": "as TRL's report_to run gets it"} in history
     logged = [h for h in history if "alert" not in h]
     assert [h[f"{P}/blocked_frac/ppo_clip"] for h in logged] == pytest.approx([0.0, 0.1, 0.2])
     assert [h["_step"] for h in logged] == [10, 11, 12] and [h[f"{P}/step"] for h in logged] == [0, 1, 2]
@@ -291,6 +294,12 @@ def test_a_tracker_that_fails_later_is_dropped_and_training_goes_on():
         trackers.log({"a": 1.0}, 0)
     assert trackers.trackers == []
     trackers.log({"a": 1.0}, 1)  # nothing left, nothing raised
+
+
+def test_live_tracker_alerts_take_what_frameworks_name():
+    assert LiveTrackerAlerts("wandb").names == {"wandb"} and LiveTrackerAlerts("all").names == {"wandb", "trackio"}
+    assert LiveTrackerAlerts(["console", "trackio"]).names == {"trackio"} and not LiveTrackerAlerts([]).names
+    LiveTrackerAlerts(["wandb", "trackio"]).alert("no run open", "nothing happens")  # and nothing raises
 
 
 def test_report_to_names_are_checked():

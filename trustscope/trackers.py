@@ -357,7 +357,7 @@ class WandbTracker(Tracker):
         self.wandb = wandb
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(project=project, name=run_id, id=run_id, dir=str(run_dir), mode=mode,
-                              config=dict(config or {}), reinit="create_new")
+                              config=dict(config or {}))
         self.run.define_metric(f"{PREFIX}/step")
         self.run.define_metric(f"{PREFIX}/*", step_metric=f"{PREFIX}/step")
 
@@ -512,6 +512,29 @@ class Trackers:
                 warnings.warn(f"trustscope: closing tracker {tracker.name!r} failed: {type(err).__name__}: {err}",
                               TrackerWarning, stacklevel=2)
         self.trackers.clear()
+
+
+class LiveTrackerAlerts:
+    """Alerts raised in the trackers a framework opened itself (TRL's ``report_to``, verl's ``trainer.logger``):
+    ``wandb.alert`` on the active W&B run, ``trackio.alert`` on the current trackio run, when ``names`` has them
+    and they are running at the time of the alert. Looked up at each alert, never imported here first."""
+
+    def __init__(self, names: Iterable[str] | str):
+        given = {names} if isinstance(names, str) else {str(n) for n in names}
+        self.names = {"wandb", "trackio"} if "all" in given else given & {"wandb", "trackio"}
+
+    def alert(self, title: str, text: str) -> None:
+        import sys
+
+        wandb = sys.modules.get("wandb") if "wandb" in self.names else None
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            wandb.run.alert(title=title[:63], text=text, level=wandb.AlertLevel.WARN)
+        trackio = sys.modules.get("trackio") if "trackio" in self.names else None
+        if trackio is not None:
+            from trackio import context_vars
+
+            if context_vars.current_run.get() is not None:
+                trackio.alert(title=title, text=text, level=trackio.AlertLevel.WARN)
 
 
 class RunReporting:

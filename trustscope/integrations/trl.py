@@ -71,7 +71,7 @@ from trustscope.alerts import Alerts, check_webhook_url
 from trustscope.capture import capture, top_k
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
-from trustscope.trackers import StepReporter
+from trustscope.trackers import LiveTrackerAlerts, StepReporter
 
 TESTED_TRL = "1.16.0"
 """The TRL version this module reads the internals of (the ``[trl]`` extra pins it)."""
@@ -654,7 +654,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
         metrics_wait_s: how long TRL's ``log`` may wait for the logger's writer thread to summarise the step
             (0: never; the metrics are then those of the newest step it has summarised, ``trustscope/step``).
         webhook: a Slack-compatible webhook URL the early warning is posted to (:class:`trustscope.alerts.Alerts`,
-            on a background thread); a malformed URL raises ``ValueError`` here.
+            on a background thread); a malformed URL raises ``ValueError`` here. With ``report_to`` W&B or trackio
+            the warning is also an alert there (``wandb.alert``, ``trackio.alert``), webhook or not.
         **logger_options: passed to :class:`~trustscope.logger.TokenLogger` (``run_id``, ``token_fraction``,
             ``strict``, ...). Defaults set here: ``loss_rule="trl:<loss_type>"``, ``mu_source`` as the module
             docstring says, ``source``, ``sampling``, ``model``, ``tokenizer``, ``vocab``, ``rank`` (the
@@ -721,7 +722,9 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     options["config"] = {"trl": settings, **({"user": dict(user_config)} if user_config else {})}
     logger = TokenLogger(logdir, mu_source=mu_source, **options)
     main = getattr(trainer.accelerator, "is_main_process", True)
-    alerts = None if alerts_url is None or not main else Alerts(alerts_url, logger=logger)  # one process posts
+    in_trackers = LiveTrackerAlerts(getattr(trainer.args, "report_to", None) or [])  # W&B / trackio alerts
+    alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)  # one process posts
+              if main and metrics and (alerts_url is not None or in_trackers.names) else None)
     reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts) if metrics else None
     attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm, reporter, alerts)
     if trainer.use_vllm and topk:

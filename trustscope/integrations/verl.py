@@ -15,6 +15,10 @@ which verl loads on ``import verl`` in the driver and in every Ray worker. Log a
     with attach(trainer, "logs"):   # run.json, samples and verl's actor metrics here; token rows from the actors
         trainer.fit()
 
+verl's V1 trainer (``trainer.use_v1=True``, verl 0.9.1's default) is attached the same way after ``trainer.init()``,
+around ``trainer.fit(agent_loop_manager)``: its batch lives in TransferQueue, and :class:`VerlV1Logging` reads the
+driver's rows from there and writes the sample ids back as two more columns of the same rows.
+
 Which verl tensor is what. verl 0.9.1 hands a policy loss ``old_log_prob`` (pi_old, the actor's recompute; it *is*
 ``rollout_log_probs`` when ``algorithm.rollout_correction.bypass_mode=True``) but not ``rollout_log_probs``.
 A trustscope rule takes mu = ``rollout_log_probs`` when :func:`attach` runs (its actor hook reads them from the
@@ -578,12 +582,97 @@ class VerlLogging:
             self.logger.close(status="crashed", error=f"{exc_type.__name__}: {exc}")
 
 
+class _DriverBatch:
+    """The driver batch as :func:`log_driver_batch` reads it (``batch``, ``non_tensor_batch``, ``meta_info``),
+    built from what verl's V1 trainer keeps in TransferQueue; the stamps it adds land here too."""
+
+    def __init__(self, tensors: dict[str, Tensor], uids: list[str]):
+        self.batch, self.non_tensor_batch, self.meta_info = tensors, {"uid": uids}, {}
+
+
+_V1_DRIVER_FIELDS = ("responses", "response_mask", "advantages", "token_level_scores", "token_level_rewards",
+                     "prompts")
+
+
+def _padded(t: Tensor) -> tuple[Tensor, Tensor]:
+    """A TransferQueue column ``(B, ...)``: nested (one length per sample) or dense -> ``(B, L)`` right-padded
+    with 0, and ``(B, L)`` bool of the real entries."""
+    if not t.is_nested:
+        return t, torch.ones(t.shape[:2], dtype=torch.bool, device=t.device)
+    lengths = torch.tensor([len(row) for row in t.unbind()], device=t.device)  # (B,)
+    dense = torch.nested.to_padded_tensor(t, 0.0)
+    return dense, torch.arange(dense.shape[1], device=t.device) < lengths[:, None]
+
+
+def read_v1_batch(batch: Any) -> _DriverBatch:
+    """What verl's V1 trainer keeps of ``batch`` (a TransferQueue ``KVBatchMeta``) for the ``samples`` rows:
+    responses, their mask, advantages, rewards and prompts, padded; the prompt group from the sample key
+    (verl names a trajectory ``{uid}_{session}_{index}``)."""
+    import transfer_queue as tq
+
+    have = set(batch.fields or [])
+    missing = [f for f in ("responses", "response_mask") if f not in have]
+    if missing:
+        raise KeyError(f"verl V1 batch (TransferQueue partition {batch.partition_id!r}) has no {missing}; fields: "
+                       f"{sorted(have)}; is it the actor-update batch?")
+    fields = [f for f in _V1_DRIVER_FIELDS if f in have]
+    data = tq.kv_batch_get(keys=list(batch.keys), partition_id=batch.partition_id, select_fields=fields)
+    tensors = {f: _padded(data[f])[0] for f in fields}
+    if "prompts" in tensors:  # right-padded here; log_driver_batch reads the prompt's mask from attention_mask
+        tensors["attention_mask"] = _padded(data["prompts"])[1].long()
+    return _DriverBatch(tensors, [str(k).split("_", 1)[0] for k in batch.keys])
+
+
+class VerlV1Logging(VerlLogging):
+    """:func:`attach` on verl's V1 trainer (``trainer.use_v1=True``, verl 0.9.1's default), whose
+    ``_update_actor(batch, metrics)`` gets a TransferQueue ``KVBatchMeta``: the rows live in TransferQueue and
+    the actors fetch them there. The driver reads the rows' responses and rewards from TransferQueue for the
+    ``samples`` table, writes the sample and prompt ids into TransferQueue as two more columns of the same rows
+    (so each actor's micro-batch carries them, as the V0 trainer's batch does) and the step into the batch's
+    ``extra_info`` (verl hands it to the actors as non-tensor data); the actors' hook is the same."""
+
+    def update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:  # type: ignore[override]
+        """The trainer's ``_update_actor`` with the batch logged and stamped first (installed by attach)."""
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        step = int(self.trainer.global_steps)
+        view = read_v1_batch(batch)
+        log_driver_batch(self.logger, view, step, getattr(self.trainer, "tokenizer", None))
+        stamps = TensorDict({k: view.batch[k] for k in (SAMPLE_KEY, PROMPT_KEY)}, batch_size=[len(batch.keys)])
+        tq.kv_batch_put(keys=list(batch.keys), partition_id=batch.partition_id, fields=stamps)
+        fields = list(batch.fields or [])
+        batch.fields = fields + [k for k in (SAMPLE_KEY, PROMPT_KEY) if k not in fields]
+        batch.extra_info.update(view.meta_info)
+        try:
+            output = self._update_actor(batch, metrics)
+        finally:
+            batch.fields = fields
+            for key in (STEP_KEY, BATCH_SIZE_KEY):
+                batch.extra_info.pop(key, None)
+        scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith("actor/")}
+        if scalars:
+            self.logger.log_step(step, scalars=scalars)
+        if self.reporter is not None:  # the step's summaries into the metrics the V1 trainer hands its trackers
+            self._add_step_metrics(_MetricsOutput(metrics), step)
+        return output
+
+
+class _MetricsOutput:
+    """The V1 trainer's step ``metrics`` dict where :meth:`VerlLogging._add_step_metrics` looks for the V0
+    actor output's (``meta_info["metrics"]``), so the summaries land in the dict itself."""
+
+    def __init__(self, metrics: dict[str, Any]):
+        self.meta_info = {"metrics": metrics}
+
+
 def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *, metrics: bool = True,
            webhook: str | None = None, **logger_options: Any) -> VerlLogging:
     """Log verl ``RayPPOTrainer`` ``trainer`` to ``<logdir>/<run_id>/``; call after ``init_workers()``.
 
-    verl 0.9.1 runs ``RayPPOTrainer`` with ``trainer.use_v1=False`` (``main_ppo_v0``'s task runner) or from a script
-    that builds one; its V1 trainer, the default, keeps the batch in TransferQueue and is refused with that advice.
+    Both of verl 0.9.1's trainers: ``RayPPOTrainer`` (``trainer.use_v1=False``, ``main_ppo_v0``'s task runner; call
+    after ``init_workers()``) and the V1 trainers of ``verl.trainer.ppo.v1`` (``trainer.use_v1=True``, the default;
+    call after ``trainer.init()``), whose batch lives in TransferQueue (:class:`VerlV1Logging`).
 
     Wraps the trainer's ``_update_actor`` (the one place the driver batch goes to the actors) to log and stamp the
     batch, and installs :class:`ActorLogHook` around verl's ``ppo_loss`` in every actor through the worker group's
@@ -605,12 +694,19 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     version = verl_version()
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
     params = list(inspect.signature(trainer._update_actor).parameters)
-    if params != ["batch"]:
+    v1 = params == ["batch", "metrics"]  # verl's V1 trainer: the batch is a KVBatchMeta into TransferQueue
+    if not v1 and params != ["batch"]:
         raise NotImplementedError(
-            f"attach() logs verl's RayPPOTrainer, whose _update_actor(batch) takes the driver's DataProto; "
-            f"{type(trainer).__name__}._update_actor{tuple(params)} is another trainer (verl {version}'s V1 trainer "
-            f"keeps the batch in TransferQueue): run with trainer.use_v1=False, or build a RayPPOTrainer"
+            f"attach() logs verl's RayPPOTrainer (_update_actor(batch), trainer.use_v1=False) and its V1 trainer "
+            f"(_update_actor(batch, metrics), trainer.use_v1=True); {type(trainer).__name__}._update_actor"
+            f"{tuple(params)} is neither (verl {version}): run with trainer.use_v1=False, or build a RayPPOTrainer"
         )
+    if v1:
+        _need("verl.trainer.ppo.v1.trainer_base", "PPOTrainer")
+        if importlib.util.find_spec("transfer_queue") is None:
+            raise ImportError("verl's V1 trainer keeps its batch in TransferQueue, which is not installed: pip "
+                              "install transferqueue==0.1.11 (verl's verl-core extra), or run with "
+                              "trainer.use_v1=False")
     if not hasattr(trainer, "actor_rollout_wg"):
         raise RuntimeError("attach() sends its hook to the trainer's actor workers: call trainer.init_workers() first")
     _require_attrs(trainer.actor_rollout_wg, "the actor worker group", ("set_loss_fn",))
@@ -666,7 +762,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     trainer.actor_rollout_wg.set_loss_fn(hook)
     alerts = None if alerts_url is None else Alerts(alerts_url, logger=logger)
     reporter = StepReporter(logger, alerts=alerts) if metrics else None
-    handle = VerlLogging(trainer, logger, hook, trainer._update_actor, reporter, alerts)
+    handle = (VerlV1Logging if v1 else VerlLogging)(trainer, logger, hook, trainer._update_actor, reporter, alerts)
     trainer._update_actor = handle.update_actor
     return handle
 
