@@ -683,12 +683,12 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     ``metrics`` (default True): after each actor update, the step's exact summaries over every actor's tokens
     (read from their committed files) and the collapse early warning go into the step's metrics as
     ``trustscope/...`` (:mod:`trustscope.trackers`, ``docs/trackers.md``), so verl's ``trainer.logger`` trackers
-    carry them. ``webhook``: a Slack-compatible URL the early warning is posted to
-    (:class:`trustscope.alerts.Alerts`); a malformed one raises ``ValueError`` here. Both need a log directory the
-    driver can read (local or shared).
+    carry them, and W&B or trackio among them get the early warning as an alert. ``webhook``: a Slack-compatible
+    URL the early warning is posted to (:class:`trustscope.alerts.Alerts`); a malformed one raises ``ValueError``
+    here. Both need a log directory the driver can read (local or shared).
     """
     from trustscope.alerts import Alerts, check_webhook_url
-    from trustscope.trackers import StepReporter
+    from trustscope.trackers import LiveTrackerAlerts, StepReporter
 
     alerts_url = None if webhook is None else check_webhook_url(webhook)
     version = verl_version()
@@ -760,7 +760,10 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
                         mask_fn=partial(verl_mask, config=actor_config) if verl_mask else None,
                         logger_options=options)
     trainer.actor_rollout_wg.set_loss_fn(hook)
-    alerts = None if alerts_url is None else Alerts(alerts_url, logger=logger)
+    loggers = cfg.trainer.get("logger", None)  # verl's trackers: W&B / trackio get the warning as an alert
+    in_trackers = LiveTrackerAlerts([loggers] if isinstance(loggers, str) else list(loggers or []))
+    alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)
+              if metrics and (alerts_url is not None or in_trackers.names) else None)
     reporter = StepReporter(logger, alerts=alerts) if metrics else None
     handle = (VerlV1Logging if v1 else VerlLogging)(trainer, logger, hook, trainer._update_actor, reporter, alerts)
     trainer._update_actor = handle.update_actor
