@@ -13,6 +13,7 @@ import ast
 import functools
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -247,3 +248,28 @@ def test_a_command_that_needs_torch_names_the_extra(tmp_path):
         assert done.stderr.strip().splitlines()[-1] == (
             f"trustscope {args[0]} needs torch, which this install lacks: pip install 'trustscope[train]'")
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_checkout_finds_its_dashboard_and_all_its_sample_runs(monkeypatch):
+    from trustscope._dashboard import app_root, load
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load() puts the root first on both; undone after
+    monkeypatch.setenv("PYTHONPATH", "")
+    from trustscope.paths import sample_logdir
+
+    assert app_root() == ROOT  # the wheel's copy lives in trustscope/_dashboard/app (tests/test_wheel.py)
+    assert sample_logdir() == ROOT / "sample_logs"
+    assert Path(load("app.launch").MAIN) == ROOT / "app" / "main.py"
+    assert str(ROOT) in sys.path and os.environ["PYTHONPATH"] == str(ROOT)  # what the server process inherits
+
+
+def test_sql_given_only_a_query_reads_the_sample_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from trustscope import schema
+    from trustscope.cli import app
+
+    result = CliRunner().invoke(app, ["sql", "select count(distinct run_id) as n from tokens", "--format", "csv"],
+                                env={"TRUSTSCOPE_CACHE": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert result.output.split()[-1] == str(len(schema.run_dirs(ROOT / "sample_logs")))
