@@ -391,9 +391,10 @@ def bad_updates(run_id: str) -> pd.DataFrame:
 
 
 def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
-    """Per run and step, :func:`trustscope.report.collapse_warnings` at :data:`WARNING_LINES` over
-    :func:`overview`."""
-    return report.collapse_warnings(_of(overview(), run_ids), list(run_ids), WARNING_LINES)
+    """Per run and step, :func:`trustscope.report.collapse_warnings` over :func:`overview` and the runs'
+    early-warning signals: the fitted detector where a run has them, :data:`WARNING_LINES` elsewhere."""
+    return report.collapse_warnings(_of(overview(), run_ids), list(run_ids), WARNING_LINES,
+                                    signals=_early_signals(tuple(run_ids)))
 
 
 # ------------------------------------------------------------------------------------------------ token windows

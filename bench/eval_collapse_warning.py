@@ -40,7 +40,7 @@ def episodes(warn: pd.DataFrame) -> list[int]:
 def evaluate(conn: db.LogDB, lines: report.WarningLines, dip_window: int, depth: float, horizon: int) -> dict:
     summary = conn.step_summary().sort_values(["run_id", "step"])
     run_ids = sorted(summary["run_id"].unique())
-    warnings = report.collapse_warnings(conn, run_ids, lines)
+    warnings = report.collapse_warnings(conn, run_ids, lines, detector=None)
     caught, leads, n_dips, false_alarms, n_episodes, warned_runs = 0, [], 0, 0, 0, 0
     for run_id in run_ids:
         steps = summary[summary["run_id"] == run_id]

@@ -232,7 +232,7 @@ def today_rows(conn, run_ids: list[str], collapses: dict) -> list[dict]:
     for window in (10, 20):
         for bad in (0.002, 0.005, 0.01, 0.02):
             lines = report.WarningLines(bad_rate=bad, mismatch_growth=2.0, window=window)
-            flags = report.collapse_warnings(conn, run_ids, lines)
+            flags = report.collapse_warnings(conn, run_ids, lines, detector=None)
             rows.append({"bad_rate": bad, "window": window, **judge(flags, collapses)})
     return rows
 

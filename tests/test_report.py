@@ -127,9 +127,10 @@ def test_seed_group_drops_only_the_seed():
 def test_collapse_warning_fires_on_the_configured_line(logdir, tmp_path):
     with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
         never = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1.0, mismatch_growth=1e9,
-                                                                              window=1))
+                                                                              window=1), detector=None)
         always = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1e-12,
-                                                                               mismatch_growth=1e-9, window=1))
+                                                                               mismatch_growth=1e-9, window=1),
+                                          detector=None)
     assert not never["warning"].any()
     assert always["warning"].tolist() == [False, True, True, True]  # the first window is the baseline
     assert report.first_warnings(always)["alpha"].startswith("collapse warning from step 1")

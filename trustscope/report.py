@@ -66,6 +66,40 @@ class WarningLines:
             raise ValueError(f"WarningLines.window={self.window!r} must be an integer >= 1")
 
 
+@dataclass(frozen=True)
+class Detector:
+    """The fitted collapse early warning: a logistic score ``bias + sum(weight * mean of the signal over the last
+    window steps)`` over columns of the ``early_signals`` view; a step warns once the run has ``window`` steps and
+    the score reaches ``threshold``.
+
+    :data:`DETECTOR` is the one fitted on collapsing toy runs and judged on held-out ones (``docs/experiments.md``,
+    "An early warning fitted on collapsing runs"; ``bench/eval_early_warning.py`` fits it); it warns on the runs
+    whose logs carry its signals, and :class:`WarningLines` on the others (logged before the importance-weight
+    summaries)."""
+
+    weights: tuple[tuple[str, float], ...]
+    bias: float
+    threshold: float
+    window: int = 5
+
+    @property
+    def signals(self) -> list[str]:
+        return [name for name, _ in self.weights]
+
+    def score(self, one_run: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """The score of each step of one run's signals (sorted by step) and whether it warns."""
+        recent = one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
+        score = self.bias + sum(weight * recent[name] for name, weight in self.weights)
+        full = np.arange(1, len(one_run) + 1) >= self.window
+        return score.to_numpy(), full & (score >= self.threshold).to_numpy()
+
+
+DETECTOR = Detector(weights=(("log_ratio_std", 22.489230799476395), ("bad_negative_rate", -655.7173181551187),
+                             ("ess_frac", -16.687836347753525)),
+                    bias=6.823390282037188, threshold=1.1703118159948929)
+"""The default early warning where a run's logs carry its signals (the published weights of docs/experiments.md)."""
+
+
 # ------------------------------------------------------------------------------------------------ shared tables
 
 
@@ -175,20 +209,31 @@ def run_table(db: LogDB) -> pd.DataFrame:
 
 
 WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
-                   "warn_mismatch", "warning"]
+                   "warn_mismatch", "score", "warn_score", "warned_by", "warning"]
 
 
-def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None) -> pd.DataFrame:
-    """Per run and step, the early warning of :class:`WarningLines` over the overview figures (``db`` or its
-    :meth:`LogDB.overview`): run_id, step, reward_mean, bad_rate_recent (bad negative updates of the last
-    ``window`` steps over their tokens), mismatch_growth (the mean |pi - mu| of the last ``window`` steps over the
-    run's first ``window``), warn_bad_rate, warn_mismatch, warning. The first full window of a run is its baseline
-    and never warns."""
+def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
+                      detector: Detector | None = DETECTOR, signals: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per run and step, the collapse early warning: run_id, step, reward_mean; the lines of
+    :class:`WarningLines` over the overview figures (``db`` or its :meth:`LogDB.overview`): bad_rate_recent (bad
+    negative updates of the last ``window`` steps over their tokens), mismatch_growth (the mean |pi - mu| of the
+    last ``window`` steps over the run's first ``window``; the first full window is the baseline and never
+    warns), warn_bad_rate, warn_mismatch; the ``detector``'s score and warn_score, on the runs whose signals
+    (``signals``: rows of the ``early_signals`` view, queried from ``db`` when it is a LogDB, else read off the
+    overview's steps) are all there; ``warned_by``, which of the two decides ``warning`` for the run:
+    "detector" where it has its signals, else "lines". ``detector=None``: the lines everywhere."""
     lines = lines or WarningLines()
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db
     steps = overview.steps[overview.steps["run_id"].isin(list(run_ids))].sort_values(["run_id", "step"])
+    if detector is not None:
+        if signals is None and isinstance(db, LogDB):
+            signals = db.query("early_signals", run_ids=list(run_ids))
+        if signals is not None and len(signals):
+            have = signals[["run_id", "step", *(c for c in detector.signals if c in signals.columns)]]
+            steps = steps.drop(columns=[c for c in have.columns[2:] if c in steps.columns]).merge(
+                have, on=["run_id", "step"], how="left")
     parts = []
     for run_id, one in steps.groupby("run_id", sort=True):
         recent = one[["n_bad_negative", "n_tokens"]].astype(float).rolling(lines.window, min_periods=1).sum()
@@ -197,25 +242,41 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
         rate = recent["n_bad_negative"] / recent["n_tokens"].where(recent["n_tokens"] > 0)
         growth = mismatch.rolling(lines.window, min_periods=1).mean() / (baseline if baseline else np.nan)
         late = np.arange(1, len(one) + 1) > lines.window
-        parts.append(pd.DataFrame({
+        part = pd.DataFrame({
             "run_id": run_id, "step": one["step"].to_numpy(), "reward_mean": one["reward_mean"].to_numpy(),
             "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
             "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
-            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()}))
+            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()})
+        by_lines = part["warn_bad_rate"] | part["warn_mismatch"]
+        if detector is not None and all(c in one.columns and one[c].notna().any() for c in detector.signals):
+            part["score"], part["warn_score"] = detector.score(one)
+            part["warned_by"], part["warning"] = "detector", part["warn_score"]
+        else:
+            part["score"], part["warn_score"] = np.nan, False
+            part["warned_by"], part["warning"] = "lines", by_lines
+        parts.append(part)
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
-    out["warning"] = out["warn_bad_rate"].astype(bool) | out["warn_mismatch"].astype(bool)
+    out["warning"] = out["warning"].astype(bool)
     return out[WARNING_COLUMNS]
 
 
-def first_warnings(warnings: pd.DataFrame) -> dict[str, str]:
+DETECTOR_LABELS = {"log_ratio_std": "spread of log(pi/mu)", "bad_negative_rate": "bad-update rate",
+                   "ess_frac": "ESS of pi/mu"}
+
+
+def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dict[str, str]:
     """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent)."""
     out = {}
     for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
         row = part.sort_values("step").iloc[0]
         why = []
-        if row["warn_bad_rate"]:
+        if row["warned_by"] == "detector":
+            names = ", ".join(DETECTOR_LABELS.get(n, n) for n in detector.signals)
+            why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
+                       f"{detector.window} steps' {names}")
+        elif row["warn_bad_rate"]:
             why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens")
-        if row["warn_mismatch"]:
+        if row["warned_by"] == "lines" and row["warn_mismatch"]:
             why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps")
         out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
     return out
@@ -277,7 +338,9 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
     sources = overview.sources.set_index("run_id")
     table = run_table(db).set_index("run_id")
     clipped = db.clipped_tokens(top=CLIPPED_TOP)
-    alerts = first_warnings(collapse_warnings(overview, sorted(summary["run_id"].unique()), lines))
+    run_ids = sorted(summary["run_id"].unique())
+    alerts = first_warnings(collapse_warnings(overview, run_ids, lines,
+                                              signals=db.query("early_signals", run_ids=run_ids)))
     totals = overview.blocked_totals()
     reports = []
     for run_id, steps in summary.groupby("run_id", sort=True):

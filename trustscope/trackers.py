@@ -159,6 +159,22 @@ def step_metrics(rows: Iterable[Mapping[str, Any]], step: int | None = None,
     return out
 
 
+DETECTOR_SIGNALS = ("log_ratio_std", "ess_frac", "bad_negative_rate")
+"""The step figures :data:`trustscope.report.DETECTOR` reads, as :func:`detector_signals` gives them."""
+
+
+def detector_signals(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The fitted early warning's signals from a step's metrics, as the ``early_signals`` view computes them:
+    the population std of log(pi/mu) and the ESS share (sum w)^2 / (n sum w^2) = mean^2 / (mean^2 + std^2) of
+    w = pi/mu; NaN where the step's summaries lack the importance-weight rows."""
+    mean = metrics.get(f"{PREFIX}/is_weight/mean", math.nan)
+    std = metrics.get(f"{PREFIX}/is_weight/std", math.nan)
+    spread = mean * mean + std * std
+    return {"log_ratio_std": metrics.get(f"{PREFIX}/log_ratio/std", math.nan),
+            "ess_frac": mean * mean / spread if spread > 0 else math.nan,
+            "bad_negative_rate": metrics.get(f"{PREFIX}/bad_negative_rate", math.nan)}
+
+
 class EarlyWarning:
     """The collapse early warning, step by step, as :func:`trustscope.report.collapse_warnings` computes it over
     a run's logs (the same function, over the steps seen so far): adds ``trustscope/warning`` (0 or 1),
@@ -193,7 +209,7 @@ class EarlyWarning:
                "bad_negative_rate": metrics.get(f"{PREFIX}/bad_negative_rate", math.nan),
                "mismatch_mean": metrics.get(f"{PREFIX}/mismatch/abs_mean", math.nan),
                "mismatch_max": metrics.get(f"{PREFIX}/mismatch/abs_max", math.nan),
-               "reward_mean": math.nan}
+               "reward_mean": math.nan, **detector_signals(metrics)}
         if self._recent and self._recent[-1]["step"] == row["step"]:
             self._recent[-1] = row  # the same step again (a later call of it): its newer figures
             if len(self._first) <= self.lines.window and self._first[-1]["step"] == row["step"]:
@@ -205,7 +221,7 @@ class EarlyWarning:
         # the baseline window, then the recent one: rolling sums of the last window and the position past the
         # baseline come out as over the whole run (the rows between them are not read by either)
         seen = self._first + [r for r in self._recent if r["step"] > self._first[-1]["step"]]
-        steps = pd.DataFrame(seen).reindex(columns=list(OVERVIEW_COLUMNS))
+        steps = pd.DataFrame(seen).reindex(columns=list(dict.fromkeys([*OVERVIEW_COLUMNS, *DETECTOR_SIGNALS])))
         try:
             last = collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["run"], self.lines).iloc[-1]
         except (KeyError, ValueError, IndexError) as err:  # a warning that reads figures these rows lack
@@ -216,13 +232,20 @@ class EarlyWarning:
         if fired and self.fired_at is None:
             self.fired_at = int(step)
         return {f"{PREFIX}/warning": float(fired),
+                f"{PREFIX}/warning/score": float(last["score"]),
                 f"{PREFIX}/warning/bad_rate_recent": float(last["bad_rate_recent"]),
                 f"{PREFIX}/warning/mismatch_growth": float(last["mismatch_growth"])}
 
     def reason(self, metrics: Mapping[str, float]) -> str:
         """One line saying why the warning fires, from :meth:`update`'s metrics."""
+        from trustscope.report import DETECTOR, DETECTOR_LABELS
+
         rate = metrics.get(f"{PREFIX}/warning/bad_rate_recent", math.nan)
         growth = metrics.get(f"{PREFIX}/warning/mismatch_growth", math.nan)
+        score = metrics.get(f"{PREFIX}/warning/score", math.nan)
+        if score == score:  # the fitted detector decides for runs logged with its signals
+            return (f"early-warning score {score:.2f} >= {DETECTOR.threshold:.2f} over the last {DETECTOR.window} "
+                    f"steps' {', '.join(DETECTOR_LABELS[n] for n in DETECTOR.signals)}")
         why = []
         if rate >= self.lines.bad_rate:
             why.append(f"bad negative updates {rate:.2%} of the last {self.lines.window} steps' tokens "

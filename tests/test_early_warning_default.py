@@ -1,0 +1,88 @@
+"""The default collapse warning: the detector fitted in docs/experiments.md where a run's logs carry its signals,
+the bad-rate and mismatch-growth lines elsewhere; the same in the report, the dashboard's badge and the live
+tracker metric, and the same numbers as the SQL the docs publish."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trustscope import report
+from trustscope import trackers as T
+from trustscope.db import connect
+from trustscope.synthetic import SyntheticConfig, generate_run
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_LOGS = ROOT / "sample_logs"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run logged with the importance-weight summaries: 12 steps, mismatch growing (the detector's inputs move)."""
+    logdir = tmp_path_factory.mktemp("warn")
+    generate_run(logdir, "live", SyntheticConfig(tokens=6_000, steps=12, edge_cases=False, loss_rule="pg_is",
+                                                 seed=3))
+    return logdir
+
+
+def published_sql() -> str:
+    """The "All signals" detector's query as docs/experiments.md publishes it."""
+    text = (ROOT / "docs" / "experiments.md").read_text()
+    section = text.split("All signals:", 1)[1]
+    return re.search(r"```sql\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_default_is_the_published_detector(run):
+    with connect(run) as db:
+        got = report.collapse_warnings(db, ["live"])
+        want = db.sql(published_sql()).to_pandas()
+    assert set(got["warned_by"]) == {"detector"}
+    both = got.merge(want, on=["run_id", "step"], suffixes=("", "_sql"))
+    assert len(both) == len(got) == 12
+    np.testing.assert_allclose(both["score"], both["score_sql"], rtol=0, atol=1e-9)
+    assert both["warning"].tolist() == both["warning_sql"].astype(bool).tolist()
+    assert not got["warning"].iloc[:report.DETECTOR.window - 1].any()  # a full window before it can warn
+
+
+def test_runs_without_the_signals_keep_the_lines():
+    """sample_logs/ were logged before the importance-weight summaries: the lines decide, as they did."""
+    with connect(SAMPLE_LOGS) as db:
+        runs = sorted(db.overview().steps["run_id"].unique())
+        got = report.collapse_warnings(db, runs)
+        lines = report.collapse_warnings(db, runs, detector=None)
+    assert set(got["warned_by"]) == {"lines"} and got["score"].isna().all()
+    assert got["warning"].tolist() == lines["warning"].tolist() and got["warning"].any()
+    assert report.first_warnings(got) == report.first_warnings(lines)
+
+
+def test_a_run_that_warns_says_so_in_the_detectors_words(run):
+    low = report.Detector(weights=report.DETECTOR.weights, bias=report.DETECTOR.bias, threshold=-1e9)
+    with connect(run) as db:
+        always = report.collapse_warnings(db, ["live"], detector=low)
+        never = report.collapse_warnings(db, ["live"], detector=report.Detector(
+            weights=report.DETECTOR.weights, bias=report.DETECTOR.bias, threshold=1e9))
+    assert always["warning"].tolist() == [False] * 4 + [True] * 8 and not never["warning"].any()
+    text = report.first_warnings(always, low)["live"]
+    assert text.startswith("collapse warning from step 4 (early-warning score") and "ESS of pi/mu" in text
+
+
+def test_the_live_tracker_warning_reads_as_the_report(run):
+    """Step by step from the committed summaries rows, as an integration reports it: the same score and warning
+    as the report over the whole run."""
+    with connect(run) as db:
+        want = report.collapse_warnings(db, ["live"])
+    assert want["score"].notna().all()
+    warning, got = T.EarlyWarning(), []
+    for step in range(12):
+        got.append(warning.update(T.step_metrics(T.committed_step_rows(run / "live", step), step)))
+    np.testing.assert_allclose([g[f"{T.PREFIX}/warning/score"] for g in got], want["score"], rtol=1e-9, atol=1e-9)
+    assert [g[f"{T.PREFIX}/warning"] for g in got] == want["warning"].astype(float).tolist()
+    assert "early-warning score" in warning.reason(got[-1])
