@@ -5,8 +5,8 @@ runs it ships, from a folder that is not the checkout.
 
 The dependencies come from a wheelhouse kept under ``$TRUSTSCOPE_CACHE/wheelhouse``, filled from the package index
 the first time (``pip download``) and read offline after (``--no-index``); the install skips byte-compiling. On a
-warm wheelhouse the module takes 65 s of CPU (56 s user, 9 s system, its servers and browser included): 4 min 9 s
-wall at load 18-9 on the 2 shared cores. ``docs/performance.md`` gives the install's size and time from PyPI.
+warm wheelhouse the module takes 65 s at load 1.3-2.9 on 2 cores (51 s of CPU, its servers and browser included), of
+which the install is 9 s. ``docs/performance.md`` gives the install's size and time from PyPI.
 """
 
 from __future__ import annotations
