@@ -376,7 +376,6 @@ def doctor(
     left out, and said so; the others are checked)."""
     import duckdb
 
-    from trustscope.alerts import Alerts, check_webhook_url
     from trustscope.db import NoRunsFound, connect_readable
     from trustscope.doctor import VERDICTS, diagnose, failed, format_finding
 
@@ -384,7 +383,10 @@ def doctor(
         typer.echo(f"trustscope doctor: {logdir} is not a directory", err=True)
         raise typer.Exit(2)
     try:
-        webhook = None if webhook is None else check_webhook_url(webhook)
+        if webhook is not None:  # the alerts' HTTP client is imported only when asked for
+            from trustscope.alerts import Alerts, check_webhook_url
+
+            webhook = check_webhook_url(webhook)
     except ValueError as exc:
         typer.echo(f"trustscope doctor: --webhook: {exc}", err=True)
         raise typer.Exit(2) from exc

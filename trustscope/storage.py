@@ -27,7 +27,6 @@ layer, ``validate`` and the SQL worker read that folder as they read any log dir
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -37,7 +36,6 @@ import random
 import re
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -181,7 +179,7 @@ def fault_kind(err: BaseException) -> str | None:
         name = type(chain).__name__
         if name in _UNREACHABLE_NAMES or isinstance(chain, ConnectionRefusedError):
             return "unreachable"
-        if name in _TIMEOUT_NAMES or isinstance(chain, asyncio.TimeoutError | socket.timeout):
+        if name in _TIMEOUT_NAMES or isinstance(chain, TimeoutError):  # asyncio's and socket's are aliases
             return "timeout"
         if name in _RESET_NAMES or isinstance(chain, ConnectionError):
             return "reset"
