@@ -113,25 +113,22 @@ def warning_badge(run_ids: list[str]) -> None:
     warnings = data.collapse_warnings(run_ids)
     firsts = report.first_warnings(warnings)
     lines, detector = data.WARNING_LINES, report.DETECTOR
-    by = set(warnings.drop_duplicates("run_id")["warned_by"])
-    how = []
-    if "detector" in by:
-        how.append(f"the early-warning score (a logistic score over the last {detector.window} steps' "
-                   f"{', '.join(report.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing runs, "
-                   f"docs/experiments.md) reaches {detector.threshold:.2f}")
-    if "lines" in by:
-        how.append(f"bad negative updates reach {lines.bad_rate:.1%} of the last {lines.window} steps' tokens or "
-                   f"mean |pi - mu| {lines.mismatch_growth:g}x the run's first {lines.window} steps"
-                   + (" (runs logged without the importance-weight summaries)" if "detector" in by else ""))
+    how = [f"bad negative updates reach {lines.bad_rate:.1%} of the last {lines.window} steps' tokens",
+           f"mean |pi - mu| {lines.mismatch_growth:g}x the run's first {lines.window} steps"]
+    if warnings["score"].notna().any():
+        how.insert(0, f"the early-warning score (a logistic score over the last {detector.window} steps' "
+                      f"{', '.join(report.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing "
+                      f"runs, docs/experiments.md; on runs logged with those summaries) reaches "
+                      f"{detector.threshold:.2f}")
     if not firsts:
-        st.caption(f"No collapse warning. A step warns when {'; or, '.join(how)}.")
+        st.caption(f"No collapse warning. A step warns when {', or '.join(how)}.")
         return
     where = st.expander(f":material/warning: Collapse warning on {len(firsts)} of {len(run_ids)} runs",
                         expanded=len(firsts) <= 2) if len(firsts) > 1 else st.container()
     with where:
         for run_id, text in firsts.items():
             st.badge(f"{run_id}: {text}", icon=":material/warning:", color="red")
-        st.caption(f"A step warns when {'; or, '.join(how)}. A prompt to look, not a verdict: "
+        st.caption(f"A step warns when {', or '.join(how)}. A prompt to look, not a verdict: "
                    "docs/experiments.md counts how often each warning came before a collapse and how often it "
                    "was a false alarm.")
 

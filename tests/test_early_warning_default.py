@@ -44,12 +44,13 @@ def test_the_default_is_the_published_detector(run):
     with connect(run) as db:
         got = report.collapse_warnings(db, ["live"])
         want = db.sql(published_sql()).to_pandas()
-    assert set(got["warned_by"]) == {"detector"}
     both = got.merge(want, on=["run_id", "step"], suffixes=("", "_sql"))
-    assert len(both) == len(got) == 12
+    assert len(both) == len(got) == 12 and got["score"].notna().all()
     np.testing.assert_allclose(both["score"], both["score_sql"], rtol=0, atol=1e-9)
-    assert both["warning"].tolist() == both["warning_sql"].astype(bool).tolist()
-    assert not got["warning"].iloc[:report.DETECTOR.window - 1].any()  # a full window before it can warn
+    assert both["warn_score"].tolist() == both["warning_sql"].astype(bool).tolist()
+    assert not got["warn_score"].iloc[:report.DETECTOR.window - 1].any()  # a full window before it can warn
+    # the lines stay beside it: a step warns by either
+    assert got["warning"].tolist() == (got["warn_score"] | got["warn_bad_rate"] | got["warn_mismatch"]).tolist()
 
 
 def test_runs_without_the_signals_keep_the_lines():
@@ -58,7 +59,7 @@ def test_runs_without_the_signals_keep_the_lines():
         runs = sorted(db.overview().steps["run_id"].unique())
         got = report.collapse_warnings(db, runs)
         lines = report.collapse_warnings(db, runs, detector=None)
-    assert set(got["warned_by"]) == {"lines"} and got["score"].isna().all()
+    assert got["score"].isna().all() and not got["warn_score"].any()
     assert got["warning"].tolist() == lines["warning"].tolist() and got["warning"].any()
     assert report.first_warnings(got) == report.first_warnings(lines)
 
@@ -69,9 +70,24 @@ def test_a_run_that_warns_says_so_in_the_detectors_words(run):
         always = report.collapse_warnings(db, ["live"], detector=low)
         never = report.collapse_warnings(db, ["live"], detector=report.Detector(
             weights=report.DETECTOR.weights, bias=report.DETECTOR.bias, threshold=1e9))
-    assert always["warning"].tolist() == [False] * 4 + [True] * 8 and not never["warning"].any()
+    assert always["warn_score"].tolist() == [False] * 4 + [True] * 8 and not never["warn_score"].any()
     text = report.first_warnings(always, low)["live"]
     assert text.startswith("collapse warning from step 4 (early-warning score") and "ESS of pi/mu" in text
+
+
+def test_the_bad_rate_line_warns_where_the_detector_extrapolates_low():
+    """Far outside the fitted runs (half of every step's tokens bad updates) the detector's negative weight on the
+    bad-update rate holds its score down; the bad-rate line beside it still warns."""
+    import pandas as pd
+
+    from trustscope.db import Overview
+
+    steps = pd.DataFrame({"run_id": "r", "step": range(12), "n_tokens": 100.0, "reward_mean": 0.5,
+                          "n_bad_negative": [0.0] * 6 + [50.0] * 6, "mismatch_mean": 0.02,
+                          "log_ratio_std": [0.1] * 6 + [1.4] * 6, "ess_frac": [0.99] * 6 + [0.3] * 6,
+                          "bad_negative_rate": [0.0] * 6 + [0.5] * 6})
+    got = report.collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["r"])
+    assert not got["warn_score"].any() and got["warn_bad_rate"].iloc[-1] and got["warning"].iloc[-1]
 
 
 def test_the_live_tracker_warning_reads_as_the_report(run):
@@ -85,4 +101,5 @@ def test_the_live_tracker_warning_reads_as_the_report(run):
         got.append(warning.update(T.step_metrics(T.committed_step_rows(run / "live", step), step)))
     np.testing.assert_allclose([g[f"{T.PREFIX}/warning/score"] for g in got], want["score"], rtol=1e-9, atol=1e-9)
     assert [g[f"{T.PREFIX}/warning"] for g in got] == want["warning"].astype(float).tolist()
-    assert "early-warning score" in warning.reason(got[-1])
+    if want["warn_score"].any():
+        assert "early-warning score" in warning.reason(got[int(want["warn_score"].to_numpy().argmax())])

@@ -224,9 +224,9 @@ def report(
     html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
     inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
                                    "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
-    warn_bad_rate: float = typer.Option(0.01, help="Collapse warning on runs logged without the "
-                                        "importance-weight summaries (the others warn by the fitted detector): "
-                                        "bad negative-update rate over the last --warn-window steps that fires it."),
+    warn_bad_rate: float = typer.Option(0.01, help="Collapse warning (beside the fitted detector, on "
+                                        "runs logged with its signals): bad negative-update rate over the last "
+                                        "--warn-window steps that fires it."),
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),

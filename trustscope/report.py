@@ -209,7 +209,7 @@ def run_table(db: LogDB) -> pd.DataFrame:
 
 
 WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
-                   "warn_mismatch", "score", "warn_score", "warned_by", "warning"]
+                   "warn_mismatch", "score", "warn_score", "warning"]
 
 
 def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
@@ -220,8 +220,11 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     last ``window`` steps over the run's first ``window``; the first full window is the baseline and never
     warns), warn_bad_rate, warn_mismatch; the ``detector``'s score and warn_score, on the runs whose signals
     (``signals``: rows of the ``early_signals`` view, queried from ``db`` when it is a LogDB, else read off the
-    overview's steps) are all there; ``warned_by``, which of the two decides ``warning`` for the run:
-    "detector" where it has its signals, else "lines". ``detector=None``: the lines everywhere."""
+    overview's steps) are there (score NaN elsewhere); ``warning``: any of the three.
+
+    The lines stay beside the detector because its fitted weight on the bad-update rate is negative (a correction
+    given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
+    updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
@@ -247,13 +250,11 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
             "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
             "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
             "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()})
-        by_lines = part["warn_bad_rate"] | part["warn_mismatch"]
         if detector is not None and all(c in one.columns and one[c].notna().any() for c in detector.signals):
             part["score"], part["warn_score"] = detector.score(one)
-            part["warned_by"], part["warning"] = "detector", part["warn_score"]
         else:
             part["score"], part["warn_score"] = np.nan, False
-            part["warned_by"], part["warning"] = "lines", by_lines
+        part["warning"] = part["warn_score"] | part["warn_bad_rate"] | part["warn_mismatch"]
         parts.append(part)
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
     out["warning"] = out["warning"].astype(bool)
@@ -270,13 +271,13 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dic
     for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
         row = part.sort_values("step").iloc[0]
         why = []
-        if row["warned_by"] == "detector":
+        if row["warn_score"]:
             names = ", ".join(DETECTOR_LABELS.get(n, n) for n in detector.signals)
             why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
                        f"{detector.window} steps' {names}")
-        elif row["warn_bad_rate"]:
+        if row["warn_bad_rate"]:
             why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens")
-        if row["warned_by"] == "lines" and row["warn_mismatch"]:
+        if row["warn_mismatch"]:
             why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps")
         out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
     return out

@@ -243,10 +243,10 @@ class EarlyWarning:
         rate = metrics.get(f"{PREFIX}/warning/bad_rate_recent", math.nan)
         growth = metrics.get(f"{PREFIX}/warning/mismatch_growth", math.nan)
         score = metrics.get(f"{PREFIX}/warning/score", math.nan)
-        if score == score:  # the fitted detector decides for runs logged with its signals
-            return (f"early-warning score {score:.2f} >= {DETECTOR.threshold:.2f} over the last {DETECTOR.window} "
-                    f"steps' {', '.join(DETECTOR_LABELS[n] for n in DETECTOR.signals)}")
         why = []
+        if score >= DETECTOR.threshold:  # NaN (a run logged without the detector's signals) compares False
+            why.append(f"early-warning score {score:.2f} >= {DETECTOR.threshold:.2f} over the last "
+                       f"{DETECTOR.window} steps' {', '.join(DETECTOR_LABELS[n] for n in DETECTOR.signals)}")
         if rate >= self.lines.bad_rate:
             why.append(f"bad negative updates {rate:.2%} of the last {self.lines.window} steps' tokens "
                        f"(line {self.lines.bad_rate:.2%})")
