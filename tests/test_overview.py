@@ -145,6 +145,8 @@ def test_runs_page_reads_the_overview(monkeypatch, logdir, db, overview):
     n, t = expected.loc[("full", "dppo_binary_tv"), ["n_blocked", "n_tokens"]]
     assert totals.loc["full", "dppo_binary_tv"] == totals.loc["tenth", "dppo_binary_tv"]
     assert totals.loc["full", "dppo_binary_tv"].endswith(f"({int(n):,} of {int(t):,})")
-    chart = json.loads(at.get("plotly_chart")[1].proto.spec)
-    traces = {(t["meta"]["rule"], int(_array(t["customdata"])[0][1])) for t in chart["data"] if t.get("meta")}
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    blocked = [c for c in charts if any(isinstance(t.get("meta"), dict) and "rule" in t["meta"] for t in c["data"])]
+    assert len(blocked) == 1, f"{len(charts)} charts, {len(blocked)} of them by rule"
+    traces = {(t["meta"]["rule"], int(_array(t["customdata"])[0][1])) for t in blocked[0]["data"] if t.get("meta")}
     assert ("dppo_binary_tv", int(_run(overview.steps, "full").n_nonzero_advantage[0])) in traces
