@@ -62,10 +62,10 @@ def test_shipped_manifests_name_no_path_of_the_machine(manifest):
 
 
 def test_the_path_check_catches_what_it_is_for():
-    for bad in ("/root/.cache/trustscope/toy/addcol2-190f7da85daf7e0f", "/work/main/runs/sanity-v2",
+    for bad in ("/root/.cache/trustscope/toy/addcol2-9b52d72f35573d24", "/work/main/runs/sanity-v2",
                 "~/models/x", "C:\\Users\\me\\run", "data/home/me/x", "x/.cache/trustscope"):
         assert MACHINE_PATH.search(bad), bad
-    for good in ("toy-v2", "toy/addcol2-190f7da85daf7e0f", "runs/sanity-v2", "Qwen/Qwen3-1.7B-Base",
+    for good in ("toy-v2", "toy/addcol2-9b52d72f35573d24", "runs/sanity-v2", "Qwen/Qwen3-1.7B-Base",
                  "processed_logprobs", "trustscope.engines.vllm.WeightSyncExtension", "2026-12-01T11:51:49+00:00"):
         assert not MACHINE_PATH.search(good), good
 

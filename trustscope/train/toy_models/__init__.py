@@ -2,7 +2,7 @@
 warm start of one to four minutes on two CPU cores.
 
 Each folder here is a cache entry of :func:`trustscope.train.toy.build_toy_model`, named as the cache names it,
-``<task>-<key>``: ``addcol2-190f7da85daf7e0f`` is ``toy-v2``, the model of the shipped ``sample_logs/`` runs. The
+``<task>-<key>``: ``addcol2-9b52d72f35573d24`` is ``toy-v2``, the model of the shipped ``sample_logs/`` runs. The
 key hashes the configuration and the source of ``toy.py``, so a folder is used only while it is exactly what a
 build would write (builds are deterministic: two builds of ``toy-v2`` wrote byte-identical weights); after a change
 to ``toy.py`` the key moves, the folder is passed over and the model is built as before. To ship the new build::
