@@ -338,8 +338,8 @@ def step_metrics(run_ids: Sequence[str]) -> pd.DataFrame:
 
 
 SIGNAL_TITLES = {
-    "ess_frac": "ESS of pi/mu over tokens (share of the step's tokens)",
-    "seq_log_ratio_p99": "p99 of |mean log(pi/mu)| per response",
+    "ess_frac": "ESS of pi/mu (share of tokens)",
+    "seq_log_ratio_p99": "p99 |mean log(pi/mu)| a response",
     "mismatch_mean": "mismatch mean |pi - mu|",
     "entropy_slope": "entropy slope (nats a step, last 10 steps)",
     "grad_norm": "grad norm",

@@ -65,7 +65,10 @@ def compare(chosen: list[str], grouped: bool) -> None:
                    + ", ".join(f"{g}: {n} seed{'s' * (n > 1)}" for g, n in sizes.items()) + ".")
     st.caption(where)
 
-    signals_section(members["run_id"].tolist(), weight)
+    rule_of = members.set_index("run_id")["loss_rule"]
+    signals_section(members["run_id"].tolist(), weight,
+                    {r: figures.rule_colour(rule) for r, rule in rule_of.items()}  # as the metrics chart colours
+                    if rule_of.notna().all() and rule_of.is_unique else None)
 
     st.subheader("Blocked fraction by rule")
     blocked = data.blocked_by_rule(members["run_id"].tolist(), labels)
@@ -92,8 +95,9 @@ def compare(chosen: list[str], grouped: bool) -> None:
                    "tokens with A != 0).")
 
 
-def signals_section(run_ids: list[str], weight: float) -> None:
-    """The early-warning signals over steps, one line per run (seeds are not grouped here)."""
+def signals_section(run_ids: list[str], weight: float, colours: dict[str, str] | None = None) -> None:
+    """The early-warning signals over steps, one line per run (seeds are not grouped here), coloured by
+    ``colours`` (run_id -> colour) when given."""
     st.subheader("Early-warning signals")
     long = data.early_signals(run_ids)
     shown = [n for n in data.SIGNAL_TITLES if n in set(long["name"])]
@@ -104,7 +108,7 @@ def signals_section(run_ids: list[str], weight: float) -> None:
     picked = st.multiselect("Signals", shown, default=shown[:4], format_func=data.SIGNAL_TITLES.get,
                             key="signals_picker")
     series = figures.smooth(long[long["name"].isin(picked)], weight, ["run_id", "name"])
-    widgets.chart(data.figure(figures.metrics_over_steps, series, picked, data.SIGNAL_TITLES),
+    widgets.chart(data.figure(figures.metrics_over_steps, series, picked, data.SIGNAL_TITLES, colours=colours),
                   "signals_chart", "None of these runs has logged these signals yet.")
     st.caption("Exact over every token of each step (the `early_signals` view, `trustscope sql \"select * from "
                "early_signals\"`): the effective sample size of the importance weights pi/mu, the tail of the "
