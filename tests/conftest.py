@@ -24,3 +24,16 @@ def toy_model_dir():
     from trustscope.train.toy import build_toy_model
 
     return build_toy_model()
+
+
+@pytest.fixture(autouse=True)
+def _pythonpath_as_it_was():
+    """``trustscope._dashboard.load`` puts the checkout on ``PYTHONPATH`` for the Streamlit server its process
+    becomes; a test that runs the dashboard command in this process must not hand it on to later tests'
+    subprocesses (pip, for one, then takes the checkout's trustscope as installed)."""
+    before = os.environ.get("PYTHONPATH")
+    yield
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before

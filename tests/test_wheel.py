@@ -53,9 +53,16 @@ def build_wheel(out: Path) -> Path:
     return out / "dist" / done.stdout.strip().splitlines()[-1]
 
 
+def outside_env() -> dict[str, str]:
+    """This process's environment without what points Python at the checkout or at this venv. pip run with the
+    checkout on ``PYTHONPATH`` (the dashboard's launcher puts it there, ``trustscope._dashboard``) finds the
+    checkout's ``trustscope.egg-info``, takes trustscope as installed, and installs its dependencies alone."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
 def pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=outside_env(), cwd=cache_root())
 
 
 def install(wheel: Path, venv: Path) -> float:
@@ -74,6 +81,7 @@ def install(wheel: Path, venv: Path) -> float:
         start = time.perf_counter()
         done = pip(*offline)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (venv / "bin" / "trustscope").is_file(), f"pip installed no trustscope script:\n{done.stdout[-3000:]}"
     return time.perf_counter() - start
 
 
@@ -87,7 +95,7 @@ def reader(tmp_path_factory) -> dict:
     seconds = install(wheel, venv)
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = outside_env()
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", TRUSTSCOPE_CACHE=str(base / "cache"),
                PYTHONUNBUFFERED="1")
     return {"wheel": wheel, "venv": venv, "cwd": elsewhere, "env": env, "install_s": seconds}
