@@ -6,25 +6,16 @@ Usage: python tests/trl_vllm_run.py MODEL_DIR WORKDIR. Writes the run to WORKDIR
 ``state.log_history`` to WORKDIR/log_history.json.
 """
 
-import json
 import os
 import sys
 
 # VLLM_USE_AOT_COMPILE=0: TRL starts its colocated LLM without enforce_eager, and vLLM 0.32's ahead-of-time compile
 # path fails on CPU with torch 2.13; the JIT path it falls back to runs.
 for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}.items():
+                   "VLLM_USE_AOT_COMPILE": "0"}.items():
     os.environ.setdefault(key, value)
 
-from datasets import Dataset  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from trustscope.integrations.trl import attach  # noqa: E402
-from trustscope.train.tasks import get_task  # noqa: E402
-
-TASK = get_task("add1")
+from trl_grpo_script import attached_trainer, train  # noqa: E402
 
 
 def sync_weights_on_cpu(self) -> None:
@@ -40,10 +31,6 @@ def sync_weights_on_cpu(self) -> None:
     self.llm.reset_prefix_cache()
 
 
-def reward(completions, answer, **kwargs):
-    return [TASK.reward(c, a, "stop") for c, a in zip(completions, answer, strict=True)]
-
-
 def main() -> None:
     from trl.generation.vllm_generation import VLLMGeneration
     from vllm.platforms import current_platform
@@ -51,18 +38,8 @@ def main() -> None:
     if current_platform.is_cpu():
         VLLMGeneration.sync_weights = sync_weights_on_cpu
     model_dir, work = sys.argv[1], sys.argv[2]
-    problems = TASK.split("train")[:16]
-    data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    args = GRPOConfig(output_dir=os.path.join(work, "out"), max_steps=4, per_device_train_batch_size=16,
-                      num_generations=4, max_completion_length=8, learning_rate=1e-3, beta=0.0, num_iterations=2,
-                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
-                      seed=0, shuffle_dataset=False, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir))
-    attach(trainer, os.path.join(work, "logs"), topk=4, run_id="vllm")
-    trainer.train()
-    with open(os.path.join(work, "log_history.json"), "w") as f:
-        json.dump(trainer.state.log_history, f)
+    trainer = attached_trainer(model_dir, work, "vllm", vllm_mode="colocate", vllm_max_model_length=64)
+    train(trainer, work)
 
 
 if __name__ == "__main__":

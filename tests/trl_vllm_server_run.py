@@ -18,22 +18,8 @@ import json
 import os
 import sys
 
-for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(key, value)
-
-from datasets import Dataset  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from trustscope.integrations.trl import attach  # noqa: E402
-from trustscope.train.tasks import get_task  # noqa: E402
-
-TASK = get_task("add1")
-
-
-def reward(completions, answer, **kwargs):
-    return [TASK.reward(c, a, "stop") for c, a in zip(completions, answer, strict=True)]
+from safetensors.torch import save_file
+from trl_grpo_script import attached_trainer, train
 
 
 def main() -> None:
@@ -63,19 +49,9 @@ def main() -> None:
     VLLMClient.init_communicator = init_communicator_on_cpu
     VLLMGeneration.sync_weights = sync_weights_through_a_file
 
-    problems = TASK.split("train")[:16]
-    data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
-    args = GRPOConfig(output_dir=os.path.join(work, "out"), max_steps=4, per_device_train_batch_size=16,
-                      num_generations=4, max_completion_length=8, learning_rate=1e-3, beta=0.0, num_iterations=2,
-                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
-                      seed=0, shuffle_dataset=False, use_vllm=True, vllm_mode="server", vllm_server_base_url=base_url,
-                      vllm_server_timeout=600)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir))
-    attach(trainer, os.path.join(work, "logs"), topk=4, run_id="server")
-    trainer.train()
-    with open(os.path.join(work, "log_history.json"), "w") as f:
-        json.dump(trainer.state.log_history, f)
+    trainer = attached_trainer(model_dir, work, "server", vllm_mode="server", vllm_server_base_url=base_url,
+                               vllm_server_timeout=600)
+    train(trainer, work)
     with open(os.path.join(work, "sync.json"), "w") as f:
         json.dump(record, f)
 
