@@ -113,6 +113,27 @@ def test_live_page(monkeypatch, logdir):
     assert any("Refreshed" in c.value for c in at.caption)
 
 
+def test_live_page_slows_its_refresh_when_a_refresh_is_slow(monkeypatch, logdir):
+    """A refresh that takes longer than half the chosen interval re-arms the timer at twice its time, so a busy
+    server's reader sees a finished page between refreshes; the caption says so."""
+    import time
+
+    runs = data.runs
+
+    def slow_runs():
+        time.sleep(1.6)
+        return runs()
+
+    at = _open(monkeypatch, logdir, "live")
+    monkeypatch.setattr(data, "runs", slow_runs)
+    at.select_slider(key="live_every").set_value(2).run()
+    _ok(at, "Live")
+    took = at.session_state["live_took"]
+    assert took >= 1.6
+    caption = next(c.value for c in at.caption if "Refreshed" in c.value)
+    assert f"every {-(-2 * took // 1):.0f} s: a refresh takes {took:.1f} s" in caption, caption
+
+
 def test_live_page_picks_up_new_files(monkeypatch, tmp_path):
     from trustscope.synthetic import SyntheticConfig, generate_run
 

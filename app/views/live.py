@@ -1,5 +1,11 @@
-"""Live: a run still being written refreshes on its own; new Parquet files invalidate the cached results."""
+"""Live: a run still being written refreshes on its own; new Parquet files invalidate the cached results.
 
+The refresh never outruns itself: when one refresh takes longer than half the chosen interval (a busy server, many
+readers), the page waits twice the time its last refresh took instead, so a reader always sees a finished page
+between refreshes rather than one that is re-drawn before it is done.
+"""
+
+import time
 from datetime import datetime
 
 import pandas as pd
@@ -13,8 +19,27 @@ every = st.select_slider("Refresh every", options=[2, 5, 10, 30, 60], value=5, f
                          key="live_every")
 
 
-@st.fragment(run_every=every)
+def refresh_interval(chosen: float, took: float | None) -> float:
+    """The seconds between two refreshes: the reader's choice, or twice the last refresh's time when that is longer
+    (rounded up to a whole second, so small changes in a refresh's time do not move the timer)."""
+    return float(chosen) if took is None else float(max(chosen, -(-2 * took // 1)))
+
+
+interval = refresh_interval(every, st.session_state.get("live_took"))
+
+
+@st.fragment(run_every=interval)
 def live_view() -> None:
+    start = time.perf_counter()
+    draw()
+    took = time.perf_counter() - start
+    st.session_state["live_took"] = took
+    wanted = refresh_interval(every, took)
+    if wanted > 1.5 * interval or wanted < interval / 1.5:  # the timer is far from what a refresh takes: re-arm it
+        st.rerun()
+
+
+def draw() -> None:
     with data.friendly_errors():
         runs = data.runs()
         if runs.empty:
@@ -41,7 +66,9 @@ def live_view() -> None:
                             key="live_signals_chart")
             st.caption("Early-warning signals, exact over every token of each step (the `early_signals` view).")
         updated = row["updated_at"]
-        st.caption(f"Refreshed {datetime.now():%H:%M:%S}; the run's manifest was last updated "
+        slower = f" (every {interval:.0f} s: a refresh takes {st.session_state['live_took']:.1f} s)" if (
+            interval > every and "live_took" in st.session_state) else ""
+        st.caption(f"Refreshed {datetime.now():%H:%M:%S}{slower}; the run's manifest was last updated "
                    + ("never" if updated is None or pd.isna(updated) else f"{updated:%Y-%m-%d %H:%M:%S} UTC") + ".")
 
 
