@@ -43,7 +43,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 SCHEMA_VERSION = 1
@@ -550,6 +549,8 @@ def _same_list_type(a: pa.DataType, b: pa.DataType) -> bool:
 
 def value_problems(table: str, data: pa.Table) -> list[str]:
     """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists."""
+    import pyarrow.compute as pc
+
     schema = SCHEMAS[table]
     problems = []
     for field in schema:
@@ -585,10 +586,14 @@ def value_problems(table: str, data: pa.Table) -> list[str]:
 
 def _count(mask: pa.ChunkedArray | pa.Array) -> int:
     """How many values of a boolean ``mask`` are true (nulls are not)."""
+    import pyarrow.compute as pc
+
     return int(pc.sum(mask).as_py() or 0)
 
 
 def _logprob_problems(name: str, col: pa.ChunkedArray | pa.Array) -> list[str]:
+    import pyarrow.compute as pc
+
     problems = []
     nonfinite = _count(pc.invert(pc.is_finite(col)))
     if nonfinite:
@@ -630,6 +635,8 @@ def manifest_problems(manifest: dict, run_dir: Path) -> list[str]:
 
 def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str]:
     """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id."""
+    import pyarrow.compute as pc
+
     try:
         data = pq.ParquetFile(path).read()  # not read_table: its dataset layer imports pandas
     except Exception as err:  # any reader error means the file is not usable Parquet
@@ -646,6 +653,8 @@ def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str
 
 def _key_problems(table: str, files: list[Path]) -> list[str]:
     """Duplicate keys over all readable files of one table of one run, naming the ranks that wrote them."""
+    import pyarrow.compute as pc
+
     cols = list(KEYS[table])
     read_cols = [*cols, "rank"] if "rank" not in cols and "rank" in SCHEMAS[table].names else cols
     parts = []

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from trustscope.losses import list_losses
 from trustscope.query.catalogue import SQL_DIR, sql_rules
@@ -70,6 +69,8 @@ def check_contracts(db: LogDB, views: Iterable[str] | None = None) -> list[str]:
 
 
 def table_problems(view: str, spec: dict[str, Any], data: pa.Table) -> list[str]:
+    import pyarrow.compute as pc
+
     problems = []
     keys = spec.get("unique", [])
     for column in [*keys, *spec.get("not_null", [])]:

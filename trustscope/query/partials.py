@@ -20,7 +20,6 @@ from typing import Any, Protocol, TypeVar
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trustscope import schema
@@ -111,6 +110,8 @@ def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str],
 def split_by_file(table: pa.Table, files: Sequence[str]) -> dict[str, pa.Table]:
     """``table``'s rows per ``source_file``, one for each of ``files`` (empty where it has none): one sort and
     zero-copy slices, not a filter per file."""
+    import pyarrow.compute as pc
+
     if len(files) == 1:
         return {files[0]: table}
     codes = pc.dictionary_encode(table["source_file"].combine_chunks())
