@@ -7,6 +7,7 @@ without importing typer; ``trustscope --help`` lists it with the others (:class:
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import click
@@ -58,7 +59,7 @@ def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: in
         logdir, query = str(sample_logdir()), logdir
     sandbox.prewarm(fork=ONE_SHOT)  # the SQL worker gets ready while this process opens the log directory
     from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
-    from trustscope.results import write_result
+    from trustscope.results import preload, write_result
     from trustscope.storage import StorageError
 
     if fmt not in FORMATS:
@@ -71,6 +72,8 @@ def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: in
         db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout)
         left_out("sql", broken)
         with db:
+            # the output's libraries load while this process waits on the worker's answer (rich: 30 ms)
+            threading.Thread(target=preload, args=(fmt,), daemon=True, name="trustscope-sql-output").start()
             result = db.sql(query)
     except (QueryRefused, QueryStopped, FileNotFoundError, NoRunsFound, StorageError, ValueError) as exc:
         click.echo(f"trustscope sql: {first_line(exc)}", err=True)
