@@ -361,6 +361,7 @@ class LogDB(NamedAnalyses):
     def close(self) -> None:
         """Close the connection, end the SQL worker and remove the private files (also done when a LogDB that
         was never closed is collected, or at exit)."""
+        self.kept.flush()
         self.con.close()
         self._finalizer()
 

@@ -9,10 +9,14 @@ compute them again). The pass itself runs here (:class:`LocalAggregator`) or as 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import os
 import re
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +243,7 @@ class KeptAggregates:
         """How many tokens files were aggregated (their rows found neither in memory nor on disk)."""
         self.merged_from_sources = 0
         """How many compacted files took their rows from the rows kept of the files they replaced."""
+        self._stores = _Stores() if self.cache_dir is not None else None
 
     def update(self, files: Sequence[Path], aggregate: Callable[[list[Path]], Iterator[tuple[Path, dict[str, pa.Table]]]],
                disk_key: Callable[[Path], str]) -> bool:
@@ -276,8 +281,8 @@ class KeptAggregates:
             prefix = disk_key(f) if self.cache_dir is not None else ""
             for view, table in tables.items():
                 self.rows[view][f] = (current[f], table)
-                if self.cache_dir is not None:
-                    _store(self._disk_path(prefix, view, f, current[f]), table)
+                if self._stores is not None:
+                    self._stores.put(self._disk_path(prefix, view, f, current[f]), table)
         files = list(current)
         if not changed and self.merged_files == files:
             return False  # the merged tables stay the same objects (the SQL worker rewrites only what changed)
@@ -304,14 +309,76 @@ class KeptAggregates:
             column = table.schema.get_field_index("source_file")
             labels = pa.array([str(file)] * table.num_rows, type=table.schema.field(column).type)
             kept[file] = (key, table.set_column(column, "source_file", labels))
-            if self.cache_dir is not None:
-                _store(self._disk_path(prefix, view, file, key), kept[file][1])
+            if self._stores is not None:
+                self._stores.put(self._disk_path(prefix, view, file, key), kept[file][1])
         self.merged_from_sources += 1
         return True
+
+    def flush(self) -> None:
+        """Wait until every kept row handed to the disk is written (the connection's close, and exit, call it)."""
+        if self._stores is not None:
+            self._stores.drain()
 
     def _disk_path(self, prefix: str, view: str, file: Path, stat_key: StatKey) -> Path:
         key = hashlib.sha256(json.dumps([prefix, view, str(file), stat_key]).encode()).hexdigest()[:32]
         return self.cache_dir / view / f"{key}.parquet"
+
+
+class _Stores:
+    """The disk's copies of kept rows, written on a background thread: the rows are in memory at once, and a first
+    pass does not wait on a Parquet file per tokens file and view (1.9 ms each; 192 of them were a third of the
+    first pass over 64 compacted files). The thread ends when nothing is left to write. :meth:`drain` waits for
+    the writes; it runs at exit too (:func:`_drain_all`), so a short-lived command leaves its rows on disk for the
+    next."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Path, pa.Table]] = []
+        self._lock = threading.Condition()
+        self._writing = False
+
+    def put(self, path: Path, table: pa.Table) -> None:
+        with self._lock:
+            self._queue.append((path, table))
+            if not self._writing:
+                self._writing = True
+                _LIVE_STORES.add(self)
+                threading.Thread(target=self._run, name="trustscope-kept-rows", daemon=True).start()
+
+    def drain(self) -> None:
+        with self._lock:
+            while self._writing:
+                self._lock.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._writing = False
+                    self._lock.notify_all()
+                    return
+                path, table = self._queue.pop(0)
+            with contextlib.suppress(Exception):  # a copy that cannot be written is only a slower next start
+                _store(path, table)
+
+
+_LIVE_STORES: weakref.WeakSet[_Stores] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_all() -> None:
+    for stores in list(_LIVE_STORES):
+        stores.drain()
+
+
+def _forget_in_child() -> None:
+    """A forked child (the SQL worker) has no writer thread: it neither waits for its parent's writes nor makes
+    them."""
+    for stores in list(_LIVE_STORES):
+        stores.__init__()
+    _LIVE_STORES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _store(path: Path, table: pa.Table) -> None:
