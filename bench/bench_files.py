@@ -122,23 +122,29 @@ POLARS_READER = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import polars as pl
+sys.path.insert(0, sys.argv[2])
+from bench_queries import polars_queries
 files = json.loads(open(sys.argv[1]).read())
 t1 = time.perf_counter()
 per_step = (pl.scan_parquet(files).group_by("step")
             .agg(pl.len(), pl.col("mu_logprob").sum(), (pl.col("pi_logprob") - pl.col("mu_logprob")).mean())
             .collect())
-print(json.dumps({"import": t1 - t0, "scan": time.perf_counter() - t1, "steps": per_step.height}))
+t2 = time.perf_counter()
+first_pass = polars_queries(files)["cold_pass"]()
+print(json.dumps({"import": t1 - t0, "scan": t2 - t1, "first_pass": time.perf_counter() - t2,
+                  "steps": per_step.height, "first_pass_steps": first_pass[0].height}))
 """
 
 
 def polars_scan(files: list[Path]) -> dict:
-    """polars (lazy ``scan_parquet``) over ``files`` in a new process: one per-step aggregate of every token row,
-    the scan rate a first pass is held against; its import timed apart."""
+    """polars (lazy ``scan_parquet``) over ``files`` in a new process, its import timed apart: one per-step
+    aggregate of every token row (the bare scan rate), then the first pass's own three questions over every rule
+    (``bench_queries.polars_queries``' ``cold_pass``: the step summary, the clipped tokens, ratio vs divergence)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as listing:
         json.dump([str(f) for f in files], listing)
     try:
-        out = subprocess.run([sys.executable, "-c", POLARS_READER, listing.name], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run([sys.executable, "-c", POLARS_READER, listing.name, str(Path(__file__).parent)],
+                             capture_output=True, text=True, check=True)
     finally:
         os.unlink(listing.name)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -272,8 +278,12 @@ def build_at_scale(logdir: Path, ranks: int, steps: int) -> float:
 
 
 def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float) -> None:
+    import importlib.util
+
     from trustscope.logger.compaction import compact_logdir
 
+    if importlib.util.find_spec("polars") is None:  # said before the build, not after minutes of it
+        raise SystemExit("--scale compares the first pass with polars: pip install 'trustscope[bench]'")
     built = build_at_scale(work, ranks, steps)
     files = n_files(work)
     print(f"{ranks} ranks x {steps} steps: {files:,} files built in {built:.0f} s")
@@ -290,10 +300,11 @@ def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float
     token_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in token_files)
     scan = polars_scan(token_files)
     assert scan["steps"] == steps, scan
-    print(f"first pass against polars over the same {token_rows:,} token rows (compacted files, new processes): "
-          f"trustscope {packed['first_pass']:.2f} s = {token_rows / packed['first_pass']:,.0f} rows/s (every kept "
-          f"aggregate of every rule), polars {scan['scan']:.2f} s = {token_rows / scan['scan']:,.0f} rows/s (one "
-          f"per-step aggregate; its import {scan['import']:.2f} s apart)")
+    rate = lambda s: f"{s:.2f} s = {token_rows / s:,.0f} rows/s"  # noqa: E731
+    print(f"first pass against polars over the same {token_rows:,} token rows (compacted files, new processes; "
+          f"polars' import, {scan['import']:.2f} s, apart): trustscope {rate(packed['first_pass'])} (every kept "
+          f"aggregate of every rule); polars, the same three questions over every rule {rate(scan['first_pass'])}; "
+          f"polars, one per-step aggregate of three columns {rate(scan['scan'])}")
     if raw is None:
         print(f"per-step files   connect + overview did not finish in {raw_timeout:.0f} s")
     for name, t in (("per-step files", raw), ("compacted", packed)):
