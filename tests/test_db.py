@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -170,6 +172,25 @@ def test_kept_aggregates_are_reused_across_processes(logdir, tmp_path):
         assert second.partials_computed == 0
         second.step_summary()
         assert second.partials_computed == 0
+
+
+def test_kept_aggregates_reach_the_disk_from_a_process_that_never_closes(logdir, tmp_path):
+    """The disk's copies are written on a background thread; a process that exits without closing its connection
+    (a short-lived command) still leaves every one, and a damaged copy is computed again, not raised."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from trustscope import db; c = db.connect(sys.argv[1], cache_dir=sys.argv[2]); "
+            "c.step_summary()")
+    done = subprocess.run([sys.executable, "-c", code, str(logdir), str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    stored = sorted((tmp_path / "step_partials").glob("*.parquet"))
+    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    stored[0].write_bytes(stored[0].read_bytes()[:100])  # cut short
+    with tsdb.connect(logdir, cache_dir=tmp_path) as again:
+        again.step_summary()
+        assert again.partials_computed == 1
 
 
 def test_missing_values_stay_missing_in_the_macros(db):
