@@ -468,6 +468,7 @@ def _write_frame(fd: int, payload: bytes) -> None:
 
 def serve(inp: int, out: int) -> None:
     """The worker's loop: an init frame, then one request frame -> one header frame (+ Arrow IPC frame)."""
+    read_only_fs_class()  # fsspec's import (about 50 ms) while the caller still opens its logs, not after
     init = json.loads(_read_frame(inp) or b"{}")
     con, fs = _open_database(init)
     _write_frame(out, json.dumps({"ok": True, "ready": True}).encode())
