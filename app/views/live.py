@@ -5,6 +5,7 @@ readers), the page waits twice the time its last refresh took instead, so a read
 between refreshes rather than one that is re-drawn before it is done.
 """
 
+import math
 import time
 from datetime import datetime
 
@@ -22,7 +23,7 @@ every = st.select_slider("Refresh every", options=[2, 5, 10, 30, 60], value=5, f
 def refresh_interval(chosen: float, took: float | None) -> float:
     """The seconds between two refreshes: the reader's choice, or twice the last refresh's time when that is longer
     (rounded up to a whole second, so small changes in a refresh's time do not move the timer)."""
-    return float(chosen) if took is None else float(max(chosen, -(-2 * took // 1)))
+    return float(chosen) if took is None else float(max(chosen, math.ceil(2 * took)))
 
 
 interval = refresh_interval(every, st.session_state.get("live_took"))
