@@ -61,6 +61,9 @@ def outside_env() -> dict[str, str]:
 
 
 def pip(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """This venv's pip, run as from outside the checkout: without its ``PYTHONPATH`` (:func:`outside_env`) and in
+    the cache folder, not the checkout's root, where ``python -m`` would put its ``trustscope.egg-info`` on the
+    path again."""
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
                           text=True, timeout=timeout, env=outside_env(), cwd=cache_root())
 
