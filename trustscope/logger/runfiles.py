@@ -32,7 +32,7 @@ from trustscope import __version__
 from trustscope import schema as S
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.schema import SchemaError
-from trustscope.storage import RunStore, is_remote
+from trustscope.storage import RunStore
 
 RUN_ID_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -382,6 +382,26 @@ class RunFiles:
         self.save(rows=total, last_step=step, committed_flush=flush, logging={**m["logging"], "topk_k": topk_k},
                   lost=self.all_lost(lost), **counted)
 
+    def cut_after(self, step: int) -> int:
+        """Drop this rank's committed flushes after ``step`` (:func:`drop_steps_after` for this rank alone, under
+        the lock this logger holds), checked as a resume (:func:`check_resume`); returns how many files went."""
+        with self._save_lock:
+            check_resume(self.manifest, self.run_id, self.rank, step)
+            store = self.store
+            committed = S.committed_files(self.run_dir, fs=store.fs) if store.remote else S.committed_files(
+                self.run_dir)
+            changes, gone = cut_rank(store, self.run_dir, self.rank, self.manifest, step, committed)
+            if changes is None:
+                return 0
+            store.write_atomic(self.path, json.dumps({**self.manifest, **changes}, indent=2, default=str))
+            with self._manifest_lock:
+                self.manifest.update(changes)
+            self.saved_at = time.monotonic()
+            for path in gone:
+                store.delete(path)
+            self.disk_last_step = changes["last_step"]
+            return len(gone)
+
     def finish(self, status: str, error: str | None, lost: dict | None) -> None:
         self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost))
 
@@ -397,75 +417,200 @@ class RunFiles:
                 "errors": [*prior.get("errors", []), *lost["errors"]][:10]}
 
 
-def drop_steps_after(run_dir: str | os.PathLike, step: int) -> int:
+def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Sequence[int] | None = None,
+                     storage_options: Mapping[str, Any] | None = None, resume: bool = False) -> int:
     """Remove every rank's flushes whose steps all come after ``step`` (a continuation that crashed past its last
     checkpoint) and recount each rank's manifest from the files that remain; returns how many files went.
 
-    A flush is removed whole, in every table, so the run keeps whole steps. Each rank's lock is held meanwhile:
-    a rank that a live logger writes is refused (:class:`LogDirError`). Token counts are rebuilt from the
-    files' footers (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none. A
-    compacted file (:mod:`trustscope.logger.compaction`) that holds flushes on both sides of ``step`` is written
-    again with the kept flushes' rows, and the rank's compaction record changed with it.
-    """
-    from trustscope.logger.compaction import cut_compacted, flush_firsts
+    ``run_dir`` is a local run folder or an ``s3://`` run prefix (``storage_options`` as for
+    :class:`~trustscope.logger.TokenLogger`); ``ranks``: only these ranks (default: every rank with a manifest).
+    A flush is removed whole, in every table, so the run keeps whole steps; a flush that holds steps on both sides
+    of ``step`` is refused (a logger that commits each step, as the integrations' do, never writes one). Each
+    rank's lock is held meanwhile: a rank that a live logger writes is refused (:class:`LogDirError`; object
+    storage has no lock). Token counts are rebuilt from the files' footers
+    (:data:`trustscope.schema.FLUSH_META_PREFIX`); they become None where a file has none. A compacted file
+    (:mod:`trustscope.logger.compaction`) that holds flushes on both sides of ``step`` is written again with the
+    kept flushes' rows, and the rank's compaction record changed with it.
 
-    if is_remote(run_dir):
-        raise ValueError(f"drop_steps_after cuts local runs only, not {run_dir!r}")
-    run_dir = Path(run_dir)
-    committed = S.committed_files(run_dir)
-    removed = 0
-    for rank, manifest in _rank_manifests(run_dir).items():
-        lock = RunLock(run_dir, rank)
-        lock.acquire(manifest.get("run_id", run_dir.name), rank)
+    ``resume=True`` (a framework resuming from the checkpoint of ``step``): a rank whose committed steps end before
+    ``step`` is refused (:class:`ResumeError`, naming the run, the rank and both steps), since the steps between
+    would be missing from the log; so is a rank written by another schema version.
+    """
+    from trustscope.storage import open_store
+
+    text = str(run_dir).rstrip("/")
+    logdir, _, run_id = text.rpartition("/")
+    store = open_store(logdir or ".", storage_options)
+    try:
+        run = store.join(run_id)
+        manifests = _store_manifests(store, run)
+        if ranks is not None:
+            manifests = {r: m for r, m in manifests.items() if r in set(ranks)}
+        if resume:
+            for rank, manifest in manifests.items():
+                check_resume(manifest, run_id, rank, step)
+        committed = S.committed_files(run, fs=store.fs) if store.remote else S.committed_files(run)
+        removed = 0
+        for rank, manifest in manifests.items():
+            lock = NoLock(store.url) if store.remote else RunLock(run, rank)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", LogWarning)  # no lock on object storage: said at open already
+                lock.acquire(manifest.get("run_id", run_id), rank)
+            try:
+                changes, gone = cut_rank(store, run, rank, manifest, step, committed)
+                if changes is not None:
+                    store.write_atomic(rank_file(run, rank), json.dumps({**manifest, **changes}, indent=2,
+                                                                        default=str))
+                for path in gone:
+                    store.delete(path)
+                    removed += 1
+            finally:
+                lock.release()
+        return removed
+    finally:
+        store.close()
+
+
+class ResumeError(SchemaError):
+    """A run cannot be resumed at the step asked for: its log ends before that step, or another schema version
+    wrote it. Names the run, the rank and the steps."""
+
+
+def check_resume(manifest: Mapping[str, Any], run_id: str, rank: int, step: int) -> None:
+    """Refuse (:class:`ResumeError`) to resume rank ``rank`` of run ``run_id`` after ``step`` when its manifest
+    was written by another schema version, or its committed steps end before ``step`` (the log would miss the
+    steps in between: a checkpoint newer than the log)."""
+    version = manifest.get("schema_version", S.SCHEMA_VERSION)
+    if version != S.SCHEMA_VERSION:
+        raise ResumeError(f"run {run_id!r} rank {rank} was written with schema_version {version!r}; this trustscope "
+                          f"writes {S.SCHEMA_VERSION} and cannot resume it at step {step}: log the continuation as "
+                          f"a new run")
+    last = manifest.get("last_step")
+    if step >= 0 and (last is None or last < step):
+        raise ResumeError(f"cannot resume run {run_id!r} after step {step}: rank {rank} logged only up to step "
+                          f"{last} (the checkpoint is newer than the log, so steps {0 if last is None else last + 1}"
+                          f"-{step} would be missing); resume from a checkpoint at or before step {last}, or log "
+                          f"the continuation as a new run")
+
+
+def _store_manifests(store: RunStore, run: Path | PurePosixPath) -> dict[int, dict]:
+    """Every rank's manifest of the run at ``run``, read through ``store``."""
+    paths = [run / S.MANIFEST, *(run / S.RANKS_DIR / n for n in sorted(store.names(run / S.RANKS_DIR))
+                                 if n.startswith("rank") and n.endswith(".json"))]
+    out = {}
+    for path in paths:
+        if store.exists(path):
+            m = read_json(path, store)
+            out[int(m.get("rank", 0))] = m
+    if not out:
+        raise SchemaError(f"{run}: no run manifest")
+    return out
+
+
+def _footer(store: RunStore, path: Any) -> pq.FileMetaData:
+    if store.remote:
+        with store.fs.open_input_file(str(path)) as f:
+            return pq.read_metadata(f)
+    return pq.read_metadata(path)
+
+
+def _cut_record(store: RunStore, run: Any, rank: int, record: dict, step: int) -> tuple[dict | None, list]:
+    """:func:`~trustscope.logger.compaction.cut_compacted` through ``store``: an object store's files are cut in
+    a local copy and the new files uploaded. Returns the new record (None: nothing kept) and the files written."""
+    from trustscope.logger.compaction import ORIGINALS_META, cut_compacted
+
+    originals = [o for rel in record["files"]
+                 for o in json.loads((_footer(store, run / rel).metadata or {}).get(ORIGINALS_META.encode(), b"[]"))]
+    across = sorted({(o[1], o[2], o[3]) for o in originals if o[2] <= step < o[3]})
+    if across:
+        flush, first, last = across[0]
+        raise ResumeError(f"run {str(run)!r} rank {rank}: flush {flush} holds steps {first}-{last}, on both sides "
+                          f"of step {step}; it cannot be cut there")
+    if all(o[2] <= step for o in originals):
+        return record, []
+    if not store.remote:
+        return cut_compacted(run, rank, record, step)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="trustscope-cut-") as tmp:
+        local = Path(tmp)
+        for rel in record["files"]:
+            (local / rel).parent.mkdir(parents=True, exist_ok=True)
+            (local / rel).write_bytes(store.read_bytes(run / rel))
+        new, written = cut_compacted(local, rank, record, step, fsync=False)
+        finals = []
         try:
-            flushes: dict[Any, list[tuple[str, Path, S.DataFileName]]] = {}
-            for table, files in committed.items():
-                for path in files:
-                    name = S.parse_data_file(path.name)
-                    if name is not None and name.rank == rank:
-                        key = name.flush if name.flush is not None else name.compacted or path  # older: alone
-                        flushes.setdefault(key, []).append((table, path, name))
-            records = {tuple(r["flushes"]): r for r in S.compaction_records(manifest)}
-            rows, counts, last_steps = dict.fromkeys(S.TABLES, 0), _no_counts(), []
-            gone: list[Path] = []
-            for key, group in flushes.items():
-                paths = [path for _, path, _ in group]
-                if isinstance(key, tuple):  # a compacted record's files
-                    record, written = cut_compacted(run_dir, rank, records.pop(key, {"flushes": list(key),
-                                                    "files": [f"{t}/{p.name}" for t, p, _ in group]}), step)
-                    if record is None or written:
-                        gone += paths
-                    if record is None:
-                        continue
-                    records[tuple(record["flushes"])] = record
-                    paths = [run_dir / rel for rel in record["files"]]
-                    flush_counts = [c for _, c in flush_firsts(paths).values()]
-                elif min(name.first_step for _, _, name in group) > step:
-                    gone += paths
-                    continue
-                else:
-                    footer = pq.ParquetFile(paths[0]).metadata.metadata or {}
-                    flush_counts = [[None if (v := footer.get(f"{S.FLUSH_META_PREFIX}{k}".encode())) is None
-                                     else int(v) for k in counts]]
-                for values in flush_counts:
-                    for k, value in zip(list(counts), values, strict=True):
-                        counts[k] = None if value is None or counts[k] is None else counts[k] + int(value)
-                for path in paths:
-                    name = S.parse_data_file(path.name)
-                    rows[path.parent.name] += pq.ParquetFile(path).metadata.num_rows
-                    last_steps.append(name.last_step if name is not None else step)
-            if flushes:
-                path = rank_file(run_dir, rank)
-                cut = {S.COMPACTED_KEY: sorted(records.values(), key=lambda r: r["flushes"][0])} \
-                    if S.COMPACTED_KEY in manifest else {}
-                write_json_atomic(path, {**manifest, **counts, **cut, "rows": rows, "updated_at": now(),
-                                         "last_step": max(last_steps) if last_steps else None})
-            for path in gone:
-                path.unlink(missing_ok=True)
-                removed += 1
-        finally:
-            lock.release()
-    return removed
+            for path in written:
+                final = run / path.parent.name / path.name
+                finals.append(final)
+                store.publish(path, final, fsync=False)
+        except BaseException:
+            for final in finals:
+                with contextlib.suppress(OSError):
+                    store.delete(final)
+            raise
+    return new, finals
+
+
+def cut_rank(store: RunStore, run: Any, rank: int, manifest: dict, step: int,
+             committed: Mapping[str, list]) -> tuple[dict | None, list]:
+    """Rank ``rank``'s part of :func:`drop_steps_after` (its lock held by the caller): the manifest keys to
+    change (None when the rank has no committed files) and the files to delete once that manifest is written."""
+    flushes: dict[Any, list[tuple[str, Any, S.DataFileName]]] = {}
+    for table, files in committed.items():
+        for path in files:
+            name = S.parse_data_file(path.name)
+            if name is not None and name.rank == rank:
+                key = name.flush if name.flush is not None else name.compacted or path  # older: alone
+                flushes.setdefault(key, []).append((table, path, name))
+    if not flushes:
+        return None, []
+    records = {tuple(r["flushes"]): r for r in S.compaction_records(manifest)}
+    rows, counts, last_steps = dict.fromkeys(S.TABLES, 0), _no_counts(), []
+    gone: list = []
+    for key, group in flushes.items():
+        paths = [path for _, path, _ in group]
+        if isinstance(key, tuple):  # a compacted record's files
+            record, written = _cut_record(store, run, rank, records.pop(key, {
+                "flushes": list(key), "files": [f"{t}/{p.name}" for t, p, _ in group]}), step)
+            if record is None or written:
+                gone += paths
+            if record is None:
+                continue
+            records[tuple(record["flushes"])] = record
+            paths = [run / rel for rel in record["files"]]
+            footers = [_footer(store, p) for p in paths]
+            firsts: dict[int, list] = {}
+            from trustscope.logger.compaction import ORIGINALS_META
+
+            for meta in footers:
+                for o in json.loads((meta.metadata or {}).get(ORIGINALS_META.encode(), b"[]")):
+                    firsts.setdefault(o[1], o[5:8])
+            flush_counts = list(firsts.values())
+        elif min(name.first_step for _, _, name in group) > step:
+            gone += paths
+            continue
+        else:
+            if max(name.last_step for _, _, name in group) > step:
+                first = min(name.first_step for _, _, name in group)
+                last = max(name.last_step for _, _, name in group)
+                raise ResumeError(f"run {manifest.get('run_id')!r} rank {rank}: flush {key} holds steps "
+                                  f"{first}-{last}, on both sides of step {step}; it cannot be cut there")
+            footers = [_footer(store, p) for p in paths]
+            meta = footers[0].metadata or {}
+            flush_counts = [[None if (v := meta.get(f"{S.FLUSH_META_PREFIX}{k}".encode())) is None else int(v)
+                             for k in counts]]
+        for values in flush_counts:
+            for k, value in zip(list(counts), values, strict=True):
+                counts[k] = None if value is None or counts[k] is None else counts[k] + int(value)
+        for path, footer in zip(paths, footers, strict=True):
+            name = S.parse_data_file(path.name)
+            rows[path.parent.name] += footer.num_rows
+            last_steps.append(name.last_step if name is not None else step)
+    cut = {S.COMPACTED_KEY: sorted(records.values(), key=lambda r: r["flushes"][0])} \
+        if S.COMPACTED_KEY in manifest else {}
+    return {**counts, **cut, "rows": rows, "updated_at": now(),
+            "last_step": max(last_steps) if last_steps else None}, gone
 
 
 def _no_counts() -> dict[str, int | None]:

@@ -123,6 +123,8 @@ class TokenLogger:
         self.mu_source = mu_source
         self.source = {"framework": "trustscope", "version": __version__} if source is None else dict(source)
         self._closed = False
+        self._resumed = bool(resume)
+        self._logged = False  # a log_step call reached the checks (cut_back only comes before)
         self._reported_dead = False
         texts = vocab_texts(vocab) if vocab is not None else None
         if texts is not None:
@@ -199,6 +201,7 @@ class TokenLogger:
         if self._closed:
             raise RuntimeError(f"TokenLogger of run {self.run_id!r} is closed")
         self._raise_writer_error()
+        self._logged = True
         try:
             batch = self._checker.prepare(step, tokens, mask, samples, scalars, loss_rule)
         except (Rejected, SchemaError) as err:
@@ -216,6 +219,39 @@ class TokenLogger:
         if not self._writer.put(batch):
             self._writer.lose(batch)
             self._raise_writer_error()
+
+    def commit_step(self) -> None:
+        """Have the writer thread store and commit everything logged so far, and return at once: a step ends
+        committed without closing the logger (Parquet encoding, fsync, the manifest and compaction stay on the
+        logger's threads). Readers see it once the thread is through; :meth:`flush` is the call that waits."""
+        if self._closed:
+            return
+        self._raise_writer_error()
+        self._writer.commit()
+
+    def cut_back(self, step: int) -> int:
+        """Drop what this rank logged after ``step``, the step a framework resumes from (its checkpoint's), so the
+        resumed steps are logged once; returns how many files went. Only on a logger opened with ``resume=True``,
+        before its first :meth:`log_step`. Works on local and ``s3://`` runs.
+
+        Refused with :class:`~trustscope.logger.runfiles.ResumeError` (naming the run, the rank and the steps) when
+        this rank's committed steps end before ``step`` (a checkpoint newer than the log) or when another schema
+        version wrote the run. ``step = -1`` drops everything (a framework that starts over)."""
+        if self._closed:
+            raise RuntimeError(f"TokenLogger of run {self.run_id!r} is closed")
+        if not self._resumed or self._logged:
+            raise RuntimeError(f"cut_back({step}) on run {self.run_id!r} rank {self.rank}: only a logger opened with "
+                               f"resume=True can cut back, before its first log_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            raise ValueError(f"step must be an int >= -1, got {step!r}")
+        self._writer.flush()  # nothing was logged: only a heartbeat could be under way
+        try:
+            removed = self._files.cut_after(step)
+        except OSError as err:
+            raise LogDirError(f"run {self.run_id!r} rank {self.rank} could not be cut back after step {step}: "
+                              f"{err}") from err
+        self._checker._disk_last_step = self._files.disk_last_step  # the steps a resumed rank may log
+        return removed
 
     def step_summaries(self, wait_s: float = 0.0) -> tuple[int, list[dict[str, Any]]] | None:
         """``(step, rows)``: the exact summary rows (:mod:`trustscope.logger.summaries`, this rank's calls of the

@@ -342,6 +342,10 @@ class Writer:
         if self._put(("flush", done)):
             self._wait(done)
 
+    def commit(self) -> None:
+        """Ask the thread to store and commit everything queued so far, without waiting for it (a step's end)."""
+        self._put(("commit", None))
+
     def stop(self) -> None:
         """Flush, end the thread, and count what could not be committed as lost."""
         done = threading.Event()
@@ -495,7 +499,8 @@ class Writer:
                     self._give_up_uncommitted()
                     payload.set()
                     return
-                payload.set()
+                if payload is not None:  # a commit request ("commit") has no one waiting
+                    payload.set()
 
     def _report(self, err: BaseException) -> None:
         if self._error is None:
