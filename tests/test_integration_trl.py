@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from typer.testing import CliRunner
 
+from trustscope import schema as S
 from trustscope.capture import CaptureHook, NoLogitsError
 from trustscope.cli import app
 from trustscope.db import connect
@@ -484,3 +485,40 @@ def test_server_mode_topk_is_the_servers_and_clip_metric_is_trls(server_run):
         assert mu_k == sorted(mu_k, reverse=True) or ids.index(token) == 3  # forced in as the K-th entry
         if step in (0, 2):  # pi at the rollout's weights: the trainer's log-probs at the server's top-K ids agree
             assert max(abs(a - b) for a, b in zip(mu_k, pi_k, strict=True)) < 1e-3, (step, ids)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_resumes_from_trls_checkpoint_with_each_step_once(toy_model_dir, tmp_path):
+    """SIGKILL in the middle of step 3 (the checkpoint is step 2's), then TRL's resume_from_checkpoint with
+    attach(resume=True): every step's rows are there once, as many per step as in an uninterrupted run."""
+    script = Path(__file__).parent / "trl_kill_resume.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+
+    def run(work: Path, mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), str(toy_model_dir), str(work), mode], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    killed = run(tmp_path / "a", "kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    run_dir = tmp_path / "a" / "logs" / "killed"
+    assert json.loads((run_dir / "run.json").read_text())["last_step"] >= 1  # the checkpoint's steps are logged
+    resumed = run(tmp_path / "a", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    whole = run(tmp_path / "b", "whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    def per_step(run: Path) -> dict:
+        counts = read(run, "select 'tokens', step, count(*) from tokens group by step union all "
+                           "select 'samples', step, count(*) from samples group by step union all "
+                           "select 'steps', step, count(*) from steps where name like 'trl/%' group by step")
+        return {(table, step): n for table, step, n in counts}
+
+    got, want = per_step(run_dir), per_step(tmp_path / "b" / "logs" / "killed")
+    assert {k: v for k, v in got.items() if k[0] != "tokens"} == {k: v for k, v in want.items() if k[0] != "tokens"}
+    assert sorted(k[1] for k in got if k[0] == "tokens") == [0, 1, 2, 3]
+    lengths = dict(read(run_dir, "select step, sum(length) from samples group by step"))
+    assert {step: n for (table, step), n in got.items() if table == "tokens"} == lengths  # each token once
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["status"] == "finished" and len(manifest["resumes"]) == 1
+    assert S.validate_run(run_dir) == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -260,6 +261,7 @@ def test_replayed_mask_of_verl_loss_matches_verl_clipfrac(mode, tmp_path):
     hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "native", loss_rule=f"verl:{mode}",
                            mask_fn=partial(tv.VERL_MASKS[mode], config=cfg))
     minis = run_actor(batch, pi, hook)
+    hook.close()
     tokens = _read(tmp_path / "logs" / "native", "tokens")
     blocked_total = 0
     for results in minis:
@@ -308,8 +310,11 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
     assert tv.SAMPLE_KEY not in batch.batch and tv.STEP_KEY not in batch.meta_info
 
     run = logdir / "verl-run"
+    assert hook._share_done and hook._logger.manifest["status"] == "running"  # open for the next step
+    hook._logger.flush()
     assert S.validate_logdir(logdir) == []
-    assert run_status(run) == "finished"  # the actor closed its logger once its 8 samples were in
+    hook.close()
+    assert run_status(run) == "finished"
     assert json.loads((run / "run.json").read_text())["source"]["framework"] == "verl"
     tokens, samples = _read(run, "tokens"), _read(run, "samples")
     assert set(tokens["rank"]) == {1} and set(samples["rank"]) == {0}
@@ -365,6 +370,7 @@ def test_hook_survives_pickling_without_its_logger(tmp_path):
     cfg = actor_config("trustscope_grpo")
     hook = tv.ActorLogHook(partial(ppo_loss, config=cfg), tmp_path / "logs", "pickled", loss_rule="grpo")
     run_actor(batch, pi, hook, mini=8, micro=4)
+    hook.close()
     copy = pickle.loads(pickle.dumps(hook))
     assert copy._logger is None and copy._seen == set() and copy.run_id == "pickled"
 
@@ -738,3 +744,44 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     assert metrics["trustscope/tokens/total"] == len(tokens)
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_resumes_with_each_step_once(tmp_path):
+    """SIGKILL inside step 3's actor update (the checkpoint is step 2's), then attach(resume=True) at step 3 as
+    verl resumes: every rank holds each step once, as many rows per step as an uninterrupted run."""
+    script = Path(__file__).parent / "verl_kill_resume.py"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}"}
+
+    def run(logdir: Path, mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), str(logdir), mode], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    killed = run(tmp_path / "a", "kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    run_dir = tmp_path / "a" / "killed"
+    assert json.loads((run_dir / "ranks" / "rank0001.json").read_text())["last_step"] >= 2
+    resumed = run(tmp_path / "a", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert run(tmp_path / "b", "whole").returncode == 0
+
+    def per_step(run: Path) -> dict:
+        con = duckdb.connect()
+        out = {}
+        for table in ("tokens", "samples", "steps"):
+            files = [str(p) for p in S.committed_files(run)[table]]
+            for rank, step, n in con.execute("select rank, step, count(*) from read_parquet(?) group by all",
+                                             [files]).fetchall():
+                out[table, rank, step] = n
+        return out
+
+    got = per_step(run_dir)
+    assert got == per_step(tmp_path / "b" / "killed")
+    assert sorted({k[2] for k in got if k[0] == "tokens"}) == [1, 2, 3, 4]
+    assert S.validate_run(run_dir) == [] and run_status(run_dir) == "finished"
+    # a checkpoint newer than the log is refused, naming the run, the rank and the steps
+    trainer = local_trainer(ppo_config(), LocalActorGroup(make_batch(B=8)[1]))
+    trainer.global_steps = 9
+    with pytest.raises(Exception, match=r"cannot resume run 'killed' after step 8: rank 0 logged only up to step 4"):
+        with tv.attach(trainer, tmp_path / "a", run_id="killed", resume=True):
+            trainer._update_actor(make_batch(B=8)[0])

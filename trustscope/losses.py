@@ -275,10 +275,10 @@ class LossRule:
             spec.check(self.name, name, merged)
         return merged
 
-    def __call__(self, batch: PolicyBatch, **params: Any) -> LossOutput:
+    def __call__(self, batch: PolicyBatch, *, metrics: bool = True, **params: Any) -> LossOutput:
         from trustscope.policy import rule_loss
 
-        return rule_loss(self, batch, self.resolve(**params))
+        return rule_loss(self, batch, self.resolve(**params), metrics=metrics)
 
 
 _REGISTRY: dict[str, LossRule] = {}

@@ -107,9 +107,10 @@ def _check_batch(batch: PolicyBatch) -> None:
             raise ValueError(f"PolicyBatch.{name} holds NaN on {int(nan.sum())} unmasked token(s)")
 
 
-def rule_loss(rule: LossRule, batch: PolicyBatch, params: dict[str, Any]) -> LossOutput:
+def rule_loss(rule: LossRule, batch: PolicyBatch, params: dict[str, Any], metrics: bool = True) -> LossOutput:
     """Rule ``rule``'s loss on ``batch`` at ``params`` (already resolved): its own loss function when it has one,
-    else the shared form from its mask and weight (:func:`policy_loss`)."""
+    else the shared form from its mask and weight (:func:`policy_loss`; ``metrics=False`` leaves its statistics
+    out, for a caller whose logger computes them from the logged rows)."""
     for name in sorted(rule.needs):
         if getattr(batch, name) is None:
             raise ValueError(f"loss rule {rule.name!r} needs PolicyBatch.{name}, which is None")
@@ -119,7 +120,7 @@ def rule_loss(rule: LossRule, batch: PolicyBatch, params: dict[str, Any]) -> Los
     terms = MaskTerms(batch)
     keep = rule.mask(terms, **{p: params[p] for p in rule.mask_params})
     w = rule.weight(terms, **{p: params[p] for p in rule.weight_params})
-    return policy_loss(batch, keep, w, gate=terms.valid if rule.gate == "valid" else None)
+    return policy_loss(batch, keep, w, gate=terms.valid if rule.gate == "valid" else None, metrics=metrics)
 
 
 def is_weight(pi_logprob: Tensor, mu_logprob: Tensor, is_cap: float = math.inf) -> Tensor:
@@ -128,7 +129,8 @@ def is_weight(pi_logprob: Tensor, mu_logprob: Tensor, is_cap: float = math.inf) 
     return w.clamp(max=is_cap) if math.isfinite(is_cap) else w
 
 
-def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor, gate: Tensor | None = None) -> LossOutput:
+def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor, gate: Tensor | None = None,
+                metrics: bool = True) -> LossOutput:
     """The shared loss form ``-A * sg(w) * M * log pi`` with the standard metrics.
 
     ``keep``, ``w`` and ``gate``: ``(B, T)``. ``gate`` (default ``keep``) is where the loss applies: a hard mask
@@ -143,7 +145,7 @@ def policy_loss(batch: PolicyBatch, keep: Tensor, w: Tensor, gate: Tensor | None
     coef = -D.as_compute(batch.advantages).detach() * w.detach().to(pi_lp.dtype)  # (B, T) = -A * sg(w)
     coef = torch.where(gate, coef, torch.zeros_like(coef))
     loss = torch.where(gate, coef * pi_lp, torch.zeros_like(pi_lp))
-    return LossOutput(loss=loss, keep=keep, metrics=trust_region_metrics(batch, keep, w))
+    return LossOutput(loss=loss, keep=keep, metrics=trust_region_metrics(batch, keep, w) if metrics else {})
 
 
 def _masked_mean(x: Tensor, m: Tensor) -> Tensor:

@@ -421,6 +421,16 @@ class Attachment:
         self._scalar_step: int | None = None
         self._scalar_names: set[str] = set()  # scalar names written at _scalar_step
         self._warned: set[str] = set()
+        self.resume = bool(logger.manifest.get("resumes"))
+        """A resumed run, not yet cut back to TRL's restored step (at ``on_train_begin``)."""
+
+    def resume_at(self, step: int) -> int:
+        """TRL resumes at ``step`` (``state.global_step`` once ``resume_from_checkpoint`` loaded): this rank's rows
+        after ``step - 1`` go, so the resumed steps are logged once
+        (:meth:`~trustscope.logger.TokenLogger.cut_back`, which refuses a checkpoint newer than the log or a run
+        of another schema version, naming the run, the rank and the steps). Returns the files removed."""
+        self.resume = False
+        return self.logger.cut_back(step - 1)
 
     def detach(self) -> None:
         """Remove the hooks and close the log. Safe to call twice."""
@@ -622,12 +632,27 @@ def _callback(attachment: Attachment) -> Any:
     from transformers import TrainerCallback
 
     class TrustscopeCallback(TrainerCallback):
-        """Writes TRL's logged metrics as scalars and closes the trustscope log when training ends."""
+        """Cuts a resumed run back to TRL's restored step, commits each step, flushes before a checkpoint,
+        writes TRL's logged metrics as scalars and closes the trustscope log when training ends."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # after TRL restored a checkpoint (resume_from_checkpoint): global_step is the first step to train
+            if attachment.resume:
+                attachment.resume_at(state.global_step)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            attachment.logger.commit_step()  # the step before, with its scalars, commits on the writer thread
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if control.should_save and not control.should_log:
+                attachment.logger.flush()  # the checkpoint that follows finds its steps in the log
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
                    **kwargs: Any) -> None:
             # TRL logs after the optimizer step: global_step has moved past the step the numbers describe
             attachment.on_log(max(state.global_step - 1, 0), logs or {})
+            if control.should_save:
+                attachment.logger.flush()  # the checkpoint that follows finds its steps in the log
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             attachment.detach()

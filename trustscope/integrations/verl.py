@@ -45,8 +45,15 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   ``meta_info``. Tensor columns travel with their rows through dispatch, shuffling, mini- and micro-batching and
   dynamic batch sizes, so each actor row finds its ``samples`` row by ``(step, sample_id)``.
 - with ``ppo_epochs > 1`` a sample is trained on several times a step; its first pass is logged (pi then is the
-  log-prob after the optimizer steps of the earlier mini-batches of that step). An actor closes its logger when it
-  has logged all of its samples of a step (batch size / data-parallel size), so every step ends finished on disk.
+  log-prob after the optimizer steps of the earlier mini-batches of that step). Each actor process keeps one
+  logger for the whole run; once it has logged all of its samples of a step (batch size / data-parallel size) it
+  asks the logger's writer thread to commit them (:meth:`~trustscope.logger.TokenLogger.commit_step`), so the
+  actor's step never waits on Parquet, fsync or the manifest. The driver waits for the actors' commits before it
+  reads the step's summaries and before verl saves a checkpoint; :meth:`VerlLogging.close` closes the actors'
+  loggers (:class:`FinishActors`), and an actor that exits after a whole step closes its logger ``finished``.
+- ``attach(..., resume=True)`` continues the run after verl's own resume (``trainer.resume_mode``): at the first
+  actor update the run is cut back, on every rank, to the step before ``trainer.global_steps`` (the checkpoint
+  verl restored), so the steps a crash logged past the checkpoint are logged once (:meth:`VerlLogging.resume_at`).
 
 The log directory must be reachable from every worker (a shared filesystem on several nodes). Sequence or tensor
 parallelism (several ranks on one micro-batch) is refused: the ranks would log the same rows.
@@ -54,6 +61,8 @@ parallelism (several ranks on one micro-batch) is refused: the ranks would log t
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import contextvars
 import hashlib
 import importlib
@@ -63,6 +72,7 @@ import math
 import numbers
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -201,8 +211,10 @@ def make_policy_loss(rule_name: str) -> Callable[..., tuple[Tensor, dict[str, fl
         mu_is_old = call is None or call.mu is None
         mu = old_log_prob if mu_is_old else call.mu  # (B, T)
         valid = response_mask.bool()  # (B, T)
+        # with the hook on, the logger summarises the logged rows exactly on its writer thread: the rule's own
+        # statistics (blocked fractions by sign, mismatch, k3 KL, IS weight) are not computed again here
         out = rule(L.PolicyBatch(pi_logprob=log_prob, mu_logprob=mu.detach(), advantages=advantages.detach(),
-                                 mask=valid, old_logprob=old_log_prob.detach()))
+                                 mask=valid, old_logprob=old_log_prob.detach()), metrics=call is None)
         per_token = out.loss  # (B, T), zero on padding and blocked tokens
         if rollout_is_weights is not None and mu_is_old:
             per_token = per_token * rollout_is_weights.detach()
@@ -412,10 +424,11 @@ class ActorLogHook:
         self._step: int | None = None
         self._seen: set[int] = set()
         self._opened = False
+        self._share_done = True  # this rank's share of the open step is all logged (and committed)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_logger", "_step", "_seen", "_opened"):
+        for key in ("_logger", "_step", "_seen", "_opened", "_share_done"):
             state.pop(key)
         return state
 
@@ -451,8 +464,9 @@ class ActorLogHook:
         no_padding_2_padding = _need("verl.workers.utils.padding", "no_padding_2_padding")
         get = _need("verl.utils.tensordict_utils", "get_non_tensor_data")
         if step != self._step:
-            self._close()
-            self._step, self._seen = step, set()
+            if self._logger is not None and not self._share_done:
+                self._logger.commit_step()  # a share smaller than announced: the step ends here
+            self._step, self._seen, self._share_done = step, set(), False
         sample_id = cols[SAMPLE_KEY].cpu()  # (B,)
         new = [i for i, s in enumerate(sample_id.tolist()) if s not in self._seen]
         if not new:
@@ -479,14 +493,27 @@ class ActorLogHook:
         tokens = {name: value.index_select(0, idx) for name, value in columns.items()}
         mask = mask.index_select(0, idx)
         if self._logger is None:
-            self._logger = TokenLogger(self.logdir, self.run_id, rank=_dist_rank() + 1, resume=self._opened,
-                                       loss_rule=self.loss_rule, **self.logger_options)
-            self._opened = True
+            self._open()
         self._logger.log_step(step, tokens=tokens, mask=mask)
         self._seen.update(tokens["sample_id"].tolist())
         dp_size = int(get(data=data, key="dp_size", default=1) or 1)
         if len(self._seen) >= int(get(data=data, key=BATCH_SIZE_KEY, default=math.inf)) // dp_size:
-            self._close()  # this rank's share of the step is on disk; later passes over it are not logged
+            self._logger.commit_step()  # this rank's share of the step is in; its writer thread commits it
+            self._share_done = True
+
+    def _open(self) -> None:
+        """This process's logger of the run, opened at its first logged micro-batch and kept for the whole run
+        (one per process: a hook unpickled again finds it); closed by :meth:`close`, by the :class:`FinishActors`
+        that :meth:`VerlLogging.close` sends, or at exit."""
+        key = (self.logdir, self.run_id)
+        logger = _ACTOR_LOGGERS.get(key)
+        if logger is None or logger._closed:
+            logger = TokenLogger(self.logdir, self.run_id, rank=_dist_rank() + 1, resume=True,
+                                 loss_rule=self.loss_rule, **self.logger_options)
+            _ACTOR_LOGGERS[key] = logger
+            atexit.register(_close_actor_logger, key, self)
+        self._logger = logger
+        self._opened = True
 
     def _kept(self, keep: Tensor | None, pi: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
         if keep is not None:
@@ -495,10 +522,47 @@ class ActorLogHook:
             return self.mask_fn(pi, old, adv) & mask
         return mask
 
-    def _close(self) -> None:
-        if self._logger is not None:
-            self._logger.close()
-            self._logger = None
+    def close(self) -> None:
+        """Close this process's logger of the run (``finished``), if it opened one. Safe to call twice."""
+        logger = _ACTOR_LOGGERS.pop((self.logdir, self.run_id), None)
+        if logger is not None:
+            logger.close()
+        self._logger = None
+
+
+_ACTOR_LOGGERS: dict[tuple[str, str], TokenLogger] = {}
+"""This process's actor loggers, by (logdir, run id): one per rank for the whole run."""
+
+
+def _close_actor_logger(key: tuple[str, str], hook: ActorLogHook) -> None:
+    """At exit: a rank whose last step was all logged (and so committed) ends ``finished``; one that stopped
+    inside a step is left to the logger's own exit hook, which records it ``crashed``."""
+    logger = _ACTOR_LOGGERS.get(key)
+    if logger is not None and hook._share_done and not logger._closed:
+        with contextlib.suppress(Exception):  # nothing left to report to at exit
+            _ACTOR_LOGGERS.pop(key, None)
+            logger.close()
+
+
+class FinishActors:
+    """verl's loss again (``inner``), sent by :meth:`VerlLogging.close` through ``set_loss_fn``: where it is
+    built or unpickled (the driver, each actor process) it closes that process's logger of the run."""
+
+    def __init__(self, inner: Callable[..., Any], logdir: str, run_id: str):
+        self.inner, self.logdir, self.run_id = inner, logdir, run_id
+        self._finish()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._finish()
+
+    def _finish(self) -> None:
+        logger = _ACTOR_LOGGERS.pop((self.logdir, self.run_id), None)
+        if logger is not None:
+            logger.close()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------- attaching
@@ -517,7 +581,7 @@ class VerlLogging:
     """What :func:`attach` set up: the driver's logger and the actor hook. :meth:`close` at the end of training."""
 
     def __init__(self, trainer: Any, logger: TokenLogger, hook: ActorLogHook, update_actor: Callable[..., Any],
-                 reporter: Any = None, alerts: Any = None):
+                 reporter: Any = None, alerts: Any = None, resume: bool = False, actor_wait_s: float = 60.0):
         self.trainer = trainer
         self.logger = logger
         self.hook = hook
@@ -525,6 +589,62 @@ class VerlLogging:
         self.reporter = reporter
         """Adds the step's summaries to verl's step metrics (None: ``metrics=False``)."""
         self.alerts = alerts
+        self._resume_pending = resume
+        """Cut the run back to the step verl restored, at the first actor update (:meth:`resume_at`)."""
+        self.actor_wait_s = actor_wait_s
+        """How long the driver waits for the actors' commit of a step (before its metrics and a checkpoint)."""
+        self._save_checkpoint = getattr(trainer, "_save_checkpoint", None)
+        if self._save_checkpoint is not None:
+            trainer._save_checkpoint = self.save_checkpoint
+
+    def resume_at(self, step: int) -> int:
+        """The run resumes at ``step`` (verl restored its checkpoint of ``step - 1``, or started over at step 1):
+        every rank's rows after ``step - 1`` go (the driver's through its open logger, the actors' before their
+        loggers open), so the resumed steps are logged once. A rank whose log ends before the checkpoint, or a
+        run of another schema version, is refused naming the run, the rank and the steps. Returns the files
+        removed."""
+        from trustscope.logger import drop_steps_after
+
+        self._resume_pending = False
+        kept = step - 1 if step > 1 else -1  # verl counts steps from 1
+        removed = self.logger.cut_back(kept)
+        return removed + drop_steps_after(self.logger.run_dir, kept, ranks=range(1, 2**31), resume=True,
+                                          storage_options=self.hook.logger_options.get("storage_options"))
+
+    def wait_actors(self, step: int) -> bool:
+        """Wait (up to :attr:`actor_wait_s`) until every actor rank of the run has committed ``step``; False
+        (with a warning) if one has not. Local or shared log directories only (object storage: no wait)."""
+        from trustscope.logger.runfiles import read_json
+
+        run_dir = self.logger.run_dir
+        if not isinstance(run_dir, os.PathLike):
+            return True
+        deadline = time.monotonic() + self.actor_wait_s
+        world = getattr(self.trainer.actor_rollout_wg, "world_size", None)
+        while True:
+            paths = sorted((run_dir / "ranks").glob("rank*.json"))
+            lagging = []
+            for path in paths:
+                try:
+                    last = read_json(path).get("last_step")
+                except Exception:  # a manifest being replaced: read it again
+                    last = None
+                if last is None or last < step:
+                    lagging.append(path.stem)
+            if not lagging and (not isinstance(world, int) or len(paths) >= world):
+                return True
+            if time.monotonic() > deadline:
+                warnings.warn(f"trustscope: actor ranks {lagging or 'not yet opened'} have not committed step "
+                              f"{step} after {self.actor_wait_s:.0f} s", stacklevel=3)
+                return False
+            time.sleep(0.02)
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """verl's ``_save_checkpoint`` once the log holds the step it saves (driver flushed, actors committed),
+        so a resume from it finds every step up to it logged (installed by attach)."""
+        self.logger.flush()
+        self.wait_actors(int(self.trainer.global_steps))
+        return self._save_checkpoint(*args, **kwargs)
 
     @property
     def run_id(self) -> str:
@@ -533,6 +653,8 @@ class VerlLogging:
     def update_actor(self, batch: Any) -> Any:
         """The trainer's ``_update_actor`` with the driver batch logged and stamped first (installed by attach)."""
         step = int(self.trainer.global_steps)
+        if self._resume_pending:
+            self.resume_at(step)
         log_driver_batch(self.logger, batch, step, getattr(self.trainer, "tokenizer", None))
         try:
             output = self._update_actor(batch)
@@ -541,17 +663,19 @@ class VerlLogging:
         scalars = actor_scalars(output.meta_info.get("metrics", {}))
         if scalars:
             self.logger.log_step(step, scalars=scalars)
+        self.logger.commit_step()
         if self.reporter is not None:
             self._add_step_metrics(output, step)
         return output
 
     def _add_step_metrics(self, output: Any, step: int) -> None:
-        """The step's exact summaries from every actor's committed files (an actor closes its logger once its
-        share of the step is logged, so they are on disk when the update returns), as ``trustscope/...``
+        """The step's exact summaries from every actor's committed files (an actor's writer thread commits its
+        share of the step once it is logged; the driver waits for that, :meth:`wait_actors`), as ``trustscope/...``
         metrics in the actor output's metrics, which verl's ``reduce_metrics`` passes to its ``Tracking``
         logger (``trainer.logger``). Never raises into training."""
         from trustscope.trackers import committed_step_rows
 
+        self.wait_actors(step)  # the actors commit on their writer threads
         try:
             rows = committed_step_rows(self.logger.run_dir, step, ranks=None)
             metrics = self.reporter.from_rows(rows, step)
@@ -562,12 +686,21 @@ class VerlLogging:
         if metrics:
             output.meta_info.setdefault("metrics", {}).update(metrics)
 
-    def close(self) -> None:
-        """Restore the trainer's ``_update_actor`` and close the driver's logger (the actors close theirs per step)."""
+    def _detach(self) -> None:
+        """Restore the trainer's methods and verl's loss in the actors, which closes their loggers."""
         self.trainer.__dict__.pop("_update_actor", None)
-        if self.alerts is not None:
-            self.alerts.close()
-        self.logger.close()
+        self.trainer.__dict__.pop("_save_checkpoint", None)
+        self.trainer.actor_rollout_wg.set_loss_fn(FinishActors(self.hook.inner, self.hook.logdir, self.hook.run_id))
+
+    def close(self) -> None:
+        """Restore the trainer's ``_update_actor``, close the actors' loggers (:class:`FinishActors`) and the
+        driver's."""
+        try:
+            self._detach()
+        finally:
+            if self.alerts is not None:
+                self.alerts.close()
+            self.logger.close()
 
     def __enter__(self) -> VerlLogging:
         return self
@@ -576,10 +709,12 @@ class VerlLogging:
         if exc_type is None:
             self.close()
         else:
-            self.trainer.__dict__.pop("_update_actor", None)
-            if self.alerts is not None:
-                self.alerts.close()
-            self.logger.close(status="crashed", error=f"{exc_type.__name__}: {exc}")
+            try:
+                self._detach()
+            finally:
+                if self.alerts is not None:
+                    self.alerts.close()
+                self.logger.close(status="crashed", error=f"{exc_type.__name__}: {exc}")
 
 
 class _DriverBatch:
@@ -637,6 +772,8 @@ class VerlV1Logging(VerlLogging):
         from tensordict import TensorDict
 
         step = int(self.trainer.global_steps)
+        if self._resume_pending:
+            self.resume_at(step)
         view = read_v1_batch(batch)
         log_driver_batch(self.logger, view, step, getattr(self.trainer, "tokenizer", None))
         stamps = TensorDict({k: view.batch[k] for k in (SAMPLE_KEY, PROMPT_KEY)}, batch_size=[len(batch.keys)])
@@ -653,6 +790,7 @@ class VerlV1Logging(VerlLogging):
         scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith("actor/")}
         if scalars:
             self.logger.log_step(step, scalars=scalars)
+        self.logger.commit_step()
         if self.reporter is not None:  # the step's summaries into the metrics the V1 trainer hands its trackers
             self._add_step_metrics(_MetricsOutput(metrics), step)
         return output
@@ -678,7 +816,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     batch, and installs :class:`ActorLogHook` around verl's ``ppo_loss`` in every actor through the worker group's
     ``set_loss_fn``. ``logger_options`` go to every :class:`~trustscope.logger.TokenLogger` (e.g.
     ``token_fraction``); ``strict`` defaults to False so bad rows are dropped with a warning, never an error in
-    the middle of training.
+    the middle of training. ``resume=True`` continues an existing run from the checkpoint verl restores
+    (:meth:`VerlLogging.resume_at`).
 
     ``metrics`` (default True): after each actor update, the step's exact summaries over every actor's tokens
     (read from their committed files) and the collapse early warning go into the step's metrics as
@@ -730,6 +869,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         warnings.warn(f"loss_mode {loss_mode!r} is verl's own and masks trustscope cannot replay (it replays "
                       f"{sorted(VERL_MASKS)}), so 'kept' is logged True on every token (the counterfactual views "
                       f"still replay every trustscope rule)", stacklevel=2)
+    resume = bool(logger_options.pop("resume", False))  # the driver resumes; the actors open theirs resumed
     options = {"strict": False, **logger_options}
     summary = {
         "loss_mode": loss_mode,
@@ -752,6 +892,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         loss_rule=rule or f"verl:{loss_mode}",
         mu_source="engine" if has_mu else "trainer_recompute",
         source={"framework": "verl", "version": version},
+        resume=resume,
         **options,
     )
     actor_config = omega_conf_to_dataclass(actor_cfg)
@@ -765,7 +906,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)
               if metrics and (alerts_url is not None or in_trackers.names) else None)
     reporter = StepReporter(logger, alerts=alerts) if metrics else None
-    handle = (VerlV1Logging if v1 else VerlLogging)(trainer, logger, hook, trainer._update_actor, reporter, alerts)
+    handle = (VerlV1Logging if v1 else VerlLogging)(trainer, logger, hook, trainer._update_actor, reporter, alerts,
+                                                     resume=resume)
     trainer._update_actor = handle.update_actor
     return handle
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -417,13 +417,14 @@ class RunFiles:
                 "errors": [*prior.get("errors", []), *lost["errors"]][:10]}
 
 
-def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Sequence[int] | None = None,
+def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[int] | None = None,
                      storage_options: Mapping[str, Any] | None = None, resume: bool = False) -> int:
     """Remove every rank's flushes whose steps all come after ``step`` (a continuation that crashed past its last
     checkpoint) and recount each rank's manifest from the files that remain; returns how many files went.
 
     ``run_dir`` is a local run folder or an ``s3://`` run prefix (``storage_options`` as for
-    :class:`~trustscope.logger.TokenLogger`); ``ranks``: only these ranks (default: every rank with a manifest).
+    :class:`~trustscope.logger.TokenLogger`); ``ranks``: only these ranks (any container, e.g. a ``range``;
+    default: every rank with a manifest).
     A flush is removed whole, in every table, so the run keeps whole steps; a flush that holds steps on both sides
     of ``step`` is refused (a logger that commits each step, as the integrations' do, never writes one). Each
     rank's lock is held meanwhile: a rank that a live logger writes is refused (:class:`LogDirError`; object
@@ -445,7 +446,7 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Sequence[i
         run = store.join(run_id)
         manifests = _store_manifests(store, run)
         if ranks is not None:
-            manifests = {r: m for r, m in manifests.items() if r in set(ranks)}
+            manifests = {r: m for r, m in manifests.items() if r in ranks}
         if resume:
             for rank, manifest in manifests.items():
                 check_resume(manifest, run_id, rank, step)
