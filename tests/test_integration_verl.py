@@ -782,6 +782,9 @@ def test_a_run_killed_mid_step_resumes_with_each_step_once(tmp_path):
     # a checkpoint newer than the log is refused, naming the run, the rank and the steps
     trainer = local_trainer(ppo_config(), LocalActorGroup(make_batch(B=8)[1]))
     trainer.global_steps = 9
-    with pytest.raises(Exception, match=r"cannot resume run 'killed' after step 8: rank 0 logged only up to step 4"):
-        with tv.attach(trainer, tmp_path / "a", run_id="killed", resume=True):
-            trainer._update_actor(make_batch(B=8)[0])
+    from trustscope.logger.runfiles import ResumeError
+
+    handle = tv.attach(trainer, tmp_path / "a", run_id="killed", resume=True)
+    with pytest.raises(ResumeError, match=r"cannot resume run 'killed' after step 8: rank 0 logged only up to step 4"):
+        trainer._update_actor(make_batch(B=8)[0])
+    handle.close()

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_integration_verl import LocalActorGroup, local_trainer, make_batch, ppo_config  # noqa: E402
+from test_integration_verl import LocalActorGroup, local_trainer, make_batch, ppo_config
 
-from trustscope.integrations import verl as tv  # noqa: E402
+from trustscope.integrations import verl as tv
 
 
 class KilledActorGroup(LocalActorGroup):
