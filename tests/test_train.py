@@ -154,6 +154,49 @@ def test_resume_after_a_crash_drops_the_steps_after_the_checkpoint(tmp_path):
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow
+def test_a_run_killed_mid_training_resumes_with_each_step_once(tmp_path):
+    """``trustscope train`` SIGKILLed once step 2 is logged (its last checkpoint at step 1), then ``--resume``: every
+    step holds as many rows as in an uninterrupted run, and each response's tokens once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trustscope import schema as S
+
+    args = ["--engine", "hf", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "6", "--eval-every",
+            "0", "--save-every", "2", "--steps", "4", "--threads", "1"]
+
+    def command(logdir, *more):
+        return [sys.executable, "-m", "trustscope.cli", "train", *args, "--logdir", str(logdir), "--run-id", "k",
+                *more]
+
+    proc = subprocess.Popen(command(tmp_path / "a"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest, deadline = tmp_path / "a" / "k" / S.MANIFEST, time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if (json.loads(manifest.read_text()).get("last_step") or -1) >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    subprocess.run(command(tmp_path / "a", "--resume"), check=True, capture_output=True, env=os.environ)
+    subprocess.run(command(tmp_path / "b"), check=True, capture_output=True, env=os.environ)
+
+    def per_step(run):
+        return {t: read(run, t).groupby("step").size().to_dict() for t in ("samples", "steps")}
+
+    got = per_step(tmp_path / "a" / "k")
+    assert got == per_step(tmp_path / "b" / "k") and sorted(got["samples"]) == [0, 1, 2, 3]
+    tokens, samples = read(tmp_path / "a" / "k", "tokens"), read(tmp_path / "a" / "k", "samples")
+    assert tokens.groupby("step").size().to_dict() == samples.groupby("step")["length"].sum().to_dict()
+    assert validate_run(tmp_path / "a" / "k") == []
+
+
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path):
     cfg = TrainConfig(run_id="none", resume=True, logdir=str(tmp_path), engine="hf")
     with pytest.raises(FileNotFoundError, match="holds no checkpoint; set save_every > 0"):

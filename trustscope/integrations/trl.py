@@ -278,16 +278,6 @@ def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
     return [tuple(r[m].tolist()) for r, m in zip(ids_np, mask_np, strict=True)]
 
 
-def _decode(processing_class: Any, rows: list[tuple[int, ...]]) -> list[str]:
-    """Texts of token-id rows, special tokens skipped; through the Rust tokenizer when there is one (the Python
-    ``batch_decode`` converts every id on its own)."""
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
-    return tokenizer.batch_decode([list(r) for r in rows], skip_special_tokens=True)
-
-
 def _pad_rows(rows: list[list[Any]], width: int, k: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
     """Ragged ``(B, T_i, K)`` rows -> ``(B, width, K)``, right-padded with ``fill``."""
     out = torch.full((len(rows), width, k), fill, dtype=dtype)
@@ -588,13 +578,10 @@ class Attachment:
         t = self.trainer
         prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
         responses = _rows(inputs["completion_ids"], inputs["completion_mask"])
-        unique = sorted(set(prompts))  # a prompt repeats num_generations times
-        texts = dict(zip(unique, _decode(t.processing_class, unique), strict=True))
         eos = set(t.eos_token_ids)
-        samples: dict[str, Any] = {
+        samples: dict[str, Any] = {  # texts: decoded by the logger's writer thread, for its text_fraction sample
             "sample_id": inputs[_SAMPLE_ID], "prompt_id": inputs[_PROMPT_ID],
-            "prompt": [texts[p] for p in prompts],
-            "response": _decode(t.processing_class, responses),
+            "prompt_token_ids": prompts, "response_token_ids": responses,
             "finish_reason": ["stop" if r and r[-1] in eos else "length" for r in responses],
         }
         if inputs["advantages"].dim() == 1:

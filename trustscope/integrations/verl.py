@@ -313,8 +313,10 @@ def _prompt_ids(uids: Any, n: int) -> Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def _decode(tokenizer: Any, ids: Tensor, mask: Tensor) -> list[str]:
-    return [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=False) for row, m in zip(ids, mask, strict=True)]
+def _id_rows(ids: Tensor, mask: Tensor) -> list[Any]:
+    """``(B, L)`` ids -> B arrays of the ids where ``mask`` is set (one transfer to the CPU)."""
+    ids_np, mask_np = ids.cpu().numpy(), mask.bool().cpu().numpy()
+    return [row[m] for row, m in zip(ids_np, mask_np, strict=True)]
 
 
 def log_driver_batch(logger: TokenLogger, batch: Any, step: int, tokenizer: Any = None) -> None:
@@ -347,11 +349,11 @@ def log_driver_batch(logger: TokenLogger, batch: Any, step: int, tokenizer: Any 
         if key in tensors:
             samples["reward"] = torch.where(mask, tensors[key].float(), torch.zeros_like(tensors[key].float())).sum(-1)
             break
-    if tokenizer is not None:
-        samples["response"] = _decode(tokenizer, tensors["responses"], mask)
+    if tokenizer is not None:  # token ids: the logger's writer thread decodes its text_fraction sample
+        samples["response_token_ids"] = _id_rows(tensors["responses"], mask)
         if "prompts" in tensors and "attention_mask" in tensors:
             prompts = tensors["prompts"]
-            samples["prompt"] = _decode(tokenizer, prompts, tensors["attention_mask"][:, : prompts.shape[1]])
+            samples["prompt_token_ids"] = _id_rows(prompts, tensors["attention_mask"][:, : prompts.shape[1]])
     logger.log_step(int(step), samples=samples)
 
 

@@ -147,6 +147,7 @@ With summaries on, the writer thread imports torch at the first call with tokens
 
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.runfiles import (
+    ResumeError,
     drop_steps_after,
     effective_status,
     rank_statuses,
@@ -158,5 +159,5 @@ from trustscope.logger.token_logger import MU_SOURCES, NullLogger, TokenLogger
 from trustscope.logger.writer import round_mantissa
 from trustscope.schema import SchemaError
 
-__all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "SchemaError", "TokenLogger", "drop_steps_after",
-           "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary"]
+__all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "ResumeError", "SchemaError", "TokenLogger",
+           "drop_steps_after", "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary"]

@@ -20,7 +20,9 @@ from trustscope.schema import SchemaError
 
 TOKEN_INPUTS = tuple(n for n in S.TOKENS.names
                      if n not in ("run_id", "step", "rank", "pos", "loss_rule", "blocked_rules"))
-SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank"))
+TEXT_IDS = {"prompt_token_ids": "prompt", "response_token_ids": "response"}
+"""Sample inputs the writer thread decodes into a text column with the logger's vocab (``text_fraction``)."""
+SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank")) + tuple(TEXT_IDS)
 PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
 MAYBE_PER_SEQUENCE = ("advantage",)  # (B,) broadcast over T, or (B, T)
 MAX_STEP = 2**63 - 1  # steps are int64
@@ -105,8 +107,10 @@ def check_text(values: list[Any], name: str, where: str = "row", ids: Any = None
                                f"{value[max(0, err.start - 10): err.start + 10]!r})") from None
 
 
-def _keep_hash(seed: int, step: int, sample_id: np.ndarray) -> np.ndarray:
-    """A uniform value in [0, 1) per sample, from (seed, step, sample_id) alone (splitmix64), so ranks agree."""
+def keep_hash(seed: int, step: int, sample_id: np.ndarray) -> np.ndarray:
+    """A uniform value in [0, 1) per sample, from (seed, step, sample_id) alone (splitmix64), so ranks agree:
+    ``token_fraction`` keeps a sample's tokens below it, ``text_fraction`` its texts (so the one sample holds the
+    other when it is the larger)."""
     with np.errstate(over="ignore"):
         z = sample_id.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % 2**64)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -399,6 +403,9 @@ class InputChecker:
                     raise Rejected(f"samples[{name!r}] must hold strings, got {bad[0]!r}")
                 check_text(values, f"samples[{name!r}]", "sample_id", ids["sample_id"])
                 out[name] = values
+        for name, text in TEXT_IDS.items():
+            if name in samples:
+                out[name] = self._check_text_ids(samples, name, text, n_seq)
         for name in ("reward", "advantage"):
             if name in samples:
                 label = f"samples[{name!r}]"
@@ -425,6 +432,24 @@ class InputChecker:
             out["length"] = lengths.astype(np.int32)
         else:
             raise Rejected("samples['length'] is required when no tokens are logged with the samples")
+        return out
+
+    def _check_text_ids(self, samples: Mapping[str, Any], name: str, text: str, n_seq: int) -> list[np.ndarray]:
+        """``samples[name]``: one sequence of token ids per sample (a list of 1-D arrays, tensors or lists), as
+        int64 arrays for the writer thread to decode into ``text``."""
+        label = f"samples[{name!r}]"
+        if text in samples:
+            raise Rejected(f"{label} and samples[{text!r}] are both given; pass the text or its token ids")
+        if self.vocab_size is None:
+            raise Rejected(f"{label} needs the logger's vocab (TokenLogger(vocab=...)) to decode it")
+        rows = list(samples[name])
+        if len(rows) != n_seq:
+            raise Rejected(f"{label} has {len(rows)} row(s), expected one per sample ({n_seq})")
+        out = [_as_int(_to_numpy(row, label), label, np.int64).reshape(-1) for row in rows]
+        flat = np.concatenate(out) if out else np.zeros(0, np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            bad = flat[(flat < 0) | (flat >= self.vocab_size)][0]
+            raise Rejected(f"{label} holds token id {bad}, outside the vocab [0, {self.vocab_size})")
         return out
 
     def _check_tokens(self, step: int, cols: dict[str, np.ndarray], b: np.ndarray, t: np.ndarray,
@@ -484,7 +509,7 @@ class InputChecker:
             sid = cols["sample_id"]
         sampled = None
         if self.token_fraction < 1.0:
-            sampled = _keep_hash(self.seed, step, sid) < self.token_fraction
+            sampled = keep_hash(self.seed, step, sid) < self.token_fraction
             if sampled.all():
                 sampled = None
             elif not self.summaries:

@@ -14,10 +14,12 @@ import os
 import secrets
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trustscope import __version__
 from trustscope import schema as S
@@ -62,6 +64,7 @@ class TokenLogger:
         resume: bool = False,
         strict: bool = True,
         token_fraction: float = 1.0,
+        text_fraction: float | None = None,
         log_topk: bool = True,
         topk_precision: str = "float32",
         flush_rows: int = 1_000_000,
@@ -80,6 +83,11 @@ class TokenLogger:
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
+        text_fraction = float(token_fraction) if text_fraction is None else text_fraction
+        if isinstance(text_fraction, bool) or not isinstance(text_fraction, int | float) \
+                or not 0.0 <= text_fraction <= 1.0:
+            raise ValueError(f"text_fraction must be in [0, 1] (the share of samples whose prompt and response "
+                             f"texts are kept) or None (token_fraction's), got {text_fraction!r}")
         if topk_precision not in ("float32", "float16"):
             raise ValueError(f"topk_precision must be 'float32' or 'float16', got {topk_precision!r}")
         for name, value in (("flush_rows", flush_rows), ("max_queue", max_queue), ("row_group_size", row_group_size),
@@ -145,7 +153,8 @@ class TokenLogger:
             run_info = {"loss_rule": loss_rule, "mu_source": mu_source, "source": jsonable(self.source),
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
                         "tokenizer": jsonable(tokenizer)}
-            logging_info = {"token_fraction": float(token_fraction), "log_topk": log_topk,
+            logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
+                            "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds),
                             "compact_every": int(compact_every), "max_queue": int(max_queue),
@@ -180,7 +189,8 @@ class TokenLogger:
                               write_threads=default_write_threads() if write_threads is None else int(write_threads),
                               blocked_rules=blocked_rule_list() if summaries else None,
                               on_commit=None if self._compactor is None else self._compactor.committed,
-                              budget=self._budget)
+                              budget=self._budget, decode=text_decoder(vocab, texts),
+                              text_fraction=float(text_fraction), seed=int(seed))
         self._summary_calls = 0  # calls with summaries queued so far
         self._calls_through: dict[int, int] = {}  # step -> calls with summaries queued up to its last call
         self._atexit = _close_at_exit(self)
@@ -355,6 +365,22 @@ class TokenLogger:
         self._reported_dead = dead
         warnings.warn(f"trustscope: a write of run {self.run_id!r} failed, its rows are lost: {err}",
                       LogWarning, stacklevel=3)
+
+
+def text_decoder(vocab: Any, texts: list[Any] | None) -> Callable[[list[np.ndarray]], list[str]] | None:
+    """Token-id rows to texts on the writer thread: through the tokenizer's Rust ``decode_batch`` when ``vocab``
+    is a Hugging Face tokenizer (special tokens skipped), else the vocab's token texts joined; None without a
+    vocab."""
+    tokenizer = getattr(vocab, "tokenizer", vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda rows: backend.decode_batch([r.tolist() for r in rows], skip_special_tokens=True)
+    if hasattr(tokenizer, "batch_decode"):
+        return lambda rows: tokenizer.batch_decode([r.tolist() for r in rows], skip_special_tokens=True)
+    if texts is None:
+        return None
+    table = np.array(["" if t is None else t for t in texts], dtype=object)
+    return lambda rows: ["".join(table[r]) for r in rows]
 
 
 def _close_at_exit(logger: TokenLogger) -> Any:

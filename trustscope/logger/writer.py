@@ -271,7 +271,9 @@ class Writer:
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
-                 on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None):
+                 on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None,
+                 decode: Callable[[list[np.ndarray]], list[str]] | None = None, text_fraction: float = 1.0,
+                 seed: int = 0):
         self.files = files
         self.budget = budget or RowBudget(2**62, max_queue, "block", None)
         """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
@@ -286,6 +288,8 @@ class Writer:
         self._bits_footer = ({S.BLOCKED_RULES_META: json.dumps([[n, p] for n, p in blocked_rules], default=str)}
                              if blocked_rules else {})
         self.run_id, self.rank = run_id, rank
+        self._decode, self.text_fraction, self.seed = decode, text_fraction, seed
+        """Token ids to texts (the logger's vocab), and the share of samples whose texts are kept."""
         self.log_topk, self.topk_precision = log_topk, topk_precision
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
         self._k = topk_k
@@ -757,10 +761,34 @@ class Writer:
             "step": pa.array(np.full(n, batch.step, np.int64)),
             "rank": pa.array(np.full(n, self.rank, np.int32)),
         }
+        texts = self._texts(batch.step, s, n)
         for f in S.SAMPLES:
-            if f.name not in out:
+            if f.name in texts:
+                out[f.name] = pa.array(texts[f.name], f.type)
+            elif f.name not in out:
                 out[f.name] = pa.array(s[f.name], f.type) if f.name in s else pa.nulls(n, f.type)
         return pa.table(out, schema=self._tables["samples"].schema)
+
+    def _texts(self, step: int, s: dict[str, Any], n: int) -> dict[str, list[str | None]]:
+        """The prompt and response texts the ``text_fraction`` sample keeps (the others None), decoded here from
+        token ids where the call gave ids (:data:`trustscope.logger.checks.TEXT_IDS`)."""
+        from trustscope.logger.checks import TEXT_IDS, keep_hash
+
+        keep = (np.flatnonzero(keep_hash(self.seed, step, np.asarray(s["sample_id"])) < self.text_fraction)
+                if self.text_fraction < 1.0 else np.arange(n))
+        out: dict[str, list[str | None]] = {}
+        for ids_name, name in TEXT_IDS.items():
+            texts: list[str | None] = [None] * n
+            if ids_name in s and self._decode is not None:
+                for i, text in zip(keep, self._decode([s[ids_name][i] for i in keep]), strict=True):
+                    texts[i] = text
+            elif name in s and self.text_fraction < 1.0:
+                for i in keep:
+                    texts[i] = s[name][i]
+            else:
+                continue
+            out[name] = texts
+        return out
 
 
 def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:

@@ -336,9 +336,11 @@ def drop_log_after(run_dir: Path, step: int) -> int:
     """Remove log files written after checkpoint ``step`` (a crashed continuation); return how many.
 
     The trainer flushes the logger at every checkpoint, so each flush holds steps either all <= or all > it;
-    :func:`trustscope.logger.drop_steps_after` removes the later flushes and recounts the manifests.
+    :func:`trustscope.logger.drop_steps_after` removes the later flushes and recounts the manifests. A rank whose
+    log ends before the checkpoint, or a run of another schema version, is refused naming the run, the rank and
+    the steps (:class:`~trustscope.logger.ResumeError`).
     """
-    return drop_steps_after(run_dir, step)
+    return drop_steps_after(run_dir, step, resume=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
