@@ -79,7 +79,8 @@ never the other buffered steps, and what was lost is counted in the manifest (``
 on a writer thread that has died.
 
 Constructor ``TokenLogger(logdir, run_id=None, *, config=None, model=None, sampling=None, tokenizer=None,
-vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0, log_topk=True,
+vocab=None, loss_rule="none", mu_source="engine", source=None, rank=None, resume=False, strict=True, token_fraction=1.0,
+text_fraction=None, log_topk=True,
 topk_precision="float32", flush_rows=1_000_000, flush_seconds=30.0, max_queue=8, max_buffered_rows=None,
 on_full="block", block_timeout_s=60.0, seed=0, row_group_size=131072, fsync=True, write_threads=None, summaries=True, compact_every=10)``:
 
@@ -95,9 +96,14 @@ on_full="block", block_timeout_s=60.0, seed=0, row_group_size=131072, fsync=True
   trustscope itself. Recorded in ``run.json``.
 - ``vocab``: token texts indexed by id (``list[str]``), or a ``dict[int, str]``, or a Hugging Face tokenizer.
 - ``resume``: continue an existing run (new files only, nothing overwritten). Without it an existing run id is an
-  error.
+  error. :meth:`TokenLogger.cut_back` then drops what the rank logged after the step a framework resumes from.
+  :meth:`TokenLogger.commit_step` commits a step on the writer thread without waiting (one logger for the run).
 - ``token_fraction``: log the tokens of only this fraction of sequences (chosen by a hash of seed, step and
   sample_id, so every rank agrees); samples and scalars are always logged in full.
+- ``text_fraction``: keep the prompt and response texts of only this fraction of samples (same hash; default
+  None: ``token_fraction``'s, so the sampled responses' texts). ``samples`` may give ``prompt_token_ids`` /
+  ``response_token_ids`` (a sequence of ids per sample) instead of texts; the writer thread decodes them with
+  ``vocab``.
 - ``log_topk=False``: leave the top-K list columns out (null); ``topk_tv`` / ``topk_kl`` are still computed.
 - ``topk_precision="float16"``: round top-K logprobs to float16's 10-bit mantissa (still stored as float32, so the
   schema does not change), which makes them compress much better; ``topk_tv``/``topk_kl`` are computed before the
