@@ -107,9 +107,11 @@ def _bools(x: torch.Tensor | None, n: int) -> list:
 class PrimeRLExporter:
     """Writes ``token_exports/step_N/rank_R.jsonl`` as prime-rl's TokenExporter does (``layout`` picks the version)."""
 
-    def __init__(self, output_dir: Path, rank: int, layout: str = "weight-stream", dppo: bool = True):
-        self.root = output_dir / "token_exports"
-        self.rank, self.layout, self.dppo = rank, layout, dppo
+    def __init__(self, output_dir: Path, rank: int, layout: str = "weight-stream", dppo: bool = True,
+                 run_id: str | None = None):
+        # the loss-channel layout (prime-rl's loss-channel branch) writes a named run under <run_id>/token_exports
+        self.root = (output_dir if run_id is None else output_dir / run_id) / "token_exports"
+        self.rank, self.layout, self.dppo, self.run_id = rank, layout, dppo, run_id
         self.counts: dict[int, int] = {}
         self.opened: set[int] = set()
 
@@ -131,7 +133,10 @@ class PrimeRLExporter:
             "loss_mask": _bools(mb["loss_mask"], n),
             "advantages": _floats(mb["advantages"], n),
         }
-        if self.layout == "training-mode":
+        if self.layout == "loss-channel":  # one "rl" channel: its values are the advantages, its mask the loss mask
+            cols["losses"] = [{"rl": {"advantage": a, "mask": m}}
+                              for a, m in zip(cols["advantages"], cols["loss_mask"], strict=True)]
+        if self.layout in ("training-mode", "loss-channel"):
             cols["rewards"] = _floats(mb["rewards"], n)
         cols.update({
             "inference_logprobs": _floats(inference, n), "trainer_logprobs": _floats(trainer, n),
@@ -157,6 +162,11 @@ class PrimeRLExporter:
                 record = {"schema_version": 1, "step": step, "rank": self.rank, "micro_step": micro_step,
                           "micro_sequence_idx": idx, "export_sequence_idx": self.counts.get(step, 0),
                           "env_name": next((e for e in cols["env_names"][start:end] if e), None)}
+                if self.layout == "loss-channel":
+                    record = {"schema_version": 1, "step": step, "export_step": step, "rank": self.rank,
+                              "micro_step": micro_step, "micro_sequence_idx": idx,
+                              "export_sequence_idx": self.counts.get(step, 0), "run_id": self.run_id,
+                              "env_name": record["env_name"]}
                 if self.layout == "training-mode":
                     record["training_mode"] = "rl"
                 record.update({k: list(v[start:end]) for k, v in cols.items() if k != "env_names"})
@@ -216,12 +226,12 @@ def write_traces(out: Path, step: int, rollouts: list[Rollout], tag: str) -> Non
 
 def write_export(out: Path, steps: int = 2, ranks: int = 2, per_rank: int = 8, layout: str = "weight-stream",
                  seed: int = 0, unscored: bool = True, stable: bool = True,
-                 traces: bool = False) -> dict[tuple[int, int], list[Rollout]]:
+                 traces: bool = False, run_id: str | None = None) -> dict[tuple[int, int], list[Rollout]]:
     """A small multi-step, multi-rank export (with the orchestrator's trace streams and metrics.jsonl when
     ``traces``); returns the rollouts of each (step, rank) for the checks."""
     rng = np.random.default_rng(seed)
     written = {}
-    exporters = [PrimeRLExporter(out, r, layout) for r in range(ranks)]
+    exporters = [PrimeRLExporter(out, r, layout, run_id=run_id) for r in range(ranks)]
     for step in range(steps):
         for rank, exp in enumerate(exporters):
             rollouts = make_rollouts(rng, per_rank)
@@ -297,6 +307,37 @@ def _import_fails(src: Path, logdir: Path, match: str) -> None:
     with pytest.raises(ImportFormatError, match=match):
         import_run("prime-rl", src, logdir, run_id="bad")
     _no_import(logdir)
+
+
+def test_loss_channel_layout_of_a_named_run_imports_from_the_output_root(tmp_path):
+    """prime-rl's loss-channel layout (a per-token ``losses`` field, no ``training_mode``, the run under
+    ``<run_id>/token_exports``, steps from 0), pointed at the output root: the same rows as the weight-stream
+    export of the same rollouts, the reward from ``rewards``."""
+    written = write_export(tmp_path / "out", layout="loss-channel", run_id="tenant-a")
+    write_export(tmp_path / "ref", layout="weight-stream")
+    run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="lc")
+    ref_dir = import_run("prime-rl", tmp_path / "ref", tmp_path / "logs", run_id="ws")
+    assert validate_logdir(tmp_path / "logs") == []
+    assert "loss-channel" in json.loads((run_dir / "run.json").read_text())["source"]["format"]
+    tokens, ref = _tokens(run_dir), _tokens(ref_dir)
+    assert len(tokens) == sum(sum(r.trained) for rs in written.values() for r in rs) - 2
+    cols = ["step", "rank", "sample_id", "pos", "token_id", "mu_logprob", "pi_logprob", "advantage", "kept"]
+    assert tokens[cols].reset_index(drop=True).equals(ref[cols].reset_index(drop=True))
+    samples = pq.read_table(run_dir / "samples").to_pandas()
+    assert samples["reward"].notna().all() and sorted(set(samples["step"])) == [0, 1]
+
+
+def test_fields_trustscope_does_not_know_are_named_once_and_the_import_goes_on(tmp_path):
+    write_export(tmp_path / "out", steps=1)
+    for path in (tmp_path / "out/token_exports/step_0").glob("rank_*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "teacher_logprobs": r["trainer_logprobs"], "turn": 1}) + "\n"
+                                for r in records))
+    with pytest.warns(ImportWarning, match=r"does not read, left out: \['teacher_logprobs', 'turn'\] \(first at "
+                                           r".*rank_0\.jsonl:1\)") as caught:
+        run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="x")
+    assert len([w for w in caught if issubclass(w.category, ImportWarning)]) == 1
+    assert validate_logdir(tmp_path / "logs") == [] and len(_tokens(run_dir)) > 0
 
 
 def test_truncated_file_names_file_and_line(tmp_path):

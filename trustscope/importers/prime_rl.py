@@ -16,8 +16,14 @@ Layouts read (all ``schema_version`` 1; the version number never changed, the fi
 - *weight-stream* (#2746, June 2026, and later): the component weight streams ``rl_weights``, ``ce_weights``,
   ``ref_kl_weights`` (``null`` lists mean the defaults: rl weight 1 on the loss mask) replace ``training_mode``
   and ``rewards``; ``export_step`` / ``run_id`` until #3189 (multi-tenant removed).
+- *loss-channel* (the loss-channel branch, #2859): a per-token ``losses`` list of ``{loss: {"advantage", "mask"}}``
+  (``advantages`` is the ``rl`` channel's values, the loss mask the union of the channels' masks), per-token
+  ``rewards``, no ``training_mode``; a named run writes ``output_dir/<run_id>/token_exports/step_<run step>``,
+  steps from 0. Rows where the ``rl`` channel trains the token.
 
-A file mixing the two layouts, or holding a field neither has, is refused naming the file and line.
+A file mixing layouts is refused naming the file and line. Fields a layout does not have (a newer or forked
+prime-rl) are read past and named once in an ``ImportWarning``; a record without a field trustscope reads
+(:data:`REQUIRED`, or the field that tells the layouts apart) is refused naming the file and line.
 
 Mapping: ``token_id`` = ``token_ids`` from the first ``loss_mask`` position to the last (``pos`` 0 = the first
 trained token; multi-turn environment tokens in between keep their positions but are not rows); ``mu_logprob`` =
@@ -51,6 +57,7 @@ are read:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +83,13 @@ TOKEN_LISTS = ("token_ids", "position_ids", "loss_mask", "advantages", "inferenc
 LAYOUTS = {
     "training-mode": frozenset({*META, *TOKEN_LISTS, "training_mode", "rewards"}),
     "weight-stream": frozenset({*META, *TOKEN_LISTS, "rl_weights", "ce_weights", "ref_kl_weights"}),
+    "loss-channel": frozenset({*META, *TOKEN_LISTS, "losses", "rewards"}),
 }
+MARKERS = {"training-mode": "training_mode", "weight-stream": "rl_weights", "loss-channel": "losses"}
+"""The field that tells each layout apart."""
+REQUIRED = frozenset({"schema_version", "step", "rank", "token_ids", "loss_mask", "advantages", "inference_logprobs",
+                      "trainer_logprobs", "entropy"})
+"""What every record must hold, whatever its layout: the fields trustscope's rows are made of."""
 OPTIONAL = frozenset({"export_step", "run_id"})  # multi-tenant exports (#2641 to #3189)
 SCHEMA_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -94,8 +107,23 @@ NOTES = {
 }
 
 
+def run_dir_of(src: Path) -> Path:
+    """The run directory under ``src``: ``src`` itself, or the one ``<run_id>/`` below it that holds a
+    ``token_exports/`` (prime-rl writes a named run's export to ``output_dir/<run_id>/token_exports/``: pointed at
+    ``output_dir``, the run is found). Several runs there are refused, naming them."""
+    if not src.is_dir() or (src / "token_exports").is_dir() or step_dirs(src):
+        return src
+    runs = sorted(p for p in src.iterdir() if (p / "token_exports").is_dir())
+    if len(runs) > 1:
+        raise ImportFormatError(f"{src}: holds the token exports of {len(runs)} runs ({', '.join(p.name for p in runs)}); "
+                                f"import one at a time: point at {src}/<run_id>")
+    return runs[0] if runs else src
+
+
 def export_root(src: Path) -> Path:
-    """The ``token_exports`` directory of ``src`` (that directory itself, or the trainer output directory)."""
+    """The ``token_exports`` directory of ``src`` (that directory itself, the trainer output directory, or the
+    output directory holding one named run: :func:`run_dir_of`)."""
+    src = run_dir_of(src)
     root = src / "token_exports" if (src / "token_exports").is_dir() else src
     if not root.is_dir():
         raise ImportFormatError(f"{src}: not a directory (expected prime-rl's token_exports/ or its parent)")
@@ -239,17 +267,22 @@ def step_scalars(path: Path, steps: Collection[int] | None = None) -> dict[int, 
     return out
 
 
-def _layout(record: Any, where: str) -> str:
+def _layout(record: Any, where: str) -> tuple[str, frozenset[str]]:
+    """The record's layout and its fields that layout does not have (an export of a newer or forked prime-rl:
+    read on, the fields named once in a warning). A record without a field trustscope reads is refused."""
     if not isinstance(record, dict):
         raise ImportFormatError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
     keys = set(record) - OPTIONAL
     for name, fields in LAYOUTS.items():
         if keys == fields:
-            return name
-    best = min(LAYOUTS, key=lambda n: len(keys ^ LAYOUTS[n]))
+            return name, frozenset()
+    marked = [n for n, marker in MARKERS.items() if marker in keys]
+    best = min(marked or LAYOUTS, key=lambda n: len(keys ^ LAYOUTS[n]))
     missing, extra = sorted(LAYOUTS[best] - keys), sorted(keys - LAYOUTS[best])
-    raise ImportFormatError(f"{where}: fields match no known token-export layout (closest: {best}; "
-                            f"missing {missing}, unknown {extra})")
+    if not marked or REQUIRED - keys or len(marked) > 1:
+        raise ImportFormatError(f"{where}: fields match no known token-export layout (closest: {best}; "
+                                f"missing {missing}, unknown {extra})")
+    return best, frozenset(extra)
 
 
 def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
@@ -264,10 +297,31 @@ def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
     return arr
 
 
+_LAYOUT_LISTS = {"training-mode": ("rewards",), "weight-stream": ("rl_weights", "ce_weights", "ref_kl_weights"),
+                 "loss-channel": ("losses", "rewards")}
+
+
+def _rl_channel(losses: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The ``rl`` loss channel of a loss-channel record's per-token ``losses`` (``{loss: {"advantage", "mask"}}``
+    per token): ``(T,)`` bool where the rl loss trains the token, ``(T,)`` float32 its advantage (NaN elsewhere)."""
+    mask = np.zeros(len(losses), dtype=bool)
+    adv = np.full(len(losses), np.nan, dtype=np.float32)
+    for t, channels in enumerate(losses):
+        if not isinstance(channels, dict):
+            raise ImportFormatError(f"{where}: 'losses'[{t}] must be an object of loss channels, got {channels!r}")
+        rl = channels.get("rl")
+        if isinstance(rl, dict) and rl.get("mask") is True:
+            mask[t] = True
+            value = rl.get("advantage")
+            adv[t] = np.nan if value is None else float(value)
+    return mask, adv
+
+
 def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Sequence | None:
     n = len(record["token_ids"]) if isinstance(record["token_ids"], list) else -1
-    for name in TOKEN_LISTS + (("rewards",) if layout == "training-mode" else ("rl_weights", "ce_weights",
-                                                                                "ref_kl_weights")):
+    for name in TOKEN_LISTS + _LAYOUT_LISTS[layout]:
+        if name not in record and name not in REQUIRED:  # a field this version does not write: absent
+            continue
         value = record[name]
         if not isinstance(value, list) or len(value) != n:
             got = len(value) if isinstance(value, list) else type(value).__name__
@@ -277,17 +331,24 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
     if loss_mask is None or not loss_mask.any():
         raise ImportFormatError(f"{where}: no loss_mask token (the writer skips such sequences)")
     trained = loss_mask.copy()
+    advantages = floats(record["advantages"], where, "advantages")
     if layout == "weight-stream":
-        rl = floats(record["rl_weights"], where, "rl_weights")
+        rl = floats(record.get("rl_weights", [None] * n), where, "rl_weights")
         trained &= np.where(np.isnan(rl), 1.0, rl) != 0  # null = the default rl weight 1
+    elif layout == "loss-channel":  # rows where the rl loss trains the token; its advantage is the channel's
+        rl_mask, rl_adv = _rl_channel(record["losses"], where)
+        trained &= rl_mask
+        advantages = np.where(np.isnan(advantages), rl_adv, advantages)
+        if not trained.any():
+            return None  # trained by other losses only (no sampling log-prob is needed there)
     elif record["training_mode"] == "sft":
         return None
     idx = np.flatnonzero(loss_mask)
     first, end = int(idx[0]), int(idx[-1]) + 1
     span = slice(first, end)
-    is_masked = _bools(record["is_masked"], where, "is_masked")
+    is_masked = _bools(record["is_masked"], where, "is_masked") if "is_masked" in record else None
     reward = None
-    if layout == "training-mode":
+    if layout in ("training-mode", "loss-channel") and "rewards" in record:
         rewards = floats(record["rewards"], where, "rewards")[loss_mask]
         finite = rewards[np.isfinite(rewards)]
         reward = float(finite[0]) if finite.size else None
@@ -296,7 +357,7 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
         token_id=token_ids[span],
         mu_logprob=floats(record["inference_logprobs"], where, "inference_logprobs")[span],
         pi_logprob=floats(record["trainer_logprobs"], where, "trainer_logprobs")[span],
-        advantage=floats(record["advantages"], where, "advantages")[span],
+        advantage=advantages[span],
         entropy=floats(record["entropy"], where, "entropy")[span],
         mask=trained[span],
         kept=None if is_masked is None else ~is_masked[span],
@@ -311,18 +372,21 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
     """Parse and check every export file under ``src`` (of ``steps`` when given); see the module docstring for
     the mapping."""
-    src = Path(src)
+    src = run_dir_of(Path(src))
     files = export_files(src, steps)
     sequences: list[Sequence] = []
     layouts = SameThroughout("exports of two prime-rl versions are mixed", "{} layout".format)
     skipped_sft = 0
     any_mask = False
+    unknown: dict[str, str] = {}  # field -> where it was first seen
     for step, rank, path in files:
         if path.stat().st_size == 0:
             raise ImportFormatError(f"{path}: empty file (the writer creates it with its first record)")
         for line, record in json_lines(path):
             where = f"{path}:{line}"
-            layout = _layout(record, where)
+            layout, extra = _layout(record, where)
+            for name in extra:
+                unknown.setdefault(name, where)
             layouts.check(layout, where)
             if record["schema_version"] != SCHEMA_VERSION:
                 raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
@@ -362,6 +426,12 @@ def read(src: Path, *, version: str | None = None, steps: Collection[int] | None
     scalars = step_scalars(src / "metrics.jsonl", steps) if (src / "metrics.jsonl").is_file() else {}
     if scalars:
         n_files += 1
+    if unknown:
+        names = sorted(unknown)
+        warnings.warn(f"{src}: prime-rl export fields trustscope does not read, left out: {names} (first at "
+                      f"{unknown[names[0]]}); every field it reads is there", ImportWarning, stacklevel=2)
+        notes["unread"] = f"fields left out: {', '.join(names)}"
+        fmt += f" (and fields {names})"
     if not any_mask:
         notes["kept"] = "all kept: the export carries no is_masked (the loss was not prime-rl's default)"
     if skipped_sft:
