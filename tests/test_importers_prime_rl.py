@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from trustscope.cli import app
 from trustscope.importers import ImportFormatError, import_run
 from trustscope.schema import validate_logdir
 
@@ -424,3 +426,22 @@ def test_trace_streams_of_two_versions_are_refused(tmp_path):
     _import_fails(tmp_path / "run", tmp_path / "logs", r"traces\.jsonl:4: written by verifiers 0\.2\.0, unlike "
                                                        r".*traces\.jsonl:1 \(written by verifiers 0\.3\.1\.dev59\): "
                                                        r"trace streams of two verifiers versions are mixed")
+
+
+def test_token_fraction_writes_a_sample_with_exact_summaries(tmp_path):
+    """``--token-fraction`` keeps the token rows of a share of sequences (the logger's hash), and the summaries
+    table counts every token as a full import's rows do."""
+    write_export(tmp_path / "out", steps=2, per_rank=16)
+    full = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="full")
+    result = CliRunner().invoke(app, ["import", "prime-rl", str(tmp_path / "out"), str(tmp_path / "logs"),
+                                      "--run-id", "part", "--token-fraction", "0.25"])
+    assert result.exit_code == 0, result.output
+    part = tmp_path / "logs" / "part"
+    assert validate_logdir(tmp_path / "logs") == []
+    all_rows, kept = _tokens(full), _tokens(part)
+    assert 0 < len(kept) < len(all_rows) / 2
+    assert json.loads((part / "run.json").read_text())["logging"]["token_fraction"] == 0.25
+    summaries = pq.read_table(part / "summaries").to_pandas()
+    total = summaries[summaries["metric"] == "tokens"].groupby("step")["count"].sum()
+    assert total.to_dict() == all_rows.groupby("step").size().to_dict()
+    assert len(pq.read_table(part / "samples")) == len(pq.read_table(full / "samples"))

@@ -313,6 +313,10 @@ def import_(
     stop_after_idle: float | None = typer.Option(None, min=0.0, help="--follow: stop once no new step has been "
                                                                      "finished for this many seconds (default: "
                                                                      "follow until Ctrl-C)."),
+    token_fraction: float = typer.Option(1.0, min=0.0, max=1.0,
+                                         help="Write the token rows of only this share of sequences (the logger's "
+                                              "hash of step and sample id), with the exact summaries table over "
+                                              "every token, as TokenLogger(token_fraction=...) does."),
 ) -> None:
     """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file).
     With --follow, a running job's dump is followed step by step."""
@@ -327,14 +331,14 @@ def import_(
                        err=True)
             result = follow_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
                                 poll_s=poll, settle_s=settle, stop_after_idle_s=stop_after_idle, on_step=said,
-                                allow_pickle=allow_pickle)
+                                allow_pickle=allow_pickle, token_fraction=token_fraction)
         else:
             for name, value in (("--poll", poll != 2.0), ("--settle", settle != 2.0),
                                 ("--stop-after-idle", stop_after_idle is not None)):
                 if value:
                     raise ImportUsageError(f"{name} is an option of --follow")
             run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
-                                 allow_pickle=allow_pickle)
+                                 allow_pickle=allow_pickle, token_fraction=token_fraction)
     except ImportUsageError as exc:  # an unknown format, or an option the format does not take
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -70,21 +70,24 @@ def load_vocab(tokenizer: str | Path | None) -> Any:
 
 
 def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
-               version: str | None = None, tokenizer: str | Path | None = None, **options: Any) -> Path:
+               version: str | None = None, tokenizer: str | Path | None = None, token_fraction: float = 1.0,
+               **options: Any) -> Path:
     """Import ``src`` (format ``fmt``) as one run under ``logdir``; returns the run directory.
 
     ``tokenizer``: a local Hugging Face tokenizer directory (the run's own), loaded without network access, whose
     token texts become the run's vocab table. Nothing is written unless every file parses and checks; the run
-    appears by one rename at the end.
+    appears by one rename at the end. ``token_fraction`` < 1: the token rows of that share of sequences, with the
+    exact summaries over every token (:func:`~trustscope.importers.base.write_run`).
     """
     vocab = load_vocab(tokenizer)
-    return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab)
+    return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab,
+                     token_fraction=token_fraction)
 
 
 def follow_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
                version: str | None = None, tokenizer: str | Path | None = None, poll_s: float = 2.0,
                settle_s: float = 2.0, stop_after_idle_s: float | None = None, on_step: Any = None,
-               should_stop: Any = None, **options: Any) -> Any:
+               should_stop: Any = None, token_fraction: float = 1.0, **options: Any) -> Any:
     """Follow a running job's ``src`` into one run under ``logdir``, step by step as its writer finishes them
     (:func:`trustscope.importers.follow.follow`, whose docstring says when a step is finished); returns its
     :class:`~trustscope.importers.follow.FollowResult`."""
@@ -92,5 +95,5 @@ def follow_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
 
     return follow(fmt, src, logdir, run_id=run_id, version=version, vocab=load_vocab(tokenizer), poll_s=poll_s,
                   settle_s=settle_s, stop_after_idle_s=stop_after_idle_s, on_step=on_step, options=options,
-                  should_stop=should_stop)
+                  should_stop=should_stop, token_fraction=token_fraction)
 

@@ -321,13 +321,17 @@ def unscored(seqs: list[Sequence]) -> int:
     return int(sum(int((s.mask & ~_scored(s)).sum()) for s in seqs))
 
 
-def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None) -> Path:
+def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None,
+              token_fraction: float = 1.0) -> Path:
     """Write ``run`` as ``<logdir>/<run_id>`` through :class:`TokenLogger`; returns the run directory.
 
     ``vocab`` (a tokenizer or a list of token texts, as ``TokenLogger`` takes it) writes the run's vocab table, so
     statistics name tokens. Each source rank is written by its own logger (rank 0 always exists: it writes
     ``run.json``). The run is built in ``<logdir>/.import-<run_id>-<random>/`` and renamed into place when every
     logger has closed; on any error the temporary directory is removed and the error re-raised.
+
+    ``token_fraction`` < 1 writes the token rows of that share of sequences (the logger's hash of step and sample
+    id) and the exact ``summaries`` table over every token, as a trainer's logger does.
     """
     from trustscope.logger import TokenLogger  # the parse above needs none of the writer's libraries
 
@@ -352,11 +356,11 @@ def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, v
     loggers: dict[int, TokenLogger] = {}
     try:
         for rank in ranks:  # rank 0 first: it writes run.json
-            # every token is written, so the token rows are exact without the summaries table, whose rule masks
-            # need torch: an import reads JSON lines and writes Parquet, nothing more
+            # with every token written the token rows are exact without the summaries table, whose rule masks
+            # need torch; a token_fraction sample gets the exact summaries over every token, as the logger has
             loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=run.loss_rule, vocab=vocab,
                                         mu_source="imported", source=source, rank=rank, flush_seconds=3600.0,
-                                        summaries=False)
+                                        summaries=token_fraction < 1.0, token_fraction=token_fraction)
         for step in sorted(set(by_step) | set(run.scalars)):
             log_step(loggers, step, by_step.get(step, []), run.scalars.get(step))
         for rank in reversed(ranks):

@@ -169,8 +169,9 @@ class _Run:
     """The trustscope run a follow session appends to: its loggers (opened per rank on first use, always as a
     resume, so a restart continues) and what each rank has committed."""
 
-    def __init__(self, logdir: Path, run_id: str, fmt: str, src: Path, vocab: Any):
+    def __init__(self, logdir: Path, run_id: str, fmt: str, src: Path, vocab: Any, token_fraction: float = 1.0):
         self.logdir, self.run_id, self.fmt, self.src, self.vocab = logdir, run_id, fmt, src, vocab
+        self.token_fraction = token_fraction
         self.dir = logdir / run_id
         self.key = str(src.resolve())  # what a restart must follow again, however SRC is spelled
         self.loggers: dict[int, Any] = {}
@@ -205,7 +206,8 @@ class _Run:
         # every step is committed by an explicit flush, one log_step call per rank: no automatic flush splits
         # a step (the memory bound is never reached: one step is in memory at a time, parsed already)
         logger = TokenLogger(self.logdir, self.run_id, config=config, loss_rule=loss_rule, vocab=self.vocab,
-                             mu_source="imported", source=source, rank=rank, resume=True, summaries=False,
+                             mu_source="imported", source=source, rank=rank, resume=True,
+                             summaries=self.token_fraction < 1.0, token_fraction=self.token_fraction,
                              max_buffered_rows=2**62, block_timeout_s=None)
         self.loggers[rank] = logger
         last = logger.manifest.get("last_step")
@@ -254,8 +256,8 @@ class _Run:
 def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
            version: str | None = None, vocab: Any = None, poll_s: float = 2.0, settle_s: float = 2.0,
            stop_after_idle_s: float | None = None, on_step: Callable[[int, int, int], None] | None = None,
-           options: Mapping[str, Any] | None = None, should_stop: Callable[[], bool] | None = None
-           ) -> FollowResult:
+           options: Mapping[str, Any] | None = None, should_stop: Callable[[], bool] | None = None,
+           token_fraction: float = 1.0) -> FollowResult:
     """Follow ``src`` (format ``fmt``) into ``<logdir>/<run_id>`` until it has been idle ``stop_after_idle_s``
     (no new finished step), ``should_stop()`` is true, or Ctrl-C; see the module docstring.
 
@@ -277,7 +279,7 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
     src, logdir = Path(src), Path(logdir)
     if not src.exists():
         raise SourceGone(f"{src}: no such file or directory")
-    run = _Run(logdir, run_id or f"{fmt}-{src.resolve().name}", fmt, src, vocab)
+    run = _Run(logdir, run_id or f"{fmt}-{src.resolve().name}", fmt, src, vocab, token_fraction)
     imported: list[int] = []
     listing = Listing(frozenset(), frozenset())
     idle_since = time.monotonic()
