@@ -1,14 +1,23 @@
-"""Time trustscope's verl pieces on verl's own actor loss path (CPU tensors, the model's forward left out).
+"""Time what trustscope's verl pieces add on the actor's thread, against the same step without them and against
+a real architecture's forward and backward on the same shapes.
 
     .venv/bin/python bench/bench_verl.py                 # B = 32 responses of T = 1024 tokens, micro-batches of 8
+    .venv/bin/python bench/bench_verl.py --batch 8 --tokens 2048 --micro 2 --model   # 4,096-token micro-batches,
+                                                         # and a Qwen3-shaped model's forward + backward on them
 
-Per micro-batch, through verl 0.9.1's ``ppo_loss`` with forward and backward on pi:
-  verl dppo_tv           verl's own DPPO-TV loss (the reference),
-  trustscope dppo tv     loss_mode=trustscope_dppo_binary_tv (the rule, verl's agg_loss, the metrics),
-  + actor hook           the same with ActorLogHook around ppo_loss: mu handed over, token rows queued for the
-                         logger (its writer thread, the Parquet files and the per-step close included, since
-                         each timed round is one step).
-The model's forward and backward, which dominate a real step, are not in these figures.
+Per step (one actor update over the batch), through verl 0.9.1's ``ppo_loss`` with forward and backward on pi:
+  verl dppo_tv           verl's own DPPO-TV loss (the reference: the step without trustscope),
+  trustscope dppo tv     loss_mode=trustscope_dppo_binary_tv called as verl calls it without the hook (the rule,
+                         verl's agg_loss, the rule's own statistics as actor/trustscope/...),
+  + actor hook           the rule under ActorLogHook, as attach runs it: mu handed over, the rule's statistics
+                         left to the logger, the token rows handed to the rank's logger (one for the whole run)
+                         and the step committed with commit_step(); its writer thread (Arrow, Parquet, fsync, the
+                         manifest) runs beside the actor and shares the machine's cores with it.
+``--model``: a Qwen3ForCausalLM (transformers' own architecture: GQA attention with q/k RMSNorm, RoPE, SwiGLU)
+built from a reduced config (hidden 256, 2 layers, 4 heads / 2 KV heads, MLP 768, vocab 32,768: a real Qwen3's
+vocab of 151,936 would not fit a 4k-token backward in this machine's memory) is timed on one micro-batch of the
+same shape, forward and backward, and the hook's added time per micro-batch is printed as a share of it. A larger
+model only makes that share smaller.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", action="store_true", help="time a Qwen3-shaped model's forward + backward too")
     args = parser.parse_args()
     torch.set_num_threads(2)
     batch, pi = make_batch(B=args.batch, P=16, T=args.tokens, seed=0)
@@ -68,8 +78,7 @@ def main() -> None:
             "verl dppo_tv": partial(ppo_loss, config=actor_config("dppo_tv")),
             "trustscope dppo tv": partial(ppo_loss, config=actor_config("trustscope_dppo_binary_tv")),
         }
-        hook = tv.ActorLogHook(cases["trustscope dppo tv"], Path(tmp) / "logs", "bench", loss_rule="dppo_binary_tv",
-                               logger_options={"fsync": False})
+        hook = tv.ActorLogHook(cases["trustscope dppo tv"], Path(tmp) / "logs", "bench", loss_rule="dppo_binary_tv")
         cases["+ actor hook"] = hook
         print(f"B={args.batch} T={args.tokens} micro={args.micro}: {n_tokens} valid tokens, median of {args.repeats}")
         print(f"{'case':<22}{'ms / step':>12}{'ms / micro-batch':>18}{'M tokens/s':>12}")
@@ -78,10 +87,40 @@ def main() -> None:
             batch.meta_info[tv.STEP_KEY] = step
             for name, fn in cases.items():
                 times[name].append(one_step(batch, pi, fn, args.micro))
+        micro_batches = args.batch // args.micro
         for name, values in times.items():
             t = statistics.median(values)
-            micro_batches = args.batch // args.micro
             print(f"{name:<22}{t * 1e3:>12.1f}{t * 1e3 / micro_batches:>18.2f}{n_tokens / t / 1e6:>12.2f}")
+        hook.close()
+        added = (statistics.median(times["+ actor hook"]) - statistics.median(times["verl dppo_tv"])) / micro_batches
+        print(f"added on the actor's thread by the rule and the hook: {added * 1e3:.2f} ms per micro-batch")
+        if args.model:
+            fb = model_forward_backward(args.micro, args.tokens + 16, max(3, args.repeats // 3))
+            print(f"Qwen3-shaped model, forward + backward of one micro-batch ({args.micro} x {args.tokens + 16} "
+                  f"tokens): {fb * 1e3:.0f} ms; the rule and the hook add {100 * added / fb:.2f} % of it")
+
+
+def model_forward_backward(batch: int, length: int, repeats: int) -> float:
+    """Median seconds of a reduced Qwen3ForCausalLM's forward (with the token log-probs verl's actor takes from
+    the logits) and backward on ``batch`` sequences of ``length`` tokens."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+                         tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, length))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logits = model(input_ids=ids).logits[:, :-1]  # (B, L - 1, V)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L - 1)
+        logp.mean().backward()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        del logits, logp
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
