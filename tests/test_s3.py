@@ -362,3 +362,34 @@ def test_a_slow_bucket_drops_counted_whole_sequences_under_the_memory_bound(endp
     assert manifest["rows"]["tokens"] + buffer["dropped_rows"] == steps * B * T
     assert manifest["rows"]["samples"] + buffer["dropped_sequences"] == steps * B
     assert manifest["rows"]["steps"] == steps  # the scalars of every step are kept
+
+
+def test_a_resumed_run_on_s3_is_cut_back_to_the_checkpoint_step(endpoint, tmp_path):
+    """A run on s3:// resumed from step 2 (steps 3 and 4 were logged before a crash, one of them compacted with
+    the steps before): cut_back drops them on the store, the resumed steps are logged once; drop_steps_after cuts
+    an s3:// run too, and a resume beyond the log is refused naming the run, the rank and the steps."""
+    from trustscope.logger import ResumeError, drop_steps_after
+
+    url = f"s3://{BUCKET}/resume"
+    before = log_run(url, "r1", range(5), compact_every=2)
+    assert [r["flushes"] for r in before[S.COMPACTED_KEY]] == [[1, 4]]  # steps 0-3 merged: cut in a local copy
+    with TokenLogger(url, "r1", resume=True) as lg:
+        assert lg.cut_back(2) > 0
+        for step in (3, 4, 5):
+            lg.log_step(step, **step_data(step))
+            lg.commit_step()
+    assert lg.manifest["last_step"] == 5 and lg.manifest["rows"]["tokens"] == 6 * B * T
+    with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
+        cur = db.cursor()
+        try:
+            assert cur.execute("select step, count(*) from tokens group by step order by step").fetchall() == [
+                (s, B * T) for s in range(6)]
+        finally:
+            cur.close()
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
+    assert drop_steps_after(f"{url}/r1", 3) > 0
+    with TokenLogger(url, "r1", resume=True) as lg:
+        assert lg.manifest["last_step"] == 3 and lg.manifest["rows"]["steps"] == 4
+        with pytest.raises(ResumeError, match=r"cannot resume run 'r1' after step 7: rank 0 logged only up to "
+                                              r"step 3"):
+            lg.cut_back(7)
