@@ -616,24 +616,25 @@ class VerlLogging:
     def wait_actors(self, step: int) -> bool:
         """Wait (up to :attr:`actor_wait_s`) until every actor rank of the run has committed ``step``; False
         (with a warning) if one has not. Local or shared log directories only (object storage: no wait)."""
-        from trustscope.logger.runfiles import read_json
+        from trustscope.logger.runfiles import effective_status, read_json
 
         run_dir = self.logger.run_dir
         if not isinstance(run_dir, os.PathLike):
             return True
         deadline = time.monotonic() + self.actor_wait_s
-        world = getattr(self.trainer.actor_rollout_wg, "world_size", None)
-        while True:
+        while True:  # every logging actor wrote its manifest when it opened its logger, inside the update
             paths = sorted((run_dir / "ranks").glob("rank*.json"))
             lagging = []
             for path in paths:
                 try:
-                    last = read_json(path).get("last_step")
+                    manifest = read_json(path)
                 except Exception:  # a manifest being replaced: read it again
-                    last = None
-                if last is None or last < step:
                     lagging.append(path.stem)
-            if not lagging and (not isinstance(world, int) or len(paths) >= world):
+                    continue
+                last = manifest.get("last_step")
+                if effective_status(manifest) == "running" and (last is None or last < step):
+                    lagging.append(path.stem)  # ranks an earlier session left (closed or dead) are not waited on
+            if not lagging:
                 return True
             if time.monotonic() > deadline:
                 warnings.warn(f"trustscope: actor ranks {lagging or 'not yet opened'} have not committed step "
