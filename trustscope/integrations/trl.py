@@ -619,16 +619,13 @@ def _callback(attachment: Attachment) -> Any:
     from transformers import TrainerCallback
 
     class TrustscopeCallback(TrainerCallback):
-        """Cuts a resumed run back to TRL's restored step, commits each step, flushes before a checkpoint,
-        writes TRL's logged metrics as scalars and closes the trustscope log when training ends."""
+        """Cuts a resumed run back to TRL's restored step, flushes before a checkpoint, writes TRL's logged
+        metrics as scalars and closes the trustscope log when training ends."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             # after TRL restored a checkpoint (resume_from_checkpoint): global_step is the first step to train
             if attachment.resume:
                 attachment.resume_at(state.global_step)
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            attachment.logger.commit_step()  # the step before, with its scalars, commits on the writer thread
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if control.should_save and not control.should_log:
