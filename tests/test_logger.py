@@ -519,3 +519,76 @@ def test_the_callers_buffers_may_be_reused_once_log_step_returns(tmp_path):
         logged = got[name].to_numpy(zero_copy_only=False)[order]
         logged = np.stack(logged) if logged.dtype == object else logged
         np.testing.assert_array_equal(logged.reshape(values.shape), values, err_msg=name)
+
+
+def _text_call(rng, b: int, t: int, vocab: list[str]) -> tuple[dict, np.ndarray]:
+    ids = rng.integers(0, len(vocab), (b, t))
+    mu = -rng.random((b, t)).astype(np.float32)
+    return {"tokens": {"token_id": ids, "mu_logprob": mu, "pi_logprob": mu, "advantage": rng.normal(size=b)},
+            "mask": np.ones((b, t), bool),
+            "samples": {"sample_id": np.arange(b), "prompt_id": np.zeros(b, int), "reward": rng.random(b),
+                        "response_token_ids": list(ids), "prompt": [f"p{i}" for i in range(b)]}}, ids
+
+
+def test_texts_are_decoded_on_the_writer_thread_for_the_text_fraction_sample(tmp_path):
+    """Token ids given for the response are decoded with the logger's vocab; by default the texts of exactly the
+    responses whose tokens are logged are kept, every sample keeps its numbers; text_fraction sets its own share."""
+    vocab = [chr(97 + i) for i in range(26)]
+    rng = np.random.default_rng(0)
+    call, ids = _text_call(rng, 64, 5, vocab)
+    with TokenLogger(tmp_path, "default", vocab=vocab, token_fraction=0.25) as lg:
+        lg.log_step(0, **call)
+    samples = pq.read_table(tmp_path / "default" / "samples").to_pandas().sort_values("sample_id")
+    tokens = pq.read_table(tmp_path / "default" / "tokens").to_pandas()
+    texted = samples[samples["response"].notna()]
+    assert len(samples) == 64 and samples["reward"].notna().all()
+    assert sorted(texted["sample_id"]) == sorted(set(tokens["sample_id"])) and 0 < len(texted) < 64
+    assert samples["prompt"].notna().sum() == len(texted)  # texts given as strings are sampled alike
+    assert all(row.response == "".join(vocab[i] for i in ids[row.sample_id]) for row in texted.itertuples())
+    assert json.loads((tmp_path / "default" / "run.json").read_text())["logging"]["text_fraction"] == 0.25
+    with TokenLogger(tmp_path, "all-text", vocab=vocab, token_fraction=0.25, text_fraction=1.0) as lg:
+        lg.log_step(0, **call)
+    assert pq.read_table(tmp_path / "all-text" / "samples").column("response").null_count == 0
+    with TokenLogger(tmp_path, "bad", vocab=vocab) as lg:
+        call["samples"]["response_token_ids"][3] = np.array([1, 99])
+        with pytest.raises(SchemaError, match=r"samples\['response_token_ids'\] holds token id 99, outside the "
+                                              r"vocab \[0, 26\)"):
+            lg.log_step(0, **call)
+        call["samples"]["response"] = ["x"] * 64
+        with pytest.raises(SchemaError, match=r"are both given"):
+            lg.log_step(0, **call)
+    with TokenLogger(tmp_path, "novocab") as lg, pytest.raises(SchemaError, match=r"needs the logger's vocab"):
+        lg.log_step(0, **_text_call(rng, 2, 3, vocab)[0])
+    with pytest.raises(ValueError, match=r"text_fraction must be in \[0, 1\]"):
+        TokenLogger(tmp_path, "x", text_fraction=1.5)
+
+
+def test_commit_step_commits_without_closing_and_cut_back_drops_the_later_steps(tmp_path):
+    """commit_step: the step becomes visible while the logger stays open; cut_back on a resumed logger drops the
+    steps after the checkpoint, only before the first log_step; a flush across the cut is refused, not kept."""
+    from trustscope.logger import ResumeError, drop_steps_after
+
+    vocab = [chr(97 + i) for i in range(26)]
+    rng = np.random.default_rng(1)
+    lg = TokenLogger(tmp_path, "c", vocab=vocab, flush_seconds=3600)
+    for step in range(4):
+        lg.log_step(step, **_text_call(rng, 4, 3, vocab)[0])
+        lg.commit_step()
+    deadline = 50
+    while json.loads((tmp_path / "c" / S.MANIFEST).read_text()).get("last_step") != 3 and deadline:
+        threading.Event().wait(0.1)
+        deadline -= 1
+    assert json.loads((tmp_path / "c" / S.MANIFEST).read_text())["status"] == "running" and deadline
+    lg.close()
+    with TokenLogger(tmp_path, "new", vocab=vocab) as fresh, pytest.raises(RuntimeError, match="resume=True"):
+        fresh.cut_back(0)
+    with TokenLogger(tmp_path, "c", vocab=vocab, resume=True) as lg:
+        assert lg.cut_back(1) > 0
+        lg.log_step(2, **_text_call(rng, 4, 3, vocab)[0])
+        with pytest.raises(RuntimeError, match="before its first log_step"):
+            lg.cut_back(1)
+        lg.log_step(3, **_text_call(rng, 4, 3, vocab)[0])  # steps 2 and 3 in one flush
+    assert pq.read_table(tmp_path / "c" / "samples").to_pandas().groupby("step").size().tolist() == [4] * 4
+    with pytest.raises(ResumeError, match=r"rank 0: flush \d+ holds steps 2-3, on both sides of step 2"):
+        drop_steps_after(tmp_path / "c", 2)
+    assert S.validate_logdir(tmp_path) == []
