@@ -290,13 +290,13 @@ def extra_columns(declared: Mapping[str, str] | None) -> tuple[Column, ...]:
 
 
 def builtin_token_columns_sql() -> str:
-    """The built-in tokens columns as a SQL list of names, for the views that pass a run's own columns through
-    (``* exclude (...)``): identifiers from :data:`TOKEN_COLUMNS` and :data:`VIEW_COLUMNS`, never user input."""
+    """The built-in tokens columns as SQL string literals (``'run_id', 'step', ...``), for the views that pass a
+    run's own columns through (``columns(lambda c: not list_contains([...], c))``): identifiers from :data:`TOKEN_COLUMNS` and :data:`VIEW_COLUMNS`, never user input."""
     names = [c.name for c in TOKEN_COLUMNS] + list(VIEW_COLUMNS)
     for name in names:
         if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
             raise ValueError(f"{name!r} is not a plain identifier")
-    return ", ".join(names)
+    return ", ".join(f"'{name}'" for name in names)
 
 
 # --------------------------------------------------------------------------------------------- summary dimensions
