@@ -623,6 +623,10 @@ def _key_problems(table: str, files: list[Path]) -> list[str]:
             part = pq.ParquetFile(path).read(columns=read_cols)
         except Exception:  # reported by validate_file already
             continue
+        for name in read_cols:  # a key column added by a later table version: null in older files
+            if name not in part.column_names and name in ADDED_COLUMNS.get(table, ()):
+                part = part.append_column(SCHEMAS[table].field(name), pa.nulls(part.num_rows,
+                                                                               SCHEMAS[table].field(name).type))
         parts.append(part.select(read_cols))
     if not parts:
         return []
