@@ -146,8 +146,9 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
     Column("turn", pa.int32(), True, "the model turn of a multi-turn trajectory the token belongs to (0 for "
            "single-turn); never decreases along a response; null: unknown", given="token_or_sequence",
            check=Check("turn"), since=3),
-    Column("engine_token_id", pa.int32(), True, "the token id the rollout engine sampled, where it differs from "
-           "the trainer's input (re-tokenization drift, doctor check `token_drift`); null: not logged",
+    Column("engine_token_id", pa.int32(), True, "the token id the rollout engine sampled (the trainer's input is "
+           "`token_id`; where they differ the history was re-tokenized: doctor check `token_drift`); null: not "
+           "logged",
            given="token", check=Check("token_id"), since=3),
 )
 """The ``tokens`` table: one row per logged response token."""
