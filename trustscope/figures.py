@@ -666,8 +666,8 @@ def mismatch_by_dimension(df: pd.DataFrame, dimension: str) -> go.Figure:
 
 
 def blocked_by_dimension(df: pd.DataFrame, dimension: str, max_cols: int = 3) -> go.Figure:
-    """Each rule's blocked fraction of the A != 0 tokens by one summary dimension's bucket: one panel per rule,
-    one line per run.
+    """Each rule's blocked fraction of the A != 0 tokens by one summary dimension's bucket: one panel per rule
+    (titled with its name), one line per run in the run's colour.
 
     Reads ``run_id, rule, bucket, bucket_label, n_blocked, n_nonzero_advantage, blocked_frac`` (the
     ``blocked_by_dimension`` query's rows of one dimension); the counts are on hover.
@@ -686,12 +686,12 @@ def blocked_by_dimension(df: pd.DataFrame, dimension: str, max_cols: int = 3) ->
             one = df[(df["rule"] == rule) & (df["run_id"] == run)].sort_values("bucket")
             fig.add_trace(go.Scatter(
                 x=one["bucket_label"].astype(str), y=one["blocked_frac"], mode="lines+markers", name=str(run),
-                legendgroup=str(run), showlegend=k == 0, meta={"rule": rule}, line={"color": series_colour(i)},
+                legendgroup=str(run), showlegend=k == 0, line={"color": series_colour(i)},
                 customdata=one[["n_blocked", "n_nonzero_advantage"]].to_numpy(),
                 hovertemplate=f"{run}<br>{rule}, {dimension} %{{x}}<br>%{{y:.2%}} (%{{customdata[0]:,.0f}} of "
                               "%{customdata[1]:,.0f} tokens with A != 0)<extra></extra>"), row=row + 1, col=col + 1)
     fig.update_xaxes(type="category", categoryorder="array", categoryarray=labels)
-    fig.update_xaxes(title_text=DIMENSION_AXES.get(dimension, dimension), row=rows)
+    fig.update_xaxes(title_text=dimension, row=rows)  # short: the panels of a row sit side by side
     percent_axis(fig)
     fig.update_yaxes(title_text="blocked (% of A != 0)", col=1)
     return _finish(fig, 120 + 230 * rows, top=60)

@@ -10,7 +10,8 @@ st.title("Where the mismatch lives")
 runs = widgets.require_runs()
 ids = runs["run_id"].tolist()
 first = widgets.pick_run(runs, "First run")  # the run picked on the other pages leads
-others = [r for r in st.session_state.get("_mismatch_runs", []) if r in ids and r != first]
+remembered = st.session_state.get("_mismatch_runs")
+others = [r for r in (remembered if remembered is not None else ids) if r in ids and r != first]
 chosen = st.multiselect("Side by side", [r for r in ids if r != first], default=others[:3], key="mismatch_runs")
 st.session_state["_mismatch_runs"] = chosen
 picked = [first, *chosen]
@@ -49,6 +50,6 @@ for tab, dim in zip(tabs, DIMENSIONS, strict=True):
                            else "-" for k in zip(table["run_id"], table["bucket"], strict=True)]
         st.dataframe(table.drop(columns=["bucket", "n_bad_negative"]).rename(columns={"bucket_label": dim.name}),
                      hide_index=True, key=f"table_{dim.name}", column_config={
-                         "n_tokens": st.column_config.NumberColumn("tokens", format="%d"),
+                         "n_tokens": st.column_config.NumberColumn("tokens", format="localized"),
                          "mismatch_mean": st.column_config.NumberColumn("mean |pi - mu|", format="%.4f"),
                          "ess_frac": st.column_config.NumberColumn("ESS / tokens", format="percent")})
