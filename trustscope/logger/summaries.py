@@ -30,6 +30,11 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   ``abs_seq_log_ratio`` with its histogram, for the tails. A response is one call's rows of its ``sample_id``: the
   trainer hands each response whole to one call, so the per-response figures are exact.
 
+Every metric above but the per-response ones (``seq_*``) is held once more per bucket of each summary dimension
+(:data:`trustscope.columns.DIMENSIONS`: position bucket, turn, staleness = step - policy_version), each on its own
+and never crossed with the mu bucket: rows with ``dimension`` and ``bucket`` set (:func:`dimension_rows`). A call
+without a dimension's columns (no ``turn``, no ``policy_version``) has no rows of it.
+
 The mu buckets are those of the SQL macro ``mu_bucket`` (``sql/macros/mu_bucket.sql``), whose edges are read from
 that file: one definition. A bucket is stored as its lower edge (``mu_low``), which the view labels with the macro.
 """
