@@ -29,6 +29,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from trustscope import db as tdb
 from trustscope import losses as L
 from trustscope import schema as S
+from trustscope.columns import turns_from_mask
 from trustscope.integrations import verl as tv
 from trustscope.logger import TokenLogger, run_status
 
@@ -355,9 +356,9 @@ def test_turns_come_from_the_gaps_of_the_response_mask():
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0],   # turns 0, 1, 2, then padding
                          [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],   # single-turn
                          [0, 1, 1, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # a leading masked token
-    turns = tv.turns_from_mask(mask)
-    assert turns.dtype == torch.int32
-    assert turns[mask].tolist() == [0, 0, 1, 1, 2] + [0] * 7 + [0, 0, 1, 1, 1, 1, 1, 1]
+    turns = turns_from_mask(mask.numpy())
+    assert turns.dtype == np.int32
+    assert turns[mask.numpy()].tolist() == [0, 0, 1, 1, 2] + [0] * 7 + [0, 0, 1, 1, 1, 1, 1, 1]
     assert tv.tag_versions([{"min_global_steps": 4}, {"min_global_steps": 6}], 2).tolist() == [5, 7]
     assert tv.tag_versions([{"status": "success"}], 1) is None and tv.tag_versions(None, 0) is None
 

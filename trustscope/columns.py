@@ -300,6 +300,17 @@ def builtin_token_columns_sql() -> str:
     return ", ".join(f"'{name}'" for name in names)
 
 
+def turns_from_mask(mask: np.ndarray) -> np.ndarray:
+    """``(B, T)`` int32: the model turn of each position of ``mask`` ``(B, T)`` (or ``(T,)``), a response mask
+    False on the tokens the model did not sample (a tool's or environment's answer spliced into a multi-turn
+    trajectory): 0 up to the first gap, 1 after it, ...; a response without a gap is all 0. How the integrations
+    and importers fill ``turn`` where the source keeps no turn of its own."""
+    m = np.asarray(mask, dtype=bool)
+    starts = m.copy()  # the first token of each run of model tokens
+    starts[..., 1:] &= ~m[..., :-1]
+    return np.maximum(np.cumsum(starts, axis=-1) - 1, 0).astype(np.int32)
+
+
 # --------------------------------------------------------------------------------------------- summary dimensions
 
 

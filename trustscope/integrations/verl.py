@@ -49,7 +49,7 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   has logged all of its samples of a step (batch size / data-parallel size), so every step ends finished on disk.
 
 Asynchronous and multi-turn runs: each token's ``turn`` is read off the response mask (verl's agent loop masks
-the tool's and environment's tokens out: a new model turn starts after each gap, :func:`turns_from_mask`). On the
+the tool's and environment's tokens out: a new model turn starts after each gap, :func:`trustscope.columns.turns_from_mask`). On the
 V1 trainer each response's ``policy_version`` is the weight version it started under, from the trajectory's
 ``min_global_steps`` tag (+ 1: verl's weights at ``global_steps`` s are version s - 1), so ``staleness`` reads as
 verl's ``training/off_policy/trajectory_staleness_worst``; verl keeps a trajectory's first and last version, not
@@ -85,6 +85,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [verl] extra bring
     missing(exc, "trustscope.integrations.verl", extra="verl")
 
 from trustscope import losses as L
+from trustscope.columns import turns_from_mask
 from trustscope.logger import TokenLogger
 
 SUPPORTED_VERSION = "0.9.1"
@@ -316,16 +317,6 @@ def _decode(tokenizer: Any, ids: Tensor, mask: Tensor) -> list[str]:
     return [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=False) for row, m in zip(ids, mask, strict=True)]
 
 
-def turns_from_mask(mask: Tensor) -> Tensor:
-    """``(B, T)`` int32: the model turn of each position of ``mask`` ``(B, T)``, a response mask False on the
-    tokens the model did not sample (a tool's or environment's answer spliced in by a multi-turn agent loop): 0 up
-    to the first gap, 1 after it, ...; a single-turn response (no gap) is all 0."""
-    m = mask.bool()
-    starts = m.clone()  # (B, T) the first token of each run of model tokens
-    starts[:, 1:] &= ~m[:, :-1]
-    return (starts.cumsum(-1) - 1).clamp_min(0).to(torch.int32)
-
-
 def tag_versions(tags: Any, n: int) -> Tensor | None:
     """``(B,)`` int64 ``policy_version`` of each response from verl V1's trajectory tags: ``min_global_steps``
     (the weights it started under) + 1, in trustscope's (and verl's) step numbering; None when the tags lack it."""
@@ -500,7 +491,7 @@ class ActorLogHook:
             "kept": self._kept(keep, pi, old, cols["advantages"], mask),
             "sample_id": sample_id.to(idx.device),
             "prompt_id": cols[PROMPT_KEY],
-            "turn": turns_from_mask(mask),
+            "turn": torch.from_numpy(turns_from_mask(mask.cpu().numpy())).to(idx.device),
         }
         if VERSION_KEY in cols:
             columns["policy_version"] = cols[VERSION_KEY]
