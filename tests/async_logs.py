@@ -30,7 +30,7 @@ def write_async_run(root: Path, run_id: str, *, lag: int = 2, steps: int = 5, se
             stale = step - version  # (B, T)
             mu = np.log(rng.uniform(0.02, 1.0, (B, T)))  # (B, T)
             noise = rng.normal(0, 0.05 + 0.25 * stale + 0.002 * pos, (B, T))
-            pi = np.minimum(mu + noise, 0.0)
+            pi = np.minimum(mu + noise, -1e-3)  # never exactly 0: doctor would read it as padded
             tokens = {"token_id": rng.integers(0, V, (B, T)), "mu_logprob": mu.astype(np.float32),
                       "pi_logprob": pi.astype(np.float32), "advantage": rng.choice([-1.0, 1.0], B),
                       "kept": rng.random((B, T)) > 0.05}
