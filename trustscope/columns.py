@@ -332,22 +332,19 @@ class Dimension:
     bucket: Callable[[Mapping[str, np.ndarray], int], np.ndarray]
     """``(cols, step) -> (N,) int64`` bucket of each token row (its lower edge)."""
     sql: str
-    """The same bucket as a SQL expression over the tokens views' columns."""
-    label_sql: str
-    """A SQL expression labelling a bucket's lower edge ``bucket`` for tables and charts."""
+    """The same bucket as a SQL expression over the tokens views' columns (the views label a bucket with the macro
+    ``bucket_label(dimension, bucket)``)."""
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("position", "the token's position in the response, in power-of-two buckets (0, 1, 2-3, 4-7, ...)",
-              ("pos",), lambda cols, step: position_bucket(cols["pos"]), "position_bucket(pos)",
-              "position_bucket_label(bucket)"),
+              ("pos",), lambda cols, step: position_bucket(cols["pos"]), "position_bucket(pos)"),
     Dimension("turn", "the model turn of a multi-turn trajectory (tokens logged without `turn` have none)",
-              ("turn",), lambda cols, step: np.asarray(cols["turn"], dtype=np.int64), "turn",
-              "bucket::varchar"),
+              ("turn",), lambda cols, step: np.asarray(cols["turn"], dtype=np.int64), "turn"),
     Dimension("staleness", "`step - policy_version`: how many weight updates the sampling engine was behind "
               "(tokens logged without `policy_version` have none)", ("policy_version",),
               lambda cols, step: np.int64(step) - np.asarray(cols["policy_version"], dtype=np.int64),
-              "step - policy_version", "bucket::varchar"),
+              "step - policy_version"),
 )
 """The summary dimensions, each on its own beside the advantage sign x mu bucket grouping (never crossed)."""
 

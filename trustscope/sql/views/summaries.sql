@@ -69,10 +69,7 @@ final as (
         m.threshold,
         m.dimension,
         m.bucket,
-        case
-            when m.dimension = 'position' then position_bucket_label(m.bucket)
-            when m.dimension is not null then m.bucket::varchar
-        end as bucket_label,
+        bucket_label(m.dimension, m.bucket) as bucket_label,
         m.count,
         m.sum,
         m.sum_sq,

@@ -31,8 +31,7 @@ final as (
         b.step,
         b.dimension,
         b.bucket,
-        case when b.dimension = 'position' then position_bucket_label(b.bucket) else b.bucket::varchar end
-            as bucket_label,
+        bucket_label(b.dimension, b.bucket) as bucket_label,
         r.rule,
         coalesce(k.n_blocked, 0)::bigint as n_blocked,
         b.n_nonzero_advantage,

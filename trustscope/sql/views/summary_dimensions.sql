@@ -36,8 +36,7 @@ final as (
         step,
         dimension,
         bucket,
-        case when dimension = 'position' then position_bucket_label(bucket) else bucket::varchar end
-            as bucket_label,
+        bucket_label(dimension, bucket) as bucket_label,
         n_tokens,
         coalesce(n_nonzero_advantage, 0)::bigint as n_nonzero_advantage,
         sum_abs_prob_diff,
