@@ -24,7 +24,7 @@ replace, never both, never neither.
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
 
-Nullable columns (``nullable=True`` below) may hold nulls; every other column must not. Every file carries
+Nullable columns (declared in :mod:`trustscope.columns`) may hold nulls; every other column must not. Every file carries
 ``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
 """
 
