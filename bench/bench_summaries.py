@@ -42,7 +42,8 @@ def step(B: int, T: int, K: int, turns: bool, seed: int = 0) -> dict[str, np.nda
     cols = {"token_id": rng.integers(0, 150_000, B * T).astype(np.int32), "pos": pos,
             "sample_id": np.repeat(np.arange(B, dtype=np.int64), T), "prompt_id": np.repeat(np.arange(B) // 8, T),
             "mu_logprob": mu_topk[..., 0].reshape(-1), "pi_logprob": pi_topk[..., 0].reshape(-1),
-            "old_logprob": pi_topk[..., 0].reshape(-1).copy(), "entropy": rng.exponential(1.0, B * T).astype(np.float32),
+            "old_logprob": pi_topk[..., 0].reshape(-1).copy(),
+            "entropy": rng.exponential(1.0, B * T).astype(np.float32),
             "advantage": np.repeat(rng.normal(size=B).astype(np.float32), T), "kept": rng.random(B * T) > 0.1,
             "mu_topk_ids": rng.integers(0, 150_000, (B * T, K)).astype(np.int32),
             "mu_topk_logprobs": mu_topk.reshape(-1, K), "pi_topk_logprobs": pi_topk.reshape(-1, K)}

@@ -292,7 +292,8 @@ def extra_columns(declared: Mapping[str, str] | None) -> tuple[Column, ...]:
 
 def builtin_token_columns_sql() -> str:
     """The built-in tokens columns as SQL string literals (``'run_id', 'step', ...``), for the views that pass a
-    run's own columns through (``columns(lambda c: not list_contains([...], c))``): identifiers from :data:`TOKEN_COLUMNS` and :data:`VIEW_COLUMNS`, never user input."""
+    run's own columns through (``columns(lambda c: not list_contains([...], c))``): identifiers from
+    :data:`TOKEN_COLUMNS` and :data:`VIEW_COLUMNS`, never user input."""
     names = [c.name for c in TOKEN_COLUMNS] + list(VIEW_COLUMNS)
     for name in names:
         if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):

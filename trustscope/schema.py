@@ -24,8 +24,8 @@ replace, never both, never neither.
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
 
-Nullable columns (declared in :mod:`trustscope.columns`) may hold nulls; every other column must not. Every file carries
-``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
+Nullable columns (declared in :mod:`trustscope.columns`) may hold nulls; every other column must not. Every file
+carries ``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
 """
 
 from __future__ import annotations
@@ -729,7 +729,8 @@ def validate_run(run_dir: Path) -> list[Problem]:
     for table in TABLES:
         files = visible[table]
         for path in files:
-            problems += [Problem(path, m) for m in validate_file(path, table, run_id, extra if table == "tokens" else ())]
+            own = extra if table == "tokens" else ()
+            problems += [Problem(path, m) for m in validate_file(path, table, run_id, own)]
         problems += [Problem(run_dir / table, m) for m in _key_problems(table, files)]
     problems += _row_count_problems(run_dir, visible)
     problems += _compaction_problems(run_dir)
