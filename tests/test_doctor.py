@@ -281,7 +281,7 @@ def test_a_shift_from_a_turn_boundary_fails_turn_alignment_not_alignment(doctore
 
 def test_zero_padded_environment_logprobs_fail_turn_placeholders(doctored):
     f = doctored["env_padded"]["turn_placeholders"]
-    assert f.verdict == "fail" and "most in turn 1" in f.summary and "(mu at 0.0)" in f.summary
+    assert f.verdict == "fail" and "most in turn 1" in f.summary and "mu's log-prob at exactly 0.0" in f.summary
     assert f.evidence["n_flagged_turn1"] >= D.PADDED_MIN and "n_flagged_turn0" not in f.evidence
     assert all(ex["turn"] == 1 and ex["mu_logprob"] == 0.0 for ex in f.examples)
     assert doctored["clean"]["turn_placeholders"].verdict == "ok"

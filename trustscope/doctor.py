@@ -62,8 +62,8 @@ ALIGNMENT_CAUSES = {
 MIN_TOKENS = 20
 """Fewer tokens than this and a statistical check is skipped: too few to tell."""
 CERTAIN_LOGPROB = math.log(0.9)
-"""A token one side logs at exactly 0.0 (probability 1) while the other gives it under 0.9 was padded, not scored:
-no engine rounds a probability under 0.9 up to exactly 1 (check ``turn_placeholders``)."""
+"""A token the engine logs at exactly 0.0 (probability 1) while the trainer gives it under 0.9 was padded, not
+scored: no engine rounds a probability under 0.9 up to exactly 1 (check ``turn_placeholders``)."""
 PADDED_MIN = 3
 """Padded tokens (``turn_placeholders``) in one turn from which the check fails (fewer only warn)."""
 ZERO_VARIANCE_WARN = 0.5
@@ -435,27 +435,27 @@ def judge_turn_alignment(m: Mapping[str, Any]) -> Judgement:
 @register_check("turn_placeholders", sql="turn_placeholders.sql",
                 about="log-probs of 0.0 padded in for a turn's tokens", params={"certain": CERTAIN_LOGPROB})
 def judge_turn_placeholders(m: Mapping[str, Any]) -> Judgement:
-    """Tokens logged at exactly 0.0 on one side (mu or pi) while the other gives them under 0.9, per turn: an
-    environment's (tool's) tokens with their log-probs padded with 0.0, let through by the response mask. ``fail``
-    from :data:`PADDED_MIN` such tokens in one turn, ``warn`` below."""
+    """Tokens whose mu log-prob is exactly 0.0 while pi gives them under 0.9, per turn: an environment's (tool's)
+    tokens with the engine's log-probs padded with 0.0, let through by the response mask. ``fail`` from
+    :data:`PADDED_MIN` such tokens in one turn, ``warn`` below."""
     if not m or not m.get("n_tokens"):
         return Judgement("skipped", "no token rows")
     turns = m.get("turns") or []
     flagged = [t for t in turns if t["n_flagged"]]
     evidence = {"n_tokens": m["n_tokens"], "n_flagged": m["n_flagged"],
                 **{f"n_flagged_turn{t['turn']}": t["n_flagged"] for t in flagged}}
+    certain = math.exp(CERTAIN_LOGPROB)
     if not flagged:
-        return Judgement("ok", f"no token logged at log-prob 0.0 on one side and under {math.exp(CERTAIN_LOGPROB):.2g}"
-                         f" on the other, in {len(turns)} turn(s)", evidence)
+        return Judgement("ok", f"no token with mu's log-prob at exactly 0.0 where pi gives under {certain:.2g}, in "
+                         f"{len(turns)} turn(s)", evidence)
     worst = max(flagged, key=lambda t: t["n_flagged"] / t["n_tokens"])
     where = "tokens without a turn" if worst["turn"] is None else f"turn {worst['turn']}"
-    side = "mu" if worst["n_mu_zero"] >= worst["n_flagged"] - worst["n_mu_zero"] else "pi"
-    summary = (f"{m['n_flagged']} of {m['n_tokens']} tokens carry a log-prob of exactly 0.0 where the other side "
-               f"gives under {math.exp(CERTAIN_LOGPROB):.2g}; most in {where}: {worst['n_flagged']} of "
-               f"{worst['n_tokens']} ({side} at 0.0), {worst['n_flagged_kept']} kept")
-    cause = (f"{side}'s log-probs were padded with 0.0 where nothing was scored: typically the environment's or a "
-             f"tool's tokens spliced into a multi-turn trajectory, which have no engine log-prob, left in the "
-             f"response mask. Mask those tokens out (response mask False) and log only the model's own turns.")
+    summary = (f"{m['n_flagged']} of {m['n_tokens']} tokens have mu's log-prob at exactly 0.0 where pi gives under "
+               f"{certain:.2g}; most in {where}: {worst['n_flagged']} of {worst['n_tokens']}, "
+               f"{worst['n_flagged_kept']} kept")
+    cause = ("the engine's log-probs were padded with 0.0 where nothing was sampled: typically the environment's or "
+             "a tool's tokens spliced into a multi-turn trajectory, which have no engine log-prob, left in the "
+             "response mask. Mask those tokens out (response mask False) and log only the model's own turns.")
     verdict = "fail" if worst["n_flagged"] >= PADDED_MIN else "warn"
     return Judgement(verdict, summary, evidence, list(worst["examples"] or []), cause)
 

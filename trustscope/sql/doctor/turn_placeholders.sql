@@ -1,12 +1,13 @@
--- placeholder log-probs judged per turn: tokens whose mu (or pi) log-prob is exactly 0.0 (probability 1) while the
--- other side gives the token under $certain (a log-prob): an environment's or tool's tokens with 0.0 padded in
--- for the engine's log-probs (or the trainer's), let through by the response mask. no engine computes probability
--- exactly 1 for a token its trainer finds under 0.9. one row per run with a list per turn (null turn: tokens logged
--- without one). $run_ids: the runs read, or null for all; $first_step: the first step read, or null for all.
+-- placeholder log-probs judged per turn: tokens whose mu log-prob is exactly 0.0 (probability 1) while the trainer
+-- gives the token under $certain (a log-prob): an environment's or tool's tokens with 0.0 padded in for the
+-- engine's log-probs, let through by the response mask. no engine computes probability exactly 1 for a token its
+-- trainer finds under 0.9 (pi at exactly 1 is left out: a collapsing policy gets there). one row per run with a
+-- list per turn (null turn: tokens logged without one). $run_ids: the runs read, or null for all; $first_step: the
+-- first step read, or null for all.
 with source as (
     select
         run_id, step, rank, sample_id, pos, turn, token_id, mu_logprob, pi_logprob, kept,
-        (mu_logprob = 0 and pi_logprob < $certain) or (pi_logprob = 0 and mu_logprob < $certain) as is_flagged
+        mu_logprob = 0 and pi_logprob < $certain as is_flagged
     from tokens
     where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
         and ($first_step::bigint is null or step >= $first_step::bigint)
@@ -19,7 +20,6 @@ per_turn as (
         count(*) as n_tokens,
         count_if(is_flagged) as n_flagged,
         count_if(is_flagged and kept) as n_flagged_kept,
-        count_if(is_flagged and mu_logprob = 0) as n_mu_zero,
         max_by(
             {'step': step, 'sample_id': sample_id, 'pos': pos, 'turn': turn, 'token_id': token_id,
              'mu_logprob': mu_logprob, 'pi_logprob': pi_logprob, 'kept': kept},
@@ -37,7 +37,7 @@ final as (
         count(turn)::bigint as n_turns,
         list(
             {'turn': turn, 'n_tokens': n_tokens, 'n_flagged': n_flagged, 'n_flagged_kept': n_flagged_kept,
-             'n_mu_zero': n_mu_zero, 'examples': examples}
+             'examples': examples}
             order by turn nulls first
         ) as turns
     from per_turn
