@@ -136,3 +136,31 @@ def test_trustscope_sql_reads_staleness_and_a_runs_own_columns(tmp_path):
                                       "select env, max(staleness) as s, count(*) as n from tokens group by 1 order by 1"])
     assert result.exit_code == 0, result.output
     assert result.output.split() == ['"env","s","n"', f'"a",1,{2 * T * 3}', f'"b",1,{2 * T * 3}']
+
+
+def test_a_list_per_token_is_a_column_like_the_others(tmp_path):
+    """A list per token of its own length (a MoE layer's routed experts, their router weights): ``(B, T, L)``,
+    checked element by element, written as an Arrow list, read with SQL's list functions."""
+    rng = np.random.default_rng(0)
+    experts = rng.integers(0, 64, (B, T, 2))
+    weights = rng.random((B, T, 2)).astype(np.float32)
+    lists = {"experts": "list<int32>", "router_p": "list<float32>"}
+    with TokenLogger(tmp_path, "moe", extra_columns=lists) as lg:
+        base = {k: v for k, v in step_tokens(0).items() if k not in EXTRA}
+        lg.log_step(0, tokens={**base, "experts": experts, "router_p": weights})
+        with pytest.raises(SchemaError, match=r"tokens\['experts'\]: expected integers, got 1.5"):
+            lg.log_step(1, tokens={**base, "experts": np.full((B, T, 2), 1.5), "router_p": weights})
+        with pytest.raises(SchemaError, match=r"tokens\['router_p'\] must have shape \(B, T, K\)"):
+            lg.log_step(1, tokens={**base, "experts": experts, "router_p": weights[..., 0]})
+        bad = weights.copy()
+        bad[2, 3, 1] = np.inf
+        with pytest.raises(SchemaError, match=r"tokens\['router_p'\] must be finite, got inf at sample_id 2, pos 3"):
+            lg.log_step(1, tokens={**base, "experts": experts, "router_p": bad})
+    written = pq.read_table(S.committed_files(tmp_path / "moe")["tokens"][0])
+    assert written.schema.field("experts").type == pa.list_(pa.field("element", pa.int32(), nullable=False))
+    assert not S.validate_logdir(tmp_path)
+    with tsdb.connect(tmp_path) as db:
+        got = db.sql("select sample_id, pos, experts, router_p[2] as p2 from token_metrics "
+                     "order by sample_id, pos").to_pandas()
+    assert [list(e) for e in got.experts] == experts.reshape(-1, 2).tolist()
+    np.testing.assert_allclose(got.p2, weights[..., 1].reshape(-1))

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-GIVEN = ("token", "sequence", "token_or_sequence", "topk", "logger")
+GIVEN = ("token", "sequence", "token_or_sequence", "topk", "token_list", "logger")
 """How ``log_step`` takes a column: ``(B, T)`` per token, ``(B,)`` per response, either (a ``(B,)`` value is
-broadcast over the response), ``(B, T, K)`` top-K lists, or never (the logger writes it)."""
+broadcast over the response), ``(B, T, K)`` top-K lists (one K for the three top-K columns and the whole run),
+``(B, T, L)`` a list per token of any other length (e.g. a MoE layer's routed experts; ragged: ``(T_i, L)`` per
+response), or never (the logger writes it)."""
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,11 @@ def added_columns() -> dict[str, frozenset[str]]:
 
 EXTRA_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(), "bool": pa.bool_(), "int32": pa.int32(), "int64": pa.int64(),
-    "float32": pa.float32(), "float64": pa.float64(),
+    "float32": pa.float32(), "float64": pa.float64(), "list<int32>": _list(pa.int32()),
+    "list<float32>": _list(pa.float32()),
 }
-"""The types a run's own columns may have (``extra_columns={"env": "string", "tool_latency": "float32"}``)."""
+"""The types a run's own columns may have (``extra_columns={"env": "string", "tool_latency": "float32"}``); a
+list type takes a list per token, ``(B, T, L)``."""
 
 VIEW_COLUMNS = ("source_file", "staleness", "position_bucket", "mu_prob", "old_prob", "pi_prob", "prob_diff",
                 "log_ratio", "ratio", "binary_tv", "binary_kl", "advantage_sign", "mu_bucket", "entropy_bucket",
@@ -257,6 +261,7 @@ _EXTRA_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 
 
 def _extra_check(t: pa.DataType) -> Check:
+    t = t.value_type if pa.types.is_list(t) else t
     if pa.types.is_string(t):
         return Check("text")
     if pa.types.is_boolean(t):
@@ -285,7 +290,8 @@ def extra_columns(declared: Mapping[str, str] | None) -> tuple[Column, ...]:
         if kind not in EXTRA_TYPES:
             raise ValueError(f"extra_columns[{name!r}]: type {kind!r} is not one of {list(EXTRA_TYPES)}")
         t = EXTRA_TYPES[kind]
-        out.append(Column(name, t, True, f"declared by the run ({kind})", given="token_or_sequence",
+        out.append(Column(name, t, True, f"declared by the run ({kind})",
+                          given="token_list" if pa.types.is_list(t) else "token_or_sequence",
                           check=_extra_check(t), dictionary=pa.types.is_string(t)))
     return tuple(out)
 

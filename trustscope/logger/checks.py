@@ -170,17 +170,18 @@ class _RowChecker:
 
 def _flatten_tokens(
     tokens: Mapping[str, Any], mask: Any, either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
-    text: frozenset[str] = frozenset(),
+    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS),
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """Token columns as flat rows. Returns (columns, row -> sequence index b, row -> pos, lengths (B,)).
 
-    Per-token columns become ``(N,)``, top-K columns ``(N, K)``, per-sequence columns (and the ``either`` columns
-    given ``(B,)``) are broadcast. ``text``: the string columns (kept as object arrays).
+    Per-token columns become ``(N,)``, list columns (``lists``: top-K, a list per token) ``(N, K)``, per-sequence
+    columns (and the ``either`` columns given ``(B,)``) are broadcast. ``text``: the string columns (kept as object
+    arrays).
     """
     if "token_id" not in tokens:
         raise Rejected("tokens['token_id'] is required")
     if mask is None and isinstance(tokens["token_id"], (list, tuple)):
-        return _flatten_ragged(tokens, either, text)
+        return _flatten_ragged(tokens, either, text, lists)
     token_id = _to_numpy(tokens["token_id"], "tokens['token_id']")
     if token_id.ndim != 2:
         raise Rejected(f"tokens['token_id'] must be (B, T) with a mask, or ragged with mask=None; "
@@ -207,7 +208,7 @@ def _flatten_tokens(
     for name, value in tokens.items():
         arr = _to_numpy(value, f"tokens[{name!r}]", name in text)
         label = f"tokens[{name!r}]"
-        if name in S.TOPK_COLUMNS:
+        if name in lists:
             if arr.ndim != 3 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
             flat = arr.reshape(B * T, -1)
@@ -224,8 +225,8 @@ def _flatten_tokens(
 
 
 def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
-                    text: frozenset[str] = frozenset()) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray,
-                                                               np.ndarray]:
+                    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS)
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     seqs = tokens["token_id"]
     B = len(seqs)
     firsts = [_to_numpy(s, f"tokens['token_id'][{i}]") for i, s in enumerate(seqs)]
@@ -249,12 +250,12 @@ def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_P
                             f"got {type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
         parts = [_to_numpy(v, f"{label}[{i}]", name in text) for i, v in enumerate(value)]
         for i, part in enumerate(parts):
-            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in S.TOPK_COLUMNS else part.ndim == 1
+            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in lists else part.ndim == 1
             if part.ndim == 0 or len(part) != lengths[i] or not ndim_ok:
-                want = f"({lengths[i]}, K)" if name in S.TOPK_COLUMNS else f"({lengths[i]},)"
+                want = f"({lengths[i]}, K)" if name in lists else f"({lengths[i]},)"
                 raise Rejected(f"{label}[{i}] has shape {part.shape}, but tokens['token_id'][{i}] has length "
                                 f"{lengths[i]}: expected {want}")
-        if name in S.TOPK_COLUMNS:
+        if name in lists:
             ks = {p.shape[1] for p in parts if p.ndim == 2}
             if len(ks) > 1:
                 raise Rejected(f"{label}: top-K lists of several lengths {sorted(ks)} in one call")
@@ -288,6 +289,7 @@ class InputChecker:
         self.token_inputs = (*TOKEN_INPUTS, *(c.name for c in extra_columns))
         self._either = tuple(c.name for c in self.columns if c.given == "token_or_sequence")
         self._text = frozenset(c.name for c in extra_columns if pa.types.is_string(c.type))
+        self._lists = frozenset(c.name for c in self.columns if c.given in ("topk", "token_list"))
         self.token_fraction, self.seed, self.summaries = token_fraction, seed, summaries
         self.vocab_size = vocab_size
         self._k = topk_k
@@ -322,7 +324,7 @@ class InputChecker:
         if tokens or samples:
             lengths = None
             if tokens:
-                cols, b, t, lengths = _flatten_tokens(tokens, mask, self._either, self._text)
+                cols, b, t, lengths = _flatten_tokens(tokens, mask, self._either, self._text, self._lists)
                 batch.n_generated = len(b)
             n_seq = len(lengths) if lengths is not None else _n_samples(samples)
             sample_ids, defaults = self._sequence_ids(step, new_step, tokens, samples, n_seq)
@@ -576,7 +578,8 @@ def _check_bool(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Colum
 def _check_int(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
                step: int) -> None:
     label = f"tokens[{col.name!r}]"
-    arr = cols[col.name] = _as_int(cols[col.name], label, col.type.to_pandas_dtype())
+    value_type = col.type.value_type if pa.types.is_list(col.type) else col.type
+    arr = cols[col.name] = _as_int(cols[col.name], label, value_type.to_pandas_dtype())
     if col.check.low > -np.inf and not _within(arr, col.check.low, np.inf):
         check.rows(arr >= col.check.low, label, f"must be >= {int(col.check.low)}", arr)
 

@@ -702,7 +702,7 @@ class Writer:
         cols = batch.tokens
         assert cols is not None
         n = batch.n_tokens
-        k = max((cols[name].shape[1] for name in S.TOPK_COLUMNS if name in cols), default=1)
+        k = max((arr.shape[1] for arr in cols.values() if arr.ndim == 2), default=1)  # the longest list column
         max_rows = (2**31 - 1) // max(k, 1) - 1  # list offsets are int32
         if n > max_rows:
             parts = [Batch(batch.step, batch.loss_rule, {c: a[i: i + max_rows] for c, a in cols.items()}, None)
@@ -732,6 +732,8 @@ class Writer:
                 if f.name != "mu_topk_ids" and self.topk_precision == "float16":
                     values = round_mantissa(values, 10)
                 out[f.name] = self._constants.list_array(values, f.type.value_type)
+            elif f.name in cols and pa.types.is_list(f.type):  # a list per token, (N, L)
+                out[f.name] = self._constants.list_array(cols[f.name], f.type.value_type)
             elif f.name in cols:
                 out[f.name] = pa.array(cols[f.name].astype(f.type.to_pandas_dtype(), copy=False))
             else:
