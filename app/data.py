@@ -565,3 +565,15 @@ def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
         return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
     finally:
         cur.close()
+
+
+# ------------------------------------------------------------------------------------------------ by dimension
+
+
+@cached
+def by_dimension(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the mismatch lives, exact over every step (:func:`trustscope.report.by_dimension`): the
+    ``mismatch_by_dimension`` rows (run_id, dimension, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac,
+    ...) and the ``blocked_by_dimension`` rows (run_id, dimension, bucket, bucket_label, rule, n_blocked,
+    n_nonzero_advantage, blocked_frac)."""
+    return report.by_dimension(ours, list(run_ids))

@@ -463,3 +463,39 @@ def test_rules_picker_offers_a_rule_loaded_from_outside_the_repo(monkeypatch, tm
         assert "app_tight_band" in at.multiselect(key="rules_picker").options
     finally:
         losses._REGISTRY.pop("app_tight_band", None)
+
+
+@pytest.fixture(scope="module")
+def async_logdir(tmp_path_factory) -> Path:
+    from async_logs import write_async_logdir
+
+    return write_async_logdir(tmp_path_factory.mktemp("async"))
+
+
+def test_mismatch_where_page(monkeypatch, async_logdir):
+    at = _open(monkeypatch, async_logdir, "mismatch_where")
+    at.selectbox(key="run_picker").set_value("async-lag3").run()
+    at.multiselect(key="mismatch_runs").set_value(["async-lag1", "sync-single-turn"]).run()
+    _ok(at, "Where the mismatch lives")
+    assert [t.label for t in at.tabs] == ["By position", "By turn", "By staleness"]
+    charts = [json.loads(c.proto.spec) for c in _charts(at)]
+    assert len(charts) == 6  # mismatch and ESS, then blocked fractions, for each dimension
+    by_staleness = charts[4]
+    lines = {t["name"] for t in by_staleness["data"]}
+    assert lines == {"async-lag3", "async-lag1"}  # the run without versions says so instead
+    lag3 = next(t for t in by_staleness["data"] if t["name"] == "async-lag3" and t["xaxis"] == "x")
+    assert list(lag3["x"]) == ["0", "1", "2", "3"] and np.all(np.diff(_array(lag3["y"])) > 0)  # grows with staleness
+    infos = [i.value for i in at.info]
+    assert any("sync-single-turn logs no turn" in v for v in infos)
+    assert any("sync-single-turn logs no policy_version" in v for v in infos)
+    tables = [d.value for d in at.dataframe]
+    assert len(tables) == 3 and {"tokens", "position"} - set(tables[0].columns) == {"tokens"}
+    assert tables[0]["run_id"].nunique() == 3  # every run has position buckets
+    rule = at.multiselect(key="mismatch_rules").value[0]
+    assert tables[2][rule].str.contains(r"% \(\d[\d,]* of \d[\d,]*\)").all()  # a count beside every fraction
+
+
+def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "mismatch_where")
+    _ok(at, "Where the mismatch lives")
+    assert not _charts(at) and "no summary dimensions (logged before them" in at.info[0].value

@@ -199,10 +199,11 @@ def test_samples_carry_trl_rewards_and_stable_ids(attached_run):
     assert all(n == 1 for _, n in groups) and len(groups) == 2 * PROMPTS
 
 
-def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
+def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None, tool_at: tuple[int, int] | None = None):
     """A rollout_func that samples with transformers and reports the sampler's log-probs (an engine of its own),
     recording ``(prompt text, completion ids, log-probs)`` in ``seen``; ``nan_at = (row, pos)`` leaves one token unscored
-    (None), as vLLM does for a NaN."""
+    (None), as vLLM does for a NaN; ``tool_at = (start, end)`` marks those completion positions as a tool's result
+    (TRL's ``env_mask`` 0: out of the loss, the model's next turn after it)."""
 
     def rollout(prompts, trainer):
         tok = trainer.processing_class
@@ -212,6 +213,7 @@ def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
         with torch.no_grad():
             for ids in prompt_ids:
                 gen = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=8, temperature=1.0,
+                                     min_new_tokens=0 if tool_at is None else tool_at[1] + 2,
                                      top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
                 seq = gen.sequences[0, len(ids):].tolist()
@@ -224,7 +226,10 @@ def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
             out_lps[nan_at[0]][nan_at[1]] = None
         for ids, seq, lps in zip(prompt_ids, out_ids, out_lps, strict=True):
             seen.append((tok.decode(ids, skip_special_tokens=True), seq, lps))
-        return {"prompt_ids": prompt_ids, "completion_ids": out_ids, "logprobs": out_lps}
+        out = {"prompt_ids": prompt_ids, "completion_ids": out_ids, "logprobs": out_lps}
+        if tool_at is not None:
+            out["env_mask"] = [[int(not tool_at[0] <= i < tool_at[1]) for i in range(len(seq))] for seq in out_ids]
+        return out
 
     return rollout
 
@@ -255,6 +260,20 @@ def test_engine_logprobs_are_mu_and_unscored_tokens_are_masked(toy_model_dir, tm
 
     for prompt, ids, pos, mu in rows:
         assert any(reported(prompt, ids, pos, mu, seq, lps) for p, seq, lps in seen if p == prompt), (prompt, ids)
+
+
+@pytest.mark.slow
+def test_tool_results_split_the_completion_into_turns(toy_model_dir, tmp_path):
+    """With tool calls (TRL's tool_mask), the tool's tokens are left out and each tool result starts a new turn."""
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1, num_iterations=1,
+                           rollout_func=hf_rollout([], tool_at=(2, 4)))
+    ts_trl.attach(trainer, tmp_path / "logs", run_id="tools")
+    trainer.train()
+    rows = read(tmp_path / "logs" / "tools", "select sample_id, list(pos order by pos), list(turn order by pos) "
+                                            "from tokens group by sample_id")
+    assert rows and all(2 not in pos and 3 not in pos for _, pos, _ in rows)
+    assert all(turns == [int(p >= 4) for p in pos] for _, pos, turns in rows)
+    assert any(1 in turns for _, _, turns in rows)
 
 
 @pytest.mark.slow

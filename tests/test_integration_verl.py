@@ -30,6 +30,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from trustscope import db as tdb
 from trustscope import losses as L
 from trustscope import schema as S
+from trustscope.columns import turns_from_mask
 from trustscope.integrations import verl as tv
 from trustscope.logger import TokenLogger, run_status
 
@@ -353,6 +354,18 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
                         "from step_summary where step = 3").to_pandas().iloc[0]
     assert summary["n_tokens"] == len(tokens) and summary["n_samples"] == 8
     assert summary["trainer_blocked_frac"] == pytest.approx(summary["blocked_frac__dppo_binary_tv"])
+
+
+def test_turns_come_from_the_gaps_of_the_response_mask():
+    """A multi-turn agent loop's response mask is False on the tool's tokens: each gap starts a new turn."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0],   # turns 0, 1, 2, then padding
+                         [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],   # single-turn
+                         [0, 1, 1, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # a leading masked token
+    turns = turns_from_mask(mask.numpy())
+    assert turns.dtype == np.int32
+    assert turns[mask.numpy()].tolist() == [0, 0, 1, 1, 2] + [0] * 7 + [0, 0, 1, 1, 1, 1, 1, 1]
+    assert tv.tag_versions([{"min_global_steps": 4}, {"min_global_steps": 6}], 2).tolist() == [5, 7]
+    assert tv.tag_versions([{"status": "success"}], 1) is None and tv.tag_versions(None, 0) is None
 
 
 def test_hook_without_stamp_passes_through(tmp_path):
@@ -701,18 +714,21 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
     try:
         tq.init(cfg.transfer_queue)
+        # an asynchronous step 3: each trajectory started under weights 0, 1 or 2 (verl's numbering)
         meta = tq.kv_batch_put(keys=_v1_keys(batch), partition_id="train", fields=fields,
-                               tags=[{"status": "success"} for _ in range(8)])
+                               tags=[{"status": "success", "min_global_steps": i % 3, "max_global_steps": 2}
+                                     for i in range(8)])
         pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
         group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
                                ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
         trainer = object.__new__(PPOTrainerSync)
-        trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 1, group
-        metrics: dict = {}
+        trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 3, group
+        metrics: dict = {"training/off_policy/evicted_samples": 2.0, "training/num_turns/mean": 1.0}
         with tv.attach(trainer, tmp_path, run_id="v1-run") as run:
             out = trainer._update_actor(meta, metrics)
         assert trainer._update_actor.__func__ is PPOTrainer._update_actor  # restored on close
         assert out is meta and tv.STEP_KEY not in meta.extra_info and tv.SAMPLE_KEY not in meta.fields
+        assert tv.VERSION_KEY not in meta.fields
         stamped = tq.kv_batch_get(keys=meta.keys, partition_id="train", select_fields=[tv.SAMPLE_KEY])
     finally:
         tq.close()
@@ -740,6 +756,11 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     logged = dict(zip(steps["name"], steps["value"], strict=True))
     assert logged["actor/pg_clipfrac"] == pytest.approx(metrics["actor/pg_clipfrac"])
     assert not tokens["kept"].all()
+    # each response's version from its trajectory's first weights: staleness = verl's trajectory_staleness_worst
+    assert (tokens["policy_version"] == tokens["sample_id"] % 3 + 1).all()
+    assert (tokens["step"] - tokens["policy_version"] == 2 - tokens["sample_id"] % 3).all()
+    assert (tokens["turn"] == 0).all()  # single-turn responses: no gap in the response mask
+    assert logged["training/off_policy/evicted_samples"] == 2.0 and "training/num_turns/mean" not in logged
     # the step's summaries over both actors' tokens, in the metrics the V1 trainer hands its trackers
     assert metrics["trustscope/tokens/total"] == len(tokens)
     manifest = json.loads((run_dir / "run.json").read_text())

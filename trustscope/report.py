@@ -500,12 +500,94 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     return Group(*parts)
 
 
+# ------------------------------------------------------------------------------------------------ by dimension
+
+DIMENSION_ABSENT = {
+    "position": "has no summary dimensions (logged before them, or with summaries=False)",
+    "turn": "logs no turn (a single-turn run, or tokens logged without `turn`)",
+    "staleness": "logs no policy_version (a synchronous run, or tokens logged without it)",
+}
+"""What a run without a dimension's rows lacks, said in a sentence where its chart or table would be."""
+
+
+def by_dimension(db: LogDB, run_ids: list[str] | None = None, first_step: int | None = None,
+                 last_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the mismatch lives, exact from the summaries' dimension rows over the steps taken together: the
+    ``mismatch_by_dimension`` rows (per run, dimension, bucket: tokens, mean |pi - mu|, ESS fraction, bad
+    negative updates) and the ``blocked_by_dimension`` rows (per run, dimension, bucket, rule: n_blocked of the
+    A != 0 tokens)."""
+    params = {"run_ids": run_ids, "first_step": first_step, "last_step": last_step}
+    return db.query("mismatch_by_dimension", **params), db.query("blocked_by_dimension", **params)
+
+
+def lacking(mismatch: pd.DataFrame, dimension: str, run_ids: list[str]) -> list[str]:
+    """The runs of ``run_ids`` without rows of ``dimension`` in ``mismatch`` (:func:`by_dimension`'s first frame)."""
+    have = set(mismatch.loc[mismatch["dimension"] == dimension, "run_id"])
+    return [r for r in run_ids if r not in have]
+
+
+def absent_sentence(dimension: str, runs: list[str]) -> str:
+    """One sentence saying that ``runs`` have no ``dimension`` rows, and why that usually is."""
+    if not runs:
+        return ""
+    who = f"Run {runs[0]}" if len(runs) == 1 else "Runs " + ", ".join(runs)
+    what = DIMENSION_ABSENT.get(dimension, f"has no {dimension} rows")
+    if len(runs) > 1:
+        what = what.replace("has ", "have ", 1).replace("logs ", "log ", 1)
+    return f"{who} {what}: nothing to split by {dimension}."
+
+
+def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
+                      applied: dict[str, str | None]) -> Group:
+    """The terminal tables of :func:`by_dimension`: per dimension, one row per (run, bucket) with its tokens,
+    mean |pi - mu|, ESS fraction and what the run's own rule blocks (count of the A != 0 tokens and fraction);
+    a sentence for the runs without the dimension."""
+    from trustscope.columns import DIMENSIONS
+
+    parts: list = []
+    for dim in DIMENSIONS:
+        rows = mismatch[mismatch["dimension"] == dim.name].sort_values(["run_id", "bucket"])
+        missing = lacking(mismatch, dim.name, run_ids)
+        if rows.empty:
+            parts.append(Text(f"By {dim.name}: {absent_sentence(dim.name, missing)}", style="italic"))
+            continue
+        table = Table(title=f"Where the mismatch lives: by {dim.name} (every step, every token)", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                      caption=absent_sentence(dim.name, missing) or None)
+        for col in ("run", dim.name, "tokens", "|pi-mu|", "ESS", "own rule blocks"):
+            table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+        own = blocked[(blocked["dimension"] == dim.name)]
+        own = own[own["rule"] == own["run_id"].map(applied)].set_index(["run_id", "bucket"])
+        for row in rows.itertuples():
+            key = (row.run_id, row.bucket)
+            block = "-"
+            if key in own.index:
+                b = own.loc[key]
+                block = f"{int(b.n_blocked):,} of {int(b.n_nonzero_advantage):,} ({_fmt(b.blocked_frac, '.2%')})"
+            table.add_row(str(row.run_id), str(row.bucket_label), f"{int(row.n_tokens):,}",
+                          _fmt(row.mismatch_mean, ".4f"), _fmt(row.ess_frac, ".1%"), block)
+        parts.append(table)
+    return Group(*parts)
+
+
 def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
                  lines: WarningLines | None = None) -> list[RunReport]:
-    """Print the terminal summary; return the reports."""
+    """Print the terminal summary (and where the mismatch lives, for runs with summary dimensions); return the
+    reports."""
     reports = build(db, lines)
-    (console or Console()).print(render(reports, broken))
+    console = console or Console()
+    console.print(render(reports, broken))
+    if reports:
+        console.print(_dimension_part(db, reports))
     return reports
+
+
+def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
+    mismatch, blocked = by_dimension(db, [r.run_id for r in reports])
+    if mismatch.empty:
+        return Group(Text("Where the mismatch lives: no run has summary dimensions (position, turn, staleness); "
+                          "they are logged since summaries table version 2.", style="italic"))
+    return render_dimensions(mismatch, blocked, [r.run_id for r in reports], {r.run_id: r.loss_rule for r in reports})
 
 
 # ------------------------------------------------------------------------------------------------ html
@@ -578,6 +660,28 @@ def figures_for(db: LogDB, overview: Overview | None = None) -> list[tuple[str, 
         if not agg.empty:
             out.append(("Tokens the PPO clip blocks at the highest rate", "Over the logged token rows of every "
                         "run, tokens seen at least 5 times; the bar label is blocked of seen.", figures.clipped_tokens(agg, "ppo_clip")))
+    out += dimension_figures(db, table["run_id"].tolist())
+    return out
+
+
+def dimension_figures(db: LogDB, run_ids: list[str]) -> list[tuple[str, str, object]]:
+    """The report's figures of where the mismatch lives: per summary dimension some run has, mean |pi - mu| and
+    ESS, then each rule's blocked fraction, by bucket, one line per run (exact, every step)."""
+    from trustscope import figures
+    from trustscope.columns import DIMENSIONS
+
+    mismatch, blocked = by_dimension(db, run_ids)
+    out: list[tuple[str, str, object]] = []
+    for dim in DIMENSIONS:
+        rows = mismatch[mismatch["dimension"] == dim.name]
+        if rows.empty:
+            continue
+        absent = absent_sentence(dim.name, lacking(mismatch, dim.name, run_ids))
+        out.append((f"Mismatch and ESS by {dim.name}", f"Exact over every token of every step ({dim.doc}); hover for "
+                    f"the token counts. {absent}", figures.mismatch_by_dimension(rows, dim.name)))
+        out.append((f"What each rule blocks by {dim.name}", "Blocked tokens over the bucket's tokens with A != 0; "
+                    f"hover for the counts. {absent}",
+                    figures.blocked_by_dimension(blocked[blocked["dimension"] == dim.name], dim.name)))
     return out
 
 
@@ -594,6 +698,8 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     reports = build(db, lines, overview)
     console = Console(record=True, width=110, file=io.StringIO())
     console.print(render(reports, broken))
+    if reports:
+        console.print(_dimension_part(db, reports))
     summary_html = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
     blocks = []
     for i, (title, caption, fig) in enumerate(figures_for(db, overview)):

@@ -24,8 +24,8 @@ replace, never both, never neither.
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
 
-Nullable columns (``nullable=True`` below) may hold nulls; every other column must not. Every file carries
-``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
+Nullable columns (declared in :mod:`trustscope.columns`) may hold nulls; every other column must not. Every file
+carries ``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trustscope import columns as C
+
 SCHEMA_VERSION = 1
 """Version of the tables below; written into every run manifest and every file. Bump on any change."""
 
@@ -62,34 +64,8 @@ LOGPROB_TOLERANCE = 1e-5
 
 STATUSES = ("running", "finished", "crashed")
 
-TOKENS = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("sample_id", pa.int64(), nullable=False),
-        pa.field("prompt_id", pa.int64(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token_id", pa.int32(), nullable=False),
-        pa.field("mu_logprob", pa.float32(), nullable=False),
-        pa.field("old_logprob", pa.float32(), nullable=True),
-        pa.field("pi_logprob", pa.float32(), nullable=False),
-        pa.field("advantage", pa.float32(), nullable=False),
-        pa.field("entropy", pa.float32(), nullable=True),
-        # Null when the run logs no top-K (TokenLogger(log_topk=False)); the manifest says so.
-        pa.field("mu_topk_ids", pa.list_(pa.field("element", pa.int32(), nullable=False)), nullable=True),
-        pa.field("mu_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
-        pa.field("pi_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
-        pa.field("topk_tv", pa.float32(), nullable=True),
-        pa.field("topk_kl", pa.float32(), nullable=True),
-        pa.field("kept", pa.bool_(), nullable=False),
-        pa.field("loss_rule", pa.string(), nullable=False),
-        # Written by the logger, never given: bit i set when rule i of the file's footer list (BLOCKED_RULES_META)
-        # blocks the token at the parameters listed there. Null where the logger computed no summaries.
-        pa.field("blocked_rules", pa.int64(), nullable=True),
-    ]
-)
-"""One row per logged response token."""
+TOKENS = C.arrow_schema(C.TOKEN_COLUMNS)
+"""One row per logged response token (declared in :data:`trustscope.columns.TOKEN_COLUMNS`)."""
 
 BLOCKED_RULES_META = "trustscope.blocked_rules"
 """Footer key of a tokens file whose ``blocked_rules`` the logger computed: a JSON list of ``[rule, parameters]``,
@@ -97,72 +73,27 @@ bit i of ``blocked_rules`` standing for entry i (at most :data:`MAX_BLOCKED_RULE
 MAX_BLOCKED_RULES = 63
 """Rules one ``blocked_rules`` value can hold (int64, the sign bit left unused)."""
 
-SAMPLES = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("sample_id", pa.int64(), nullable=False),
-        pa.field("prompt_id", pa.int64(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=True),
-        pa.field("response", pa.string(), nullable=True),
-        pa.field("reward", pa.float32(), nullable=True),
-        pa.field("advantage", pa.float32(), nullable=True),
-        pa.field("length", pa.int32(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=True),
-    ]
-)
+SAMPLES = C.arrow_schema(C.SAMPLE_COLUMNS)
 """One row per response (every response of the step, also when only a fraction of its tokens is logged)."""
 
-STEPS = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("name", pa.string(), nullable=False),
-        pa.field("value", pa.float64(), nullable=True),
-    ]
-)
+STEPS = C.arrow_schema(C.STEP_COLUMNS)
 """Long-form scalars: reward, loss, lr, timings, grad norm, ... (NaN and inf are kept: a NaN loss is news)."""
 
-SUMMARIES = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("part", pa.int32(), nullable=False),  # the first log_step call of (step, rank) merged here: 0, ...
-        pa.field("metric", pa.string(), nullable=False),
-        pa.field("rule", pa.string(), nullable=True),  # metric 'blocked': the loss rule
-        pa.field("advantage_sign", pa.string(), nullable=True),  # positive / negative / zero
-        pa.field("mu_low", pa.float64(), nullable=True),  # lower edge of the mu bucket (sql macro mu_bucket)
-        pa.field("bin_low", pa.float64(), nullable=True),  # histogram rows: the bin [bin_low, bin_high)
-        pa.field("bin_high", pa.float64(), nullable=True),
-        pa.field("threshold", pa.float64(), nullable=True),  # metric 'bad_negative': the delta used
-        pa.field("count", pa.int64(), nullable=False),
-        pa.field("sum", pa.float64(), nullable=True),
-        pa.field("sum_sq", pa.float64(), nullable=True),
-        pa.field("min", pa.float64(), nullable=True),
-        pa.field("max", pa.float64(), nullable=True),
-    ]
-)
+SUMMARIES = C.arrow_schema(C.SUMMARY_COLUMNS)
 """Exact per-step aggregates over every token handed to ``log_step`` (whatever ``token_fraction`` keeps), one row
-per (step, metric, group) and flush, the step's calls merged by the writer; see :mod:`trustscope.logger.summaries`. Mergeable: sum counts and sums, min/max the
-extremes over parts and ranks (the ``summaries`` view does)."""
+per (step, metric, group) and flush, the step's calls merged by the writer; see :mod:`trustscope.logger.summaries`.
+Mergeable: sum counts and sums, min/max the extremes over parts and ranks (the ``summaries`` view does)."""
 
-TABLE_VERSIONS: dict[str, int] = {"summaries": 1, "tokens": 2}
+TABLE_VERSIONS: dict[str, int] = C.table_versions()
 """Version of a table changed after :data:`SCHEMA_VERSION`'s set, in its files' metadata
-(``trustscope.table_version``); bump on any change of that table. Files written before have no such key (tokens
-version 2 added ``blocked_rules``)."""
+(``trustscope.table_version``): the highest ``since`` of its columns. Files written before have an older version or
+no such key (tokens version 2 added ``blocked_rules``, 3 ``policy_version``, ``turn`` and ``engine_token_id``;
+summaries version 2 ``dimension`` and ``bucket``)."""
 
-ADDED_COLUMNS: dict[str, frozenset[str]] = {"tokens": frozenset({"blocked_rules"})}
+ADDED_COLUMNS: dict[str, frozenset[str]] = C.added_columns()
 """Nullable columns added by a table version: files written before lack them, and readers see nulls there."""
 
-VOCAB = pa.schema(
-    [
-        pa.field("token_id", pa.int32(), nullable=False),
-        pa.field("text", pa.string(), nullable=True),
-    ]
-)
+VOCAB = C.arrow_schema(C.VOCAB_COLUMNS)
 """Token id -> decoded text, so statistics can name tokens."""
 
 SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS, "samples": SAMPLES, "steps": STEPS, "summaries": SUMMARIES,
@@ -172,7 +103,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "tokens": ("run_id", "step", "sample_id", "pos"),
     "samples": ("run_id", "step", "sample_id"),
     "steps": ("run_id", "step", "rank", "name"),
-    "summaries": ("run_id", "step", "rank", "part", "metric", "rule", "advantage_sign", "mu_low", "bin_low"),
+    "summaries": ("run_id", "step", "rank", "part", "metric", "rule", "advantage_sign", "mu_low", "bin_low",
+                  "dimension", "bucket"),
     "vocab": ("token_id",),
 }
 """Columns that together are unique in each table (over all files and ranks of a run)."""
@@ -218,20 +150,19 @@ def _leaf(name: str) -> str:
     return f"{name}.list.element"
 
 
-WRITE_OPTIONS: dict[str, WriteOptions] = {
-    "tokens": WriteOptions(
-        dictionary=("run_id", "loss_rule"),
-        byte_stream_split=(
-            "mu_logprob", "old_logprob", "pi_logprob", "advantage", "entropy", "topk_tv", "topk_kl",
-            _leaf("mu_topk_ids"), _leaf("mu_topk_logprobs"), _leaf("pi_topk_logprobs"),
-        ),
-        statistics=tuple(n for n in TOKENS.names if n not in TOPK_COLUMNS),
-    ),
-    "samples": WriteOptions(dictionary=("run_id", "finish_reason"), byte_stream_split=("reward", "advantage")),
-    "steps": WriteOptions(dictionary=("run_id", "name"), byte_stream_split=()),
-    "summaries": WriteOptions(dictionary=("run_id", "metric", "rule", "advantage_sign"), byte_stream_split=()),
-    "vocab": WriteOptions(dictionary=(), byte_stream_split=()),
-}
+def _write_options(table: str) -> WriteOptions:
+    """A table's Parquet settings from its columns' declarations (:mod:`trustscope.columns`): dictionary encoding
+    where declared, BYTE_STREAM_SPLIT on the float columns (and the top-K lists' values) of ``tokens``, statistics
+    where declared (None: on every column)."""
+    cols = C.TABLE_COLUMNS[table]
+    split = {"tokens": tuple(c.name if not pa.types.is_list(c.type) else _leaf(c.name) for c in cols if c.is_float),
+             "samples": tuple(c.name for c in cols if c.is_float)}.get(table, ())
+    stats = tuple(c.name for c in cols if c.statistics)
+    return WriteOptions(dictionary=tuple(c.name for c in cols if c.dictionary), byte_stream_split=split,
+                        statistics=None if len(stats) == len(cols) else stats)
+
+
+WRITE_OPTIONS: dict[str, WriteOptions] = {table: _write_options(table) for table in C.TABLE_COLUMNS}
 
 
 def with_metadata(table: str, schema: pa.Schema | None = None) -> pa.Schema:
@@ -510,9 +441,12 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-def schema_problems(table: str, schema: pa.Schema) -> list[str]:
-    """Differences between ``schema`` and table ``table``'s schema: missing, extra, mistyped columns."""
+def schema_problems(table: str, schema: pa.Schema, extra: tuple[C.Column, ...] = ()) -> list[str]:
+    """Differences between ``schema`` and table ``table``'s schema (with the run's own columns ``extra``, see
+    :func:`run_extra_columns`): missing, extra, mistyped columns."""
     expected = SCHEMAS[table]
+    if extra:
+        expected = pa.schema([*expected, *(c.field for c in extra)])
     problems = []
     for field in expected:
         idx = schema.get_field_index(field.name)
@@ -533,9 +467,10 @@ def schema_problems(table: str, schema: pa.Schema) -> list[str]:
         if version is not None and version.decode() != str(SCHEMA_VERSION):
             problems.append(f"schema_version {version.decode()!r} in file metadata, expected {SCHEMA_VERSION}")
         table_version = schema.metadata.get(b"trustscope.table_version")
-        if table in TABLE_VERSIONS and table_version is not None and table_version.decode() != str(TABLE_VERSIONS[table]):
+        if table in TABLE_VERSIONS and table_version is not None and not (
+                table_version.decode().isdigit() and int(table_version.decode()) <= TABLE_VERSIONS[table]):
             problems.append(f"table_version {table_version.decode()!r} of table {table!r} in file metadata, "
-                            f"expected {TABLE_VERSIONS[table]}")
+                            f"expected at most {TABLE_VERSIONS[table]}")
     return problems
 
 
@@ -548,7 +483,8 @@ def _same_list_type(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 def value_problems(table: str, data: pa.Table) -> list[str]:
-    """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists."""
+    """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists, values
+    outside their column's declared check (:mod:`trustscope.columns`)."""
     import pyarrow.compute as pc
 
     schema = SCHEMAS[table]
@@ -558,12 +494,22 @@ def value_problems(table: str, data: pa.Table) -> list[str]:
             problems.append(f"column {field.name!r} has {data.column(field.name).null_count} null(s)")
     if table != "tokens":
         return problems
-    for name in LOGPROB_COLUMNS:
-        if name in data.column_names:
-            problems += _logprob_problems(name, data.column(name))
-    for name in TOPK_LOGPROB_COLUMNS:
-        if name in data.column_names:
-            problems += _logprob_problems(name, pc.list_flatten(data.column(name)))
+    for col in C.TOKEN_COLUMNS:
+        if col.check is None or col.name not in data.column_names:
+            continue
+        values = data.column(col.name)
+        if pa.types.is_list(col.type):
+            values = pc.list_flatten(values)
+        if col.check.kind == "logprob":
+            problems += _logprob_problems(col.name, values)
+        elif col.check.kind == "version" and "step" in data.column_names:
+            bad = _count(pc.or_(pc.less(values, 0), pc.greater(values, data.column("step"))))
+            if bad:
+                problems.append(f"column {col.name!r} has {bad} value(s) below 0 or above the row's step")
+        elif col.check.kind == "turn":
+            bad = _count(pc.less(values, 0))
+            if bad:
+                problems.append(f"column {col.name!r} has {bad} negative value(s)")
     lengths = {
         name: pc.list_value_length(data.column(name)) for name in TOPK_COLUMNS if name in data.column_names
     }
@@ -633,15 +579,29 @@ def manifest_problems(manifest: dict, run_dir: Path) -> list[str]:
     return problems
 
 
-def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str]:
-    """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id."""
+def run_extra_columns(manifest: dict) -> tuple[C.Column, ...]:
+    """The run's own per-token columns its manifest declares (``logging.extra_columns``, see
+    :func:`trustscope.columns.extra_columns`); none for a manifest without them or with a declaration this
+    trustscope cannot read."""
+    logging_info = manifest.get("logging") if isinstance(manifest, dict) else None
+    declared = logging_info.get("extra_columns") if isinstance(logging_info, dict) else None
+    try:
+        return C.extra_columns(declared or None)
+    except ValueError:
+        return ()
+
+
+def validate_file(path: Path, table: str, run_id: str | None = None,
+                  extra: tuple[C.Column, ...] = ()) -> list[str]:
+    """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id.
+    ``extra``: the run's own tokens columns (:func:`run_extra_columns`)."""
     import pyarrow.compute as pc
 
     try:
         data = pq.ParquetFile(path).read()  # not read_table: its dataset layer imports pandas
     except Exception as err:  # any reader error means the file is not usable Parquet
         return [f"not readable as Parquet ({type(err).__name__}: {err})"]
-    problems = schema_problems(table, data.schema)
+    problems = schema_problems(table, data.schema, extra)
     present = [f.name for f in SCHEMAS[table] if f.name in data.column_names]
     problems += value_problems(table, data.select(present))
     if run_id is not None and "run_id" in data.column_names:
@@ -663,6 +623,10 @@ def _key_problems(table: str, files: list[Path]) -> list[str]:
             part = pq.ParquetFile(path).read(columns=read_cols)
         except Exception:  # reported by validate_file already
             continue
+        for name in read_cols:  # a key column added by a later table version: null in older files
+            if name not in part.column_names and name in ADDED_COLUMNS.get(table, ()):
+                part = part.append_column(SCHEMAS[table].field(name), pa.nulls(part.num_rows,
+                                                                               SCHEMAS[table].field(name).type))
         parts.append(part.select(read_cols))
     if not parts:
         return []
@@ -744,9 +708,11 @@ def validate_run(run_dir: Path) -> list[Problem]:
     run_dir = Path(run_dir)
     problems: list[Problem] = []
     manifest_path = run_dir / MANIFEST
+    extra: tuple[C.Column, ...] = ()
     try:
         manifest = read_manifest(run_dir)
         problems += [Problem(manifest_path, m) for m in manifest_problems(manifest, run_dir)]
+        extra = run_extra_columns(manifest)
     except SchemaError as err:
         problems.append(Problem(manifest_path, str(err).removeprefix(f"{manifest_path}: ")))
     for path in sorted((run_dir / RANKS_DIR).glob("rank*.json")):
@@ -763,7 +729,8 @@ def validate_run(run_dir: Path) -> list[Problem]:
     for table in TABLES:
         files = visible[table]
         for path in files:
-            problems += [Problem(path, m) for m in validate_file(path, table, run_id)]
+            own = extra if table == "tokens" else ()
+            problems += [Problem(path, m) for m in validate_file(path, table, run_id, own)]
         problems += [Problem(run_dir / table, m) for m in _key_problems(table, files)]
     problems += _row_count_problems(run_dir, visible)
     problems += _compaction_problems(run_dir)

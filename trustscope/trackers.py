@@ -86,6 +86,8 @@ def step_metrics(rows: Iterable[Mapping[str, Any]], step: int | None = None,
     """
     by_metric: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:
+        if row.get("dimension") is not None:  # the summary dimensions' rows split the same tokens again
+            continue
         name = row.get("metric")
         if not isinstance(name, str) or not name:
             raise ValueError(f"a summaries row needs a metric name, got metric={name!r} in {dict(row)!r}")

@@ -69,6 +69,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings
 
 from trustscope.alerts import Alerts, check_webhook_url
 from trustscope.capture import capture, top_k
+from trustscope.columns import turns_from_mask
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
 from trustscope.trackers import LiveTrackerAlerts, StepReporter
@@ -528,6 +529,8 @@ class Attachment:
             tokens["entropy"] = entropy
         if old is not None:
             tokens["old_logprob"] = torch.nan_to_num(old)
+        if "tool_mask" in inputs:  # tool calls: each tool result (0 in tool_mask) starts the model's next turn
+            tokens["turn"] = turns_from_mask(inputs["tool_mask"].bool().cpu().numpy())
         if _TOPK_IDS in inputs:
             mu_ids, mu_lps = force_sampled_into_topk(inputs[_TOPK_IDS], inputs[_TOPK_LOGPROBS], completion.long(),
                                                      mu.float())

@@ -55,6 +55,13 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   actor update the run is cut back, on every rank, to the step before ``trainer.global_steps`` (the checkpoint
   verl restored), so the steps a crash logged past the checkpoint are logged once (:meth:`VerlLogging.resume_at`).
 
+Asynchronous and multi-turn runs: each token's ``turn`` is read off the response mask (verl's agent loop masks
+the tool's and environment's tokens out: a new model turn starts after each gap, :func:`trustscope.columns.turns_from_mask`). On the
+V1 trainer each response's ``policy_version`` is the weight version it started under, from the trajectory's
+``min_global_steps`` tag (+ 1: verl's weights at ``global_steps`` s are version s - 1), so ``staleness`` reads as
+verl's ``training/off_policy/trajectory_staleness_worst``; verl keeps a trajectory's first and last version, not
+each token's. verl's own ``training/off_policy/*`` metrics at the actor update are kept as ``steps`` scalars.
+
 The log directory must be reachable from every worker (a shared filesystem on several nodes). Sequence or tensor
 parallelism (several ranks on one micro-batch) is refused: the ranks would log the same rows.
 """
@@ -88,6 +95,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [verl] extra bring
     missing(exc, "trustscope.integrations.verl", extra="verl")
 
 from trustscope import losses as L
+from trustscope.columns import turns_from_mask
 from trustscope.logger import TokenLogger
 
 SUPPORTED_VERSION = "0.9.1"
@@ -98,6 +106,10 @@ STEP_KEY = "trustscope_step"
 BATCH_SIZE_KEY = "trustscope_batch_size"
 SAMPLE_KEY = "trustscope_sample_id"
 PROMPT_KEY = "trustscope_prompt_id"
+VERSION_KEY = "trustscope_policy_version"
+KEPT_SCALARS = ("actor/", "training/off_policy/")
+"""The V1 trainer's step metrics kept as ``steps`` scalars at the actor update: verl's actor metrics and its own
+off-policy (staleness, evicted samples) figures."""
 _TOPK_FIELDS = frozenset({"mu_topk_logprobs", "pi_topk_logprobs"})
 
 
@@ -319,6 +331,17 @@ def _id_rows(ids: Tensor, mask: Tensor) -> list[Any]:
     return [row[m] for row, m in zip(ids_np, mask_np, strict=True)]
 
 
+def tag_versions(tags: Any, n: int) -> Tensor | None:
+    """``(B,)`` int64 ``policy_version`` of each response from verl V1's trajectory tags: ``min_global_steps``
+    (the weights it started under) + 1, in trustscope's (and verl's) step numbering; None when the tags lack it."""
+    if not tags or len(tags) != n:
+        return None
+    firsts = [tag.get("min_global_steps") if isinstance(tag, Mapping) else None for tag in tags]
+    if any(not isinstance(v, numbers.Integral) for v in firsts):
+        return None
+    return torch.tensor([int(v) + 1 for v in firsts], dtype=torch.int64)
+
+
 def log_driver_batch(logger: TokenLogger, batch: Any, step: int, tokenizer: Any = None) -> None:
     """Stamp the sample and prompt ids and the step into verl ``DataProto`` ``batch``; log one ``samples`` row each.
 
@@ -449,8 +472,7 @@ class ActorLogHook:
         if missing:
             raise KeyError(f"verl micro-batch of step {step} has no {missing}; the driver stamps {SAMPLE_KEY} and "
                            f"{PROMPT_KEY} (trustscope.integrations.verl.attach)")
-        if "rollout_log_probs" in data:
-            fields.append("rollout_log_probs")
+        fields += [f for f in ("rollout_log_probs", VERSION_KEY) if f in data]
         cols = data.select(*fields).to_padded_tensor()
         call = _ActorCall(mu=cols.get("rollout_log_probs", None))
         token = _ACTOR_CALL.set(call)
@@ -485,7 +507,10 @@ class ActorLogHook:
             "kept": self._kept(keep, pi, old, cols["advantages"], mask),
             "sample_id": sample_id.to(idx.device),
             "prompt_id": cols[PROMPT_KEY],
+            "turn": torch.from_numpy(turns_from_mask(mask.cpu().numpy())).to(idx.device),
         }
+        if VERSION_KEY in cols:
+            columns["policy_version"] = cols[VERSION_KEY]
         if self.log_old_logprob:
             columns["old_logprob"] = old
         entropy = model_output.get("entropy", None)
@@ -779,10 +804,14 @@ class VerlV1Logging(VerlLogging):
             self.resume_at(step)
         view = read_v1_batch(batch)
         log_driver_batch(self.logger, view, step, getattr(self.trainer, "tokenizer", None))
-        stamps = TensorDict({k: view.batch[k] for k in (SAMPLE_KEY, PROMPT_KEY)}, batch_size=[len(batch.keys)])
+        versions = tag_versions(getattr(batch, "tags", None), len(batch.keys))
+        if versions is not None:
+            view.batch[VERSION_KEY] = versions
+        keys = [k for k in (SAMPLE_KEY, PROMPT_KEY, VERSION_KEY) if k in view.batch]
+        stamps = TensorDict({k: view.batch[k] for k in keys}, batch_size=[len(batch.keys)])
         tq.kv_batch_put(keys=list(batch.keys), partition_id=batch.partition_id, fields=stamps)
         fields = list(batch.fields or [])
-        batch.fields = fields + [k for k in (SAMPLE_KEY, PROMPT_KEY) if k not in fields]
+        batch.fields = fields + [k for k in keys if k not in fields]
         batch.extra_info.update(view.meta_info)
         try:
             output = self._update_actor(batch, metrics)
@@ -790,7 +819,7 @@ class VerlV1Logging(VerlLogging):
             batch.fields = fields
             for key in (STEP_KEY, BATCH_SIZE_KEY):
                 batch.extra_info.pop(key, None)
-        scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith("actor/")}
+        scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith(KEPT_SCALARS)}
         if scalars:
             self.logger.log_step(step, scalars=scalars)
         self.logger.commit_step()

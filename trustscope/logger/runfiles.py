@@ -301,6 +301,10 @@ class RunFiles:
                 raise SchemaError(f"{self.path}: schema_version {old.get('schema_version')!r}; this trustscope "
                                   f"writes {S.SCHEMA_VERSION} and cannot append to it")
             topk_k = old.get("logging", {}).get("topk_k")
+            declared = (old.get("logging") or {}).get("extra_columns") or {}
+            if declared != (logging_info.get("extra_columns") or {}):
+                raise SchemaError(f"{self.path}: extra_columns {logging_info.get('extra_columns') or {}} differ from "
+                                  f"the run's {declared}: a run's own columns and their types are declared once")
             self.prior_lost = old.get("lost")
             if self.store.remote:  # the earlier sessions' store failures stay counted
                 self.store.faults.add_prior(old.get("storage_faults"))

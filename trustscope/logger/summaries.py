@@ -30,6 +30,11 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   ``abs_seq_log_ratio`` with its histogram, for the tails. A response is one call's rows of its ``sample_id``: the
   trainer hands each response whole to one call, so the per-response figures are exact.
 
+Every metric above but the per-response ones (``seq_*``) is held once more per bucket of each summary dimension
+(:data:`trustscope.columns.DIMENSIONS`: position bucket, turn, staleness = step - policy_version), each on its own
+and never crossed with the mu bucket: rows with ``dimension`` and ``bucket`` set (:func:`dimension_rows`). A call
+without a dimension's columns (no ``turn``, no ``policy_version``) has no rows of it.
+
 The mu buckets are those of the SQL macro ``mu_bucket`` (``sql/macros/mu_bucket.sql``), whose edges are read from
 that file: one definition. A bucket is stored as its lower edge (``mu_low``), which the view labels with the macro.
 """
@@ -129,7 +134,8 @@ def blocked_rule_list() -> list[tuple[str, dict]]:
     return [(rule.name, dict(rule.defaults)) for rule in rules[: S.MAX_BLOCKED_RULES]]
 
 
-def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
+def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None
+                   ) -> list[dict]:
     """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
     lists are there and the divergences are not (computed once, for every row, and written with the rows), and
     ``blocked_rules`` when ``bit_rules`` names rules (see :func:`summarize`)."""
@@ -137,16 +143,18 @@ def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ())
         tv, kl = topk_divergences_np(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
         cols.setdefault("topk_tv", tv)
         cols.setdefault("topk_kl", kl)
-    return summarize(cols, bit_rules)
+    return summarize(cols, bit_rules, step)
 
 
-def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
+def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
     The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`). With ``bit_rules``, the same
     masks also go into ``cols["blocked_rules"]`` ``(N,)`` int64: bit i set when ``bit_rules[i]`` blocks the row
     (a rule whose inputs the call lacks blocks nothing, as in the SQL views). The kept aggregates' first pass
     reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`).
+
+    ``step``: the call's step, which the ``staleness`` dimension reads (None: no staleness rows).
 
     Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
     """
@@ -198,10 +206,12 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> l
         masks = keep_masks(batch, rules_with_inputs(batch, given), given=given)
     bit_of = {name: i for i, name in enumerate(bit_rules)}
     bits = np.zeros(n, dtype=np.int64) if bit_rules else None  # (N,)
+    blocked_by: dict[str, np.ndarray] = {}  # rule -> (N,) blocked A != 0 tokens, for the dimension rows
     for name, keep in masks.items():  # inputs checked finite already
         blocked = ~keep.numpy().reshape(-1)  # (B * T,)
         blocked = blocked if dense else blocked[flat]  # (N,)
         rows += _grouped("blocked", group, blocked & signed, 2, rule=name)
+        blocked_by[name] = blocked & signed
         if bits is not None and name in bit_of:
             bits |= blocked.astype(np.int64) << bit_of[name]
     if bits is not None:
@@ -218,4 +228,59 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> l
             rows += [_moments(name, cols[name]), *_hist(name, cols[name])]
     if "entropy" in cols:
         rows.append(_moments("entropy", cols["entropy"]))
+    rows += dimension_rows(cols, step, sign, diff, blocked_by, delta)
+    return rows
+
+
+def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarray, diff: np.ndarray,
+                   blocked_by: dict[str, np.ndarray], delta: float) -> list[dict]:
+    """The rows of every summary dimension (:data:`trustscope.columns.DIMENSIONS`) whose columns the call has:
+    per bucket, each on its own (never crossed with the mu bucket), the same metrics as the grouped rows above:
+    ``tokens`` and ``trainer_blocked`` per advantage sign, ``blocked`` per rule and sign (A != 0), ``bad_negative``,
+    the moments of ``prob_diff``, ``abs_prob_diff``, ``is_weight``, ``log_ratio`` (and ``topk_tv``, ``topk_kl``,
+    ``entropy`` when given) and the histograms of ``abs_prob_diff`` (and ``topk_tv``, ``topk_kl``). The
+    per-response figures (``seq_*``) have no dimension rows: a response spans positions, turns and versions.
+
+    ``sign`` ``(N,)`` indexes :data:`SIGNS`; ``diff`` ``(N,)`` is pi - mu; ``blocked_by`` rule -> ``(N,)`` the
+    A != 0 tokens it blocks."""
+    from trustscope.columns import DIMENSIONS
+
+    log_ratio = cols["pi_logprob"].astype(np.float64) - cols["mu_logprob"].astype(np.float64)  # (N,)
+    values = {"prob_diff": diff, "abs_prob_diff": np.abs(diff), "is_weight": np.exp(log_ratio),
+              "log_ratio": log_ratio}
+    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy") if name in cols})
+    hists = [name for name in ("abs_prob_diff", "topk_tv", "topk_kl") if name in values]
+    bad = (cols["advantage"] < 0) & (-diff >= delta)  # (N,)
+    rows: list[dict] = []
+    for dim in DIMENSIONS:
+        if any(need not in cols for need in dim.needs) or (dim.name == "staleness" and step is None):
+            continue
+        lows, idx = np.unique(dim.bucket(cols, step), return_inverse=True)  # idx: (N,) bucket index 0..nb-1
+        nb = len(lows)
+        tag = [{"dimension": dim.name, "bucket": int(low)} for low in lows]
+
+        def by_sign(metric: str, where: np.ndarray | None, signs: int, tag: list[dict] = tag, idx: np.ndarray = idx,
+                    nb: int = nb, **extra: object) -> list[dict]:
+            g = sign * nb + idx  # (N,)
+            counts = np.bincount(g if where is None else g[where], minlength=len(SIGNS) * nb)
+            return [{"metric": metric, "advantage_sign": SIGNS[k // nb], "count": int(counts[k]), **tag[k % nb],
+                     **extra} for k in np.flatnonzero(counts[: signs * nb])]
+
+        rows += by_sign("tokens", None, 3)
+        if "kept" in cols:
+            rows += by_sign("trainer_blocked", ~cols["kept"], 3)
+        for rule, blocked in blocked_by.items():
+            rows += by_sign("blocked", blocked, 2, rule=rule)
+        n_bad = np.bincount(idx[bad], minlength=nb)
+        rows += [{"metric": "bad_negative", "advantage_sign": "negative", "count": int(n_bad[j]), "threshold": delta,
+                  **tag[j]} for j in range(nb)]
+        order = np.argsort(idx, kind="stable")  # (N,) the rows bucket by bucket
+        bounds = np.searchsorted(idx[order], np.arange(nb + 1))  # (nb + 1,)
+        for name, x in values.items():
+            xs = np.asarray(x)[order]
+            for j in range(nb):
+                part = xs[bounds[j]: bounds[j + 1]]
+                rows.append({**_moments(name, part), **tag[j]})
+                if name in hists:
+                    rows += [{**row, **tag[j]} for row in _hist(name, part)]
     return rows

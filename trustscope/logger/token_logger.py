@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from trustscope import __version__
+from trustscope import columns as C
 from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
 from trustscope.logger.compaction import FANIN, BackgroundCompactor
@@ -80,6 +81,8 @@ class TokenLogger:
         summaries: bool = True,
         compact_every: int = FANIN,
         storage_options: Mapping[str, Any] | None = None,
+        extra_columns: Mapping[str, str] | None = None,
+        max_staleness: int | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -113,6 +116,11 @@ class TokenLogger:
             raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
         if mu_source not in MU_SOURCES:
             raise ValueError(f"mu_source must be one of {sorted(MU_SOURCES)}, got {mu_source!r}")
+        extra = C.extra_columns(extra_columns)  # ValueError naming a bad name or type
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 (weight updates a sampling engine may lag the "
+                             f"trainer) or None, got {max_staleness!r}")
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -152,14 +160,15 @@ class TokenLogger:
                 tokenizer = {"name_or_path": str(vocab.name_or_path), "class": type(vocab).__name__}
             run_info = {"loss_rule": loss_rule, "mu_source": mu_source, "source": jsonable(self.source),
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
-                        "tokenizer": jsonable(tokenizer)}
+                        "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness}
             logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
                             "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds),
                             "compact_every": int(compact_every), "max_queue": int(max_queue),
                             "max_buffered_rows": int(max_buffered_rows), "on_full": on_full,
-                            "block_timeout_s": None if block_timeout_s is None else float(block_timeout_s)}
+                            "block_timeout_s": None if block_timeout_s is None else float(block_timeout_s),
+                            "extra_columns": {c.name: str(extra_columns[c.name]) for c in extra}}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
                 self._files.write_vocab(texts)
@@ -174,7 +183,8 @@ class TokenLogger:
         self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
-                                     disk_last_step=self._files.disk_last_step, summaries=summaries)
+                                     disk_last_step=self._files.disk_last_step, summaries=summaries,
+                                     extra_columns=extra)
         prior = self._files.manifest.get("buffer") if resume else None
         self._budget = RowBudget(int(max_buffered_rows), int(max_queue), on_full,
                                  None if block_timeout_s is None else float(block_timeout_s),
@@ -190,7 +200,8 @@ class TokenLogger:
                               blocked_rules=blocked_rule_list() if summaries else None,
                               on_commit=None if self._compactor is None else self._compactor.committed,
                               budget=self._budget, decode=text_decoder(vocab, texts),
-                              text_fraction=float(text_fraction), seed=int(seed))
+                              text_fraction=float(text_fraction), seed=int(seed),
+                              extra_fields=tuple(c.field for c in extra))
         self._summary_calls = 0  # calls with summaries queued so far
         self._calls_through: dict[int, int] = {}  # step -> calls with summaries queued up to its last call
         self._atexit = _close_at_exit(self)

@@ -236,7 +236,7 @@ class _StepSummaries:
     ``part`` is the first call merged; a flush in the middle of a step (idle, or an explicit ``flush()``) writes what
     is merged so far, and the step's later calls start a new set at their own part."""
 
-    KEY = ("metric", "rule", "advantage_sign", "mu_low", "bin_low", "bin_high", "threshold")
+    KEY = ("metric", "rule", "advantage_sign", "mu_low", "bin_low", "bin_high", "threshold", "dimension", "bucket")
 
     def __init__(self, step: int, part: int) -> None:
         self.step, self.part = step, part
@@ -273,7 +273,7 @@ class Writer:
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
                  on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None,
                  decode: Callable[[list[np.ndarray]], list[str]] | None = None, text_fraction: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, extra_fields: tuple[pa.Field, ...] = ()):
         self.files = files
         self.budget = budget or RowBudget(2**62, max_queue, "block", None)
         """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
@@ -296,6 +296,8 @@ class Writer:
         self._constants = _Constants()
         self._tables = {t: _Table(t, files.store, files.run_dir / t, row_group_size, f"r{rank:04d}",
                                   write_threads if t == "tokens" else 1) for t in S.TABLES}
+        if extra_fields:  # the run's own per-token columns (TokenLogger(extra_columns=...)), after the built-in ones
+            self._tables["tokens"].schema = S.with_metadata("tokens", pa.schema([*S.TOKENS, *extra_fields]))
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
         self._step_summaries: _StepSummaries | None = None
@@ -684,7 +686,7 @@ class Writer:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
-            batch.summaries = summarize_call(batch.tokens, self._bit_rules)
+            batch.summaries = summarize_call(batch.tokens, self._bit_rules, batch.step)
         batch.summarize = False
         batch.apply_sample()
         if batch.tokens is not None and batch.n_tokens:
@@ -708,7 +710,7 @@ class Writer:
         cols = batch.tokens
         assert cols is not None
         n = batch.n_tokens
-        k = max((cols[name].shape[1] for name in S.TOPK_COLUMNS if name in cols), default=1)
+        k = max((arr.shape[1] for arr in cols.values() if arr.ndim == 2), default=1)  # the longest list column
         max_rows = (2**31 - 1) // max(k, 1) - 1  # list offsets are int32
         if n > max_rows:
             parts = [Batch(batch.step, batch.loss_rule, {c: a[i: i + max_rows] for c, a in cols.items()}, None)
@@ -723,7 +725,7 @@ class Writer:
             "step": pa.array(np.full(n, batch.step, np.int64)),
             "rank": pa.array(np.full(n, self.rank, np.int32)),
         }
-        for f in S.TOKENS:
+        for f in self._tables["tokens"].schema:
             if f.name in out:
                 continue
             if f.name == "loss_rule":
@@ -738,6 +740,8 @@ class Writer:
                 if f.name != "mu_topk_ids" and self.topk_precision == "float16":
                     values = round_mantissa(values, 10)
                 out[f.name] = self._constants.list_array(values, f.type.value_type)
+            elif f.name in cols and pa.types.is_list(f.type):  # a list per token, (N, L)
+                out[f.name] = self._constants.list_array(cols[f.name], f.type.value_type)
             elif f.name in cols:
                 out[f.name] = pa.array(cols[f.name].astype(f.type.to_pandas_dtype(), copy=False))
             else:

@@ -127,7 +127,7 @@ class NamedAnalyses:
         return self._frame("step_summary", where={"run_id": run_ids}, refresh=True)
 
     def summaries(self, run_ids: Sequence[str] | str | None = None,
-                  metrics: Sequence[str] | str | None = None) -> pd.DataFrame:
+                  metrics: Sequence[str] | str | None = None, dimension: str | None = None) -> pd.DataFrame:
         """The exact per-step summaries the logger computed over every token (whatever ``token_fraction`` kept),
         merged over micro-batches and ranks (see ``sql/views/summaries.sql`` and :mod:`trustscope.logger.summaries`).
 
@@ -136,8 +136,16 @@ class NamedAnalyses:
         of rule R on A < 0 tokens of mu bucket b is ``fraction`` of the row (metric 'blocked', rule R, advantage_sign
         'negative', mu_bucket b); the median |pi - mu| is the bin_high of the first 'abs_prob_diff_hist' row with
         cum_fraction >= 0.5. Runs logged before the summaries table existed have no rows.
+
+        ``dimension``: None (default) gives the rows grouped by advantage sign x mu bucket; a summary dimension's
+        name (``position``, ``turn``, ``staleness``: :data:`trustscope.columns.DIMENSIONS`) gives its rows instead,
+        split by ``bucket`` (``bucket_label``), each metric once per bucket; ``"*"`` gives both.
         """
-        return self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
+        frame = self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
+        if dimension == "*":
+            return frame
+        keep = frame["dimension"].isna() if dimension is None else frame["dimension"] == dimension
+        return frame[keep].reset_index(drop=True)
 
     def overview(self, run_ids: Sequence[str] | str | None = None) -> Overview:
         """The overview figures of every run with a logged step (or of ``run_ids``), the one source of the Runs

@@ -25,6 +25,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from trustscope import schema
+from trustscope.columns import builtin_token_columns_sql
 from trustscope.losses import LossRule, get_loss, list_losses
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
@@ -63,8 +64,19 @@ def words(sql: str) -> set[str]:
     return set(re.findall(r"[a-z_]+", strip_comments(sql)))
 
 
+TOKEN_COLUMNS_MARKER = "/* built-in token columns */"
+"""Where a view lists the built-in tokens columns (to pass a run's own columns through): generated from
+:data:`trustscope.columns.TOKEN_COLUMNS`, names only."""
+
+
+def view_text(view: str) -> str:
+    """A view's SQL, its built-in token columns list generated (:data:`TOKEN_COLUMNS_MARKER`)."""
+    return (VIEW_DIR / f"{view}.sql").read_text().replace(TOKEN_COLUMNS_MARKER, builtin_token_columns_sql())
+
+
 SQL_FINGERPRINT = hashlib.sha256(
     b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql")]))
+    + builtin_token_columns_sql().encode()
 ).hexdigest()
 """Changes whenever a macro or view changes, so kept aggregates of an older definition are never reused."""
 
@@ -211,7 +223,7 @@ def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[st
     kept aggregate's name)."""
     load_macros(con)
     for view in load_order(views):
-        text = rule_blocks if view == "rule_blocks" else (VIEW_DIR / f"{view}.sql").read_text()
+        text = rule_blocks if view == "rule_blocks" else view_text(view)
         con.execute(f"create or replace view {view} as\n{text}")
         if view in CACHED_PARTIALS:
             if on_partial is not None:
