@@ -150,6 +150,10 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
            "`token_id`; where they differ the history was re-tokenized: doctor check `token_drift`); null: not "
            "logged",
            given="token", check=Check("token_id"), since=3),
+    Column("routing_agreement", pa.float32(), True, "mixture-of-experts models: the share of the engine's (layer, "
+           "slot) expert choices the trainer's router also made in that layer, at the position predicting the token "
+           "(1: routed alike in every layer); null: a dense model or not logged", given="token",
+           check=Check("range", 0.0, 1.0), since=3),
 )
 """The ``tokens`` table: one row per logged response token."""
 
