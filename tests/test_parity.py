@@ -132,7 +132,7 @@ def test_parity_hf_engine_bands_hold_and_break(toy_model_dir, tmp_path):
 
     with connect(tmp_path / "logs") as db:
         rows = db.sql("select count(*) as n, max(abs(log_ratio)) as worst, count(routing_agreement) as routed "
-                      "from token_metrics where run_id = 'parity-bf16'")
+                      "from token_metrics where run_id = 'parity-bf16'").to_pandas()
     assert rows["n"][0] >= 12 and rows["worst"][0] > 1e-4 and rows["routed"][0] == 0
 
 
@@ -166,6 +166,85 @@ def test_parity_vllm_dense_and_moe(toy_model_dir, moe_model_dir, tmp_path):
 
     with connect(tmp_path / "logs") as db:
         got = db.sql("select sample_id, pos, routing_agreement from token_metrics where run_id = 'moe-bf16' "
-                     "order by sample_id, pos")
+                     "order by sample_id, pos").to_pandas()
     assert run == "moe-bf16" and len(got) == len(bf16.mu)
     np.testing.assert_allclose(got["routing_agreement"].to_numpy(), bf16.routing_agreement, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------- routing in the logger
+
+SHAPE = (2, 2, 4)  # MoE layers, top-k, experts
+
+
+def routed_batch(rng, b: int = 6, t: int = 5):
+    engine = np.stack([rng.permutation(4)[:2] for _ in range(b * t * 2)]).reshape(b, t, 2, 2).astype(np.int16)
+    trainer = engine.copy()
+    flip = rng.random((b, t, 2)) < 0.3  # swap one slot to an expert the engine did not pick
+    for i, j, layer in zip(*np.nonzero(flip), strict=True):
+        trainer[i, j, layer, 1] = next(e for e in range(4) if e not in engine[i, j, layer])
+    tokens = {"token_id": rng.integers(0, 50, (b, t)), "prompt_id": np.arange(b), "mu_logprob": -rng.random((b, t)).astype(np.float32),
+              "pi_logprob": -rng.random((b, t)).astype(np.float32), "advantage": rng.normal(size=(b, t)),
+              "engine_experts": engine, "trainer_experts": trainer}
+    return tokens, engine, trainer
+
+
+def test_logger_stores_routing_and_summarises_it_exactly_at_any_fraction(tmp_path):
+    """Routed experts go in as (B, T, L, k), come back as L * k ids a row for the sampled tokens; the summaries'
+    agreement (overall, by layer, by position) equals a recount from every token although half are kept."""
+    from trustscope.db import connect
+    from trustscope.logger import TokenLogger
+
+    rng = np.random.default_rng(0)
+    tokens, engine, trainer = routed_batch(rng)
+    mask = np.ones((6, 5), dtype=bool)
+    mask[0, 3:] = False
+    with TokenLogger(tmp_path, "moe", routing_shape=SHAPE, token_fraction=0.5, seed=3) as logger:
+        logger.log_step(0, tokens=tokens, mask=mask)
+    per_token, per_layer = agreement(engine[mask], trainer[mask])
+    with connect(tmp_path) as db:
+        summ = db.sql("select dimension, bucket, count, mean from summaries where metric = 'routing_agreement' "
+                      "order by dimension nulls first, bucket").to_pandas()
+        rows = db.sql("select sample_id, pos, engine_experts, trainer_experts, routing_agreement from tokens "
+                      "order by sample_id, pos").to_pandas()
+    overall = summ[summ["dimension"].isna()]
+    assert overall["count"].tolist() == [mask.sum()] and overall["mean"].iloc[0] == pytest.approx(per_token.mean())
+    layers = summ[summ["dimension"] == "layer"]
+    np.testing.assert_allclose(layers["mean"], per_layer.mean(0))
+    pos = summ[summ["dimension"] == "position"]
+    from trustscope.columns import position_bucket
+
+    buckets = position_bucket(np.nonzero(mask)[1])
+    np.testing.assert_allclose(pos["mean"], [per_token[buckets == b].mean() for b in np.unique(buckets)])
+    assert 0 < len(rows) < mask.sum()  # the token rows are a sample; the summaries are not
+    for _, r in rows.iterrows():
+        i, j = int(r["sample_id"]), int(r["pos"])
+        assert list(r["engine_experts"]) == engine[i, j].reshape(-1).tolist()
+        assert list(r["trainer_experts"]) == trainer[i, j].reshape(-1).tolist()
+        assert r["routing_agreement"] == pytest.approx(agreement(engine[i, j][None], trainer[i, j][None])[0][0])
+
+
+def test_logger_refuses_bad_routing_naming_field_and_shapes(tmp_path):
+    from trustscope.db import connect
+    from trustscope.logger import TokenLogger
+    from trustscope.schema import SchemaError
+
+    tokens = routed_batch(np.random.default_rng(1))[0]
+    with TokenLogger(tmp_path, "dense") as logger, pytest.raises(
+            SchemaError, match=r"tokens\['engine_experts'\]: routing given for a dense model.*routing_shape"):
+        logger.log_step(0, tokens=tokens)
+    with TokenLogger(tmp_path, "moe", routing_shape=SHAPE) as logger:
+        good = dict(tokens)
+        logger.log_step(0, tokens=good)
+        with pytest.raises(SchemaError, match=r"tokens\['trainer_experts'\] has shape \(30, 2, 1\), the model "
+                                              r"routes \(N, 2, 2\)"):
+            logger.log_step(1, tokens=good | {"trainer_experts": good["trainer_experts"][..., :1]})
+        bad = good["engine_experts"].copy()
+        bad[2, 1, 0, 0] = 7
+        with pytest.raises(SchemaError, match=r"tokens\['engine_experts'\]: expert id 7 out of range \[0, 4\)"):
+            logger.log_step(1, tokens=good | {"engine_experts": bad})
+        with pytest.raises(SchemaError, match=r"tokens\['engine_experts'\] must have shape \(B, T, L, k\)"):
+            logger.log_step(1, tokens=good | {"engine_experts": bad[..., 0]})
+    with pytest.raises(ValueError, match="routing_shape"):
+        TokenLogger(tmp_path, "bad", routing_shape=(2, 5, 4))
+    with connect(tmp_path) as db:  # the good step is all there
+        assert db.sql("select count(*) as n from tokens where run_id = 'moe'").to_pandas()["n"][0] == 30

@@ -321,7 +321,7 @@ def run_parity(
         prompts=list(rollout.prompts), prompt_index=list(rollout.prompt_index), responses=rollout.response_ids,
         token_text=[tokenizer.decode([int(x)]) for x in tensors.response_ids.numpy()[mask]],
         response_text=list(rollout.texts),
-        extra={"decode": lambda ids: tokenizer.decode(ids), "sampling": rollout.sampling},
+        extra={"decode": lambda ids: tokenizer.decode(ids), "sampling": rollout.sampling, "routing_shape": shape},
     )
     if tracker is not None:
         trainer_all = tracker.take(*tensors.input_ids.shape)[:, p - 1: p + t - 1]  # (B, T, L, k)
@@ -366,18 +366,20 @@ def log_parity(result: ParityResult, logdir: str | Path, run_id: str | None = No
     }
     with_routing = result.routing_agreement is not None
     if with_routing:
-        tokens["routing_agreement"] = []
+        tokens |= {"engine_experts": [], "trainer_experts": []}
     for s in range(len(result.responses)):
         sel = result.sample == s
         tokens["token_id"].append(result.token_id[sel])
         tokens["mu_logprob"].append(result.mu[sel].astype(np.float32))
         tokens["pi_logprob"].append(result.pi[sel].astype(np.float32))
         tokens["old_logprob"].append(result.pi[sel].astype(np.float32))
-        if with_routing:
-            tokens["routing_agreement"].append(result.routing_agreement[sel].astype(np.float32))
+        if with_routing:  # the logger checks both against routing_shape and fills routing_agreement
+            tokens["engine_experts"].append(result.engine_experts[sel])
+            tokens["trainer_experts"].append(result.trainer_experts[sel])
     sampling = {k: v for k, v in result.extra.get("sampling", {}).items() if isinstance(v, str | int | float | bool)}
     with TokenLogger(logdir, run_id, model=result.model_dir, sampling=sampling,
-                     tokenizer=result.model_dir, config={"parity": {
+                     tokenizer=result.model_dir, routing_shape=result.extra.get("routing_shape"),
+                     config={"parity": {
                          "engine": result.engine, "engine_dtype": result.engine_dtype,
                          "trainer_dtype": result.trainer_dtype}}) as logger:
         b = len(result.responses)

@@ -164,3 +164,14 @@ class VLLMRouting:
             raise RuntimeError(f"VLLMRouting: layers captured different numbers of rows {sorted(rows)}")
         self.reset()
         return torch.stack(per_layer, 1).numpy()  # (rows, L, k)
+
+
+def check_routing_shape(shape: Any) -> tuple[int, int, int]:
+    """``(MoE layers, top-k, experts)`` as ints; ValueError naming ``routing_shape`` otherwise."""
+    try:
+        layers, top_k, experts = (int(x) for x in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"routing_shape must be (MoE layers, top-k, experts), got {shape!r}") from None
+    if layers < 1 or experts < 2 or not 1 <= top_k <= experts or experts > np.iinfo(np.int16).max:
+        raise ValueError(f"routing_shape {shape!r}: need layers >= 1, 2 <= experts <= 32767, 1 <= top-k <= experts")
+    return layers, top_k, experts

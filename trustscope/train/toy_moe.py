@@ -9,8 +9,8 @@ reuses :mod:`trustscope.train.toy` (tokenizer, tasks, warm start, accuracy) and 
     from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
     model_dir = build_toy_moe_model(MOE_PRESETS["toy-moe"])
 
-The preset is warm-started like ``toy`` (expected accuracy 0.5 on ``add1``); its build takes about 20-40 s on two
-busy CPU cores.
+The preset is warm-started on ``add1`` to an expected accuracy of 0.4 (the dense ``toy``'s target, 0.5, was not
+reached in 2,000 warm-start steps: the MoE plateaued at 0.44), which leaves RL room to improve.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ToyMoeConfig(toy.ToyConfig):
 
 
 MOE_PRESETS: dict[str, ToyMoeConfig] = {
-    "toy-moe": ToyMoeConfig(task="add1", target_accuracy=0.5, max_steps=2000),
+    "toy-moe": ToyMoeConfig(task="add1", target_accuracy=0.4, max_steps=2000),
 }
 """Named MoE toy worlds: ``toy-moe``, two layers of four experts (top-2) on one-digit addition."""
 
