@@ -248,3 +248,33 @@ def test_logger_refuses_bad_routing_naming_field_and_shapes(tmp_path):
         TokenLogger(tmp_path, "bad", routing_shape=(2, 5, 4))
     with connect(tmp_path) as db:  # the good step is all there
         assert db.sql("select count(*) as n from tokens where run_id = 'moe'").to_pandas()["n"][0] == 30
+
+
+@pytest.mark.slow
+def test_vllm_weight_sync_moe(moe_model_dir):
+    """After the trainer's MoE weights are pushed into vLLM (a reload on CPU must prepack the experts again), the
+    engine's log-probs are the updated model's, not the old one's."""
+    from transformers import AutoModelForCausalLM
+
+    from trustscope.engines import make_engine
+
+    engine = make_engine("vllm", moe_model_dir, dtype="float32")
+    reference = make_engine("hf", moe_model_dir, dtype="float32")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(moe_model_dir), dtype=torch.float32)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "experts" in name or "gate" in name:
+                    p.add_(torch.randn_like(p) * 0.05)
+        before = engine.generate(["1+2=", "3+4="], n=4, max_tokens=4, topk=2, seed=1)
+        engine.update_weights(model)
+        reference.update_weights(model)
+        after = engine.generate(["1+2=", "3+4="], n=4, max_tokens=4, topk=2, seed=1)
+        lp, _, t = reference.score(after)
+        assert float(((lp - t.mu_logprob).abs() * t.mask).max()) < 1e-4
+        lp_old, _, t_old = reference.score(before)
+        assert float(((lp_old - t_old.mu_logprob).abs() * t_old.mask).max()) > 1e-2  # the update changed mu
+    finally:
+        engine.close()
+        reference.close()
