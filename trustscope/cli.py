@@ -207,6 +207,9 @@ def parity(
             if model in MOE_PRESETS:
                 model_dir = str(build_toy_moe_model(MOE_PRESETS[model]))
             elif model in TOY_PRESETS:
+                from trustscope.train.toy_models import seed_cache
+
+                seed_cache(TOY_PRESETS[model])  # a build shipped with trustscope (toy-v2), when the cache lacks it
                 model_dir = str(build_toy_model(TOY_PRESETS[model]))
             else:
                 raise ParityInputError(f"--model {model}: no such directory, nor a toy preset "
