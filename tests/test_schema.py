@@ -18,7 +18,8 @@ from trustscope.logger import TokenLogger
 CONTRACT = {
     "tokens": ["run_id", "step", "rank", "sample_id", "prompt_id", "pos", "token_id", "mu_logprob", "old_logprob",
                "pi_logprob", "advantage", "entropy", "mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs",
-               "topk_tv", "topk_kl", "kept", "loss_rule", "blocked_rules", "policy_version", "turn", "engine_token_id"],
+               "topk_tv", "topk_kl", "kept", "loss_rule", "blocked_rules", "policy_version", "turn", "engine_token_id",
+               "routing_agreement", "engine_experts", "trainer_experts"],
     "samples": ["run_id", "step", "rank", "sample_id", "prompt_id", "prompt", "response", "reward", "advantage",
                 "length", "finish_reason"],
     "steps": ["run_id", "step", "rank", "name", "value"],

@@ -156,6 +156,85 @@ def demo(
 
 
 @app.command()
+def parity(
+    model: str = typer.Option(..., "--model", help="A Hugging Face causal LM directory (save_pretrained layout), or "
+                              "a toy preset name (toy, toy-v2, toy-moe), built or taken from the cache."),
+    prompts: str = typer.Option("add1", "--prompts", help="A file of prompts (one a line, or a .json list of "
+                                "strings) or a toy task's name (its eval split)."),
+    engine: str = typer.Option("vllm", help="Rollout engine: vllm, or hf (transformers generate)."),
+    engine_dtype: str = typer.Option("float32", help="The engine's dtype: float32 or bfloat16."),
+    trainer_dtype: str = typer.Option("float32", help="The trainer forward's dtype: float32 or bfloat16."),
+    n: int = typer.Option(1, help="Responses per prompt."),
+    max_tokens: int = typer.Option(16, help="Response tokens at most."),
+    max_prompts: int = typer.Option(32, help="Use the first this many prompts."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    band: list[str] = typer.Option([], "--band", help="TOL=SHARE: at least SHARE of the tokens have |log pi - log "
+                                   "mu| <= TOL (e.g. 1e-2=0.99); first:TOL=SHARE counts the first generated token "
+                                   "only. Repeatable; a broken band exits 1."),
+    logdir: Path | None = typer.Option(None, help="Log the tokens as a trustscope run here (mu = engine, pi = "
+                                       "trainer), for the dashboard, report and doctor."),
+    run_id: str | None = typer.Option(None, help="Run id of the logged run (default: a timestamp)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+) -> None:
+    """Generate with the rollout engine, score the same tokens with the trainer's forward, and report the log-prob
+    differences: shares within 1e-3 / 1e-2 / 0.1, by position, the first token apart, the largest with their text
+    and, on a mixture-of-experts model, by routing agreement. Exit 1 when a --band is broken, 2 on bad input."""
+    import json
+
+    from trustscope.parity import (
+        ParityInputError,
+        format_summary,
+        log_parity,
+        parse_band,
+        read_prompts,
+        run_parity,
+    )
+    from trustscope.parity import summary as parity_summary
+
+    try:
+        bands = [parse_band(b) for b in band]
+        for name, value in (("--n", n), ("--max-tokens", max_tokens), ("--max-prompts", max_prompts)):
+            if value < 1:
+                raise ParityInputError(f"{name} must be >= 1, got {value}")
+        if engine not in ("vllm", "hf"):
+            raise ParityInputError(f"--engine must be vllm or hf, got {engine!r}")
+        texts = read_prompts(prompts)[:max_prompts]
+        model_dir = model
+        if not Path(model).exists():
+            from trustscope.train.toy import TOY_PRESETS, build_toy_model
+            from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
+
+            if model in MOE_PRESETS:
+                model_dir = str(build_toy_moe_model(MOE_PRESETS[model]))
+            elif model in TOY_PRESETS:
+                from trustscope.train.toy_models import seed_cache
+
+                seed_cache(TOY_PRESETS[model])  # a build shipped with trustscope (toy-v2), when the cache lacks it
+                model_dir = str(build_toy_model(TOY_PRESETS[model]))
+            else:
+                raise ParityInputError(f"--model {model}: no such directory, nor a toy preset "
+                                       f"({sorted(TOY_PRESETS) + sorted(MOE_PRESETS)})")
+        result = run_parity(model_dir, texts, engine=engine, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
+                            n=n, max_tokens=max_tokens, seed=seed)
+    except ParityInputError as exc:
+        typer.echo(f"trustscope parity: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    report = parity_summary(result)
+    broken = result.broken(bands)
+    typer.echo(format_summary(report, bands, broken))
+    if logdir is not None:
+        typer.echo(f"logged as run {log_parity(result, logdir, run_id)} in {logdir}")
+    if json_out is not None:
+        report["bands"] = [{"band": str(b), "share": result.within(b.tol, b.first),
+                            "broken": any(b == bb for bb, _ in broken)} for b in bands]
+        json_out.write_text(json.dumps(report, indent=2))
+    if broken:
+        typer.echo("trustscope parity: broken band(s): " + ", ".join(f"{b} (found {s:.2%})" for b, s in broken),
+                   err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
 def validate(logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
                                           "s3://bucket/prefix (endpoint and credentials from the AWS variables).")
              ) -> None:

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-GIVEN = ("token", "sequence", "token_or_sequence", "topk", "token_list", "logger")
+GIVEN = ("token", "sequence", "token_or_sequence", "topk", "token_list", "routing", "logger")
 """How ``log_step`` takes a column: ``(B, T)`` per token, ``(B,)`` per response, either (a ``(B,)`` value is
 broadcast over the response), ``(B, T, K)`` top-K lists (one K for the three top-K columns and the whole run),
-``(B, T, L)`` a list per token of any other length (e.g. a MoE layer's routed experts; ragged: ``(T_i, L)`` per
-response), or never (the logger writes it)."""
+``(B, T, L)`` a list per token of any other length (ragged: ``(T_i, L)`` per response), ``(B, T, L, k)`` routed
+experts (MoE layers x top-k, stored flat, layer by layer), or never (the logger writes it)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,15 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
            "`token_id`; where they differ the history was re-tokenized: doctor check `token_drift`); null: not "
            "logged",
            given="token", check=Check("token_id"), since=3),
+    Column("routing_agreement", pa.float32(), True, "mixture-of-experts models: the share of the engine's (layer, "
+           "slot) expert choices the trainer's router also made in that layer, at the position predicting the token "
+           "(1: routed alike in every layer); null: a dense model or not logged", given="token",
+           check=Check("range", 0.0, 1.0), since=3),
+    Column("engine_experts", _list(pa.int16()), True, "mixture-of-experts models: the experts the rollout engine "
+           "routed the token to, L MoE layers x top-k ids flattened layer by layer (`TokenLogger(routing_shape=...)` "
+           "declares L, k and the expert count); null: not logged", given="routing", statistics=False, since=3),
+    Column("trainer_experts", _list(pa.int16()), True, "the same from the trainer's router (with both given, the "
+           "logger fills `routing_agreement`)", given="routing", statistics=False, since=3),
 )
 """The ``tokens`` table: one row per logged response token."""
 
@@ -200,7 +209,8 @@ SUMMARY_COLUMNS: tuple[Column, ...] = (
     Column("min", pa.float64(), True, "smallest value"),
     Column("max", pa.float64(), True, "largest value"),
     Column("dimension", pa.string(), True, "null: the row belongs to the advantage sign x mu bucket grouping; else "
-           "the summary dimension it splits by (`position`, `turn`, `staleness`)", since=2, dictionary=True),
+           "the summary dimension it splits by (`position`, `turn`, `staleness`; `layer`: metric `routing_agreement` per MoE "
+           "layer)", since=2, dictionary=True),
     Column("bucket", pa.int64(), True, "rows with a `dimension`: the bucket's lower edge (position: 0, 1, 2, 4, "
            "...; turn and staleness: the value)", since=2),
 )

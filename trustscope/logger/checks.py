@@ -25,6 +25,7 @@ TEXT_IDS = {"prompt_token_ids": "prompt", "response_token_ids": "response"}
 """Sample inputs the writer thread decodes into a text column with the logger's vocab (``text_fraction``)."""
 SAMPLE_INPUTS = tuple(c.name for c in C.SAMPLE_COLUMNS if c.given != "logger") + tuple(TEXT_IDS)
 PER_SEQUENCE = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "sequence")  # always (B,)
+ROUTING = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "routing")  # (B, T, L, k)
 MAYBE_PER_SEQUENCE = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "token_or_sequence")  # (B,) or (B, T)
 MAX_STEP = 2**63 - 1  # steps are int64
 DEFAULT_ID_STRIDE = 2**32
@@ -217,6 +218,10 @@ def _flatten_tokens(
                 raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
             flat = arr.reshape(B * T, -1)
             cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
+        elif name in ROUTING:
+            if arr.ndim != 4 or arr.shape[:2] != (B, T):
+                raise Rejected(f"{label} must have shape (B, T, L, k) = ({B}, {T}, MoE layers, top-k), got {arr.shape}")
+            cols[name] = arr.reshape(B * T, *arr.shape[2:]).copy() if full else arr[b, t]
         elif name in PER_SEQUENCE or (name in either and arr.ndim == 1):
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
@@ -254,9 +259,11 @@ def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_P
                             f"got {type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
         parts = [_to_numpy(v, f"{label}[{i}]", name in text) for i, v in enumerate(value)]
         for i, part in enumerate(parts):
-            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in lists else part.ndim == 1
+            ndim_ok = (part.ndim == 2 or lengths[i] == 0 if name in lists else part.ndim == 3
+                       if name in ROUTING else part.ndim == 1)
             if part.ndim == 0 or len(part) != lengths[i] or not ndim_ok:
-                want = f"({lengths[i]}, K)" if name in lists else f"({lengths[i]},)"
+                want = (f"({lengths[i]}, K)" if name in lists else f"({lengths[i]}, L, k)" if name in ROUTING
+                        else f"({lengths[i]},)")
                 raise Rejected(f"{label}[{i}] has shape {part.shape}, but tokens['token_id'][{i}] has length "
                                 f"{lengths[i]}: expected {want}")
         if name in lists:
@@ -285,7 +292,7 @@ class InputChecker:
 
     def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
                  vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True,
-                 extra_columns: tuple[C.Column, ...] = ()):
+                 extra_columns: tuple[C.Column, ...] = (), routing_shape: tuple[int, int, int] | None = None):
         self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
         self.columns = (*C.TOKEN_COLUMNS, *extra_columns)
         """Every tokens column, the run's own (``extra_columns``) last: what a call may give and how it is checked."""
@@ -297,6 +304,8 @@ class InputChecker:
         self.token_fraction, self.seed, self.summaries = token_fraction, seed, summaries
         self.vocab_size = vocab_size
         self._k = topk_k
+        self.routing_shape = routing_shape
+        """``(MoE layers, top-k, experts)`` of the model, or None for a dense one: routed experts are refused."""
         self._disk_last_step = disk_last_step
         self._last_step: int | None = None  # last step accepted by log_step in this process
         self._step_sample_ids: set[int] = set()
@@ -505,6 +514,7 @@ class InputChecker:
         check = _RowChecker(self.strict, len(b), lambda i: f"sample_id {sid[i]}, pos {t[i]}")
 
         self._check_topk(cols)
+        self._check_routing(cols)
         for col in self.columns:  # each given column gets its declared check (trustscope.columns)
             if col.check is not None and col.name in cols:
                 CHECKERS[col.check.kind](self, cols, col, check, step)
@@ -540,6 +550,24 @@ class InputChecker:
         ids = cols[name] = _as_int(ids, label, np.int32)
         if not _within(ids, 0, upper - 1):
             check.rows((ids >= 0) & (ids < upper), label, f"must be in [0, {upper})", ids)
+
+    def _check_routing(self, cols: dict[str, np.ndarray]) -> None:
+        """Routed experts against the run's ``routing_shape`` (refused whole, naming the field and the shapes); with
+        both sides given and no ``routing_agreement``, the logger fills it."""
+        from trustscope.routing import agreement, check_routing
+
+        given = [name for name in ROUTING if name in cols]
+        for name in given:
+            try:
+                cols[name] = check_routing(cols[name], f"tokens[{name!r}]", self.routing_shape)
+            except ValueError as err:
+                if self.routing_shape is None:
+                    raise Rejected(f"{err}: declare the model's TokenLogger(routing_shape=(MoE layers, top-k, "
+                                   f"experts)) to log routed experts") from None
+                raise Rejected(str(err)) from None
+        if len(given) == len(ROUTING) and "routing_agreement" not in cols:
+            cols["routing_agreement"] = agreement(cols["engine_experts"], cols["trainer_experts"])[0].astype(
+                np.float32)
 
     def _check_topk(self, cols: dict[str, np.ndarray]) -> None:
         """The top-K lists' shape: both of ids and mu's log-probs, one K for all lists and for the whole run."""

@@ -18,8 +18,9 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
 - ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
 - ``bad_negative``: tokens with A < 0 and mu - pi >= ``threshold`` (minimal_negative_mask's default delta, the
   SQL's ``bad_negative_delta``).
-- ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``:
-  count, sum, sum of squares, min and max;
+- ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``,
+  ``routing_agreement`` (MoE runs): count, sum, sum of squares, min and max; ``routing_agreement`` once more per
+  MoE layer when both routings are given (:func:`routing_rows`: ``dimension`` ``layer``);
 - ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``, ``abs_seq_log_ratio``: the count per fixed bin
   ``[bin_low, bin_high)`` of :data:`HIST_EDGES`, so quantiles follow exactly to bin resolution (8 bins a decade).
 - The early-warning signals (:func:`ratio_rows`), count, sum, sum of squares, min and max like the moments above:
@@ -228,7 +229,24 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step
             rows += [_moments(name, cols[name]), *_hist(name, cols[name])]
     if "entropy" in cols:
         rows.append(_moments("entropy", cols["entropy"]))
+    rows += routing_rows(cols)
     rows += dimension_rows(cols, step, sign, diff, blocked_by, delta)
+    return rows
+
+
+def routing_rows(cols: dict[str, np.ndarray]) -> list[dict]:
+    """Mixture-of-experts routing: the moments of ``routing_agreement`` (the share of the engine's (layer, slot)
+    choices the trainer's router also made, per token); with both routings given, the same per MoE layer
+    (``dimension`` ``layer``, ``bucket`` the layer's index among the MoE layers, ``count`` the tokens)."""
+    if "routing_agreement" not in cols:
+        return []
+    rows = [_moments("routing_agreement", cols["routing_agreement"])]
+    if "engine_experts" in cols and "trainer_experts" in cols:
+        from trustscope.routing import agreement
+
+        per_layer = agreement(cols["engine_experts"], cols["trainer_experts"])[1]  # (N, L)
+        rows += [{**_moments("routing_agreement", per_layer[:, layer]), "dimension": "layer", "bucket": layer}
+                 for layer in range(per_layer.shape[1])]
     return rows
 
 
@@ -248,7 +266,7 @@ def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarr
     log_ratio = cols["pi_logprob"].astype(np.float64) - cols["mu_logprob"].astype(np.float64)  # (N,)
     values = {"prob_diff": diff, "abs_prob_diff": np.abs(diff), "is_weight": np.exp(log_ratio),
               "log_ratio": log_ratio}
-    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy") if name in cols})
+    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy", "routing_agreement") if name in cols})
     hists = [name for name in ("abs_prob_diff", "topk_tv", "topk_kl") if name in values]
     bad = (cols["advantage"] < 0) & (-diff >= delta)  # (N,)
     rows: list[dict] = []

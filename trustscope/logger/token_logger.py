@@ -83,6 +83,7 @@ class TokenLogger:
         storage_options: Mapping[str, Any] | None = None,
         extra_columns: Mapping[str, str] | None = None,
         max_staleness: int | None = None,
+        routing_shape: tuple[int, int, int] | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -121,6 +122,10 @@ class TokenLogger:
                                           or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 (weight updates a sampling engine may lag the "
                              f"trainer) or None, got {max_staleness!r}")
+        if routing_shape is not None:
+            from trustscope.routing import check_routing_shape
+
+            routing_shape = check_routing_shape(routing_shape)
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -160,7 +165,8 @@ class TokenLogger:
                 tokenizer = {"name_or_path": str(vocab.name_or_path), "class": type(vocab).__name__}
             run_info = {"loss_rule": loss_rule, "mu_source": mu_source, "source": jsonable(self.source),
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
-                        "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness}
+                        "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness,
+                        **({"routing_shape": list(routing_shape)} if routing_shape else {})}
             logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
                             "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
@@ -184,7 +190,7 @@ class TokenLogger:
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
                                      disk_last_step=self._files.disk_last_step, summaries=summaries,
-                                     extra_columns=extra)
+                                     extra_columns=extra, routing_shape=routing_shape)
         prior = self._files.manifest.get("buffer") if resume else None
         self._budget = RowBudget(int(max_buffered_rows), int(max_queue), on_full,
                                  None if block_timeout_s is None else float(block_timeout_s),

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from trustscope import schema as S
 from trustscope.divergence_np import topk_divergences_np
 from trustscope.logger.batch import Batch
+from trustscope.logger.checks import ROUTING
 from trustscope.logger.memory import RowBudget
 from trustscope.logger.runfiles import RunFiles
 from trustscope.logger.summaries import summarize_call
@@ -740,6 +741,8 @@ class Writer:
                 if f.name != "mu_topk_ids" and self.topk_precision == "float16":
                     values = round_mantissa(values, 10)
                 out[f.name] = self._constants.list_array(values, f.type.value_type)
+            elif f.name in ROUTING and f.name in cols:  # (N, L, k) -> L * k ids a row, layer by layer
+                out[f.name] = self._constants.list_array(cols[f.name].reshape(n, -1), f.type.value_type)
             elif f.name in cols and pa.types.is_list(f.type):  # a list per token, (N, L)
                 out[f.name] = self._constants.list_array(cols[f.name], f.type.value_type)
             elif f.name in cols:

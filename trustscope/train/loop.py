@@ -358,7 +358,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
-    :data:`trustscope.train.toy.TOY_PRESETS` warm-started on ``cfg.task``, built and cached on first use, or
+    :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
     copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
     from trustscope.train.toy_models import seed_cache
@@ -367,6 +367,10 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
         toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
         seed_cache(toy)  # a build shipped with trustscope (toy-v2), when the cache lacks it
         return build_toy_model(toy)
+    from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
+
+    if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
+        return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
     return cfg.model
 
 

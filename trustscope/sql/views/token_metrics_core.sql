@@ -7,7 +7,7 @@ with source as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
         mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule,
-        blocked_rules, policy_version, turn, staleness, engine_token_id,
+        blocked_rules, policy_version, turn, staleness, engine_token_id, routing_agreement,
         columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from tokens
 ),
@@ -46,6 +46,7 @@ final as (
         staleness,
         position_bucket(pos) as position_bucket,
         engine_token_id,
+        routing_agreement,
         columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from probabilities
 )
