@@ -271,7 +271,8 @@ class Writer:
     def __init__(self, files: RunFiles, *, run_id: str, rank: int, log_topk: bool, topk_precision: str,
                  flush_rows: int, flush_seconds: float, max_queue: int, row_group_size: int, fsync: bool,
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
-                 on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None):
+                 on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None,
+                 summary_rules: tuple | None = None):
         self.files = files
         self.budget = budget or RowBudget(2**62, max_queue, "block", None)
         """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
@@ -280,6 +281,8 @@ class Writer:
         self._room_asked = threading.Event()
         self._on_commit = on_commit
         """Called on the writer thread after each commit (the background compaction counts them)."""
+        self._summary_rules = summary_rules
+        """The rule settings the summaries count (:func:`trustscope.logger.summaries.summary_rules`)."""
         self._bit_rules = tuple(name for name, _ in blocked_rules or ())
         """The rules whose blocks each token row records in ``blocked_rules`` (bit i: entry i), when summaries
         are computed; named with their parameters in every tokens file's footer."""
@@ -675,7 +678,7 @@ class Writer:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
-            batch.summaries = summarize_call(batch.tokens, self._bit_rules)
+            batch.summaries = summarize_call(batch.tokens, self._bit_rules, self._summary_rules)
         batch.summarize = False
         batch.apply_sample()
         if batch.tokens is not None and batch.n_tokens:
