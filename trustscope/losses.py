@@ -326,7 +326,9 @@ class Param:
         """What the parameter accepts, in words: ``[0, 1)``, ``> low``, ``one of [...]``."""
         if self.choices is not None:
             return f"one of {sorted(self.choices)}" + (" or None" if self.optional else "")
-        if self.low is None and self.high is None and self.above is None:
+        if self.low is None and self.high is None:
+            if self.above is not None:
+                return f"> {self.above}" + (" or None" if self.optional else "")
             return "any value" if not _is_number(self.default) else "any number"
         low = "-inf" if self.low is None else f"{self.low:g}"
         high = "inf" if self.high is None else f"{self.high:g}"

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -322,6 +323,10 @@ class RunReport:
     clipped: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
     collapse_warning: str | None = None
+    equal_budget: pd.DataFrame | None = None
+    """the run's rows of :meth:`LogDB.equal_budget` (set by :func:`print_report`), or None"""
+    chosen_rules: list[str] = field(default_factory=list)
+    """rules evaluated at parameters the user chose (``--rule``): their blocks counted from the logged rows"""
 
 
 def _first_last(series: pd.Series) -> tuple[float | None, float | None]:
@@ -470,8 +475,13 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     for r in reports:
         parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0 "
                           f"({r.source})", style="italic"))
-        rules = Table(caption="rules that block nothing left out" if r.blocked_by_rule else
-                      "no rule blocks any token of this run")
+        chosen = [c for c in r.chosen_rules if c != r.loss_rule]
+        caption = "rules that block nothing left out" if r.blocked_by_rule else "no rule blocks any token of this run"
+        if chosen and r.exact:
+            caption += (f"; {', '.join(chosen)} at the parameters given (--rule), which the summaries do not hold: "
+                        "counted from the logged rows" + (f" ({r.token_fraction:.0%} of the tokens)" if r.token_fraction else "")
+                        + ", tokens blocked of those rows")
+        rules = Table(caption=caption)
         rules.add_column("rule", no_wrap=True)
         rules.add_column("blocked", justify="right")
         rules.add_column("tokens blocked", justify="right")
@@ -480,6 +490,8 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
             rules.add_row(Text(rule + (" (applied)" if own else ""), style="bold" if own else ""), _fmt(frac, ".2%"),
                           f"{n:,}")
         parts.append(rules)
+        if r.equal_budget is not None and len(r.equal_budget):
+            parts += equal_budget_parts(r)
         if r.clipped is not None and not r.clipped.empty:
             tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most (logged rows)",
                            title_justify="left")
@@ -500,10 +512,69 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     return Group(*parts)
 
 
+def equal_budget_parts(r: RunReport) -> list:
+    """The run's equal-budget section: each rule with a scalar threshold moved to block the reference's share
+    (:meth:`LogDB.equal_budget`), beside what it blocks at the parameters evaluated (a rule over half of the
+    tokens at those marked out of calibration)."""
+    from trustscope.query.budget import OUT_OF_CALIBRATION
+
+    eb = r.equal_budget
+    solved = eb[eb["param"].notna()]
+    if not len(solved):
+        return []
+    reference = solved["reference"].iloc[0]
+    target = solved["target_frac"].iloc[0]
+    head = (f"{r.run_id}: rules at an equal budget, each threshold moved to block "
+            + (f"{target:.2%} of the tokens with A != 0, as {reference}" if target == target and target is not None
+               else f"the reference's share ({reference})"))
+    sources = {"summ" if str(x).startswith("summaries") else "rows" for x in solved["source"]}
+    counts = solved["n_tokens"].dropna()
+    of = f" of {int(counts.iloc[0]):,}" if len(counts) and counts.nunique() == 1 else ""
+    table = Table(caption=escape(
+        "threshold: at the parameters evaluated here -> at the equal budget ([low, high]: the bracket the "
+        "summaries' bins allow); default: the share of the tokens with A != 0 it blocks there (* over half: out "
+        "of calibration for this run, the equal-budget threshold is the one that would match); budget: the "
+        f"tokens{of} it blocks at the equal budget; "
+        + ("from: rows = the logged rows (exact cut), summ = the summaries (every token, to a bin edge)"
+           if len(sources) > 1 else f"from the {'summaries (every token, to a bin edge)' if sources == {'summ'} else solved['source'].iloc[0]}")))
+    columns = ("rule", "threshold", "default", "budget") + (("from",) if len(sources) > 1 else ())
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("rule", "threshold", "from") else "right",
+                         no_wrap=col != "rule", overflow="fold")
+    for row in solved.itertuples():
+        frac, _n = r.blocked_by_rule.get(row.rule, (0.0, 0))
+        if row.value is None or row.value != row.value:
+            value, blocks = "-", row.note or "-"
+        else:
+            value = f"{row.value:.4g}" + (f" [{row.value_low:.3g}, {row.value_high:.3g}]"
+                                          if row.value_low != row.value_high else "")
+            blocks = f"{int(row.n_blocked):,}"
+        own = row.rule == r.loss_rule
+        cells = [Text(row.rule + (" (applied)" if own else ""), style="bold" if own else ""),
+                 Text(f"{row.param} {row.default:.4g} -> {value}"),
+                 _fmt(frac, ".2%") + (" *" if frac > OUT_OF_CALIBRATION else ""), blocks]
+        if len(sources) > 1:
+            cells.append("summ" if str(row.source).startswith("summaries") else "rows")
+        table.add_row(*cells)
+    parts: list = [Text(head, style="italic"), table]
+    unsolved = eb[eb["param"].isna()]
+    if len(unsolved):
+        parts.append(Text(f"not compared at an equal budget: {', '.join(unsolved['rule'])} (no scalar threshold)",
+                          style="dim"))
+    return parts
+
+
 def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
-                 lines: WarningLines | None = None) -> list[RunReport]:
-    """Print the terminal summary; return the reports."""
+                 lines: WarningLines | None = None, budget: float | None = None) -> list[RunReport]:
+    """Print the terminal summary, with each run's rules at an equal budget (the run's own rule's share, or
+    ``budget``); return the reports."""
     reports = build(db, lines)
+    if reports:
+        eb = db.equal_budget([r.run_id for r in reports], budget)
+        chosen = db.chosen_rules()
+        for r in reports:
+            r.chosen_rules = chosen
+            r.equal_budget = eb[eb["run_id"] == r.run_id].reset_index(drop=True)
     (console or Console()).print(render(reports, broken))
     return reports
 

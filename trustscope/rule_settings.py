@@ -176,6 +176,14 @@ def rule_params_of(texts: Sequence[str] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+RULE_OPTION_HELP = ("Evaluate a rule at other parameters (repeatable): NAME:param=value,... or NAME@VALUE (its scalar "
+                    "threshold); a run's own rule stays at the parameters it trained with.")
+"""The ``--rule`` option's help, shared by ``report``, ``sql``, ``dashboard`` and ``doctor``."""
+
+SETTINGS_ENV = "TRUSTSCOPE_RULE_SETTINGS"
+"""The dashboard's ``--rule`` settings, one a line, handed to the Streamlit process."""
+
+
 def check_budget(share: Any) -> float:
     """A blocked share asked for: a number in (0, 1), the share of the A != 0 tokens each rule should block."""
     if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:

@@ -153,10 +153,8 @@ def summary_rules(loss_rule: str | None = None, loss_params: dict | None = None,
     for name in list_losses():
         params = dict(get_loss(name).defaults)
         if name == loss_rule and loss_params:
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 params = get_loss(name).resolve(**loss_params)
-            except (TypeError, ValueError):
-                pass
         out.append((name, name, params))
     out += [(s.name, s.rule, dict(s.params)) for s in settings]
     return tuple(out)

@@ -165,6 +165,10 @@ class NamedAnalyses:
         steps = [self._frame("summary_steps", where={"run_id": ids})]
         blocked = [self._frame("summary_blocked", where={"run_id": ids})]
         exact = set(steps[0]["run_id"])
+        chosen = self.chosen_rules()
+        if chosen and exact:  # the summaries hold those rules at their defaults: counted from the logged rows
+            blocked[0] = blocked[0][~blocked[0]["rule"].isin(chosen)]
+            blocked.append(self.blocked_fractions(sorted(exact), chosen)[list(BLOCKED_COLUMNS)])
         rest = [r for r in ids if r not in exact]
         if rest:
             logged = self.step_summary(rest).assign(bad_negative_delta=ANALYSIS_DEFAULTS["bad_negative_delta"])
@@ -181,6 +185,14 @@ class NamedAnalyses:
             .reset_index(drop=True),
             blocked=pd.concat([f for f in blocked if len(f)] or blocked[:1], ignore_index=True),
             sources=sources)
+
+    def chosen_rules(self) -> list[str]:
+        """The rules this connection evaluates at parameters other than their defaults (``rule_params``)."""
+        from trustscope.losses import get_loss
+        from trustscope.query.rules import bindable
+
+        params: dict = getattr(self, "rule_params", {})
+        return sorted(r for r, p in params.items() if p != bindable(get_loss(r).defaults))
 
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
