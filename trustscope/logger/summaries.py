@@ -21,7 +21,7 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   and ``run.json``'s ``logging.summary_rules`` records.
 - ``threshold_hist``: per rule with a scalar threshold (:class:`trustscope.losses.Threshold`), at the parameters
   of its ``blocked`` rows, the tokens with A != 0 by the scale at which the rule starts to block them (its
-  ``score``), binned on :data:`HIST_EDGES`: the rule at scale u blocks the tokens of every bin above u, so the
+  ``score``), binned on :data:`THRESHOLD_EDGES`: the rule at scale u blocks the tokens of every bin above u, so the
   blocked count at any bin edge, and the threshold that blocks a given share to within one bin, follow exactly
   (``LogDB.equal_budget``). Tokens no scale blocks are not counted; those every scale blocks are in the last bin.
 - ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
@@ -73,6 +73,9 @@ SIGNS = ("positive", "negative", "zero")
 
 HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]])
 """``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
+THRESHOLD_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-48, 49) / 8.0), [np.inf]])
+"""``(99,)`` the ``threshold_hist`` edges, in scale (1: the parameters evaluated): 0, then 1e-6 to 1e6 at 8 per
+decade, then inf (a default off by three decades, GSPO's on a model far from its own, still falls inside)."""
 
 
 @contextlib.contextmanager
@@ -102,9 +105,9 @@ def _moments(name: str, x: np.ndarray) -> dict:
             "min": float(x.min()), "max": float(x.max())}
 
 
-def _hist(name: str, x: np.ndarray) -> list[dict]:
-    counts = np.bincount(np.searchsorted(HIST_EDGES, x, side="right") - 1, minlength=len(HIST_EDGES) - 1)
-    return [{"metric": f"{name}_hist", "bin_low": float(HIST_EDGES[i]), "bin_high": float(HIST_EDGES[i + 1]),
+def _hist(name: str, x: np.ndarray, edges: np.ndarray = HIST_EDGES) -> list[dict]:
+    counts = np.bincount(np.searchsorted(edges, x, side="right") - 1, minlength=len(edges) - 1)
+    return [{"metric": f"{name}_hist", "bin_low": float(edges[i]), "bin_high": float(edges[i + 1]),
              "count": int(counts[i])} for i in np.flatnonzero(counts)]
 
 
@@ -177,8 +180,8 @@ def _score_hist(name: str, score: np.ndarray) -> list[dict]:
     score = score[score > 0]
     if not len(score):
         return []
-    score = np.minimum(score, np.finfo(np.float64).max)  # blocked at every scale: the last bin, [1e3, inf)
-    return [{**row, "metric": "threshold_hist", "rule": name} for row in _hist("threshold", score)]
+    score = np.minimum(score, np.finfo(np.float64).max)  # blocked at every scale: the last bin, [1e6, inf)
+    return [{**row, "metric": "threshold_hist", "rule": name} for row in _hist("threshold", score, THRESHOLD_EDGES)]
 
 
 def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (),

@@ -173,7 +173,9 @@ def _value(rule: LossRule, base: dict[str, Any], u: float) -> float:
     return float(rule.threshold.at(u, base)[rule.threshold.param])
 
 
-def _from_summaries(run: _Run, rule: LossRule, hist: pd.DataFrame, n_tokens: int, target: int) -> dict[str, Any]:
+def _from_summaries(run: _Run, rule: LossRule, hist: pd.DataFrame, n_tokens: int,
+                    target: int) -> dict[str, Any] | None:
+    """The summaries' bracket, or None where the threshold lies beyond the bins (then the rows are read)."""
     base = run.rules[rule.name]
     bins = hist[hist["rule"] == rule.name].sort_values("bin_low")
     counts = bins["count"].to_numpy()
@@ -189,8 +191,8 @@ def _from_summaries(run: _Run, rule: LossRule, hist: pd.DataFrame, n_tokens: int
     u_low, n_low = float(lows[i]), int(above[i])
     u_high = float(highs[i])
     n_high = int(above[i + 1]) if i + 1 < len(above) else 0  # the bins above start at or after u_high
-    if not math.isfinite(u_high):
-        u_high = u_low * 10 ** (1 / 8)
+    if not math.isfinite(u_high):  # beyond the bins' range: the summaries cannot bracket it
+        return None
     u, n = (u_low, n_low) if abs(n_low - target) <= abs(n_high - target) else (u_high, n_high)
     u_low = max(u_low, 1e-300)
     values = sorted((_value(rule, base, u_low), _value(rule, base, u_high)))
@@ -279,6 +281,8 @@ def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: 
                 target = round(target_frac * n_summ)
                 row = _from_summaries(run, rule, hist, n_summ, target)
             else:
+                row = None
+            if row is None:
                 if cut is None:
                     cut = db.query("equal_budget_cut", run_id=run.run_id, share=target_frac)
                 row = _from_rows(run, rule, cut)
