@@ -668,7 +668,8 @@ def threshold_curves(df: pd.DataFrame, target: float | None = None, applied: str
 def budget_picks(df: pd.DataFrame, dimension: str, rules: Sequence[str]) -> go.Figure:
     """Which tokens each rule blocks at an equal budget along one ``dimension`` (mu bucket, advantage sign,
     entropy bucket, position): the share of the rule's blocked tokens in each group, beside the share of all the
-    tokens with A != 0 (grey), so a rule's bias shows as a bar above the grey one.
+    tokens with A != 0 (grey), so a rule's bias shows as a bar above the grey one. Each bar is labelled with its
+    count of tokens.
 
     Reads ``rule, dimension, value, n_blocked, share`` (``LogDB.budget_picks``).
     """
@@ -680,7 +681,10 @@ def budget_picks(df: pd.DataFrame, dimension: str, rules: Sequence[str]) -> go.F
         part = one[one["rule"] == rule].set_index("value").reindex(values)
         colour = "#BBBBBB" if rule == "(all tokens)" else rule_colour(rule)
         name = "all tokens with A != 0" if rule == "(all tokens)" else f"{rule} blocks"
+        counts = part["n_blocked"].fillna(0).astype(int)
         fig.add_trace(go.Bar(x=values, y=part["share"].fillna(0), name=name, marker_color=colour,
+                             text=[f"{c:,}" if c else "" for c in counts], textposition="outside",
+                             textfont={"size": 10}, cliponaxis=False,
                              meta={"rule": rule}, customdata=part[["n_blocked"]].fillna(0).to_numpy(),
                              hovertemplate="%{x}<br>%{y:.1%} (%{customdata[0]:,} tokens)<extra>%{fullData.name}"
                                            "</extra>"))

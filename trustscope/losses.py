@@ -622,13 +622,18 @@ def list_losses() -> list[str]:
 
 def catalogue_markdown() -> str:
     """The docs' rule table: one row per rule with its SQL mask family and defaults."""
-    rows = ["| rule | SQL mask family | defaults | what it does |", "|---|---|---|---|"]
+    rows = ["| rule | SQL mask family | defaults | scalar threshold | what it does |", "|---|---|---|---|---|"]
     for name in list_losses():
         rule = _REGISTRY[name]
         family = "-" if rule.sql is None else f"`{rule.sql.family}`" + (" (sequence)" if rule.sql.sequence else "")
         defaults = ", ".join(f"{k}={v!r}" for k, v in rule.defaults.items()) or "-"
         summary = " ".join(rule.doc.split()).replace("|", "\\|")
-        rows.append(f"| `{name}` | {family} | {defaults} | {summary} |")
+        threshold = "-"
+        if rule.threshold is not None:
+            moved = [f"{p} ({'in log' if kind == 'power' else 'in proportion'})" for p, kind in rule.threshold.scaled
+                     if p != rule.threshold.param]
+            threshold = f"`{rule.threshold.param}`" + (f", moving {', '.join(moved)}" if moved else "")
+        rows.append(f"| `{name}` | {family} | {defaults} | {threshold} | {summary} |")
     return "\n".join(rows) + "\n"
 
 

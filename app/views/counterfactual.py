@@ -11,6 +11,7 @@ import streamlit as st
 from app import data, pages, widgets
 from trustscope import figures
 from trustscope.losses import list_losses
+from trustscope.query.budget import OUT_OF_CALIBRATION
 
 POSITION_BINS = [0, 1, 4, 16, 64, 256, 1 << 30]
 POSITION_LABELS = ["0", "1-3", "4-15", "16-63", "64-255", "256+"]
@@ -54,20 +55,27 @@ def equal_budget_page() -> None:
                "A sequence rule blocks whole responses, so it lands on the count nearest the target.")
     widgets.calibration_warnings(run, eb)
     totals = data.blocked_totals([run]).set_index("rule")
+
+    def there(rule: str) -> str:
+        if rule not in totals.index:
+            return "0 blocked"
+        n, of = totals.loc[rule, "n_blocked"], totals.loc[rule, "n_tokens"]
+        return widgets.count_of(n, of) + (" - out of calibration" if of and n / of > OUT_OF_CALIBRATION else "")
+
     table = solved.assign(
-        at=[f"{p} = {d:.4g}" for p, d in zip(solved["param"], solved["default"], strict=True)],
-        blocks_there=[widgets.count_of(totals.loc[r, "n_blocked"], totals.loc[r, "n_tokens"])
-                      if r in totals.index else "0 blocked" for r in solved["rule"]],
-        threshold=[f"{v:.4g}" + (f" [{lo:.3g}, {hi:.3g}]" if lo != hi else "")
-                   for v, lo, hi in zip(solved["value"], solved["value_low"], solved["value_high"], strict=True)],
+        rule=[r + figures.APPLIED_MARK if r == applied else r for r in solved["rule"]],
+        threshold=[f"{p} {d:.4g} -> {v:.4g}" + (f" [{lo:.3g}, {hi:.3g}]" if lo != hi else "")
+                   for p, d, v, lo, hi in zip(solved["param"], solved["default"], solved["value"],
+                                              solved["value_low"], solved["value_high"], strict=True)],
+        blocks_there=[there(r) for r in solved["rule"]],
         blocks=[widgets.count_of(b, t) for b, t in zip(solved["n_blocked"], solved["n_tokens"], strict=True)])
-    st.dataframe(table[["rule", "at", "blocks_there", "threshold", "blocks", "setting", "note"]], hide_index=True,
-                 key="cf_budget_table",
-                 column_config={"at": "evaluated at", "blocks_there": "blocks there (of A != 0)",
-                                "threshold": st.column_config.TextColumn(
-                                    "equal-budget threshold", help="[low, high]: the bracket the summaries' bins "
-                                                                   "allow"),
-                                "blocks": "blocks at the budget", "setting": st.column_config.TextColumn(
+    st.dataframe(table[["rule", "threshold", "blocks_there", "blocks", "setting", "note"]], hide_index=True,
+                 key="cf_budget_table", height=35 * (len(table) + 1) + 3,
+                 column_config={"threshold": st.column_config.TextColumn(
+                                    "threshold: evaluated -> equal budget",
+                                    help="[low, high]: the bracket the summaries' bins allow"),
+                                "blocks_there": "blocks at the parameters evaluated", "blocks": "blocks at the budget",
+                                "setting": st.column_config.TextColumn(
                                     "as --rule", help="Give it to --rule or TokenLogger(rule_settings=...)")})
     skipped = eb[eb["param"].isna()]["rule"].tolist()
     if skipped:
@@ -76,9 +84,13 @@ def equal_budget_page() -> None:
     st.markdown("**Blocked share against each rule's threshold**")
     widgets.chart(data.figure(figures.threshold_curves, curve, target=target, applied=applied), "cf_curves",
                   "No rule with a scalar threshold blocks a logged token of this run at any threshold.")
-    st.caption(f"One line per rule; the threshold as a multiple of the one evaluated (the diamond, at 1: the "
-               f"default, or the run's own for {applied or 'its rule'}); the dashed line is the equal budget, "
-               f"{target:.2%}. Hover for the threshold itself and the counts.")
+    absent = sorted(set(solved["rule"]) - set(curve["rule"]))
+    counted = ", ".join(f"{n:,} tokens with A != 0 ({src})" for src, n in
+                        curve.groupby("source")["n_tokens"].first().items())
+    st.caption(f"One line per rule, over {counted}; the threshold as a multiple of the one evaluated (the diamond, "
+               f"at 1: the default, or the run's own for {applied or 'its rule'}); the dashed line is the equal "
+               f"budget, {target:.2%}. Hover for the threshold itself and the counts."
+               + (f" Not drawn (no logged token any threshold blocks): {', '.join(absent)}." if absent else ""))
 
     choices = figures.rule_order(solved["rule"].tolist())
     first = applied if applied in choices else choices[0]
@@ -98,7 +110,8 @@ def equal_budget_page() -> None:
     widgets.chart(data.figure(figures.budget_picks, picks, dimension, [rule_a] if rule_a == rule_b else
                               [rule_a, rule_b]), "cf_picks", "Neither rule blocks a logged token at this budget.")
     st.caption(f"Which tokens each rule picks at the budget, by {DIMENSIONS[dimension]}: the share of its blocked "
-               f"tokens in each group, against the share of all {rows_n:,} logged tokens with A != 0 (grey). "
+               f"tokens in each group (the bar's label: its count of tokens), against the share of all {rows_n:,} "
+               "logged tokens with A != 0 (grey). "
                "From the logged rows.")
     if rule_a == rule_b:
         st.info("Pick two different rules to see their overlap.", icon=":material/info:")

@@ -132,6 +132,19 @@ def reference_share(db: LogDB, run: _Run) -> tuple[float | None, str]:
     return n / of, f"{run.applied} (the run's rule: {n:,} of {of:,} tokens with A != 0)"
 
 
+def rows_reference(db: LogDB, run: _Run) -> tuple[float | None, str]:
+    """:func:`reference_share` over the logged rows (the population a cut from the rows is made on, so the run's
+    own rule stays at its own threshold)."""
+    if run.applied is None or run.applied not in list_losses() or get_loss(run.applied).sql is None:
+        return None, f"the run's rule {run.applied!r} is not one the views evaluate: give a budget"
+    df = db.blocked_fractions([run.run_id], [run.applied])
+    df = df[df["advantage_side"] == "all"]
+    n, of = int(df["n_blocked"].sum()), int(df["n_tokens"].sum())
+    if not n:
+        return None, f"the run's rule {run.applied} blocks no logged token: give a budget"
+    return n / of, f"{run.applied} (the run's rule: {n:,} of the {of:,} logged tokens with A != 0)"
+
+
 def _hist(db: LogDB, run_id: str) -> pd.DataFrame:
     df = db.summaries([run_id], ["threshold_hist"])
     return df.groupby(["rule", "bin_low", "bin_high"], as_index=False)["count"].sum()
@@ -282,12 +295,19 @@ def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: 
                 row = _from_summaries(run, rule, hist, n_summ, target)
             else:
                 row = None
+            said = (target_frac, reference)
             if row is None:
                 if cut is None:
-                    cut = db.query("equal_budget_cut", run_id=run.run_id, share=target_frac)
+                    if share is None and run.fraction is not None and run.fraction < 1:  # the rows' own reference
+                        rows_said = rows_reference(db, run)
+                        rows_said = rows_said if rows_said[0] is not None else said
+                    else:
+                        rows_said = said
+                    cut = db.query("equal_budget_cut", run_id=run.run_id, share=rows_said[0])
                 row = _from_rows(run, rule, cut)
                 target = int(cut["target"].iloc[0]) if len(cut) else None
-            row.update(reference=reference, target_frac=target_frac, target_blocked=target)
+                said = rows_said
+            row.update(reference=said[1], target_frac=said[0], target_blocked=target)
             out.append(row)
     return pd.DataFrame(out, columns=list(BUDGET_COLUMNS))
 
