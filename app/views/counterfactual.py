@@ -71,7 +71,8 @@ def equal_budget_page() -> None:
         blocks=[widgets.count_of(b, t) for b, t in zip(solved["n_blocked"], solved["n_tokens"], strict=True)])
     st.dataframe(table[["rule", "threshold", "blocks_there", "blocks", "setting", "note"]], hide_index=True,
                  key="cf_budget_table", height=35 * (len(table) + 1) + 3,
-                 column_config={"threshold": st.column_config.TextColumn(
+                 column_config={"rule": st.column_config.TextColumn("rule", width="medium"),
+                                "threshold": st.column_config.TextColumn(
                                     "threshold: evaluated -> equal budget",
                                     help="[low, high]: the bracket the summaries' bins allow"),
                                 "blocks_there": "blocks at the parameters evaluated", "blocks": "blocks at the budget",
@@ -98,10 +99,10 @@ def equal_budget_page() -> None:
                   first)
     left, right = st.columns(2)
     with left:
-        rule_a = st.selectbox("Rule A", choices, index=choices.index(first), key="cf_eb_a",
+        rule_a = st.selectbox("Rule A", choices, index=choices.index(first), key=f"cf_eb_a_{run}",
                               format_func=lambda r: r + figures.APPLIED_MARK if r == applied else r)
     with right:
-        rule_b = st.selectbox("Rule B", choices, index=choices.index(second), key="cf_eb_b",
+        rule_b = st.selectbox("Rule B", choices, index=choices.index(second), key=f"cf_eb_b_{run}",
                               format_func=lambda r: r + figures.APPLIED_MARK if r == applied else r)
     picks = data.budget_picks(run, budget)
     dimension = st.segmented_control("Picks by", list(DIMENSIONS), default="mu_bucket", key="cf_dimension",
