@@ -115,8 +115,7 @@ def warning_badge(run_ids: list[str]) -> None:
     warnings = data.collapse_warnings(run_ids)
     firsts = report.first_warnings(warnings)
     lines, detector = data.WARNING_LINES, report.DETECTOR
-    how = [f"bad negative updates reach {lines.bad_rate:.1%} of the last {lines.window} steps' tokens",
-           f"mean |pi - mu| {lines.mismatch_growth:g}x the run's first {lines.window} steps"]
+    how = lines.describe()
     if warnings["score"].notna().any():
         how.insert(0, f"the early-warning score (a logistic score over the last {detector.window} steps' "
                       f"{', '.join(report.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing "

@@ -249,6 +249,10 @@ def report(
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
+    warn_relative: float | None = typer.Option(None, "--warn-relative", help="Collapse warning against the run's "
+                                               "own first --warn-window steps instead: the bad-update rate or mean "
+                                               "|pi - mu| this many robust deviations (median, MAD) above them "
+                                               "(replaces the two lines above and the fitted detector)."),
     ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
                                    "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
                                    "storage they share)."),
@@ -282,7 +286,7 @@ def report(
             typer.echo(f"trustscope report: --budget: {exc}", err=True)
             raise typer.Exit(2) from exc
     try:
-        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
+        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window, warn_relative)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RayUnavailableWarning)
             db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback, rule_params=rule_params)

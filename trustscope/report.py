@@ -52,11 +52,20 @@ class WarningLines:
     reaches ``bad_rate`` or the mean |pi - mu| has grown ``mismatch_growth`` times over the run's first window.
 
     The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
-    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``)."""
+    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``).
+
+    ``relative_z``: the lines against the run's own baseline instead, so that one setting means the same on a
+    model whose normal mismatch is ten times the toy's or a tenth: a step warns when the last ``window`` steps'
+    bad-update rate, or their mean |pi - mu|, stands ``relative_z`` robust deviations above the run's first
+    ``window`` steps (their median; the deviation 1.4826 x their median absolute deviation, floored by the
+    counting noise of the rate, sqrt(max(median, 1 / baseline tokens) / recent tokens), and by 5% of the median
+    mismatch). ``bad_rate`` and ``mismatch_growth`` are then not read, and the fitted detector, whose weights are
+    absolute, is left out (see :func:`collapse_warnings`)."""
 
     bad_rate: float = 0.01
     mismatch_growth: float = 2.0
     window: int = 10
+    relative_z: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("bad_rate", "mismatch_growth"):
@@ -65,6 +74,36 @@ class WarningLines:
                 raise ValueError(f"WarningLines.{name}={value!r} must be a finite number > 0")
         if not (isinstance(self.window, int) and self.window >= 1):
             raise ValueError(f"WarningLines.window={self.window!r} must be an integer >= 1")
+        if self.relative_z is not None and not (isinstance(self.relative_z, int | float)
+                                                and math.isfinite(self.relative_z) and self.relative_z > 0):
+            raise ValueError(f"WarningLines.relative_z={self.relative_z!r} must be a finite number > 0 (robust "
+                             f"deviations above the run's first steps), or None for the absolute lines")
+
+    def describe(self) -> list[str]:
+        """The lines in words, for captions and alerts."""
+        if self.relative_z is not None:
+            return [f"bad negative updates of the last {self.window} steps {self.relative_z:g} robust deviations "
+                    f"above the run's first {self.window} steps",
+                    f"mean |pi - mu| of the last {self.window} steps {self.relative_z:g} robust deviations above "
+                    f"the run's first {self.window} steps"]
+        return [f"bad negative updates reach {self.bad_rate:.1%} of the last {self.window} steps' tokens",
+                f"mean |pi - mu| {self.mismatch_growth:g}x the run's first {self.window} steps"]
+
+
+ROBUST_SCALE = 1.4826
+"""The median absolute deviation times this estimates a normal spread's standard deviation."""
+MISMATCH_FLOOR = 0.05
+"""The relative lines' least deviation of mean |pi - mu|: this share of the baseline's median (a run whose first
+steps agree to the digit would otherwise warn on any wiggle); a share, so it scales with the run."""
+
+
+def robust_z(recent: pd.Series, baseline: pd.Series, floor: pd.Series | float) -> pd.Series:
+    """(recent - median(baseline)) / max(1.4826 MAD(baseline), floor): how far ``recent`` stands above the
+    baseline in robust deviations."""
+    med = float(baseline.median()) if len(baseline.dropna()) else math.nan
+    mad = ROBUST_SCALE * float((baseline - med).abs().median()) if len(baseline.dropna()) else math.nan
+    scale = np.maximum(mad, floor)
+    return (recent - med) / pd.Series(scale, index=recent.index).where(lambda x: x > 0)
 
 
 @dataclass(frozen=True)
@@ -210,7 +249,7 @@ def run_table(db: LogDB) -> pd.DataFrame:
 
 
 WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
-                   "warn_mismatch", "score", "warn_score", "warning"]
+                   "warn_mismatch", "score", "warn_score", "warning", "bad_rate_z", "mismatch_z"]
 
 
 def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
@@ -227,6 +266,8 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
     updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
+    if lines.relative_z is not None:
+        detector = None  # its weights are absolute: not refitted in the run's own terms
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db
@@ -250,7 +291,22 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
             "run_id": run_id, "step": one["step"].to_numpy(), "reward_mean": one["reward_mean"].to_numpy(),
             "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
             "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
-            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()})
+            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy(),
+            "bad_rate_z": np.nan, "mismatch_z": np.nan})
+        if lines.relative_z is not None:
+            first = one.iloc[:lines.window]
+            step_rate = (first["n_bad_negative"].astype(float) / first["n_tokens"].astype(float).where(
+                first["n_tokens"] > 0))
+            base_tokens = float(first["n_tokens"].sum())
+            noise = np.sqrt(max(float(step_rate.median()) if step_rate.notna().any() else 0.0, 1 / max(base_tokens, 1))
+                            / recent["n_tokens"].where(recent["n_tokens"] > 0))
+            bad_z = robust_z(rate, step_rate, noise)
+            recent_mismatch = mismatch.rolling(lines.window, min_periods=1).mean()
+            mis_z = robust_z(recent_mismatch, mismatch.iloc[:lines.window],
+                             MISMATCH_FLOOR * abs(float(mismatch.iloc[:lines.window].median())))
+            part["bad_rate_z"], part["mismatch_z"] = bad_z.to_numpy(), mis_z.to_numpy()
+            part["warn_bad_rate"] = late & (bad_z >= lines.relative_z).to_numpy()
+            part["warn_mismatch"] = late & (mis_z >= lines.relative_z).to_numpy()
         if detector is not None and all(c in one.columns and one[c].notna().any() for c in detector.signals):
             part["score"], part["warn_score"] = detector.score(one)
         else:
@@ -277,9 +333,13 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dic
             why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
                        f"{detector.window} steps' {names}")
         if row["warn_bad_rate"]:
-            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens")
+            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens"
+                       + (f", {row['bad_rate_z']:.1f} robust deviations above its first steps"
+                          if pd.notna(row.get("bad_rate_z")) else ""))
         if row["warn_mismatch"]:
-            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps")
+            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps"
+                       + (f", {row['mismatch_z']:.1f} robust deviations above them"
+                          if pd.notna(row.get("mismatch_z")) else ""))
         out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
     return out
 
