@@ -35,7 +35,9 @@ from trustscope.rule_settings import check_budget, explicit_name, number_text
 if TYPE_CHECKING:
     import pandas as pd
 
-    from trustscope.query.connection import LogDB
+LogDB = Any
+"""A :class:`trustscope.query.connection.LogDB` (named here without importing it: the connection's analyses import
+this module)."""
 
 BUDGET_COLUMNS = ("run_id", "rule", "param", "default", "value", "value_low", "value_high", "n_blocked",
                   "n_blocked_low", "n_blocked_high", "n_tokens", "blocked_frac", "target_frac", "target_blocked",
