@@ -290,6 +290,7 @@ def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
     at.switch_page("views/counterfactual.py")
     at.run()
     at.selectbox(key="run_picker").set_value(run).run()
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
     tokens = at.dataframe[-1].value
     if tokens.empty:
         pytest.skip("the two default rules agree on every token of this log")
