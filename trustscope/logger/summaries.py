@@ -253,10 +253,13 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (),
     with one_torch_thread(), torch.no_grad():
         base = {rule: params for name, rule, params in rules if name == rule and rule in with_inputs}
         masks = dict(keep_masks(batch, list(base), params=base, given=given))
+        terms = MaskTerms(batch, given)  # the settings' masks and the scores share one set of terms
         for name, rule, params in rules:
             if name != rule and rule in with_inputs:
-                masks[name] = keep_masks(batch, [rule], params={rule: params}, given=given)[rule]
-        terms = MaskTerms(batch, given)
+                spec = get_loss(rule)
+                masks[name] = (spec.mask(terms, **{p: params[p] for p in spec.mask_params}) & terms.valid
+                               if spec.mask is not None else
+                               keep_masks(batch, [rule], params={rule: params}, given=given)[rule])
         scores = {rule: get_loss(rule).threshold.score(terms, **params) for rule, params in base.items()
                   if get_loss(rule).threshold is not None
                   and get_loss(rule).threshold.scalable(params) is None}  # (B, T) each
