@@ -233,6 +233,15 @@ def test_counterfactual_page_parameter_panel_moves_a_rule(monkeypatch, logdir):
     assert any("geo_mask" in e.value and "low" in e.value and "3.0" in e.value for e in at.error)
 
 
+def test_dashboard_rule_settings_reach_every_page(monkeypatch, logdir):
+    """``trustscope dashboard --rule`` hands its settings to the pages: the rules are evaluated there."""
+    monkeypatch.setenv("TRUSTSCOPE_RULE_SETTINGS", "geo_mask@0.5")
+    at = _open(monkeypatch, logdir, "rules")
+    _ok(at, "Rules side by side")
+    assert any("(1 set)" in e.proto.label for e in at.get("expander"))
+    assert not any("geo_mask" in w.value for w in at.warning)  # at 0.5 it is no longer out of calibration
+
+
 def test_counterfactual_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "counterfactual")
     at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()

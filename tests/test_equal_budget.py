@@ -169,7 +169,7 @@ def test_picks_and_overlap_at_the_equal_budget_add_up(logdir):
     assert by.get("both", 0) + by.get("only b", 0) == blocked["dppo_binary_tv"]
 
 
-@pytest.mark.parametrize("command", [["report"], ["doctor"], ["sql", "select 1"]])
+@pytest.mark.parametrize("command", [["report"], ["doctor"], ["sql", "select 1"], ["dashboard"]])
 def test_the_rule_option_refuses_bad_input_naming_the_parameter_and_its_bounds(logdir, command):
     args = [command[0], str(logdir), *command[1:], "--rule", "dppo_binary_tv:delta=-2"]
     result = CliRunner().invoke(app, args)
