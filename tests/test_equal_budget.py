@@ -186,3 +186,12 @@ def test_report_shows_rules_at_an_equal_budget_and_a_chosen_setting(logdir):
     assert "low 0.9 ->" in result.output
     bad = CliRunner().invoke(app, ["report", str(logdir), "--budget", "1.5"])
     assert bad.exit_code == 2 and "outside (0, 1)" in bad.output
+
+
+def test_a_run_too_large_to_cut_on_its_rows_is_said_so_and_its_summaries_still_answer(logdir):
+    with connect(logdir, cache=False) as db:
+        eb = db.equal_budget(budget=0.05, max_rows=100)
+    rows = eb[(eb["run_id"] == "rows") & eb["param"].notna()]
+    assert rows["value"].isna().all() and rows["note"].str.startswith("not cut").all()
+    summ = eb[(eb["run_id"] == "summ") & eb["source"].fillna("").str.startswith("summaries")]
+    assert len(summ) >= 10 and summ["value"].notna().all()

@@ -248,7 +248,7 @@ class NamedAnalyses:
         return df.sort_values("pos").reset_index(drop=True)
 
     def equal_budget(self, run_ids: Sequence[str] | str | None = None, budget: float | None = None,
-                     rules: Sequence[str] | str | None = None) -> pd.DataFrame:
+                     rules: Sequence[str] | str | None = None, max_rows: int | None = None) -> pd.DataFrame:
         """Per run and rule: the threshold at which the rule blocks the same share of the run's tokens with
         A != 0 as a reference, the run's own rule (default) or ``budget`` (a share in (0, 1)); see
         :mod:`trustscope.query.budget`.
@@ -260,11 +260,12 @@ class NamedAnalyses:
         target_blocked, reference (a sentence), setting (the rule at value as a rule setting, ``rule@value``,
         which ``--rule`` and ``TokenLogger(rule_settings=...)`` read back), params (JSON: the mask's parameters
         at value), source ('summaries (...)' or 'logged rows (...)'), note (exactness, or why there is no value:
-        no scalar threshold, no reference, out of bounds, not reachable).
+        no scalar threshold, no reference, out of bounds, not reachable). ``max_rows``: leave out (with a note)
+        the cuts that would read more than this many logged token rows of a run (the report's limit).
         """
         from trustscope.query.budget import equal_budget
 
-        return equal_budget(self, run_ids, budget, rules)
+        return equal_budget(self, run_ids, budget, rules, max_rows)
 
     def threshold_curve(self, run_id: str, rules: Sequence[str] | str | None = None) -> pd.DataFrame:
         """The blocked share of run ``run_id``'s tokens with A != 0 against each rule's threshold (rules with a
