@@ -81,12 +81,12 @@ def worker(args: argparse.Namespace) -> None:
         columns.DIMENSIONS = ()
     bits = tuple(name for name, _ in blocked_rule_list())
     cols = step(args.B, args.tokens, args.k, args.turns)
-    summarize_call({k: v.copy() for k, v in cols.items()}, bits, 10)  # warm-up: torch, the rules
+    summarize_call({k: v.copy() for k, v in cols.items()}, bits, step=10)  # warm-up: torch, the rules
     cpu = []
     for _ in range(args.calls):
         fresh = {k: v.copy() for k, v in cols.items()}
         start = time.process_time()
-        rows = summarize_call(fresh, bits, 10)
+        rows = summarize_call(fresh, bits, step=10)
         cpu.append(time.process_time() - start)
     base = [r for r in rows if r.get("dimension") is None]
     per_dim = {d: sum(r.get("dimension") == d for r in rows) for d in ("position", "turn", "staleness")}

@@ -200,8 +200,51 @@ def test_rules_page(monkeypatch, logdir):
     assert {t["meta"]["rule"] for t in json.loads(_charts(at)[0].proto.spec)["data"]} == {"grpo"}
 
 
+def test_counterfactual_page_opens_at_an_equal_budget(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "counterfactual")
+    _ok(at, "Counterfactual")
+    assert at.segmented_control(key="cf_mode").value == "At an equal budget"
+    table = at.dataframe[0].value
+    assert {"rule", "threshold", "blocks", "setting"} <= set(table.columns) and len(table) >= 5
+    counts = [int(b.split("(")[1].split(" of ")[0].replace(",", "")) for b in table["blocks"]]
+    targets = {int(b.split(" of ")[1].rstrip(")").replace(",", "")) for b in table["blocks"]}
+    assert len(targets) == 1 and max(counts) - min(counts) <= 0.01 * targets.pop() + 2  # an equal budget
+    curves, picks = (json.loads(c.proto.spec) for c in _charts(at)[:2])
+    shown = {r.removesuffix(" (applied)") for r in table["rule"]}
+    assert len(shown) == len(table) and {t["meta"]["rule"] for t in curves["data"]} >= shown
+    assert curves["layout"]["xaxis"]["type"] == "log" and curves["data"][0]["name"]
+    assert {t["name"] for t in picks["data"]} >= {"all tokens with A != 0"}
+    assert all(" of " in m.value for m in at.metric[:3])
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
+    _ok(at, "Counterfactual")
+    assert at.selectbox(key="cf_rule_a").value
+
+
+def test_counterfactual_page_parameter_panel_moves_a_rule(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "counterfactual")
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
+    at.selectbox(key="cf_panel_rule").set_value("geo_mask").run()
+    at.number_input(key="cf_panel_geo_mask_low").set_value(0.5).run()
+    at.button(key="cf_panel_apply").click().run()
+    _ok(at, "Counterfactual")
+    assert at.session_state["rule_params"]["geo_mask"]["low"] == 0.5
+    at.number_input(key="cf_panel_geo_mask_low").set_value(3.0).run()
+    at.button(key="cf_panel_apply").click().run()
+    assert any("geo_mask" in e.value and "low" in e.value and "3.0" in e.value for e in at.error)
+
+
+def test_dashboard_rule_settings_reach_every_page(monkeypatch, logdir):
+    """``trustscope dashboard --rule`` hands its settings to the pages: the rules are evaluated there."""
+    monkeypatch.setenv("TRUSTSCOPE_RULE_SETTINGS", "geo_mask@0.5")
+    at = _open(monkeypatch, logdir, "rules")
+    _ok(at, "Rules side by side")
+    assert any("(1 set)" in e.proto.label for e in at.get("expander"))
+    assert not any("geo_mask" in w.value for w in at.warning)  # at 0.5 it is no longer out of calibration
+
+
 def test_counterfactual_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "counterfactual")
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
     _ok(at, "Counterfactual")
     rule_a, rule_b = at.selectbox(key="cf_rule_a").value, at.selectbox(key="cf_rule_b").value
     assert rule_b == ("ppo_clip" if rule_a == "dppo_binary_tv" else "dppo_binary_tv")
@@ -256,6 +299,7 @@ def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
     at.switch_page("views/counterfactual.py")
     at.run()
     at.selectbox(key="run_picker").set_value(run).run()
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
     tokens = at.dataframe[-1].value
     if tokens.empty:
         pytest.skip("the two default rules agree on every token of this log")

@@ -13,6 +13,7 @@ import typer
 import typer.core
 
 from trustscope import __version__
+from trustscope.rule_settings import RULE_OPTION_HELP, SETTINGS_ENV, check_budget, rule_params_of
 from trustscope.sql_command import first_line, left_out
 from trustscope.sql_command import sql as sql_command
 
@@ -105,6 +106,18 @@ app = typer.Typer(
 )
 
 
+def _rule_params(command: str, rules: list[str] | None) -> dict | None:
+    """``--rule`` options as ``connect(rule_params=...)`` (None when there are none); bad input exits 2 with the
+    parser's message (the rule, the parameter, the value and its bounds)."""
+    if not rules:
+        return None
+    try:
+        return rule_params_of(rules)
+    except ValueError as exc:
+        typer.echo(f"trustscope {command}: --rule: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def version() -> None:
     """Print the trustscope version."""
@@ -122,11 +135,17 @@ def dashboard(
                                      "generated and printed with the URL when started from a terminal)."),
     no_auth: bool = typer.Option(False, "--no-auth", help="Serve with no sign-in, even on an address other than "
                                  "loopback (anyone who can reach the port reads every run)."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
 ) -> None:
     """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise; any other
     address asks for an access token or an OIDC sign-in)."""
+    import os
+
     from trustscope._dashboard import load
 
+    if rule:
+        _rule_params("dashboard", rule)
+        os.environ[SETTINGS_ENV] = "\n".join(rule)
     try:
         load("app.launch").launch(logdir, host=host, port=port, token=token, no_auth=no_auth)
     except (OSError, ValueError) as exc:
@@ -309,11 +328,19 @@ def report(
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
+    warn_relative: float | None = typer.Option(None, "--warn-relative", help="Collapse warning against the run's "
+                                               "own first --warn-window steps instead: the bad-update rate or mean "
+                                               "|pi - mu| this many robust deviations (median, MAD) above them "
+                                               "(replaces the two lines above and the fitted detector)."),
     ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
                                    "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
                                    "storage they share)."),
     ray_fallback: str = typer.Option("warn", "--ray-fallback", help="When the --ray cluster cannot be reached: "
                                      "warn (and aggregate here) or error."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
+    budget: float | None = typer.Option(None, "--budget", help="Equal-budget section: the share of the tokens "
+                                        "with A != 0 every rule is moved to block, in (0, 1) (default: the share "
+                                        "the run's own rule blocks)."),
 ) -> None:
     """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
     collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
@@ -330,15 +357,22 @@ def report(
         from trustscope.paths import sample_logdir
 
         logdir = str(sample_logdir())
+    rule_params = _rule_params("report", rule)
+    if budget is not None:
+        try:
+            check_budget(budget)
+        except ValueError as exc:
+            typer.echo(f"trustscope report: --budget: {exc}", err=True)
+            raise typer.Exit(2) from exc
     try:
-        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
+        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window, warn_relative)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RayUnavailableWarning)
-            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback)
+            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback, rule_params=rule_params)
         for warning in caught:
             typer.echo(f"trustscope report: {warning.message}", err=True)
         with db:
-            print_report(db, broken=broken, lines=lines)
+            print_report(db, broken=broken, lines=lines, budget=budget)
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
     except (FileNotFoundError, NoRunsFound, StorageError, ValueError, RayUnavailable) as exc:
@@ -453,6 +487,7 @@ def doctor(
     from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
     webhook: str | None = typer.Option(None, "--webhook", help="Post each failed check to this Slack-compatible "
                                        "webhook URL (docs/trackers.md)."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
 ) -> None:
     """Contract checks on any log, native or imported: each measures one way the logged numbers can be wrong and
     gives a verdict (the list ends this help). Exit 1 when a check fails, 2 when a run cannot be read whole (it is
@@ -474,7 +509,7 @@ def doctor(
         typer.echo(f"trustscope doctor: --webhook: {exc}", err=True)
         raise typer.Exit(2) from exc
     try:
-        db, broken = connect_readable(logdir, cache=False)
+        db, broken = connect_readable(logdir, cache=False, rule_params=_rule_params("doctor", rule))
         with db:
             findings = diagnose(db, run or None, first_step=from_step)
     except (KeyError, ValueError, FileNotFoundError) as exc:

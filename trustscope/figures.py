@@ -695,3 +695,72 @@ def blocked_by_dimension(df: pd.DataFrame, dimension: str, max_cols: int = 3) ->
     percent_axis(fig)
     fig.update_yaxes(title_text="blocked (% of A != 0)", col=1)
     return _finish(fig, 120 + 230 * rows, top=60)
+
+
+def threshold_curves(df: pd.DataFrame, target: float | None = None, applied: str | None = None) -> go.Figure:
+    """Blocked share of a run's tokens with A != 0 against each rule's threshold, one line per rule, on one scale:
+    the threshold as a multiple of the one evaluated (u = 1, marked on every line: the default, or the run's own
+    for its rule; ratio bands scale in log, see :class:`trustscope.losses.Threshold`). A larger scale blocks fewer
+    tokens. ``target``: the equal budget's share, drawn across.
+
+    Reads ``rule, param, value, scale, n_blocked, n_tokens, blocked_frac, default`` (``LogDB.threshold_curve``).
+    """
+    _check_columns(df, ["rule", "param", "value", "scale", "n_blocked", "n_tokens", "blocked_frac", "default"],
+                   "threshold_curves")
+    fig = go.Figure()
+    for rule in rule_order(df["rule"].unique()):
+        one = df[df["rule"] == rule].sort_values("scale")
+        name = rule + (APPLIED_MARK if rule == applied else "")
+        custom = one[["param", "value", "n_blocked", "n_tokens"]].to_numpy()
+        fig.add_trace(go.Scatter(
+            x=one["scale"], y=one["blocked_frac"], mode="lines", name=name, legendgroup=rule, meta={"rule": rule},
+            line={"color": rule_colour(rule), "width": 3 if rule == applied else 1.5, "shape": "hv"},
+            customdata=custom,
+            hovertemplate=f"{rule}<br>%{{customdata[0]}} = %{{customdata[1]:.4g}} (scale %{{x:.3g}})<br>"
+                          "blocks %{y:.2%} (%{customdata[2]:,} of %{customdata[3]:,} tokens)<extra></extra>"))
+        below = one[one["scale"] <= 1.0]
+        at = below.iloc[-1] if len(below) else one.iloc[0]
+        fig.add_trace(go.Scatter(
+            x=[1.0], y=[at["blocked_frac"]], mode="markers", name=f"{rule} at {at['param']} = {at['default']:.4g}",
+            legendgroup=rule, showlegend=False, meta={"rule": rule},
+            marker={"color": rule_colour(rule), "size": 10, "symbol": "diamond", "line": {"width": 1, "color": "black"}},
+            hovertemplate=f"{rule} at {at['param']} = {at['default']:.4g} (the parameters evaluated)<br>"
+                          f"blocks about %{{y:.2%}}<extra></extra>"))
+    if target is not None and len(df):
+        fig.add_hline(y=target, line={"dash": "dash", "color": "black", "width": 1},
+                      annotation_text=f"equal budget {target:.2%}", annotation_position="top left")
+    log_axis(fig, df["scale"], axis="x")
+    percent_axis(fig)
+    fig.update_xaxes(title_text="threshold as a multiple of the one evaluated (log; diamond: 1, the default)")
+    fig.update_yaxes(title_text="blocked (% of the tokens with A != 0)")
+    return _finish(fig, 460)
+
+
+def budget_picks(df: pd.DataFrame, dimension: str, rules: Sequence[str]) -> go.Figure:
+    """Which tokens each rule blocks at an equal budget along one ``dimension`` (mu bucket, advantage sign,
+    entropy bucket, position): the share of the rule's blocked tokens in each group, beside the share of all the
+    tokens with A != 0 (grey), so a rule's bias shows as a bar above the grey one. Each bar is labelled with its
+    count of tokens.
+
+    Reads ``rule, dimension, value, n_blocked, share`` (``LogDB.budget_picks``).
+    """
+    _check_columns(df, ["rule", "dimension", "value", "n_blocked", "share"], "budget_picks")
+    one = df[df["dimension"] == dimension]
+    values = _buckets(one["value"], None)
+    fig = go.Figure()
+    for rule in ["(all tokens)", *rules]:
+        part = one[one["rule"] == rule].set_index("value").reindex(values)
+        colour = "#BBBBBB" if rule == "(all tokens)" else rule_colour(rule)
+        name = "all tokens with A != 0" if rule == "(all tokens)" else f"{rule} blocks"
+        counts = part["n_blocked"].fillna(0).astype(int)
+        fig.add_trace(go.Bar(x=values, y=part["share"].fillna(0), name=name, marker_color=colour,
+                             text=[f"{c:,}" if c else "" for c in counts], textposition="outside",
+                             textfont={"size": 10}, cliponaxis=False,
+                             meta={"rule": rule}, customdata=part[["n_blocked"]].fillna(0).to_numpy(),
+                             hovertemplate="%{x}<br>%{y:.1%} (%{customdata[0]:,} tokens)<extra>%{fullData.name}"
+                                           "</extra>"))
+    percent_axis(fig)
+    fig.update_xaxes(title_text=dimension.replace("_", " "), categoryorder="array", categoryarray=values)
+    fig.update_yaxes(title_text="share of the tokens each blocks")
+    fig.update_layout(barmode="group")
+    return _finish(fig, 380)

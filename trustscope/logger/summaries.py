@@ -10,11 +10,20 @@ view adds up the micro-batches of a step and the ranks of a run.
 Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
 
 - ``tokens``: token count per advantage sign (positive, negative, zero) and mu bucket.
-- ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`, default parameters), the tokens its
-  keep-mask blocks, per advantage sign (positive, negative: A = 0 is left out, a blocked A = 0 token carries no
-  gradient either way) and mu bucket: every rule's mask from :func:`trustscope.losses.keep_masks`, without its
-  loss, the rules sharing their ratios and divergences. The top-K rules gate on the stored ``topk_tv`` /
-  ``topk_kl``, as the SQL views do. A rule that needs a column the call lacks (top-K, old_logprob) has no rows.
+- ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`: the rule the run trains with at its
+  own parameters, every other at its defaults), the tokens its keep-mask blocks, per advantage sign (positive,
+  negative: A = 0 is left out, a blocked A = 0 token carries no gradient either way) and mu bucket: every rule's
+  mask from :func:`trustscope.losses.keep_masks`, without its loss, the rules sharing their ratios and
+  divergences. The top-K rules gate on the stored ``topk_tv`` / ``topk_kl``, as the SQL views do. A rule that
+  needs a column the call lacks (top-K, old_logprob) has no rows. Each rule setting the logger was given
+  (``TokenLogger(rule_settings=...)``, :mod:`trustscope.rule_settings`) has rows of its own, ``rule`` being the
+  setting's name (``geo_mask@0.99``, ``ppo_clip:eps_low=0.1,eps_high=0.1``), whose parameters the name gives back
+  and ``run.json``'s ``logging.summary_rules`` records.
+- ``threshold_hist``: per rule with a scalar threshold (:class:`trustscope.losses.Threshold`), at the parameters
+  of its ``blocked`` rows, the tokens with A != 0 by the scale at which the rule starts to block them (its
+  ``score``), binned on :data:`THRESHOLD_EDGES`: the rule at scale u blocks the tokens of every bin above u, so the
+  blocked count at any bin edge, and the threshold that blocks a given share to within one bin, follow exactly
+  (``LogDB.equal_budget``). Tokens no scale blocks are not counted; those every scale blocks are in the last bin.
 - ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
 - ``bad_negative``: tokens with A < 0 and mu - pi >= ``threshold`` (minimal_negative_mask's default delta, the
   SQL's ``bad_negative_delta``).
@@ -70,6 +79,9 @@ SIGNS = ("positive", "negative", "zero")
 
 HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]])
 """``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
+THRESHOLD_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-48, 49) / 8.0), [np.inf]])
+"""``(99,)`` the ``threshold_hist`` edges, in scale (1: the parameters evaluated): 0, then 1e-6 to 1e6 at 8 per
+decade, then inf (a default off by three decades, GSPO's on a model far from its own, still falls inside)."""
 
 
 @contextlib.contextmanager
@@ -99,9 +111,9 @@ def _moments(name: str, x: np.ndarray) -> dict:
             "min": float(x.min()), "max": float(x.max())}
 
 
-def _hist(name: str, x: np.ndarray) -> list[dict]:
-    counts = np.bincount(np.searchsorted(HIST_EDGES, x, side="right") - 1, minlength=len(HIST_EDGES) - 1)
-    return [{"metric": f"{name}_hist", "bin_low": float(HIST_EDGES[i]), "bin_high": float(HIST_EDGES[i + 1]),
+def _hist(name: str, x: np.ndarray, edges: np.ndarray = HIST_EDGES) -> list[dict]:
+    counts = np.bincount(np.searchsorted(edges, x, side="right") - 1, minlength=len(edges) - 1)
+    return [{"metric": f"{name}_hist", "bin_low": float(edges[i]), "bin_high": float(edges[i + 1]),
              "count": int(counts[i])} for i in np.flatnonzero(counts)]
 
 
@@ -135,8 +147,30 @@ def blocked_rule_list() -> list[tuple[str, dict]]:
     return [(rule.name, dict(rule.defaults)) for rule in rules[: S.MAX_BLOCKED_RULES]]
 
 
-def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None
-                   ) -> list[dict]:
+SummaryRule = tuple[str, str, dict]
+"""``(name, rule, params)``: what one set of ``blocked`` rows is (see :func:`summary_rules`)."""
+
+
+def summary_rules(loss_rule: str | None = None, loss_params: dict | None = None,
+                  settings: tuple = ()) -> tuple[SummaryRule, ...]:
+    """The rule settings the summaries count blocks for: every registered rule under its own name, at its defaults
+    except ``loss_rule`` (the rule the run trains with) at ``loss_params`` (its defaults where they are None or
+    rejected), then each of ``settings`` (:class:`trustscope.rule_settings.RuleSetting`) under its name."""
+    from trustscope.losses import get_loss, list_losses
+
+    out = []
+    for name in list_losses():
+        params = dict(get_loss(name).defaults)
+        if name == loss_rule and loss_params:
+            with contextlib.suppress(TypeError, ValueError):
+                params = get_loss(name).resolve(**loss_params)
+        out.append((name, name, params))
+    out += [(s.name, s.rule, dict(s.params)) for s in settings]
+    return tuple(out)
+
+
+def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None,
+                   rules: tuple[SummaryRule, ...] | None = None) -> list[dict]:
     """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
     lists are there and the divergences are not (computed once, for every row, and written with the rows), and
     ``blocked_rules`` when ``bit_rules`` names rules (see :func:`summarize`)."""
@@ -144,16 +178,28 @@ def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (),
         tv, kl = topk_divergences_np(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
         cols.setdefault("topk_tv", tv)
         cols.setdefault("topk_kl", kl)
-    return summarize(cols, bit_rules, step)
+    return summarize(cols, bit_rules, step, rules)
 
 
-def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None) -> list[dict]:
+def _score_hist(name: str, score: np.ndarray) -> list[dict]:
+    """``threshold_hist`` rows of one rule: the scores > 0 (NaN: blocked at no scale) on :data:`HIST_EDGES`."""
+    score = score[score > 0]
+    if not len(score):
+        return []
+    score = np.minimum(score, np.finfo(np.float64).max)  # blocked at every scale: the last bin, [1e6, inf)
+    return [{**row, "metric": "threshold_hist", "rule": name} for row in _hist("threshold", score, THRESHOLD_EDGES)]
+
+
+def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None,
+              rules: tuple[SummaryRule, ...] | None = None) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
     The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`). With ``bit_rules``, the same
     masks also go into ``cols["blocked_rules"]`` ``(N,)`` int64: bit i set when ``bit_rules[i]`` blocks the row
     (a rule whose inputs the call lacks blocks nothing, as in the SQL views). The kept aggregates' first pass
-    reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`).
+    reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`). ``rules``:
+    the settings counted (:func:`summary_rules`; default: every rule at its defaults); the bits are taken from
+    the settings named like their rule, and only where those are at the rule's defaults.
 
     ``step``: the call's step, which the ``staleness`` dimension reads (None: no staleness rows).
 
@@ -203,18 +249,39 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step
                         advantages=tensor("advantage"), mask=torch.from_numpy(valid),
                         old_logprob=tensor("old_logprob"), **lists)
     signed = sign < 2
-    with one_torch_thread():
-        masks = keep_masks(batch, rules_with_inputs(batch, given), given=given)
+    rules = summary_rules() if rules is None else rules
+    with_inputs = set(rules_with_inputs(batch, given))
     bit_of = {name: i for i, name in enumerate(bit_rules)}
     bits = np.zeros(n, dtype=np.int64) if bit_rules else None  # (N,)
-    blocked_by: dict[str, np.ndarray] = {}  # rule -> (N,) blocked A != 0 tokens, for the dimension rows
+
+    def flat_of(values: torch.Tensor) -> np.ndarray:
+        values = values.numpy().reshape(-1)  # (B * T,)
+        return values if dense else values[flat]  # (N,)
+
+    with one_torch_thread(), torch.no_grad():
+        base = {rule: params for name, rule, params in rules if name == rule and rule in with_inputs}
+        masks = dict(keep_masks(batch, list(base), params=base, given=given))
+        terms = MaskTerms(batch, given)  # the settings' masks and the scores share one set of terms
+        for name, rule, params in rules:
+            if name != rule and rule in with_inputs:
+                spec = get_loss(rule)
+                masks[name] = (spec.mask(terms, **{p: params[p] for p in spec.mask_params}) & terms.valid
+                               if spec.mask is not None else
+                               keep_masks(batch, [rule], params={rule: params}, given=given)[rule])
+        scores = {rule: get_loss(rule).threshold.score(terms, **params) for rule, params in base.items()
+                  if get_loss(rule).threshold is not None
+                  and get_loss(rule).threshold.scalable(params) is None}  # (B, T) each
+        for rule, score in scores.items():
+            rows += _score_hist(rule, flat_of(score)[signed])
+        # the bits follow the rules' defaults (the tokens files' footer says so)
+        bit_masks = {name: masks[name] if base[name] == get_loss(name).defaults
+                     else keep_masks(batch, [name], given=given)[name] for name in bit_of if name in base}
+    blocked_by: dict[str, np.ndarray] = {}  # rule setting -> (N,) blocked A != 0 tokens, for the dimension rows
     for name, keep in masks.items():  # inputs checked finite already
-        blocked = ~keep.numpy().reshape(-1)  # (B * T,)
-        blocked = blocked if dense else blocked[flat]  # (N,)
-        rows += _grouped("blocked", group, blocked & signed, 2, rule=name)
-        blocked_by[name] = blocked & signed
-        if bits is not None and name in bit_of:
-            bits |= blocked.astype(np.int64) << bit_of[name]
+        blocked_by[name] = ~flat_of(keep) & signed
+        rows += _grouped("blocked", group, blocked_by[name], 2, rule=name)
+    for name, keep in bit_masks.items():
+        bits |= (~flat_of(keep)).astype(np.int64) << bit_of[name]
     if bits is not None:
         cols["blocked_rules"] = bits
 

@@ -274,7 +274,7 @@ class Writer:
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
                  on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None,
                  decode: Callable[[list[np.ndarray]], list[str]] | None = None, text_fraction: float = 1.0,
-                 seed: int = 0, extra_fields: tuple[pa.Field, ...] = ()):
+                 seed: int = 0, extra_fields: tuple[pa.Field, ...] = (), summary_rules: tuple | None = None):
         self.files = files
         self.budget = budget or RowBudget(2**62, max_queue, "block", None)
         """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
@@ -283,6 +283,8 @@ class Writer:
         self._room_asked = threading.Event()
         self._on_commit = on_commit
         """Called on the writer thread after each commit (the background compaction counts them)."""
+        self._summary_rules = summary_rules
+        """The rule settings the summaries count (:func:`trustscope.logger.summaries.summary_rules`)."""
         self._bit_rules = tuple(name for name, _ in blocked_rules or ())
         """The rules whose blocks each token row records in ``blocked_rules`` (bit i: entry i), when summaries
         are computed; named with their parameters in every tokens file's footer."""
@@ -687,7 +689,8 @@ class Writer:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
-            batch.summaries = summarize_call(batch.tokens, self._bit_rules, batch.step)
+            batch.summaries = summarize_call(batch.tokens, self._bit_rules, step=batch.step,
+                                             rules=self._summary_rules)
         batch.summarize = False
         batch.apply_sample()
         if batch.tokens is not None and batch.n_tokens:

@@ -176,6 +176,26 @@ def rule_columns_sql(stored: Mapping[str, int] | None = None) -> str:
                  for p in mask.params]
         call = f"{mask.family}_blocks({', '.join(args)})"
         lines.append(f",\n        coalesce({call}, false) as {quote('blocks_' + rule.name)}")
+    return "".join(lines) + score_columns_sql()
+
+
+def score_columns_sql() -> str:
+    """The generated ``score_<rule>`` columns of ``rule_blocks``: for every rule with a scalar threshold
+    (:class:`trustscope.losses.Threshold`), the scale at which it starts to block the token, from its family's
+    ``<family>_score`` macro with the same arguments as its ``_blocks`` macro (null: blocked at no scale). Read by
+    the equal-budget queries only: the cold pass does not materialise them."""
+    lines = []
+    for rule in sql_rules():
+        mask = rule.sql
+        if mask.threshold is None:
+            continue
+        if not (MACRO_DIR / f"{mask.family}_score.sql").is_file():
+            raise ValueError(f"loss rule {rule.name!r}: sql family {mask.family!r} declares a threshold but has no "
+                             f"macro {MACRO_DIR / (mask.family + '_score.sql')}")
+        args = ["null" if c is None else quote(c) for c in mask.columns]
+        args += ["null" if p is None else f"rule_values().{quote(rule.name)}.{quote(p)}[rule_set]"
+                 for p in mask.params]
+        lines.append(f",\n        {mask.family}_score({', '.join(args)})::double as {quote('score_' + rule.name)}")
     return "".join(lines)
 
 
