@@ -182,10 +182,23 @@ def test_verl_plugin_entry_point_registers_the_rules(tmp_path):
     assert eval(done.stdout.strip().splitlines()[-1]) == sorted(tv.verl_loss_mode(r) for r in tv.verl_rules())
 
 
-def test_extra_pins_the_verl_this_module_supports():
+def test_extra_asks_for_the_verl_releases_this_module_supports():
+    from packaging.specifiers import SpecifierSet
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert f"verl=={tv.SUPPORTED_VERSION}" in project["project"]["optional-dependencies"]["verl"]
-    assert verl.__version__ == tv.SUPPORTED_VERSION
+    assert f"verl{tv.SUPPORTED_VERL}" in project["project"]["optional-dependencies"]["verl"]
+    assert verl.__version__ in SpecifierSet(tv.SUPPORTED_VERL)
+
+
+def test_a_verl_outside_the_range_is_named_at_attach(monkeypatch, tmp_path):
+    trainer = local_trainer(ppo_config(), LocalActorGroup(torch.zeros(1, 1)))
+    monkeypatch.setattr(verl, "__version__", "0.7.1")
+    with pytest.raises(tv.VerlVersionError, match=r"supports verl >=0\.8,<0\.10; the installed verl 0\.7\.1 is older"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    with pytest.warns(UserWarning, match=r"supports verl >=0\.8,<0\.10, this is verl 0\.10\.0"):
+        tv.attach(trainer, tmp_path).close()
 
 
 # ----------------------------------------------------------------------------------------- the loss in verl's actor
@@ -228,6 +241,15 @@ def test_verl_ppo_loss_equals_the_trustscope_rule(rule, agg, tmp_path):
     assert pi_verl.grad.abs().sum() > 0
 
 
+def _has_agg_mode(mode: str) -> bool:
+    try:
+        core_algos.agg_loss(loss_mat=torch.zeros(1, 1), loss_mask=torch.ones(1, 1), loss_agg_mode=mode)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_agg_mode("token-sum"), reason="verl before 0.9 has no token-sum aggregation")
 def test_policy_loss_applies_rollout_is_weights_like_verl():
     batch, pi = make_batch(seed=5)
     b = batch.batch
@@ -375,7 +397,7 @@ def test_hook_survives_pickling_without_its_logger(tmp_path):
 
 def test_moved_internal_names_version_and_attribute(monkeypatch):
     monkeypatch.delattr(core_algos, "register_policy_loss")
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
                                                   r"is missing"):
         tv.register_policy_losses()
 
@@ -388,7 +410,7 @@ def test_hook_names_a_moved_padding_helper(monkeypatch, tmp_path):
     hook = tv.ActorLogHook(partial(ppo_loss, config=actor_config("trustscope_grpo")), tmp_path / "logs", "moved",
                            loss_rule="grpo")
     monkeypatch.delattr(padding, "no_padding_2_padding")
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.workers\.utils\.padding\."
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: verl\.workers\.utils\.padding\."
                                                   r"no_padding_2_padding is missing"):
         run_actor(batch, pi, hook)
     assert not (tmp_path / "logs" / "moved" / "tokens").exists()
@@ -400,7 +422,7 @@ def test_trainer_without_update_actor_is_refused(tmp_path):
         global_steps = 0
         actor_rollout_wg = object()
 
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: trainer OldTrainer has no _update_actor"):
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: trainer OldTrainer has no _update_actor"):
         tv.attach(OldTrainer(), tmp_path)
 
 
@@ -627,6 +649,8 @@ def test_another_update_actor_is_refused_with_advice(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("verl.trainer.ppo.v1") is None,
+                    reason="verl before 0.9 has no V1 trainer")
 def test_verl_v1_trainer_without_transfer_queue_says_what_to_install(tmp_path, monkeypatch):
     import importlib.util
 

@@ -136,9 +136,14 @@ def cpu_platform():
 
 
 def patch_for_cpu() -> None:
-    from verl.plugin.platform.platform_manager import set_platform
-
-    set_platform(cpu_platform())  # before verl's modules read the device name at import
+    try:  # verl 0.9's platform plugins; verl 0.8 finds the CPU itself
+        from verl.plugin.platform.platform_manager import set_platform
+    except ImportError:  # its device module is then torch.cpu, without the memory counters verl reports
+        for name in ("max_memory_allocated", "max_memory_reserved"):
+            if not hasattr(torch.cpu, name):
+                setattr(torch.cpu, name, lambda device=None: 0)
+    else:
+        set_platform(cpu_platform())  # before verl's modules read the device name at import
     from transformers import AttentionInterface
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask

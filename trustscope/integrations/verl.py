@@ -82,8 +82,9 @@ except ModuleNotFoundError as exc:  # a reader's install: the [verl] extra bring
 from trustscope import losses as L
 from trustscope.logger import TokenLogger
 
-SUPPORTED_VERSION = "0.9.1"
-"""The verl release this module is written and tested against (the ``[verl]`` extra pins it)."""
+SUPPORTED_VERL = ">=0.8,<0.10"
+"""The verl releases this module supports (the ``[verl]`` extra's range; docs/verl.md has the table). Within it each
+internal is probed where it is used (:class:`VerlVersionError` names a missing one), never the version string."""
 
 LOSS_PREFIX = "trustscope_"
 STEP_KEY = "trustscope_step"
@@ -106,7 +107,7 @@ def verl_version() -> str:
         import verl
     except ImportError as err:
         raise ImportError(f"trustscope.integrations.verl needs verl ({err}); install it with "
-                          f"pip install 'trustscope[verl]' (verl=={SUPPORTED_VERSION})") from err
+                          f"pip install 'trustscope[verl]' (verl{SUPPORTED_VERL})") from err
     return str(getattr(verl, "__version__", "unknown"))
 
 
@@ -117,21 +118,41 @@ def _need(module_name: str, attr: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise VerlVersionError(f"verl {version}: module {module_name} cannot be imported ({err}); "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}") from err
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}") from err
     if not hasattr(module, attr):
         raise VerlVersionError(f"verl {version}: {module_name}.{attr} is missing; "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}")
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}")
     return getattr(module, attr)
 
 
 _CORE = "verl.trainer.ppo.core_algos"
 
 
+def _check_release(version: str) -> None:
+    """A :class:`VerlVersionError` for a verl older than :data:`SUPPORTED_VERL`, a warning for a newer one."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version)
+    except InvalidVersion:  # a fork's own version string: its internals are probed where they are used
+        return
+    if release in SpecifierSet(SUPPORTED_VERL):
+        return
+    low = Version(SUPPORTED_VERL.split(",")[0].removeprefix(">="))
+    if release < low:
+        raise VerlVersionError(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}; the installed verl "
+                               f"{version} is older: pip install 'trustscope[verl]' (or 'verl{SUPPORTED_VERL}')")
+    warnings.warn(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}, this is verl {version}: its "
+                  f"internals are checked as they are used, but check the log against verl's own metrics",
+                  stacklevel=3)
+
+
 def _require_attrs(obj: Any, what: str, attrs: tuple[str, ...]) -> None:
     missing = [a for a in attrs if not hasattr(obj, a)]
     if missing:
         raise VerlVersionError(f"verl {verl_version()}: {what} has no {', '.join(missing)}; "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}")
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}")
 
 
 # ---------------------------------------------------------------------------------------------------- the losses
@@ -783,6 +804,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
 
     alerts_url = None if webhook is None else check_webhook_url(webhook)
     version = verl_version()
+    _check_release(version)
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
     params = list(inspect.signature(trainer._update_actor).parameters)
     v1 = params == ["batch", "metrics"]  # verl's V1 trainer: the batch is a KVBatchMeta into TransferQueue
