@@ -59,7 +59,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trustscope.extras import missing
+from trustscope.extras import missing, release_position
 
 try:
     import torch
@@ -159,35 +159,14 @@ def check_trainer(trainer: Any) -> None:
     if trainer.loss_type not in known:
         raise TRLVersionError(f"GRPOTrainer.loss_type {trainer.loss_type!r} (TRL {version}) is not one whose mask "
                               f"trustscope knows; known: {sorted(known)}")
-    if _below(version, SUPPORTED_TRL):  # TRL 1.0-1.9 return (logps, entropies) from the loss's forward
+    position = release_position(version, SUPPORTED_TRL)
+    if position < 0:  # TRL 1.0-1.9 return (logps, entropies) from the loss's forward
         raise TRLVersionError(f"trustscope.integrations.trl supports TRL {SUPPORTED_TRL}; the installed TRL {version} "
                               f"is older: pip install 'trustscope[trl]' (or 'trl{SUPPORTED_TRL}')")
-    if not _in_range(version, SUPPORTED_TRL):
+    if position > 0:
         warnings.warn(f"trustscope.integrations.trl supports TRL {SUPPORTED_TRL}, this is TRL {version}; the "
                       f"internals it reads are present, but check the log against TRL's own metrics",
                       LogWarning, stacklevel=3)
-
-
-def _below(version: str, spec: str) -> bool:
-    """Whether release ``version`` is older than the lower bound (``>=a``) of version range ``spec``."""
-    from packaging.version import InvalidVersion, Version
-
-    low = next(part.strip()[2:] for part in spec.split(",") if part.strip().startswith(">="))
-    try:
-        return Version(version) < Version(low)
-    except InvalidVersion:
-        return False
-
-
-def _in_range(version: str, spec: str) -> bool:
-    """Whether release ``version`` is in the version range ``spec`` (``>=a,<b``)."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) in SpecifierSet(spec)
-    except InvalidVersion:
-        return False
 
 
 def trl_settings(trainer: Any) -> dict[str, Any]:

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from trustscope.extras import missing
+from trustscope.extras import missing, release_position
 
 try:
     import torch
@@ -130,17 +130,10 @@ _CORE = "verl.trainer.ppo.core_algos"
 
 def _check_release(version: str) -> None:
     """A :class:`VerlVersionError` for a verl older than :data:`SUPPORTED_VERL`, a warning for a newer one."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(version)
-    except InvalidVersion:  # a fork's own version string: its internals are probed where they are used
+    position = release_position(version, SUPPORTED_VERL)
+    if position == 0:
         return
-    if release in SpecifierSet(SUPPORTED_VERL):
-        return
-    low = Version(SUPPORTED_VERL.split(",")[0].removeprefix(">="))
-    if release < low:
+    if position < 0:
         raise VerlVersionError(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}; the installed verl "
                                f"{version} is older: pip install 'trustscope[verl]' (or 'verl{SUPPORTED_VERL}')")
     warnings.warn(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}, this is verl {version}: its "
