@@ -140,7 +140,9 @@ def check_trainer(trainer: Any) -> None:
             missing.append(f"GRPOTrainer.{name}()")
             continue
         have = inspect.signature(method).parameters
-        lost = [p for p in params if p not in have]
+        # TRL 1.14 takes (model, *args, **kwargs) and hands them on: its return value is checked at the first step
+        forwards = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in have.values())
+        lost = [] if forwards else [p for p in params if p not in have]
         if lost:
             missing.append(f"parameter(s) {', '.join(lost)} of GRPOTrainer.{name}()")
     missing += [f"GRPOTrainer.{name}" for name in _ATTRIBUTES if not hasattr(trainer, name)]
