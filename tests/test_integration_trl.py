@@ -341,7 +341,8 @@ def test_a_missing_trl_internal_names_the_version_and_the_attribute(toy_model_di
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     monkeypatch.setattr(trl, "__version__", "9.0.0")
     monkeypatch.delattr(GRPOTrainer, "_calculate_rewards")
-    with pytest.raises(TRLVersionError, match=r"TRL 1\.16\.0.*TRL 9\.0\.0 lacks GRPOTrainer\._calculate_rewards\(\)"):
+    with pytest.raises(TRLVersionError, match=r"supports TRL >=1\.10,<1\.17; the installed TRL 9\.0\.0 lacks "
+                                              r"GRPOTrainer\._calculate_rewards\(\)"):
         ts_trl.attach(trainer, tmp_path / "logs")
     assert not (tmp_path / "logs").exists()  # nothing half-made
 
@@ -349,8 +350,16 @@ def test_a_missing_trl_internal_names_the_version_and_the_attribute(toy_model_di
 def test_another_trl_version_with_every_internal_only_warns(toy_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.warns(LogWarning, match=r"tested with TRL 1\.16\.0, this is TRL 1\.17\.0"):
+    with pytest.warns(LogWarning, match=r"supports TRL >=1\.10,<1\.17, this is TRL 1\.17\.0"):
         ts_trl.check_trainer(trainer)
+
+
+def test_a_trl_older_than_the_range_is_refused_naming_it(toy_model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
+    monkeypatch.setattr(trl, "__version__", "1.9.0")
+    with pytest.raises(TRLVersionError, match=r"supports TRL >=1\.10,<1\.17; the installed TRL 1\.9\.0 is older"):
+        ts_trl.attach(trainer, tmp_path / "logs")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_moved_parameter_is_named(toy_model_dir, tmp_path, monkeypatch):
@@ -369,6 +378,7 @@ def test_other_trainers_are_refused():
         ts_trl.check_trainer(object())
 
 
+@pytest.mark.skipif(not hasattr(trl.trainer.utils, "add_fused_lm_head"), reason="TRL before 1.15 has no fused LM head")
 def test_capture_hook_refuses_trl_fused_head_before_the_first_step(toy_model_dir, tmp_path):
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     with pytest.raises(NoLogitsError, match=r"fused LM head.*integrations\.trl\.attach"):

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def moe_shape(config: Any) -> tuple[int, int, int] | None:
@@ -70,6 +72,7 @@ def agreement(engine: np.ndarray, trainer: np.ndarray) -> tuple[np.ndarray, np.n
 
 def _router_indices(output: Any, top_k: int) -> torch.Tensor:
     """``(rows, k)`` expert ids from a router module's output: ``(logits, weights, indices)`` or plain logits."""
+
     if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
         return output[2]
     logits = output[0] if isinstance(output, tuple) else output
@@ -104,6 +107,8 @@ class TrainerRouting:
 
     @contextlib.contextmanager
     def hooked(self) -> Iterator[TrainerRouting]:
+        import torch
+
         def hook(i: int):
             def record(module: torch.nn.Module, args: Any, output: Any) -> None:
                 self._rows[i] = _router_indices(output, self.top_k).detach().to("cpu", torch.int16)
@@ -117,6 +122,8 @@ class TrainerRouting:
                 h.remove()
 
     def take(self, batch: int, seq: int) -> np.ndarray:
+        import torch
+
         if any(r is None for r in self._rows):
             raise RuntimeError("TrainerRouting.take: no forward pass was recorded")
         rows = torch.stack([r.reshape(batch, seq, self.top_k) for r in self._rows], 2)  # (B, S, L, k)
@@ -130,6 +137,7 @@ class VLLMRouting:
     order the tokens went through the model."""
 
     def __init__(self, llm: Any, shape: tuple[int, int, int]) -> None:
+        import torch
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         self.layers, self.top_k, self.num_experts = shape
@@ -157,6 +165,8 @@ class VLLMRouting:
         self._chunks = {}
 
     def take(self) -> np.ndarray:
+        import torch
+
         per_layer = [torch.cat(self._chunks.get(layer, [torch.zeros((0, self.top_k), dtype=torch.int16)]))
                      for layer in self._order]
         rows = {len(p) for p in per_layer}

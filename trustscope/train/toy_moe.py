@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.toy_moe")
 
 from trustscope.paths import cache_root
 from trustscope.train import toy
