@@ -1009,3 +1009,64 @@ def cut_compacted(run_dir: Path, rank: int, record: dict, step: int, fsync: bool
             path.unlink(missing_ok=True)
         raise
     return new, written
+
+
+# ------------------------------------------------------------------------------------------------ repair
+
+
+def repair_run(run_dir: str | os.PathLike) -> list[str]:
+    """Remove what a killed writer or compaction left in a local run, and say what, one line each: the work
+    :func:`recover_rank` finishes, the files of :func:`trustscope.schema.stray_files` that are provably
+    superseded or orphaned, the temporary files of writers that are gone, and every superseded folder. A file
+    the logger never writes (copied in by hand) is only named, never removed. Each rank is repaired under its
+    lock: a rank a live logger writes is skipped (said)."""
+    from trustscope.logger.errors import LogDirError
+    from trustscope.logger.runfiles import RunLock, rank_file, read_json
+    from trustscope.schema import SchemaError
+    from trustscope.storage import LocalStore
+
+    run_dir = Path(run_dir)
+    store = LocalStore(run_dir.parent)
+    said: list[str] = []
+    ranks = [0, *sorted(int(n[4:-5]) for n in _listing(store, run_dir / S.RANKS_DIR)
+                        if re.fullmatch(r"rank\d+\.json", n))]
+    held = []
+    try:
+        for rank in ranks:
+            path = rank_file(run_dir, rank)
+            if not path.exists():
+                continue
+            lock = RunLock(run_dir, rank)
+            try:
+                lock.acquire(run_dir.name, rank)
+            except LogDirError as err:
+                said.append(f"rank {rank}: skipped, {err}")
+                continue
+            held.append((rank, lock))
+            try:
+                said += [f"rank {rank}: {line}" for line in recover_rank(store, run_dir, rank, read_json(path))]
+            except SchemaError as err:
+                said.append(f"rank {rank}: skipped, {err}")
+                continue
+            said += [f"rank {rank}: removed {n} superseded file(s) under {run_dir / S.SUPERSEDED_DIR}"
+                     for n in [drop_superseded(run_dir, rank)] if n]
+            prefix = f"{S.TMP_PREFIX}r{rank:04d}-"
+            for table in S.TABLES:
+                for folder in [run_dir / table, *(run_dir / table).glob("r[0-9]*")]:
+                    for name in _listing(store, folder):
+                        if name.startswith(prefix) and name.endswith(S.TMP_SUFFIX):
+                            (folder / name).unlink(missing_ok=True)
+                            said.append(f"rank {rank}: removed {folder / name} (a temporary file of a writer "
+                                        f"that is gone)")
+        mine = {rank for rank, _ in held}
+        for stray in S.stray_files(run_dir):
+            name = S.parse_data_file(stray.path.name)
+            if not stray.removable or name is None or name.rank not in mine:
+                said.append(f"kept {stray.path}: {stray.why}")
+                continue
+            stray.path.unlink(missing_ok=True)
+            said.append(f"removed {stray.path}: {stray.why}")
+    finally:
+        for _, lock in held:
+            lock.release()
+    return said
