@@ -957,7 +957,8 @@ def _compaction_problems(run_dir: Path) -> list[Problem]:
         rank = manifest.get("rank", 0)
         records = sorted(compaction_records(manifest), key=lambda r: r["flushes"][0])
         for before, after in itertools.pairwise(records):
-            nested = (before["flushes"][0] <= after["flushes"][0] and after["flushes"][1] <= before["flushes"][1])
+            (a, b), (c, d) = before["flushes"], after["flushes"]
+            nested = (a <= c and d <= b) or (c <= a and b <= d)
             if after["flushes"][0] <= before["flushes"][1] and not nested:
                 problems.append(Problem(path, f"compacted flush ranges {before['flushes']} and {after['flushes']} "
                                               f"overlap"))

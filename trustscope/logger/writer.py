@@ -201,6 +201,7 @@ class _Flush:
 
     number: int
     rows: dict[str, int]
+    first_step: int
     last_step: int
     counts: dict[str, int]
     files: list[tuple[Path, Path | PurePosixPath, int]]
@@ -306,6 +307,9 @@ class Writer:
         self._step_summaries: _StepSummaries | None = None
         """The open step's summary rows, merged over its calls; written when the step ends or a flush comes."""
         self._uncommitted: list[_Flush] = []
+        self._orphans: list[Path | PurePosixPath] = []
+        """Files of a commit written back (they could not all be put in place) that could not be removed either:
+        no commit may happen while they exist, since the next committed flush number would make them read."""
         self._lost_rows = dict.fromkeys(S.TABLES, 0)
         self._lost_steps: tuple[int, int] | None = None
         self._errors: list[str] = []
@@ -601,6 +605,7 @@ class Writer:
             return
         number = self.files.next_flush
         rows = {t.name: t.rows for t in open_tables}
+        first_step = min(t.first_step for t in open_tables if t.first_step is not None)
         last_step = max(t.last_step for t in open_tables if t.last_step is not None)
         try:
             footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
@@ -612,7 +617,7 @@ class Writer:
             return
         self._release_open()
         self.files.next_flush += 1
-        self._uncommitted.append(_Flush(number, rows, last_step, self._open_counts, closed))
+        self._uncommitted.append(_Flush(number, rows, first_step, last_step, self._open_counts, closed))
         self._open_counts = self._no_counts()
         self._open_step = None
         self._commit()
@@ -631,6 +636,9 @@ class Writer:
         Files whose rename fails after the commit are removed again, with those of the same commit already in
         place, and the manifest is written back as before the commit: the flushes are lost (counted), and a reader
         that listed the folder in that moment saw them come and go (a disk failure; the one window)."""
+        self._orphans = [path for path in self._orphans if not self._remove(path)]
+        if self._orphans:
+            return
         rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
         counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
         files = [f for flush in self._uncommitted for f in flush.files]
@@ -652,6 +660,15 @@ class Writer:
         if self._on_commit is not None:
             self._on_commit()
 
+    def _remove(self, path: Path | PurePosixPath) -> bool:
+        """Remove a file of a failed flush; returns whether it is gone (the error is reported if not)."""
+        try:
+            self.files.store.delete(path)
+        except OSError as err:
+            self._report(err)
+            return False
+        return True
+
     def _publish(self, files: list[tuple[Path, Path | PurePosixPath, int]]) -> None:
         """Rename (upload) committed files into place; the caller holds the rank folder's lock (a compaction
         swapping the folder meanwhile would take a file renamed into it along with the old folder). Several files bound for one
@@ -671,11 +688,13 @@ class Writer:
         """A commit whose files could not all be put in place: remove them and write the manifest back."""
         self._report(err)
         for tmp, final, _ in files:
-            for path in (final, tmp):
-                with contextlib.suppress(OSError):
-                    self.files.store.delete(path)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not self._remove(final):
+                self._orphans.append(final)  # retried before every commit
         for f in self._uncommitted:
-            self._lose(err, f.rows, None, f.last_step)
+            self._lose(err, f.rows, f.first_step, f.last_step)
+        self.files.next_flush = min(f.number for f in self._uncommitted)  # the latest flushes: numbers reused
         self._uncommitted.clear()
         keys = ("rows", "last_step", "committed_flush", "tokens_generated", "tokens_logged", "dropped_rows")
         try:
@@ -690,7 +709,7 @@ class Writer:
             for tmp, _, _ in f.files:
                 with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
-            self._lose(err, f.rows, None, f.last_step)
+            self._lose(err, f.rows, f.first_step, f.last_step)
         self._uncommitted.clear()
 
     # ---------------------------------------------------------------------------------- Arrow conversion
