@@ -22,8 +22,8 @@ from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
 from app.launch import LOGDIR_ENV
-from trustscope import schema as S
 from trustscope import db as tsdb
+from trustscope import schema as S
 from trustscope.cli import app
 from trustscope.synthetic import SyntheticConfig, generate_run
 
