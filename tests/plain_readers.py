@@ -37,7 +37,8 @@ def _once(folder: Path, reader: str) -> dict[int, int]:
     if reader == "pandas":
         return {int(k): int(v) for k, v in pd.read_parquet(folder, columns=["step"])["step"].value_counts().items()}
     if reader == "polars":
-        counted = pl.scan_parquet(glob).group_by("step").len().collect()
+        # runs whose files come from logger versions with different columns: nulls for missing, extra ignored
+        counted = pl.scan_parquet(glob, missing_columns="insert", extra_columns="ignore").group_by("step").len().collect()
         return dict(zip(counted["step"].to_list(), counted["len"].to_list(), strict=True))
     raise ValueError(f"unknown reader {reader!r}; known: {READERS}")
 

@@ -116,11 +116,11 @@ def _kill_and_check(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
-        for _ in range(rng.randint(0, 8)):  # a random number of flushes (each may start a compaction), then a
-            line = proc.stdout.readline()   # random moment
+        for _ in range(rng.randint(4, 8)):  # a random number of flushes (every third starts a compaction), then
+            line = proc.stdout.readline()   # a random moment
             assert line.startswith("flushed"), line
             reported.add(int(line.split()[1]))
-        time.sleep(rng.uniform(0.0, 0.05))
+        time.sleep(rng.uniform(0.0, 0.2))
         proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == -signal.SIGKILL, err
@@ -143,7 +143,7 @@ def _kill_and_check(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
 
 
 def test_sigkill_at_random_moments_with_compaction_on(tmp_path):
-    seen = _kill_and_check(tmp_path, kills=4, seed=1)
+    seen = _kill_and_check(tmp_path, kills=2, seed=1)
     assert S.read_manifest(tmp_path / "killed").get(S.COMPACTED_KEY), "the kills should have let compactions run"
     assert seen["retried"] == 0  # nothing races a read after the kill
 
@@ -167,7 +167,7 @@ def test_validate_names_stray_files_and_repair_removes_only_what_is_provably_sup
     superseded.write_bytes(kept[superseded])  # a flush file its compacted file replaced, back (restored by hand)
     orphan = folder / S.data_file_name(0, 99, 99, 99)  # a flush its manifest never committed
     orphan.write_bytes(kept[flush_files[0]])
-    by_hand = run / "tokens" / "extra.parquet"  # a file the logger never writes
+    by_hand = folder / "extra.parquet"  # a file the logger never writes
     by_hand.write_bytes(kept[flush_files[1]])
     result = CliRunner().invoke(app, ["validate", str(tmp_path)])
     assert result.exit_code == 1

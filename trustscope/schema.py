@@ -426,20 +426,21 @@ class Commits:
         """A finished ``.parquet`` file (never a temporary one) that is either a compacted file some manifest
         lists, or a flush file whose flush is at most its rank's committed flush; in both cases not inside another
         range of ``ranges`` (the compactions in effect: a compaction that merges compacted files lists the old
-        records until its own files are in place). Files without a flush number (older loggers) and files of
-        ranks without a mark are always visible."""
+        records until its own files are in place). Files without a flush number (older loggers) are visible in a
+        table folder of layout 1, never in a rank folder; files of ranks without a mark are always visible."""
         if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
             return False
         parsed = _DATA_FILE_RE.match(name)
+        flat = "/" not in folder  # a layout 1 table folder: files of older loggers, any name, are read
         if parsed is None:
-            return True
+            return flat
         rank = int(parsed[1])
         if parsed[5] is not None:
             lo, hi = int(parsed[5]), int(parsed[6])
             return f"{folder}/{name}" in self.listed and not any(
                 a <= lo and hi <= b and (a, b) != (lo, hi) for a, b in ranges.get(rank, ()))
         if parsed[4] is None:
-            return True
+            return flat
         flush = int(parsed[4])
         if rank in self.marks and flush > self.marks[rank]:
             return False
