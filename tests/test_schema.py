@@ -113,14 +113,17 @@ def test_ragged_topk_duplicate_keys_and_foreign_run(good_logdir):
     table = table.set_column(table.schema.get_field_index("pi_topk_logprobs"), S.TOKENS.field("pi_topk_logprobs"),
                              pa.array(ids, S.TOKENS.field("pi_topk_logprobs").type))
     pq.write_table(table, path)
-    pq.write_table(table.slice(0, 2), path.with_name("copy.parquet"))
+    flat = path.parent.parent  # the table folder itself: read as a layout 1 folder, any name
+    pq.write_table(table.slice(0, 2), flat / "copy.parquet")
     other = table.set_column(0, S.TOKENS.field("run_id"), pa.array(["other"] * table.num_rows))
-    pq.write_table(other, path.with_name("foreign.parquet"))
+    pq.write_table(other, flat / "foreign.parquet")
+    pq.write_table(other, path.with_name("by-hand.parquet"))  # in a rank folder: not read, named
     problems = S.validate_logdir(good_logdir)
     text = "\n".join(map(str, problems))
     assert "pi_topk_logprobs and mu_topk_ids lists differ in length on 1 row(s)" in text
     assert "duplicate key(s) ('run_id', 'step', 'sample_id', 'pos')" in text
-    assert f"{path.with_name('foreign.parquet')}: run_id 'other' in a file of run 'good'" in text
+    assert f"{flat / 'foreign.parquet'}: run_id 'other' in a file of run 'good'" in text
+    assert f"{path.with_name('by-hand.parquet')}: read by tools that list the folder" in text
 
 
 def test_manifest_problems(good_logdir):

@@ -1,9 +1,10 @@
 """Where a run's files live: a local directory, or an object store prefix (``s3://bucket/prefix``).
 
 The logger writes through a :class:`RunStore`: :class:`LocalStore` (temporary name, fsync, rename) or
-:class:`ObjectStore` (one PUT per object, which S3 makes visible whole or not at all). Either way a flush's part
-files land before the manifest that commits them, so readers that list only committed flushes
-(:func:`trustscope.schema.committed_files`) never see half a flush.
+:class:`ObjectStore` (one PUT per object, which S3 makes visible whole or not at all). Either way the manifest that
+commits a flush lands first and its files after, one rename or PUT each, so any reader that lists the folders (not
+only :func:`trustscope.schema.committed_files`) finds committed files only. :func:`exchange` swaps two folders in one
+atomic step, which compaction uses to replace a rank's folder.
 
 Object stores are reached through pyarrow's filesystem layer over fsspec's ``s3fs``
 (``pyarrow.fs.PyFileSystem(FSSpecHandler(s3fs.S3FileSystem(...)))``): the same fsspec filesystem DuckDB can

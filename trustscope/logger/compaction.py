@@ -4,12 +4,17 @@ The logger writes one file per table per rank per flush, and real runs flush eve
 of small files and every reader pays per file (listing, footers, one DuckDB scan per file, one kept aggregate per
 file). Compaction rewrites consecutive committed flushes of one rank into one file per table (bounded by
 :data:`MAX_ROWS` rows and :data:`MAX_BYTES` bytes), with the logger's encodings (:data:`trustscope.schema.WRITE_OPTIONS`)
-and row groups, and commits it as the logger commits a flush: one atomic write of the rank's manifest adds a record
-``{"flushes": [first, last], "files": [...], "at": ...}`` (:data:`trustscope.schema.COMPACTED_KEY`). From that write
-on, readers (:func:`trustscope.schema.committed_files`) read the listed files instead of every flush file in the
-range; before it, they read the sources. The sources are deleted only after the commit, and only
-``delete_after_s`` later, so a reader that listed them just before still finds them; a process killed anywhere in
-between leaves files that no reader sees, which the next compaction (or the logger's resume) removes.
+and row groups. It is committed by one atomic step that every reader of the folder sees, trustscope's or a plain
+glob: the compacted file is written into ``<run>/_staging/`` beside hard links to the rank folder's other files,
+the rank's manifest gets a record ``{"flushes": [first, last], "files": [...], "at": ...}``
+(:data:`trustscope.schema.COMPACTED_KEY`), and the staged folder is swapped with the live rank folder
+(:func:`trustscope.storage.exchange`, ``renameat2(RENAME_EXCHANGE)``); readers list the flush files or the
+compacted file, never both, never neither (:func:`trustscope.schema.committed_files` lets a record take effect in a
+folder once its files are there). The old folder waits under ``<run>/_superseded/`` ``delete_after_s`` for readers
+that hold it open. A process killed anywhere leaves a run every reader reads right; :func:`recover_rank` (the next
+writer, ``trustscope compact``, ``validate --repair``) swaps in what was staged and recorded and removes the rest.
+Where no swap exists (object stores, layout 1 runs, NFS) only :func:`compact_logdir` compacts, recording, putting
+the compacted file in place and deleting the sources at once (``docs/logging.md`` states the window).
 
 Files are merged only when their footers agree (the Arrow schema and every key but the flush's own counts): tokens
 files written with different ``blocked_rules`` rule lists, or before that column existed, are never merged
@@ -18,7 +23,8 @@ files it replaced, with their rows, in the order of its rows) and :data:`ORIGINA
 rows of, with its flush, steps, rows and token counts), so the query layer can merge the kept aggregates of the
 sources instead of recomputing them, and a run can still be cut back at a step (:func:`trustscope.logger.drop_steps_after`).
 
-Two ways to run it: :class:`BackgroundCompactor`, the logger's own thread (``TokenLogger(compact_every=N)``), which
+Two ways to run it: :class:`BackgroundCompactor`, the logger's own thread (``TokenLogger(compact_every=N)``, where
+:func:`background_compaction` allows it), which
 merges ``N`` consecutive units of the same size class at a time (an LSM-style tiering: each row is rewritten about
 ``log_N(flushes)`` times); and :func:`compact_logdir` (``trustscope compact``), which merges everything it can for
 logs already written.
