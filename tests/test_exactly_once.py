@@ -228,3 +228,36 @@ def test_old_flat_runs_read_as_before_and_a_resumed_one_stays_flat(tmp_path):
     for reader in READERS:
         assert step_counts(old, "tokens", reader)[0] == want, reader
     assert S.validate_run(old) == []
+
+
+from test_s3 import endpoint  # noqa: E402,F401  (the moto server fixture)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:trustscope. object storage has no locks:UserWarning")
+def test_on_s3_a_listing_of_the_prefix_reads_each_row_once_and_strays_are_named(endpoint, tmp_path,  # noqa: F811
+                                                                                 monkeypatch):
+    import pyarrow.parquet as pq
+
+    from trustscope import storage
+
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    url = f"s3://trustscope-test/once-{os.getpid()}"
+    log(url, "run", 0, 11)  # compact_every=10 asked (the default): no background compaction on a store
+    fs = storage.s3_filesystem()
+    prefix = f"{url[5:]}/run/tokens"
+
+    def listed_rows() -> int:  # a plain reader of the prefix: every object under it, recursively
+        return pq.ParquetDataset(fs.glob(f"{prefix}/**/*.parquet"), filesystem=fs).read(columns=["step"]).num_rows
+
+    assert listed_rows() == 12 * B * T
+    objects = sorted(fs.glob(f"{prefix}/**/*.parquet"))
+    stray = f"{prefix}/{S.rank_dir_name(0)}/{S.data_file_name(0, 99, 99, 99)}"  # a flush never committed
+    fs.copy(objects[0], stray)
+    result = CliRunner().invoke(app, ["validate", url])
+    assert result.exit_code == 1 and f"s3://{stray}: read by tools that list the prefix" in result.output
+    result = CliRunner().invoke(app, ["compact", url, "--grace", "0"])
+    assert result.exit_code == 0, result.output
+    assert not fs.exists(stray) and listed_rows() == 12 * B * T
+    assert [S.parse_data_file(p.rsplit("/", 1)[1]).compacted for p in fs.glob(f"{prefix}/**/*.parquet")] == [(1, 12)]
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0

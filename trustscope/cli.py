@@ -195,11 +195,21 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
         if not local.is_dir():
             typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
             raise typer.Exit(2)
-        problems = validate_logdir(local)
+        problems: list = validate_logdir(local)
         for problem in problems:
             inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
             where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
             typer.echo(f"{where}: {problem.message}")
+        if storage.is_remote(logdir):  # what a plain reader of the prefix reads and no manifest commits
+            try:
+                strays = storage.stray_objects(logdir)
+            except storage.StorageError as exc:
+                typer.echo(f"trustscope validate: {exc}", err=True)
+                raise typer.Exit(2) from exc
+            for url in strays:
+                typer.echo(f"{url}: read by tools that list the prefix but by no manifest; `trustscope compact` "
+                           f"removes it when it is provably superseded or orphaned")
+            problems += strays
         runs = run_dirs(local)
     if problems:
         typer.echo(f"trustscope validate: {len(problems)} problem(s) in {logdir}", err=True)

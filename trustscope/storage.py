@@ -418,7 +418,7 @@ def can_exchange(folder: str | os.PathLike) -> bool:
             _exchange_ok[dev] = True
         except OSError as err:
             if err.errno not in _NO_EXCHANGE:
-                raise
+                return False  # the folder cannot be written: nothing to swap here (the file system is not judged)
             _exchange_ok[dev] = False
         finally:
             shutil.rmtree(probe, ignore_errors=True)
@@ -733,6 +733,26 @@ def _committed_objects(fsspec_fs: Any, run: str) -> tuple[dict[str, bytes], dict
             break
         manifests = again
     return manifests, objects
+
+
+def stray_objects(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The URLs of the ``.parquet`` objects under the table prefixes of each run under ``url`` that no manifest
+    commits: what a plain reader of the prefix reads and trustscope does not (``trustscope validate`` names them;
+    ``trustscope compact`` removes those provably superseded or orphaned). Raises :class:`StorageError`."""
+    store = ObjectStore(url, storage_options, write=False)
+    try:
+        fs, out = store.fsspec, []
+        for run in _remote_runs(fs, str(store.logdir)):
+            _, committed = _committed_objects(fs, run)
+            out += [f"{SCHEME}{run}/{rel}" for rel in sorted(_run_objects(fs, run))
+                    if rel.split("/")[0] in S.TABLES and rel.endswith(".parquet") and rel not in committed]
+        return out
+    except StorageError:
+        raise
+    except Exception as err:
+        raise StorageError(f"{store.url}: cannot list the object store: {type(err).__name__}: {err}") from None
+    finally:
+        store.close()
 
 
 def mirror(url: str, root: Path | None = None, storage_options: Mapping[str, Any] | None = None,

@@ -68,7 +68,8 @@ MAX_BYTES = 256 << 20
 FANIN = 10
 """Units of one size class the logger's background compaction merges at a time (its ``compact_every``)."""
 DELETE_AFTER_S = 60.0
-"""Seconds a superseded file is kept after the commit that superseded it, for readers that listed it before."""
+"""Seconds a rank folder swapped out by a compaction is kept (under ``<run>/_superseded/``) for readers that hold it
+open; files superseded in place (layout 1, object stores) are deleted at once."""
 ROW_GROUP_SIZE = 1 << 17
 """Rows per row group of a compacted file (the logger's default ``row_group_size``)."""
 
@@ -128,8 +129,6 @@ class RankResult:
     files_after: int = 0
     merged: list[tuple[int, int]] = field(default_factory=list)
     """The flush ranges committed as compacted files."""
-    superseded: list[Any] = field(default_factory=list)
-    """Paths no reader sees any more, still on storage (deleted later, see ``delete_after_s``)."""
     deleted: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -390,11 +389,13 @@ def _why(err: BaseException) -> str:
 
 
 def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], listing: dict[str, dict[str, int]],
-             folders: dict[str, str], delete_after_s: float, now: float, result: RankResult) -> None:
-    """Delete what no reader sees and none will: a killed compaction's temporary and unlisted files at once, files
-    superseded by a record still in the rank's folders (older versions, or a deletion that failed) once
-    ``delete_after_s`` passed since its commit, and the rank's superseded folders as old. Failures are warnings
-    (retried at the next compaction)."""
+             folders: dict[str, str], delete_after_s: float, now: float, result: RankResult,
+             mark: Any = None) -> None:
+    """Delete what trustscope does not read and never will: a killed compaction's temporary and unlisted files,
+    flush files above the rank's committed flush ``mark`` (a writer of an older version that died before its
+    commit), at once; files superseded by a record still in the rank's folders (older versions, or a deletion that
+    failed) once ``delete_after_s`` passed since its commit, and the rank's superseded folders as old. Failures are
+    warnings (retried at the next compaction)."""
     listed = {rel for r in records for rel in r["files"]}
     spans = [(r["flushes"][0], r["flushes"][1], float(r.get("at") or 0.0)) for r in records]
 
@@ -415,6 +416,8 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
                         continue
                     at = superseded_at(*parsed.compacted)
                     old = at is None or now - at >= delete_after_s
+                elif parsed.flush is not None and isinstance(mark, int) and parsed.flush > mark:
+                    old = True
                 elif parsed.flush is not None:
                     at = superseded_at(parsed.flush, parsed.flush)
                     old = at is not None and now - at >= delete_after_s
@@ -648,7 +651,8 @@ def compact_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict | Call
     except OSError as err:
         raise CompactionError(f"cannot list {_where(store, run_dir)}: {_why(err)}") from err
     records = [dict(r) for r in S.compaction_records(manifest)]
-    _cleanup(store, run_dir, rank, records, listing, folders, delete_after_s, time.time(), result)
+    _cleanup(store, run_dir, rank, records, listing, folders, delete_after_s, time.time(), result,
+             manifest.get("committed_flush"))
     units = _units(rank, manifest.get("committed_flush"), records, listing, folders)
     result.files_before = sum(len(u.files) for u in units)
     try:
@@ -912,6 +916,12 @@ def compact_logdir(location: str | os.PathLike, *, grace_s: float = 5.0, force: 
                         echo(f"{_where(store, run_dir)} rank {rank}: skipped, its manifest reads running (a live "
                              f"logger compacts its own files; --force if none writes it)")
                         continue
+                    try:
+                        for line in recover_rank(store, run_dir, rank, manifest):
+                            echo(f"{_where(store, run_dir)} rank {rank}: {line}")
+                    except OSError as err:
+                        raise CompactionError(f"cannot recover {_where(store, run_dir)} rank {rank}: "
+                                              f"{_why(err)}") from err
                 else:
                     lock = RunLock(Path(run_dir), rank)
                     try:
