@@ -403,7 +403,10 @@ class Commits:
         here = {f"{folder}/{n}" for n in names}
         present = here if present is None else present
         ranges: dict[int, list[tuple[int, int]]] = {}
+        own = _RANK_DIR.match(folder.rpartition("/")[2]) if "/" in folder else None  # a rank folder: its rank's
         for rank, lo, hi, files in self.records:
+            if own is not None and rank != int(own[1]):
+                continue
             if all(f in here for f in files if f.rpartition("/")[0] == folder):
                 ranges.setdefault(rank, []).append((lo, hi))
         effect = {rank: tuple(sorted(found)) for rank, found in ranges.items()}
