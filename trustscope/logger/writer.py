@@ -643,7 +643,9 @@ class Writer:
         counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
         files = [f for flush in self._uncommitted for f in flush.files]
         self.files.note(buffer=self.budget.report())  # the bound's figures so far ride along
-        before = self.files.snapshot()
+        m = self.files.manifest
+        before = {k: m.get(k) for k in ("rows", "last_step", "committed_flush", "tokens_generated", "tokens_logged",
+                                        "dropped_rows")}
         with self.files.folder_lock:  # a compaction lists the committed flushes under it: all in place, or none
             try:
                 self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
@@ -696,9 +698,8 @@ class Writer:
             self._lose(err, f.rows, f.first_step, f.last_step)
         self.files.next_flush = min(f.number for f in self._uncommitted)  # the latest flushes: numbers reused
         self._uncommitted.clear()
-        keys = ("rows", "last_step", "committed_flush", "tokens_generated", "tokens_logged", "dropped_rows")
         try:
-            self.files.save(**{k: before.get(k) for k in keys}, publishing=[], lost=self.files.all_lost(self.lost))
+            self.files.save(**before, publishing=[], lost=self.files.all_lost(self.lost))
         except OSError as again:
             self._report(again)
 
