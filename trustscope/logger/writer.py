@@ -7,8 +7,10 @@ final name carrying the flush number (on an object store: uploads it under that 
 reader of the folders ever lists a file the manifest does not commit: trustscope's readers and a plain glob of a
 table see the same files at every moment, and each table's rows of the flush appear by one rename (or PUT).
 The manifest names the flush's temporary and final files (``publishing``), so a writer killed between the commit
-and the renames is rolled forward by the next writer of the rank (or ``trustscope validate --repair``). Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they
-never split a step; :meth:`Writer.flush` and an idle writer flush everything.
+and the renames is rolled forward by the next writer of the rank (or ``trustscope validate --repair``).
+
+Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they never
+split a step; :meth:`Writer.flush` and an idle writer flush everything.
 
 Failures never stop the thread: a batch that cannot be converted is lost alone; a file that cannot be written
 loses the open flush; a manifest that cannot be written leaves its flushes invisible until a later commit
