@@ -215,8 +215,9 @@ def test_validate_names_problems_by_their_s3_path(endpoint):
 
 @pytest.mark.slow
 def test_readers_see_only_committed_flushes(endpoint, tmp_path):
-    """A part object whose commit never landed (a writer killed between its uploads and its manifest PUT) is
-    read by nobody, validate stays clean, and resuming the run removes it."""
+    """An object no manifest commits (a writer of an older version killed between its uploads and its manifest
+    PUT) is read by no trustscope reader; validate names it (a listing of the prefix would read it), and resuming
+    the run removes it."""
     url = f"s3://{BUCKET}/uncommitted"
     log_run(url, "r1", range(2))
     fs = storage.s3_filesystem()
@@ -226,10 +227,12 @@ def test_readers_see_only_committed_flushes(endpoint, tmp_path):
     with connect(url, cache=False, mirror_dir=tmp_path / "mirror") as db:
         assert len(db._file_lists()["tokens"]) == 1 + 2  # the empty file, then the two committed flushes
         assert db.runs()["n_steps"].tolist() == [2]
-    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
+    result = CliRunner().invoke(app, ["validate", url])
+    assert result.exit_code == 1 and f"s3://{orphan}: read by tools that list the prefix" in result.output
     with TokenLogger(url, "r1", resume=True) as lg:
         lg.log_step(2, **step_data(2))
     assert orphan not in objects(f"{BUCKET}/uncommitted/r1/tokens")
+    assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
     assert lg.manifest["committed_flush"] == 3 and lg.manifest["rows"]["tokens"] == 3 * B * T
 
 
