@@ -502,7 +502,7 @@ def test_cli_exit_codes(tmp_path):
     assert unknown.exit_code == 2 and "nope" in unknown.output
     torn = tmp_path / "torn"
     write_log(torn)
-    tokens_file = next((torn / "run" / "tokens").glob("*.parquet"))
+    tokens_file = next((torn / "run" / "tokens").rglob("*.parquet"))
     tokens_file.write_bytes(tokens_file.read_bytes()[:300])  # a file cut short
     unreadable = runner.invoke(app, ["doctor", str(torn)])
     assert unreadable.exit_code == 2 and "cannot read" in unreadable.output and "validate" in unreadable.output

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from trustscope.importers import import_run
-from trustscope.schema import validate_logdir
+from trustscope.schema import committed_files, validate_logdir
 
 DATA = Path(__file__).resolve().parent / "data"
 
 
 def _tokens(run_dir: Path):
-    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / "tokens").glob("*.parquet"))).read().to_pandas()
+    return pq.ParquetDataset(sorted(str(p) for p in committed_files(run_dir)["tokens"])).read().to_pandas()
 
 
 @pytest.mark.parametrize("layout", ["training-mode", "weight-stream"])

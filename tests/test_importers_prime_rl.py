@@ -445,6 +445,6 @@ def test_token_fraction_writes_a_sample_with_exact_summaries(tmp_path):
     assert 0 < len(kept) < len(all_rows) / 2
     assert json.loads((part / "run.json").read_text())["logging"]["token_fraction"] == 0.25
     summaries = pq.read_table(part / "summaries").to_pandas()
-    total = summaries[summaries["metric"] == "tokens"].groupby("step")["count"].sum()
+    total = summaries[(summaries["metric"] == "tokens") & summaries["dimension"].isna()].groupby("step")["count"].sum()
     assert total.to_dict() == all_rows.groupby("step").size().to_dict()
     assert len(pq.read_table(part / "samples")) == len(pq.read_table(full / "samples"))

@@ -303,7 +303,7 @@ def test_replayed_mask_of_verl_loss_matches_verl_clipfrac(mode, tmp_path):
 
 
 def _read(run_dir: Path, table: str):
-    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).glob("*.parquet"))).read().to_pandas()
+    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).rglob("*.parquet"))).read().to_pandas()
 
 
 @pytest.mark.parametrize("max_tokens", [None, 10])
@@ -361,7 +361,7 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
     joined = con.execute(
         "select count(*), count(distinct s.prompt_id), bool_and(t.prompt_id = s.prompt_id) "
         "from read_parquet(?) t join read_parquet(?) s using (run_id, step, sample_id)",
-        [str(run / "tokens" / "*.parquet"), str(run / "samples" / "*.parquet")],
+        [str(run / "tokens" / "**" / "*.parquet"), str(run / "samples" / "**" / "*.parquet")],
     ).fetchone()
     assert joined == (len(tokens), 4, True)
     assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())

@@ -255,14 +255,33 @@ def parity(
 
 @app.command()
 def validate(logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
-                                          "s3://bucket/prefix (endpoint and credentials from the AWS variables).")
+                                          "s3://bucket/prefix (endpoint and credentials from the AWS variables)."),
+             repair: bool = typer.Option(False, "--repair", help="First finish or remove what killed writers and "
+                                         "compactions left (local log directories): files no manifest lists that "
+                                         "are provably superseded or orphaned, staged and superseded folders; "
+                                         "each removal is printed. Ranks a live logger writes are skipped.")
              ) -> None:
-    """Check a log directory against the schema; print each problem with its file. Exit 0 only when clean."""
+    """Check a log directory against the schema; print each problem with its file, and each file that tools
+    reading the folders (DuckDB, pyarrow, pandas, polars, Spark) read but no manifest lists. Exit 0 only when
+    clean."""
     import tempfile
 
     from trustscope import storage
     from trustscope.schema import SCHEMA_VERSION, run_dirs, validate_logdir
 
+    if repair:
+        from trustscope.logger.compaction import repair_run
+
+        if storage.is_remote(logdir):
+            typer.echo("trustscope validate: --repair works on local log directories; on s3:// run "
+                       "`trustscope compact`, which finishes and cleans what it can", err=True)
+            raise typer.Exit(2)
+        if not Path(logdir).is_dir():
+            typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
+            raise typer.Exit(2)
+        for run in run_dirs(Path(logdir)):
+            for line in repair_run(run):
+                typer.echo(f"repair: {run}: {line}")
     with tempfile.TemporaryDirectory(prefix="trustscope-validate-") as scratch:
         local = Path(logdir)
         if storage.is_remote(logdir):  # the committed objects and their manifests, copied whole
@@ -274,11 +293,21 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
         if not local.is_dir():
             typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
             raise typer.Exit(2)
-        problems = validate_logdir(local)
+        problems: list = validate_logdir(local)
         for problem in problems:
             inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
             where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
             typer.echo(f"{where}: {problem.message}")
+        if storage.is_remote(logdir):  # what a plain reader of the prefix reads and no manifest commits
+            try:
+                strays = storage.stray_objects(logdir)
+            except storage.StorageError as exc:
+                typer.echo(f"trustscope validate: {exc}", err=True)
+                raise typer.Exit(2) from exc
+            for url in strays:
+                typer.echo(f"{url}: read by tools that list the prefix but by no manifest; `trustscope compact` "
+                           f"removes it when it is provably superseded or orphaned")
+            problems += strays
         runs = run_dirs(local)
     if problems:
         typer.echo(f"trustscope validate: {len(problems)} problem(s) in {logdir}", err=True)
@@ -290,14 +319,17 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
 def compact(
     logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
                                  "s3://bucket/prefix (endpoint and credentials from the AWS variables)."),
-    grace: float = typer.Option(5.0, help="Seconds the replaced files are kept after the commit, for readers "
-                                "that listed them just before."),
+    grace: float = typer.Option(5.0, help="Seconds the rank folders a swap replaced are kept (under the run's "
+                                "_superseded/), for readers that hold them open."),
     force: bool = typer.Option(False, "--force", help="s3:// only: also compact ranks whose manifest reads "
                                "running (object stores have no locks; only when no logger writes them)."),
 ) -> None:
-    """Rewrite each rank's many small committed files as a few large ones (readers see the same rows, switched
-    over in one manifest write), so reading costs follow rows, not files. A rank a live logger writes is skipped:
-    the logger compacts its own files (TokenLogger(compact_every=...))."""
+    """Rewrite each rank's many small committed files as a few large ones (every reader sees the same rows,
+    switched over by one atomic swap of the rank's folder), so reading costs follow rows, not files; what killed
+    writers and compactions left is finished or removed first. A rank a live logger writes is skipped: the logger
+    compacts its own files (TokenLogger(compact_every=...)). On s3:// and file systems that cannot swap folders,
+    a tool listing the files in the moment between a compacted file's landing and the deletion of the files it
+    replaces counts their rows twice (docs/logging.md)."""
     from trustscope.logger.compaction import CompactionError, compact_logdir
     from trustscope.storage import StorageError
 

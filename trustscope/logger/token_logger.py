@@ -25,7 +25,7 @@ from trustscope import __version__
 from trustscope import columns as C
 from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
-from trustscope.logger.compaction import FANIN, BackgroundCompactor
+from trustscope.logger.compaction import FANIN, BackgroundCompactor, background_compaction
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.memory import ON_FULL, RowBudget, default_max_buffered_rows
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
@@ -208,7 +208,9 @@ class TokenLogger:
                                  None if block_timeout_s is None else float(block_timeout_s),
                                  prior if isinstance(prior, dict) else None)
         self._files.note(buffer=self._budget.report())
-        self._compactor = (BackgroundCompactor(self._files, int(compact_every), int(row_group_size), fsync)
+        compact_every = int(compact_every) if background_compaction(self._files, int(compact_every)) else 0
+        self._files.note(logging={**self._files.manifest["logging"], "compact_every": compact_every})
+        self._compactor = (BackgroundCompactor(self._files, compact_every, int(row_group_size), fsync)
                            if compact_every else None)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
@@ -337,6 +339,7 @@ class TokenLogger:
             self._writer.stop()
             if self._compactor is not None:
                 self._compactor.stop()
+                self._compactor.tidy()
             lost, fatal = self._writer.lost, self._writer.fatal
             if fatal is not None and status == "finished":
                 status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
