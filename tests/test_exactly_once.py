@@ -149,6 +149,7 @@ def test_sigkill_at_random_moments_with_compaction_on(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sigkill_fifty_times_with_compaction_on(tmp_path):
     _kill_and_check(tmp_path, kills=50, seed=2)
 

@@ -762,8 +762,12 @@ class VerlLogging:
                     lagging.append(path.stem)
                     continue
                 last = manifest.get("last_step")
-                if effective_status(manifest) == "running" and (last is None or last < step):
-                    lagging.append(path.stem)  # ranks an earlier session left (closed or dead) are not waited on
+                landing = [e[1] for e in manifest.get("publishing") or () if isinstance(e, list) and len(e) == 3
+                           and isinstance(e[1], str) and not (run_dir / e[1]).exists()]
+                if effective_status(manifest) == "running" and (last is None or last < step or landing):
+                    # ranks an earlier session left (closed or dead) are not waited on; a commit whose files are
+                    # still being renamed into place is not readable yet
+                    lagging.append(path.stem)
             if not lagging:
                 return True
             if time.monotonic() > deadline:
