@@ -309,14 +309,14 @@ def _tile(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtyp
 class _HeadGather(torch.autograd.Function):
     """The head's raw output at given rows, ``y[n, j] = hidden[n] . weight[ids[n, j]] + bias[ids[n, j]]``.
 
-    forward(hidden (N, H), weight (V_s, H), bias (V_s,) or None, ids (N, J) local rows) -> y (N, J) float32,
-    rounded to the matmul's dtype as the head's GEMM rounds it. Chunked over tokens so the gathered rows are never
+    forward(hidden (N, H), weight (V_s, H), bias (V_s,) or None, ids (N, J) local rows, dtype) -> y (N, J)
+    float32, rounded to the matmul's ``dtype`` as the head's GEMM rounds it. Chunked over tokens so the gathered rows are never
     more than :data:`_GATHER_ELEMENTS`; saves only its inputs, by reference.
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor) -> Tensor:
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
+                dtype: torch.dtype) -> Tensor:
         N, J = ids.shape
         step = max(1, _GATHER_ELEMENTS // max(1, J * hidden.shape[1]))
         out = torch.empty(N, J, dtype=_math_dtype(dtype), device=hidden.device)  # (N, J)
@@ -353,20 +353,20 @@ class _HeadGather(torch.autograd.Function):
             if g_b is not None:
                 g_b.index_add_(0, flat, grad[sl].reshape(-1))
         return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None)
+                None if g_b is None else g_b.to(bias.dtype), None, None)
 
 
 class _HeadLogNormaliser(torch.autograd.Function):
     """logsumexp over the head's rows of the sampler's logits, tile by tile: no ``(N, V)`` tensor.
 
-    forward(hidden (N, H), weight (V_s, H), bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab) ->
-    (N,) float32. Saves its inputs by reference and the result; backward recomputes each tile.
+    forward(hidden (N, H), weight (V_s, H), bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab, dtype)
+    -> (N,) float32, the tiles' matmuls in ``dtype``. Saves its inputs by reference and the result; backward recomputes each tile.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, logit_scale: float,
-                softcap: float | None, inv_t: float, chunk_tokens: int, chunk_vocab: int) -> Tensor:
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+                softcap: float | None, inv_t: float, chunk_tokens: int, chunk_vocab: int,
+                dtype: torch.dtype) -> Tensor:
         N, V = hidden.shape[0], weight.shape[0]
         lse = torch.full((N,), -math.inf, dtype=_math_dtype(dtype), device=hidden.device)  # (N,)
         for t0 in _chunks(N, chunk_tokens):
@@ -414,7 +414,7 @@ class _HeadLogNormaliser(torch.autograd.Function):
                 if g_b is not None:
                     g_b[vs] += g.sum(0)
         return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None)
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
 
 
 def _first_bad(name: str, bad: Tensor, values: Tensor, what: str) -> None:
@@ -436,6 +436,7 @@ def head_partial(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     log_normaliser: bool = True,
+    matmul_dtype: torch.dtype | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
 ) -> HeadPartial:
@@ -446,12 +447,13 @@ def head_partial(
     single head is one shard with ``vocab_start=0``.
     """
     inv_t = _inverse_temperature(temperature)
+    dtype = matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     local = ids.long() - vocab_start  # (N, J)
     owned = (local >= 0) & (local < weight.shape[0])  # (N, J)
-    y = _HeadGather.apply(hidden, weight, bias, local.clamp(0, weight.shape[0] - 1))  # (N, J)
+    y = _HeadGather.apply(hidden, weight, bias, local.clamp(0, weight.shape[0] - 1), dtype)  # (N, J)
     logits = _transform(y, logit_scale, softcap, inv_t) * owned  # (N, J)
-    lse = (_HeadLogNormaliser.apply(hidden, weight, bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab)
-           if log_normaliser else None)
+    lse = (_HeadLogNormaliser.apply(hidden, weight, bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab,
+                                    dtype) if log_normaliser else None)
     return HeadPartial(logits=logits, log_normaliser=lse)
 
 
@@ -512,6 +514,7 @@ def logprobs_from_hidden(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     shard: VocabShard | None = None,
+    matmul_dtype: torch.dtype | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
 ) -> Tensor:
@@ -526,8 +529,8 @@ def logprobs_from_hidden(
     - else computed tile by tile over the vocabulary (``chunk_tokens x chunk_vocab`` at a time; the logsumexp is
       accumulated tile by tile, so no ``(N, V)`` tensor is made, in the forward or the backward).
 
-    The logits are rounded to the matmul's dtype (``promote_types(hidden.dtype, weight.dtype)``) as the head's
-    GEMM rounds them, then the math is float32: in bf16 the result equals the full-logits log-softmax of the bf16
+    The logits are rounded to the matmul's dtype (``matmul_dtype``; None: ``promote_types(hidden.dtype,
+    weight.dtype)``; under autocast pass the autocast dtype) as the head's GEMM rounds them, then the math is float32: in bf16 the result equals the full-logits log-softmax of the bf16
     logits up to the GEMM's own rounding. Gradients flow to ``hidden``, ``weight``, ``bias`` and
     ``label_logprobs`` where they require them; the backward recomputes what it needs tile by tile.
 
@@ -543,6 +546,7 @@ def logprobs_from_hidden(
             model's config).
         shard: the vocabulary slice ``weight`` holds on this rank of a tensor-parallel group (every rank of the
             group calls this with the same ``hidden``, ``ids`` and labels); None: ``weight`` is the whole head.
+        matmul_dtype: the dtype the head's matmul runs in (only the gathered rows are cast to it).
         chunk_tokens, chunk_vocab: the tile of the vocabulary pass, when there is one.
 
     Returns:
@@ -587,7 +591,8 @@ def logprobs_from_hidden(
         flat_ids = torch.cat([label_ids.reshape(-1, 1).long(), flat_ids], dim=1)  # (N, 1 + K)
     part = head_partial(hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids.to(weight.device), bias=bias,
                         vocab_start=start, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                        log_normaliser=label_ids is None, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+                        log_normaliser=label_ids is None, matmul_dtype=matmul_dtype, chunk_tokens=chunk_tokens,
+                        chunk_vocab=chunk_vocab)
     if shard is not None:
         part = _reduce_shards(part, shard.group)
     labels = None if label_logprobs is None else label_logprobs.reshape(-1).to(part.logits.device)
