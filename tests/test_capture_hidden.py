@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trustscope.capture import VocabShard, combine_head_partials, head_partial, logprobs_from_hidden
+from trustscope.capture import (
+    VocabShard,
+    combine_head_partials,
+    head_partial,
+    logprobs_from_hidden,
+    top_k_from_hidden,
+)
 
 
 def full_logprobs(hidden, weight, bias=None, temperature=1.0, logit_scale=1.0, softcap=None):
@@ -158,6 +164,25 @@ def test_two_vocabulary_shards_combine_to_the_whole_head():
     torch.testing.assert_close(combine_head_partials(parts, lp), ref, atol=2e-5, rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 20), v=st.integers(3, 120), k=st.integers(1, 8), with_bias=st.booleans(),
+       chunk_vocab=st.integers(1, 50), temperature=st.sampled_from([1.0, 0.5]), seed=st.integers(0, 2**16))
+def test_top_k_from_hidden_is_the_full_softmax_top_k(n, v, k, with_bias, chunk_vocab, temperature, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, v)
+    hidden, weight = torch.randn(2, n, 6, generator=g), torch.randn(v, 6, generator=g)
+    bias = torch.randn(v, generator=g) if with_bias else None
+    labels = torch.randint(0, v, (2, n), generator=g)
+    ref = full_logprobs(hidden, weight, bias, temperature)  # (2, n, V)
+    ids, lps, label_lp = top_k_from_hidden(hidden, weight, k, bias=bias, label_ids=labels, temperature=temperature,
+                                           chunk_tokens=7, chunk_vocab=chunk_vocab)
+    want = ref.topk(k, dim=-1)
+    assert ids.shape == lps.shape == (2, n, k) and label_lp.shape == (2, n)
+    torch.testing.assert_close(lps, want.values, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.gather(-1, ids), want.values, atol=2e-5, rtol=1e-5)  # the same ids (ties aside)
+    torch.testing.assert_close(label_lp, ref.gather(-1, labels[..., None])[..., 0], atol=2e-5, rtol=1e-5)
+
+
 class _Sizes(TorchDispatchMode):
     """The largest tensor any op makes, in elements."""
 
@@ -191,6 +216,9 @@ def test_no_tensor_grows_with_tokens_times_vocabulary(from_label):
     # rows (N, 1 + K, H); never (N, V)
     assert sizes.largest <= max(v * h, 32 * 100, n * (k + 1) * h) < n * v // 25
     assert hidden.grad is not None and weight.grad.shape == (v, h)
+    with _Sizes() as sizes:
+        top_k_from_hidden(hidden, weight, k, label_ids=ids[:, 0], chunk_tokens=32, chunk_vocab=100)
+    assert sizes.largest <= max(v * h, 32 * 100, n * (k + 1) * h) < n * v // 25
 
 
 def test_bad_input_is_refused_naming_the_tensor_and_the_index():

@@ -599,6 +599,72 @@ def logprobs_from_hidden(
     return combine_head_partials([part], labels).reshape(*lead, K)
 
 
+@torch.no_grad()
+def top_k_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    bias: Tensor | None = None,
+    label_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    matmul_dtype: torch.dtype | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The ``k`` most likely ids of pi at each position, from the final hidden states, tile by tile (no gradient).
+
+    :func:`top_k` for a model whose logits are never built: ``hidden`` ``(*, H)``, the whole head ``weight``
+    ``(V, H)`` (and ``bias``), the transform and dtype of :func:`logprobs_from_hidden`. One pass over the
+    vocabulary in ``chunk_tokens x chunk_vocab`` tiles keeps a running top-``k`` and logsumexp per position.
+
+    Returns:
+        ``ids`` ``(*, k)`` int64 and ``logprobs`` ``(*, k)`` float32, by descending probability, and, when
+        ``label_ids`` ``(*,)`` are given, log pi of each label ``(*,)`` (else None).
+    """
+    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden of shape {tuple(hidden.shape)} (*, H) does not match the LM head's weight of shape "
+                         f"{tuple(weight.shape)} (V, H)")
+    V = weight.shape[0]
+    if not 1 <= k <= V:
+        raise ValueError(f"k must be in [1, V] = [1, {V}], got {k}")
+    lead = tuple(hidden.shape[:-1])
+    if label_ids is not None:
+        if tuple(label_ids.shape) != lead:
+            raise ValueError(f"label_ids of shape {tuple(label_ids.shape)} must have hidden's leading shape {lead}")
+        _first_bad("label_ids", (label_ids < 0) | (label_ids >= V), label_ids, f"is outside the vocabulary [0, {V})")
+    inv_t = _inverse_temperature(temperature)
+    dtype = matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    N = flat.shape[0]
+    ids = torch.empty(N, k, dtype=torch.long, device=flat.device)  # (N, k)
+    values = torch.empty(N, k, dtype=torch.float32, device=flat.device)  # (N, k)
+    lse = torch.empty(N, dtype=torch.float32, device=flat.device)  # (N,)
+    for t0 in _chunks(N, chunk_tokens):
+        ts = slice(t0, t0 + chunk_tokens)
+        best_v = torch.full((flat[ts].shape[0], 0), -math.inf, device=flat.device)  # (c, <= k)
+        best_i = torch.empty(best_v.shape, dtype=torch.long, device=flat.device)
+        acc = torch.full((best_v.shape[0],), -math.inf, device=flat.device)  # (c,)
+        for v0 in _chunks(V, chunk_vocab):
+            vs = slice(v0, v0 + chunk_vocab)
+            z = _transform(_tile(flat[ts], weight[vs], None if bias is None else bias[vs], dtype),
+                           logit_scale, softcap, inv_t).float()  # (c, v)
+            acc = torch.logaddexp(acc, torch.logsumexp(z, dim=-1))
+            top = z.topk(min(k, z.shape[1]), dim=-1)
+            cand_v = torch.cat([best_v, top.values], dim=1)
+            cand_i = torch.cat([best_i, top.indices + v0], dim=1)
+            keep = cand_v.topk(min(k, cand_v.shape[1]), dim=-1)
+            best_v, best_i = keep.values, cand_i.gather(1, keep.indices)
+        ids[ts], values[ts], lse[ts] = best_i, best_v, acc
+    label_lp = None
+    if label_ids is not None:
+        y = _HeadGather.apply(flat, weight, bias, label_ids.reshape(-1, 1).long().to(flat.device), dtype)  # (N, 1)
+        label_lp = (_transform(y[:, 0], logit_scale, softcap, inv_t).float() - lse).reshape(lead)
+    return ids.reshape(*lead, k), (values - lse[:, None]).reshape(*lead, k), label_lp
+
+
 def fused_head_forward(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module inside ``model`` whose forward TRL's ``add_fused_lm_head`` replaced, or None.
 

@@ -72,7 +72,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings
     missing(exc, "trustscope.integrations.trl", extra="trl")
 
 from trustscope.alerts import Alerts, check_webhook_url
-from trustscope.capture import capture, fused_head_forward, logprobs_from_hidden, top_k
+from trustscope.capture import fused_head_forward, logprobs_from_hidden, top_k_from_hidden
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
 from trustscope.trackers import LiveTrackerAlerts, StepReporter
@@ -545,30 +545,32 @@ class Attachment:
 
     @torch.no_grad()
     def _rollout_forward(self, out: dict[str, Any]) -> None:
-        """The trainer's own top-K (and sampled-token log-prob) at the rollout's weights: one no-grad forward."""
+        """The trainer's own top-K (and sampled-token log-prob) at the rollout's weights: one no-grad forward of the
+        backbone, then one pass over the LM head's rows in tiles (:func:`~trustscope.capture.top_k_from_hidden`:
+        no ``(B, T, V)`` logits)."""
         t = self.trainer
-        model = t.accelerator.unwrap_model(t.model)
+        model = _head_module(t.accelerator.unwrap_model(t.model))
+        head = model.get_output_embeddings()
+        scale, softcap = _logit_transform(model)
+        input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)  # (B, P + T)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)  # (B, P + T)
+        T = out["completion_ids"].shape[1]
+        step = t.args.per_device_train_batch_size
         ids, lps, mu = [], [], []
-        for _rows, logits, completion in self._forward_logits(model, out):
-            cap = capture(logits, completion, response_start=1, temperature=t.temperature)
-            k_ids, k_lps = top_k(logits, self.topk, T=completion.shape[1], response_start=1,
-                                 temperature=t.temperature)
-            ids.append(k_ids)
-            lps.append(k_lps)
-            mu.append(cap.logprob)
-        out[_TOPK_IDS], out[_TOPK_LOGPROBS], out[_MU_RECOMPUTE] = torch.cat(ids), torch.cat(lps), torch.cat(mu)
-
-    def _forward_logits(self, model: Any, batch: Mapping[str, Any]):
-        """Plain-logits forwards over ``batch`` in chunks of the per-device batch size: yields (rows, logits
-        ``(b, T + 1, V)`` whose column t predicts completion token t, completion ids ``(b, T)``)."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (B, P + T)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # (B, P + T)
-        T = batch["completion_ids"].shape[1]
-        step = self.trainer.args.per_device_train_batch_size
         for start in range(0, input_ids.shape[0], step):
             sl = slice(start, start + step)
-            logits = model(input_ids=input_ids[sl], attention_mask=attention[sl], logits_to_keep=T + 1).logits
-            yield sl, logits, batch["completion_ids"][sl]
+            hidden = _backbone(model)(input_ids=input_ids[sl], attention_mask=attention[sl]).last_hidden_state
+            with _gathered(head.weight, head.bias):
+                weight, bias = _full(head.weight), _full(head.bias)
+                k_ids, k_lps, lp = top_k_from_hidden(
+                    hidden[:, -(T + 1):-1].to(weight.device), weight, self.topk, bias=bias,
+                    label_ids=out["completion_ids"][sl].to(weight.device), temperature=t.temperature,
+                    logit_scale=scale, softcap=softcap)  # column t predicts completion token t
+            ids.append(k_ids)
+            lps.append(k_lps)
+            mu.append(lp)
+        device = out["completion_ids"].device
+        out[_TOPK_IDS], out[_TOPK_LOGPROBS], out[_MU_RECOMPUTE] = (torch.cat(x).to(device) for x in (ids, lps, mu))
 
     # --------------------------------------------------------------------------------------------------- loss side
 
