@@ -302,3 +302,24 @@ def test_a_two_process_gloo_group_of_vocabulary_shards(tmp_path):
             torch.testing.assert_close(out[0][mode][1] + out[1][mode][1], hidden.grad, atol=1e-5, rtol=1e-4)
             for r, (a, b) in enumerate(case["bounds"]):
                 torch.testing.assert_close(out[r][mode][2], weight.grad[a:b], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_production_shapes_bench_runs_on_the_device_it_is_given(tmp_path):
+    """bench/bench_production_shapes.py at a toy size on --device cpu (scripts/gpu_sanity.sh runs it on cuda)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "bench_production_shapes.py"), "--device", "cpu",
+                           "--vocab", "1000", "--tokens", "32", "--layers", "1", "--k", "4",
+                           "--cases", "trl", "hidden", "logits", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["device"] == "cpu" and result["memory"] == "peak_rss_gib"
+    assert [(r["case"], r["tokens"]) for r in result["summary"]] == [("trl", 32), ("hidden", 32), ("logits", 32)]
+    assert result["summary"][0]["wall_ratio"] == 1.0 and all(r["capture_s"] > 0 for r in result["summary"][1:])

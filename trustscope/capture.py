@@ -542,12 +542,13 @@ def logprobs_from_hidden(
         label_ids: ``(*,)`` the label at each position (the token the fused head scored); with ``label_logprobs``.
         label_logprobs: ``(*,)`` log pi(label) at the same temperature, finite; gives log Z.
         temperature: the sampler's (see :func:`capture`).
-        logit_scale, softcap: the model's own logit scaling (1 and None for most models; TRL reads them from the
-            model's config).
+        logit_scale: the model's own multiplier of its logits (1 for most models; TRL reads it from the config).
+        softcap: the model's soft cap of its logits (Gemma's ``final_logit_softcapping``; None for most models).
         shard: the vocabulary slice ``weight`` holds on this rank of a tensor-parallel group (every rank of the
             group calls this with the same ``hidden``, ``ids`` and labels); None: ``weight`` is the whole head.
         matmul_dtype: the dtype the head's matmul runs in (only the gathered rows are cast to it).
-        chunk_tokens, chunk_vocab: the tile of the vocabulary pass, when there is one.
+        chunk_tokens: tokens per tile of the vocabulary pass, when there is one.
+        chunk_vocab: vocabulary rows per tile of that pass.
 
     Returns:
         ``(*, K)`` float32 log pi at ``ids``.
