@@ -24,8 +24,8 @@ process (peak memory is the process's own), the order alternating over ``--repea
 
 Reported per case (medians over repeats): the pass's wall and CPU time (forward + capture + backward; the CPU time
 of the process, less blurred than the wall by other work on a shared machine) as ratios to ``trl``; the capture's
-own wall time, also as a share of ``trl``'s pass (``% of trl``: what the case adds, read inside one process, so the
-machine's drift between processes does not enter it); the peak memory (CPU: the process's peak RSS,
+own wall and CPU time, also as shares of ``trl``'s pass (``% of trl``, ``CPU %``: what the case adds, read inside
+one process, so the machine's drift between processes does not enter it); the peak memory (CPU: the process's peak RSS,
 ``ru_maxrss``; CUDA: ``max_memory_allocated``) and what it adds over ``trl``. ``--json`` writes every measurement.
 """
 
@@ -197,7 +197,7 @@ def main() -> None:
     print(f"\n{args.preset} x {args.layers} layer(s), V = {args.vocab:,}, K = {args.k}, {args.dtype} on {args.device}, "
           f"{'forward only' if args.no_backward else 'forward + backward'}, median of {args.repeats}")
     print(f"{'tokens':>7} {'case':<13} {'wall s':>8} {'x trl':>6} {'CPU s':>8} {'x trl':>6} {'capture s':>10} "
-          f"{'% of trl':>8} {'peak GiB':>9} {'+GiB':>6}")
+          f"{'% of trl':>8} {'CPU %':>7} {'peak GiB':>9} {'+GiB':>6}")
     for tokens in args.tokens:
         med = {c: {k: statistics.median(r[k] for r in rows if r["case"] == c and r["tokens"] == tokens)
                    for k in keys} for c in args.cases}
@@ -206,11 +206,13 @@ def main() -> None:
             m = med[c]
             line = {"tokens": tokens, "case": c, **m, "wall_ratio": m["pass_s"] / base["pass_s"],
                     "cpu_ratio": m["pass_cpu_s"] / base["pass_cpu_s"],
-                    "capture_share": m["capture_s"] / base["pass_s"], "peak_gib": m[mem],
+                    "capture_share": m["capture_s"] / base["pass_s"],
+                    "capture_cpu_share": m["capture_cpu_s"] / base["pass_cpu_s"], "peak_gib": m[mem],
                     "memory_ratio": m[mem] / base[mem], "memory_added_gib": m[mem] - base[mem]}
             summary.append(line)
             print(f"{tokens:>7} {c:<13} {m['pass_s']:8.2f} {line['wall_ratio']:6.3f} {m['pass_cpu_s']:8.2f} "
                   f"{line['cpu_ratio']:6.3f} {m['capture_s']:10.3f} {100 * line['capture_share']:7.2f}% "
+                  f"{100 * line['capture_cpu_share']:6.2f}% "
                   f"{m[mem]:9.2f} {line['memory_added_gib']:+6.2f}")
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: (str(v) if isinstance(v, Path) else v)

@@ -437,7 +437,8 @@ class _Hooks:
         them in: float32 with ``cast_lm_head_to_fp32``, else autocast's dtype when autocast is on, else theirs."""
         if self._hidden is None:
             return
-        hidden = output.last_hidden_state.detach()  # (b, L, H)
+        hidden = getattr(output, "last_hidden_state", None)
+        hidden = (output[0] if hidden is None else hidden).detach()  # (b, L, H)
         device = hidden.device.type
         dtype = (torch.float32 if getattr(self.a.trainer.args, "cast_lm_head_to_fp32", False)
                  else torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype)
