@@ -27,7 +27,13 @@ measured on the same distribution as mu. ``temperature=1`` (the default) is the 
 
 A model whose forward returns no logits (TRL's fused LM head returns ``FusedCausalLMOutput``: log-probs and entropy
 of the labels only) cannot be captured from; :class:`CaptureHook` refuses it when it is opened
-(:class:`NoLogitsError`), and names what to use instead.
+(:class:`NoLogitsError`), and names what to use instead. For such a model, pi at mu's top-K ids comes from the final
+hidden states and the LM head's rows at those ids, with the log-normaliser recovered from the fused head's log-prob
+of the sampled token (:func:`logprobs_from_hidden`, no ``(N, V)`` tensor; :func:`top_k_from_hidden` for pi's own
+top-K)::
+
+    pi_topk = logprobs_from_hidden(hidden, model.lm_head.weight, mu_topk_ids, label_ids=response_ids,
+                                   label_logprobs=fused.log_probs, temperature=tau)
 """
 
 from __future__ import annotations
