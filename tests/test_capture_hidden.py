@@ -316,10 +316,10 @@ def test_the_production_shapes_bench_runs_on_the_device_it_is_given(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(root / "bench" / "bench_production_shapes.py"), "--device", "cpu",
                            "--vocab", "1000", "--tokens", "32", "--layers", "1", "--k", "4",
-                           "--cases", "trl", "hidden", "logits", "--json", str(out)],
+                           "--cases", "trl", "hidden", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["settings"]["device"] == "cpu" and result["memory"] == "peak_rss_gib"
-    assert [(r["case"], r["tokens"]) for r in result["summary"]] == [("trl", 32), ("hidden", 32), ("logits", 32)]
-    assert result["summary"][0]["wall_ratio"] == 1.0 and all(r["capture_s"] > 0 for r in result["summary"][1:])
+    assert [(r["case"], r["tokens"]) for r in result["summary"]] == [("trl", 32), ("hidden", 32)]
+    assert result["summary"][0]["wall_ratio"] == 1.0 and result["summary"][1]["capture_s"] > 0
