@@ -87,7 +87,7 @@ def headline_markdown(table: pd.DataFrame, n_boot: int = 10_000, seed: int = 0) 
                 continue
             diffs = (rng.choice(x, (n_boot, len(x))).mean(1) - rng.choice(y, (n_boot, len(y))).mean(1))
             low, high = np.percentile(diffs, [2.5, 97.5])
-            side = "-" if low <= 0 <= high else (a if (low > 0) == (good > 0) else b)
+            side = "-" if low <= 0 <= high else LABELS[a if (low > 0) == (good > 0) else b]
             lines.append(f"| {LABELS[a]} - {LABELS[b]} | {label} | {x.mean():.3f} ({len(x)}) | {y.mean():.3f} "
                          f"({len(y)}) | {x.mean() - y.mean():+.3f} | {low:+.3f} to {high:+.3f} | {side} |")
     return "\n".join(lines)

@@ -25,15 +25,16 @@ def _experiments():
     return module
 
 
-def test_the_demo_trains_in_the_sample_logs_setting(tmp_path):
-    """Toy world v2 with the mismatch knobs of the shipped runs: bf16 rollouts, lag, four mini-batches, their lr."""
+def test_the_demo_trains_in_the_climb_setting(tmp_path):
+    """Toy world v2 in the setting of the ``sanity-climb`` sweep: the mismatch knobs of the shipped runs (bf16
+    rollouts, lag, four mini-batches) at the lr where runs learn; only the length and the evaluation cadence differ."""
     exp = _experiments()
-    v2 = {**exp.PRESETS["sanity-v2"].setting, "model": exp.PRESETS["sanity-v2"].toy}
+    climb = {**exp.PRESETS["sanity-climb"].setting, "model": exp.PRESETS["sanity-climb"].toy}
     cfg = demo_config(tmp_path, steps=3)
     for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "threads", "prompts_per_step", "group_size",
-                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_every",
-                 "eval_problems"):
-        assert getattr(cfg, knob) == v2[knob], knob
+                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_problems"):
+        assert getattr(cfg, knob) == climb[knob], knob
+    assert cfg.lr < exp.PRESETS["sanity-v2"].setting["lr"]  # the shipped runs' lr, where no run climbs
     assert cfg.engine == "vllm" and cfg.engine_dtype == "bfloat16" and cfg.policy_lag >= 1 and cfg.mini_batches > 1
     assert cfg.steps == 3 and cfg.run_dir.parent == tmp_path and cfg.run_id.startswith("demo-")
 
