@@ -66,9 +66,10 @@ def first_step(steps: pd.Series, reward: pd.Series, *, depth: float = 0.0, share
 
 
 def reach_step(steps: pd.Series, reward: pd.Series, target: float = TARGET) -> float:
-    """First step whose 10-step mean reward reaches ``target``; the run's last step + 1 when none does."""
+    """Steps trained until the 10-step mean reward first reaches ``target`` (steps count from 0: reaching it at step
+    s took s + 1 steps); the run's length plus one when it never does."""
     reached = (reward.rolling(DIP_WINDOW, min_periods=DIP_WINDOW).mean() >= target).to_numpy()
-    return float(steps.to_numpy()[reached.argmax()]) if reached.any() else float(steps.max() + 1)
+    return float(steps.to_numpy()[reached.argmax()] + 1) if reached.any() else float(steps.max() + 2)
 
 
 def headline_markdown(table: pd.DataFrame, n_boot: int = 10_000, seed: int = 0) -> str:
@@ -343,7 +344,12 @@ def main() -> None:
     args = parser.parse_args()
     data = load(args.logdir)
     table = run_table(data["wide"], data["exact"])
-    for path in make_figures(data, args.out):
+    try:
+        figures = make_figures(data, args.out)
+    except ModuleNotFoundError as exc:  # the tables need no plotting library
+        print(f"no figures: {exc} (pip install matplotlib)")
+        figures = []
+    for path in figures:
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     print("\n## The sweep (mean (min-max) over seeds)\n")
     print(sweep_markdown(table))
