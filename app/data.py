@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ from app.launch import FOCUS_ENV, LOGDIR_ENV, default_logdir
 from trustscope import db, figures, report, schema, storage
 from trustscope.db import LogDB, Overview
 from trustscope.losses import list_losses
+from trustscope.rule_settings import SETTINGS_ENV, rule_params_of
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -62,6 +64,8 @@ BAD_DELTA = db.ANALYSIS_DEFAULTS["bad_negative_delta"]
 BASELINE_RULE = "ppo_clip"
 """Always in the default selection of runs, as the baseline the other rules are read against."""
 COUNTERFACTUAL_RULE = "dppo_binary_tv"
+RULE_PARAMS_KEY = "rule_params"
+"""Where the parameter panel keeps the session's rule parameters (rule -> parameters)."""
 """The counterfactual page's default second rule: the paper's DPPO binary TV."""
 WINDOW_TOKENS = 1_000_000
 """Logged tokens the token-level pages read by default (the last steps of a run up to this many)."""
@@ -162,10 +166,27 @@ def _first_line(exc: BaseException) -> str:
 
 
 @st.cache_resource(show_spinner=False, max_entries=4, on_release=lambda ours: ours.close())
+def _connect(logdir: str, rules: str) -> LogDB:
+    """One query-layer handle per log directory and rule parameters (``rules``: JSON of ``rule_params``), shared by
+    every session; it keeps the per-file step aggregates between refreshes."""
+    return db.connect(logdir, rule_params=json.loads(rules) or None)
+
+
 def _db(logdir: str) -> LogDB:
-    """One query-layer handle per log directory, shared by every session; it keeps the per-file step aggregates
-    between refreshes."""
-    return db.connect(logdir)
+    """The handle of ``logdir`` at the rule parameters of this session (:func:`rule_params`)."""
+    return _connect(logdir, json.dumps(rule_params(), sort_keys=True))
+
+
+def launch_rule_params() -> dict[str, dict]:
+    """The rule parameters ``trustscope dashboard --rule`` set (:data:`SETTINGS_ENV`, one setting a line)."""
+    text = os.environ.get(SETTINGS_ENV, "").strip()
+    return rule_params_of(text.splitlines()) if text else {}
+
+
+def rule_params() -> dict[str, dict]:
+    """The rule parameters the pages evaluate rules at: ``--rule``'s, with the parameter panel's on top
+    (:func:`app.widgets.rule_panel`, kept in the session)."""
+    return {**launch_rule_params(), **st.session_state.get(RULE_PARAMS_KEY, {})}
 
 
 VERSION_TTL_S = 1.0
@@ -197,15 +218,15 @@ def cached(fn: Callable[Concatenate[LogDB, P], R]) -> Callable[P, R]:
     """Declare a read of the logs: ``fn(handle, *args)`` becomes ``fn(*args)`` on the current log directory, its
     result kept by ``st.cache_data`` under the directory, :meth:`LogDB.version` and the arguments (hashable
     values: strings, numbers, tuples, lists)."""
-    def keyed(logdir: str, version: str, *args: P.args, **kwargs: P.kwargs) -> R:
-        return fn(_db(logdir), *args, **kwargs)
+    def keyed(logdir: str, version: str, rules: str, *args: P.args, **kwargs: P.kwargs) -> R:
+        return fn(_connect(logdir, rules), *args, **kwargs)
 
     keyed.__module__, keyed.__qualname__, keyed.__name__ = fn.__module__, fn.__qualname__, fn.__name__
     store = st.cache_data(show_spinner=False, max_entries=256)(keyed)
 
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         logdir = current_logdir()
-        return store(logdir, version(logdir), *args, **kwargs)
+        return store(logdir, version(logdir), json.dumps(rule_params(), sort_keys=True), *args, **kwargs)
 
     call.__module__, call.__qualname__, call.__name__, call.__doc__ = (
         fn.__module__, fn.__qualname__, fn.__name__, fn.__doc__)
@@ -461,6 +482,30 @@ def counterfactual(ours: LogDB, run_id: str, rule_a: str, rule_b: str, steps: tu
                       last_step=steps[1])
 
 
+@cached
+def equal_budget(ours: LogDB, run_id: str, budget: float | None = None) -> pd.DataFrame:
+    """:meth:`LogDB.equal_budget` of one run: each rule's threshold at the run's rule's share (or ``budget``)."""
+    return ours.equal_budget([run_id], budget)
+
+
+@cached
+def threshold_curve(ours: LogDB, run_id: str) -> pd.DataFrame:
+    """:meth:`LogDB.threshold_curve`: blocked share against each rule's threshold."""
+    return ours.threshold_curve(run_id)
+
+
+@cached
+def budget_picks(ours: LogDB, run_id: str, budget: float | None = None) -> pd.DataFrame:
+    """:meth:`LogDB.budget_picks` at the equal budget of :func:`equal_budget`."""
+    return ours.budget_picks(run_id, ours.equal_budget([run_id], budget))
+
+
+@cached
+def budget_overlap(ours: LogDB, run_id: str, rule_a: str, rule_b: str, budget: float | None = None) -> pd.DataFrame:
+    """:meth:`LogDB.budget_overlap` of two rules at the equal budget of :func:`equal_budget`."""
+    return ours.budget_overlap(run_id, ours.equal_budget([run_id], budget), rule_a, rule_b)
+
+
 # ------------------------------------------------------------------------------------------------ one response
 
 
@@ -565,3 +610,15 @@ def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
         return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
     finally:
         cur.close()
+
+
+# ------------------------------------------------------------------------------------------------ by dimension
+
+
+@cached
+def by_dimension(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the mismatch lives, exact over every step (:func:`trustscope.report.by_dimension`): the
+    ``mismatch_by_dimension`` rows (run_id, dimension, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac,
+    ...) and the ``blocked_by_dimension`` rows (run_id, dimension, bucket, bucket_label, rule, n_blocked,
+    n_nonzero_advantage, blocked_frac)."""
+    return report.by_dimension(ours, list(run_ids))

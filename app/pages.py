@@ -46,6 +46,7 @@ PAGES = (
     Page("Counterfactual", "counterfactual.py", ":material/difference:", "Trust region",
          "[data-testid='stMetric']"),
     Page("Clipped tokens", "clipped_tokens.py", ":material/content_cut:", "Trust region"),
+    Page("Where the mismatch lives", "mismatch_where.py", ":material/stacked_line_chart:", "Trust region"),
     Page("Token explorer", "token_explorer.py", ":material/text_fields:", "Drill down", "span.tok"),
     Page("SQL console", "sql_console.py", ":material/terminal:", "Drill down", "[data-testid='stDataFrame']"),
 )

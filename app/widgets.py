@@ -9,6 +9,8 @@ import streamlit as st
 
 from app import data
 from trustscope import figures, report
+from trustscope.losses import get_loss
+from trustscope.rule_settings import explicit_name, validated
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -113,8 +115,7 @@ def warning_badge(run_ids: list[str]) -> None:
     warnings = data.collapse_warnings(run_ids)
     firsts = report.first_warnings(warnings)
     lines, detector = data.WARNING_LINES, report.DETECTOR
-    how = [f"bad negative updates reach {lines.bad_rate:.1%} of the last {lines.window} steps' tokens",
-           f"mean |pi - mu| {lines.mismatch_growth:g}x the run's first {lines.window} steps"]
+    how = lines.describe()
     if warnings["score"].notna().any():
         how.insert(0, f"the early-warning score (a logistic score over the last {detector.window} steps' "
                       f"{', '.join(report.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing "
@@ -136,3 +137,69 @@ def warning_badge(run_ids: list[str]) -> None:
 def count_of(n: float, total: float) -> str:
     """``"8.3% (1 of 12)"``: a fraction always with the counts it is made of."""
     return f"{n / total:.1%} ({int(n):,} of {int(total):,})" if total else "- (0 of 0)"
+
+
+def rule_panel(rules: list[str], applied: str | None, key: str) -> None:
+    """The parameter panel: one rule's parameters as widgets built from what the rule declares (a number input
+    within each number's bounds, a choice among its choices), applied to every page of this session; the rule the
+    run trained with stays at its own parameters on its run."""
+    set_now = data.rule_params()
+    label = "Rule parameters" + (f" ({len(set_now)} set)" if set_now else " (every rule at its defaults)")
+    with st.expander(label, expanded=False, icon=":material/tune:"):
+        rule = st.selectbox("Rule", rules, key=f"{key}_rule",
+                            format_func=lambda r: r + figures.APPLIED_MARK if r == applied else r)
+        spec = get_loss(rule)
+        current = {**spec.defaults, **set_now.get(rule, {})}
+        values = {}
+        names = list(spec.mask_params) or list(spec.params)
+        for col, name in zip(st.columns(max(1, len(names))), names, strict=True):
+            param = spec.params[name]
+            with col:
+                if param.choices is not None:
+                    options = sorted(param.choices)
+                    values[name] = st.selectbox(name, options, index=options.index(current[name]),
+                                                key=f"{key}_{rule}_{name}", help=f"one of {options}")
+                else:
+                    values[name] = st.number_input(
+                        name, value=None if current[name] is None else float(current[name]),
+                        min_value=None if param.low is None else float(param.low),
+                        max_value=None if param.high is None else float(param.high), format="%g",
+                        step=max(abs(float(spec.defaults[name] or 1.0)) / 10, 1e-6), key=f"{key}_{rule}_{name}",
+                        help=f"bounds {param.bounds()}; default {spec.defaults[name]!r}")
+        apply, reset = st.columns(2)
+        if apply.button("Apply to every page", key=f"{key}_apply", icon=":material/check:"):
+            try:
+                params = validated(explicit_name(spec, {**spec.defaults, **values}), spec, values)
+            except ValueError as err:
+                st.error(str(err), icon=":material/error:")
+            else:
+                chosen = dict(st.session_state.get(data.RULE_PARAMS_KEY, {}))
+                chosen[rule] = params
+                st.session_state[data.RULE_PARAMS_KEY] = chosen
+                st.rerun()
+        if reset.button("Back to the defaults", key=f"{key}_reset", icon=":material/restart_alt:"):
+            st.session_state[data.RULE_PARAMS_KEY] = {}
+            st.rerun()
+        shown = [explicit_name(get_loss(r), {**get_loss(r).defaults, **p}) for r, p in set_now.items()]
+        st.caption(("Set here: " + ", ".join(shown) + ". " if shown else "")
+                   + f"{rule}'s parameters and their bounds are declared with the rule (trustscope/losses.py); "
+                   "the same settings as `--rule NAME:param=value` on the command line.")
+
+
+def calibration_warnings(run_id: str, budget: pd.DataFrame) -> None:
+    """A warning per rule whose parameters block more than half of the run's tokens with A != 0: out of
+    calibration for this run, with the threshold that would block the same share as the equal budget's
+    reference (``budget``: the run's rows of ``LogDB.equal_budget``)."""
+    from trustscope.query.budget import OUT_OF_CALIBRATION
+
+    totals = data.blocked_totals([run_id])
+    over = totals[totals["blocked_frac"] > OUT_OF_CALIBRATION].sort_values("blocked_frac", ascending=False)
+    for row in over.itertuples():
+        match = budget[(budget["rule"] == row.rule) & budget["value"].notna()]
+        hint = ""
+        if len(match):
+            m = match.iloc[0]
+            hint = (f"; {m['param']} = {m['value']:.4g} would block the reference's share "
+                    f"({count_of(m['n_blocked'], m['n_tokens'])}): `--rule {m['setting']}`")
+        st.warning(f"**{row.rule}** blocks {count_of(row.n_blocked, row.n_tokens)} of this run's tokens with A != 0 "
+                   f"at its parameters: out of calibration for this run{hint}.", icon=":material/tune:")

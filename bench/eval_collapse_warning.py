@@ -1,6 +1,7 @@
 """How well the collapse early warning (trustscope.report.WarningLines) anticipates reward dips on a log directory.
 
     .venv/bin/python bench/eval_collapse_warning.py [LOGDIR]          # default: sample_logs/
+    .venv/bin/python bench/eval_collapse_warning.py [LOGDIR] --relative   # also the lines against each run's start
 
 A reward dip is a step where the reward's moving average over ``--dip-window`` steps falls ``--dip`` or more below
 its best so far (its first step counts; the dip lasts until the average recovers). For each warning line it
@@ -58,6 +59,7 @@ def evaluate(conn: db.LogDB, lines: report.WarningLines, dip_window: int, depth:
         n_episodes += len(starts)
         false_alarms += sum(1 for s in starts if not any(s <= d <= s + horizon for d in run_dips))
     return {"bad_rate": lines.bad_rate, "mismatch_growth": lines.mismatch_growth, "window": lines.window,
+            "relative_z": lines.relative_z,
             "runs": len(run_ids), "runs_warned": warned_runs, "dips": n_dips, "dips_warned": caught,
             "median_lead_steps": float(pd.Series(leads).median()) if leads else float("nan"),
             "episodes": n_episodes, "false_alarms": false_alarms}
@@ -69,9 +71,13 @@ def main() -> None:
     parser.add_argument("--dip", type=float, default=0.15, help="reward drop below the best moving average")
     parser.add_argument("--dip-window", type=int, default=10)
     parser.add_argument("--horizon", type=int, default=20, help="steps a warning may precede a dip by")
+    parser.add_argument("--relative", action="store_true", help="also the run-relative lines (WarningLines."
+                                                                "relative_z), in robust deviations")
     args = parser.parse_args()
     grid = [report.WarningLines(bad_rate=b, mismatch_growth=g, window=w)
             for w in (10, 20) for b in (0.005, 0.01, 0.02) for g in (2.0, 3.0)]
+    if args.relative:
+        grid += [report.WarningLines(window=w, relative_z=z) for w in (10, 20) for z in (3.0, 4.0, 6.0, 8.0)]
     with db.connect(args.logdir) as conn:
         rows = [evaluate(conn, lines, args.dip_window, args.dip, args.horizon) for lines in grid]
     pd.set_option("display.width", 200)

@@ -2,18 +2,20 @@
 
 Usage: python tests/crash_writer.py LOGDIR RUN_ID FIRST_STEP [KILL_AFTER_RENAMES]. Prints ``ready`` once the
 logger is open and ``flushed <step> <torch imported 0/1>`` after every flush. Even steps are flushed, odd ones stay
-buffered. With KILL_AFTER_RENAMES = n the process SIGKILLs itself right after the n-th rename of a data file (a
-flush renames one file per table, then commits): n = 3k + 1 or 3k + 2 dies between the renames of one flush,
-n = 3k after its renames and before its manifest update.
+buffered; $CRASH_WRITER_COMPACT_EVERY sets ``compact_every`` (0 by default). With KILL_AFTER_RENAMES = n the process SIGKILLs itself right after the n-th rename of a data file (a
+flush commits, then renames one file per table: tokens, samples, steps, then summaries, which is not counted):
+n = 3k + 1 or 3k + 2 dies between the renames of one committed flush, n = 3k before its summaries file's.
 """
 
 import os
 import signal
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from trustscope.logger import TokenLogger
+from trustscope.schema import table_of
 
 B, T, K = 8, 16, 5
 
@@ -25,8 +27,7 @@ def main() -> None:
 
         def replace_then_die(src, dst):
             replace(src, dst)
-            if str(dst).endswith(".parquet") and os.path.basename(os.path.dirname(dst)) in ("tokens", "samples",
-                                                                                          "steps"):
+            if str(dst).endswith(".parquet") and table_of(Path(dst)) in ("tokens", "samples", "steps"):
                 renames.append(dst)
                 if len(renames) == kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -34,7 +35,8 @@ def main() -> None:
         os.replace = replace_then_die
     rng = np.random.default_rng(first)
     logger = TokenLogger(logdir, run_id, resume=True, flush_seconds=3600, vocab=[str(i) for i in range(100)],
-                         compact_every=0)  # the test follows each committed file; compaction is killed in test_compact
+                         # test_crash_safety follows each committed file (no compaction); test_exactly_once compacts
+                         compact_every=int(os.environ.get("CRASH_WRITER_COMPACT_EVERY", "0")))
     print("ready", flush=True)
     step = first
     while True:

@@ -200,8 +200,51 @@ def test_rules_page(monkeypatch, logdir):
     assert {t["meta"]["rule"] for t in json.loads(_charts(at)[0].proto.spec)["data"]} == {"grpo"}
 
 
+def test_counterfactual_page_opens_at_an_equal_budget(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "counterfactual")
+    _ok(at, "Counterfactual")
+    assert at.segmented_control(key="cf_mode").value == "At an equal budget"
+    table = at.dataframe[0].value
+    assert {"rule", "threshold", "blocks", "setting"} <= set(table.columns) and len(table) >= 5
+    counts = [int(b.split("(")[1].split(" of ")[0].replace(",", "")) for b in table["blocks"]]
+    targets = {int(b.split(" of ")[1].rstrip(")").replace(",", "")) for b in table["blocks"]}
+    assert len(targets) == 1 and max(counts) - min(counts) <= 0.01 * targets.pop() + 2  # an equal budget
+    curves, picks = (json.loads(c.proto.spec) for c in _charts(at)[:2])
+    shown = {r.removesuffix(" (applied)") for r in table["rule"]}
+    assert len(shown) == len(table) and {t["meta"]["rule"] for t in curves["data"]} >= shown
+    assert curves["layout"]["xaxis"]["type"] == "log" and curves["data"][0]["name"]
+    assert {t["name"] for t in picks["data"]} >= {"all tokens with A != 0"}
+    assert all(" of " in m.value for m in at.metric[:3])
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
+    _ok(at, "Counterfactual")
+    assert at.selectbox(key="cf_rule_a").value
+
+
+def test_counterfactual_page_parameter_panel_moves_a_rule(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "counterfactual")
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
+    at.selectbox(key="cf_panel_rule").set_value("geo_mask").run()
+    at.number_input(key="cf_panel_geo_mask_low").set_value(0.5).run()
+    at.button(key="cf_panel_apply").click().run()
+    _ok(at, "Counterfactual")
+    assert at.session_state["rule_params"]["geo_mask"]["low"] == 0.5
+    at.number_input(key="cf_panel_geo_mask_low").set_value(3.0).run()
+    at.button(key="cf_panel_apply").click().run()
+    assert any("geo_mask" in e.value and "low" in e.value and "3.0" in e.value for e in at.error)
+
+
+def test_dashboard_rule_settings_reach_every_page(monkeypatch, logdir):
+    """``trustscope dashboard --rule`` hands its settings to the pages: the rules are evaluated there."""
+    monkeypatch.setenv("TRUSTSCOPE_RULE_SETTINGS", "geo_mask@0.5")
+    at = _open(monkeypatch, logdir, "rules")
+    _ok(at, "Rules side by side")
+    assert any("(1 set)" in e.proto.label for e in at.get("expander"))
+    assert not any("geo_mask" in w.value for w in at.warning)  # at 0.5 it is no longer out of calibration
+
+
 def test_counterfactual_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "counterfactual")
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
     _ok(at, "Counterfactual")
     rule_a, rule_b = at.selectbox(key="cf_rule_a").value, at.selectbox(key="cf_rule_b").value
     assert rule_b == ("ppo_clip" if rule_a == "dppo_binary_tv" else "dppo_binary_tv")
@@ -256,6 +299,7 @@ def test_token_explorer_opens_the_token_a_link_names(monkeypatch, logdir):
     at.switch_page("views/counterfactual.py")
     at.run()
     at.selectbox(key="run_picker").set_value(run).run()
+    at.segmented_control(key="cf_mode").set_value("At their parameters (defaults)").run()
     tokens = at.dataframe[-1].value
     if tokens.empty:
         pytest.skip("the two default rules agree on every token of this log")
@@ -463,3 +507,39 @@ def test_rules_picker_offers_a_rule_loaded_from_outside_the_repo(monkeypatch, tm
         assert "app_tight_band" in at.multiselect(key="rules_picker").options
     finally:
         losses._REGISTRY.pop("app_tight_band", None)
+
+
+@pytest.fixture(scope="module")
+def async_logdir(tmp_path_factory) -> Path:
+    from async_logs import write_async_logdir
+
+    return write_async_logdir(tmp_path_factory.mktemp("async"))
+
+
+def test_mismatch_where_page(monkeypatch, async_logdir):
+    at = _open(monkeypatch, async_logdir, "mismatch_where")
+    at.selectbox(key="run_picker").set_value("async-lag3").run()
+    at.multiselect(key="mismatch_runs").set_value(["async-lag1", "sync-single-turn"]).run()
+    _ok(at, "Where the mismatch lives")
+    assert [t.label for t in at.tabs] == ["By position", "By turn", "By staleness"]
+    charts = [json.loads(c.proto.spec) for c in _charts(at)]
+    assert len(charts) == 6  # mismatch and ESS, then blocked fractions, for each dimension
+    by_staleness = charts[4]
+    lines = {t["name"] for t in by_staleness["data"]}
+    assert lines == {"async-lag3", "async-lag1"}  # the run without versions says so instead
+    lag3 = next(t for t in by_staleness["data"] if t["name"] == "async-lag3" and t["xaxis"] == "x")
+    assert list(lag3["x"]) == ["0", "1", "2", "3"] and np.all(np.diff(_array(lag3["y"])) > 0)  # grows with staleness
+    infos = [i.value for i in at.info]
+    assert any("sync-single-turn logs no turn" in v for v in infos)
+    assert any("sync-single-turn logs no policy_version" in v for v in infos)
+    tables = [d.value for d in at.dataframe]
+    assert len(tables) == 3 and {"tokens", "position"} - set(tables[0].columns) == {"tokens"}
+    assert tables[0]["run_id"].nunique() == 3  # every run has position buckets
+    rule = at.multiselect(key="mismatch_rules").value[0]
+    assert tables[2][rule].str.contains(r"% \(\d[\d,]* of \d[\d,]*\)").all()  # a count beside every fraction
+
+
+def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, logdir):
+    at = _open(monkeypatch, logdir, "mismatch_where")
+    _ok(at, "Where the mismatch lives")
+    assert not _charts(at) and "no summary dimensions (logged before them" in at.info[0].value

@@ -249,3 +249,24 @@ def test_format_alternatives_marks_the_sampled_token_and_shows_pi():
 def test_empty_figure_carries_message():
     fig = figures.empty_figure("no rows")
     assert fig.layout.annotations[0].text == "no rows" and len(fig.data) == 0
+
+
+def test_charts_by_dimension_order_buckets_by_value_and_carry_counts():
+    from trustscope.figures import blocked_by_dimension, mismatch_by_dimension
+
+    labels = {0: "0", 1: "1", 2: "2-3", 16: "16-31", 4: "4-7", 8: "8-15"}
+    rows = pd.DataFrame([{"run_id": run, "bucket": b, "bucket_label": label, "n_tokens": 10 * (b + 1),
+                          "mismatch_mean": 0.01 * (b + 1), "ess_frac": 0.9} for run in ("a", "b")
+                         for b, label in labels.items()])
+    fig = mismatch_by_dimension(rows, "position")
+    assert list(fig.layout.xaxis.categoryarray) == ["0", "1", "2-3", "4-7", "8-15", "16-31"]
+    first = fig.data[0]
+    assert list(first.x) == ["0", "1", "2-3", "4-7", "8-15", "16-31"] and first.customdata[-1][0] == 170
+    assert {t.name for t in fig.data} == {"a", "b"} and fig.layout.yaxis2.tickformat == ".2~%"
+    stale = pd.DataFrame([{"run_id": "a", "rule": rule, "bucket": b, "bucket_label": str(b), "n_blocked": b,
+                           "n_nonzero_advantage": 20, "blocked_frac": b / 20} for rule in ("ppo_clip", "grpo")
+                          for b in (10, 9, 2)])
+    fig = blocked_by_dimension(stale, "staleness")
+    assert [a.text for a in fig.layout.annotations] == [r for r in list_losses() if r in ("ppo_clip", "grpo")]
+    assert list(fig.layout.xaxis.categoryarray) == ["2", "9", "10"]
+    assert list(fig.data[0].customdata[:, 0]) == [2, 9, 10] and "of %{customdata[1]" in fig.data[0].hovertemplate

@@ -47,6 +47,17 @@ def test_contracts_hold_on_a_synthetic_log(synthetic_db):
     assert tsdb.check_contracts(synthetic_db) == []
 
 
+def test_contracts_hold_on_an_asynchronous_multi_turn_log(tmp_path):
+    """Versions, turns and staleness on the token rows, and the summaries' dimension rows."""
+    from async_logs import write_async_logdir
+
+    write_async_logdir(tmp_path / "logs")
+    with tsdb.connect(tmp_path / "logs", cache=False) as conn:
+        assert tsdb.check_contracts(conn) == []
+        dims = conn.sql("select distinct dimension from summary_dimensions order by 1").to_pandas()
+    assert dims.dimension.tolist() == ["position", "staleness", "turn"]
+
+
 def test_contract_checks_catch_broken_data():
     spec = {"unique": ["k"], "not_null": ["v"], "accepted": {"s": ["a", "b"]}, "between": {"v": [0, 1]}}
     data = pa.table({"k": [1, 1, None], "v": [0.5, None, 2.0], "s": ["a", "c", "b"]})

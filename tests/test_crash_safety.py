@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+from plain_readers import READERS, step_counts, trustscope_counts
 
 from trustscope import schema as S
 from trustscope.logger import rank_statuses, run_status
+from trustscope.logger.compaction import repair_run
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 ROWS_PER_STEP = 8 * 16  # B * T in crash_writer.py
@@ -31,8 +33,25 @@ def steps_on_disk(run_dir: Path, table: str = "tokens") -> dict[int, int]:
     return dict(zip(counts["step"].to_pylist(), counts["count_all"].to_pylist(), strict=True))
 
 
-def assert_whole_steps(run_dir: Path) -> None:
-    """Every step a reader sees is in every table, and the manifest counts exactly what a reader sees."""
+def assert_whole_steps(run_dir: Path) -> int:
+    """Every step a reader sees is in every table, and the manifest counts exactly what a reader sees; DuckDB,
+    pyarrow, pandas and polars reading the folders count the same rows per step. A writer killed while it renamed
+    a committed flush's files into place leaves some of them in the folders (the one window, which validate names):
+    they are put in place by ``validate --repair`` first. Returns how many files that repair put in place."""
+    strays = S.stray_files(run_dir)
+    assert all("not all its files are in place" in s.why for s in strays), strays
+    repaired = 0
+    problems = S.validate_run(run_dir)
+    if problems:  # killed between a commit and the last rename: some of the flush's files still to put in place
+        assert {s.path for s in strays} <= {p.path for p in problems}, "validate names each file only tools read"
+        assert all("not all its files are in place" in p.message or "the run's" in p.message for p in problems)
+        said = repair_run(run_dir)
+        repaired = sum("renamed" in line for line in said)
+        assert repaired and not S.stray_files(run_dir), said
+    for table in S.TABLES:
+        ours = trustscope_counts(run_dir, table)
+        for reader in READERS:
+            assert step_counts(run_dir, table, reader)[0] == ours, (reader, table)
     tokens, samples, steps, summaries = (steps_on_disk(run_dir, t) for t in S.TABLES)
     assert set(tokens) == set(samples) == set(steps) == set(summaries), (sorted(tokens), sorted(samples),
                                                                          sorted(steps), sorted(summaries))
@@ -41,6 +60,7 @@ def assert_whole_steps(run_dir: Path) -> None:
     assert manifest["rows"] == {t: sum(c.values()) for t, c in zip(S.TABLES, (tokens, samples, steps, summaries),
                                                                           strict=True)}
     assert S.validate_run(run_dir) == []
+    return repaired
 
 
 @pytest.mark.slow
@@ -77,7 +97,7 @@ def test_sigkill_at_random_moments_leaves_readable_honest_logs(tmp_path):
         assert all(p.stat().st_size == size for p, size in seen.items()), "a committed file changed or went"
         for path in visible:
             if path not in seen:
-                assert S.validate_file(path, path.parent.name if path.parent != run_dir else "vocab", "crashy") == []
+                assert S.validate_file(path, S.table_of(path) if path.parent != run_dir else "vocab", "crashy") == []
                 seen[path] = path.stat().st_size
         # at most the unflushed steps are missing, and no step is partial
         on_disk = steps_on_disk(run_dir)
@@ -109,11 +129,9 @@ def test_sigkill_between_the_renames_of_a_flush_shows_whole_steps_or_none(tmp_pa
         assert proc.returncode == -signal.SIGKILL, proc.stderr
         flushed = {int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("flushed")}
         assert flushed <= set(steps_on_disk(run_dir)), "a flush that returned was lost"
-        assert_whole_steps(run_dir)
-        renamed = {int(p.name.split("-")[2]) for p in (run_dir / "tokens").glob("*.parquet")}
-        hidden += len(renamed - set(steps_on_disk(run_dir)))  # renamed, never committed: not read
+        hidden += assert_whole_steps(run_dir)  # committed, partly in place: hidden until repaired
         assert run_status(run_dir) == "crashed"
-    assert hidden >= 4, "the kills should have left renamed files of uncommitted flushes"
+    assert hidden >= 3, "the kills should have left committed flushes partly in place"
     with connect(tmp_path) as db:
         seen = tuple(db.sql("select count(distinct step) as n, count(*) as n_rows from tokens").table.to_pylist()[0].values())
         scalars = tuple(db.sql("select count(distinct step) as n from steps").table.to_pylist()[0].values())

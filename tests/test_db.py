@@ -136,7 +136,7 @@ def test_bad_negative_updates_any_delta(db, logdir):
 def test_live_run_sees_whole_files_only_and_new_files(tmp_path):
     logdir = tmp_path / "logs"
     generate_run(logdir, "live", SyntheticConfig(tokens=3_000, steps=3, rows_per_file=500, edge_cases=False))
-    files = sorted((logdir / "live" / "tokens").glob("*.parquet"))
+    files = sorted((logdir / "live" / "tokens").rglob("*.parquet"))
     held = tmp_path / "held"
     held.mkdir()
     for f in files[len(files) // 2:]:
@@ -149,7 +149,7 @@ def test_live_run_sees_whole_files_only_and_new_files(tmp_path):
         assert conn.step_summary().n_tokens.sum() == before
         moved = 0
         for f in held.iterdir():
-            shutil.move(f, logdir / "live" / "tokens" / f.name)
+            shutil.move(f, files[0].parent / f.name)
             moved += 1
         computed = conn.partials_computed
         after = conn.step_summary().n_tokens.sum()
@@ -166,7 +166,7 @@ def test_kept_aggregates_are_reused_across_processes(logdir, tmp_path):
     with tsdb.connect(logdir, cache_dir=tmp_path) as first:
         expected = first.step_summary()
     stored = list((tmp_path / "step_partials").glob("*.parquet"))
-    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/**/*.parquet"))
     with tsdb.connect(logdir, cache_dir=tmp_path) as second:
         np.testing.assert_allclose(second.step_summary().mismatch_mean, expected.mismatch_mean)
         assert second.partials_computed == 0
@@ -186,7 +186,7 @@ def test_kept_aggregates_reach_the_disk_from_a_process_that_never_closes(logdir,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert done.returncode == 0, done.stderr[-2000:]
     stored = sorted((tmp_path / "step_partials").glob("*.parquet"))
-    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    assert len(stored) == sum(1 for _ in logdir.glob("*/tokens/**/*.parquet"))
     stored[0].write_bytes(stored[0].read_bytes()[:100])  # cut short
     with tsdb.connect(logdir, cache_dir=tmp_path) as again:
         again.step_summary()
@@ -224,7 +224,7 @@ def test_decoupled_rules_never_block_tokens_without_pi_old(tmp_path):
 
 def test_one_pass_per_file_fills_every_partial_view(logdir, tmp_path):
     """The first analysis aggregates each tokens file once for every kept aggregate: the others compute nothing."""
-    n_files = sum(1 for _ in logdir.glob("*/tokens/*.parquet"))
+    n_files = sum(1 for _ in logdir.glob("*/tokens/**/*.parquet"))
     with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
         conn.step_summary()
         assert conn.partials_computed == n_files
@@ -253,7 +253,7 @@ def test_a_response_split_across_a_flushs_parts_keeps_its_sequence_context(tmp_p
                          loss_rule="cppo", summaries=summaries) as lg:
             lg.log_step(0, tokens=tokens, mask=np.ones((B, T), dtype=bool),
                         samples={"sample_id": np.arange(B), "prompt_id": np.arange(B) // 4})
-    assert len(list((tmp_path / "t2" / "run" / "tokens").glob("*.parquet"))) == 2
+    assert len(list((tmp_path / "t2" / "run" / "tokens").rglob("*.parquet"))) == 2
     counts = []
     for threads in (1, 2):
         with tsdb.connect(tmp_path / f"t{threads}", cache_dir=tmp_path / f"cache{threads}") as conn:

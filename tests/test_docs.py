@@ -101,9 +101,12 @@ def cli_markdown() -> str:
 
 def generated_blocks() -> dict[tuple[str, str], str]:
     """(docs page, block name) -> the text the block must hold."""
+    from trustscope.columns import TABLE_COLUMNS, columns_markdown, dimensions_markdown
     from trustscope.losses import catalogue_markdown
 
-    return {("rules.md", "rule catalogue"): catalogue_markdown(), ("cli.md", "cli reference"): cli_markdown()}
+    return {("rules.md", "rule catalogue"): catalogue_markdown(), ("cli.md", "cli reference"): cli_markdown(),
+            **{("logging.md", f"{table} columns"): columns_markdown(table) for table in TABLE_COLUMNS},
+            ("logging.md", "summary dimensions"): dimensions_markdown()}
 
 
 def block(text: str, name: str) -> str | None:
@@ -149,7 +152,10 @@ def test_readme_links_and_images_resolve():
 # reference pages generated from the code
 
 
-@pytest.mark.parametrize(("page", "name"), [("rules.md", "rule catalogue"), ("cli.md", "cli reference")])
+@pytest.mark.parametrize(("page", "name"), [("rules.md", "rule catalogue"), ("cli.md", "cli reference"),
+                                           *(("logging.md", f"{t} columns") for t in
+                                             ("tokens", "samples", "steps", "summaries", "vocab")),
+                                           ("logging.md", "summary dimensions")])
 def test_generated_reference_is_up_to_date(page, name):
     found = block(doc(page), name)
     assert found is not None, f"docs/{page} has no '{name}' block"

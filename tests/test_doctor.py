@@ -9,6 +9,7 @@ slightly perturbed logits at its own temperature. A test changes one thing the w
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -56,24 +57,36 @@ def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperat
     }
 
 
+TURNS = np.repeat(np.arange(3), T // 3).astype(np.int32)  # (T,) three model turns of T / 3 tokens each
+
+
 def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
               ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
-              steps: int = STEPS, **step_options) -> Path:
-    """A log of ``steps`` steps per rank; ``breaks(step_columns)`` edits each step's columns in place."""
+              steps: int = STEPS, multi_turn: bool = False, max_staleness: int | None = None,
+              equal_rewards: bool = False, **step_options) -> Path:
+    """A log of ``steps`` steps per rank; ``breaks(step_columns[, step=step])`` edits each step's columns in place.
+    ``multi_turn``: each response has three turns, half the responses were sampled a version behind
+    (``policy_version``), and the engine's token ids are logged; ``equal_rewards``: every group's rewards equal."""
     rng = np.random.default_rng(seed)
+    rewards = np.random.default_rng(seed + 1000)
     sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
     loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
-                           loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False) for r in range(ranks)]
+                           loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False,
+                           max_staleness=max_staleness) for r in range(ranks)]
     for step in range(steps):
         for r, logger in enumerate(loggers):
             cols = make_step(rng, **step_options)
+            if multi_turn:
+                cols["turn"] = np.tile(TURNS, (B, 1))
+                cols["policy_version"] = np.where(np.arange(B) % 2, step, max(step - 1, 0))
+                cols["engine_token_id"] = cols["token_id"].copy()
             if breaks is not None:
-                breaks(cols)
+                breaks(cols, **({"step": step} if "step" in inspect.signature(breaks).parameters else {}))
             sample_id = np.arange(B) + (r * B if sample_offsets else 0)
+            reward = np.zeros(B, np.float32) if equal_rewards else rewards.random(B).astype(np.float32)
             logger.log_step(step, tokens={k: v for k, v in cols.items() if k not in drop},
                             mask=np.ones((B, T), dtype=bool),
-                            samples={"sample_id": sample_id, "prompt_id": sample_id // 4,
-                                     "reward": np.zeros(B, np.float32)})
+                            samples={"sample_id": sample_id, "prompt_id": sample_id // 4, "reward": reward})
     for logger in loggers:
         logger.close()
     return root / run_id
@@ -144,10 +157,31 @@ def _mu_is_pi_to_rounding(cols):
     cols["mu_logprob"][:] = cols["pi_logprob"] - np.float32(5e-7)
 
 
+def _pi_late_from_the_last_turn(cols):
+    # A separator dropped where the last turn begins: from there on the trainer's positions are one behind.
+    start = int(np.flatnonzero(TURNS == 2)[0])
+    cols["pi_logprob"][:, start + 1:] = cols["pi_logprob"][:, start:-1].copy()
+
+
+def _environment_padded_with_zero(cols):
+    # The middle turn is the environment's answer, its engine log-probs padded with 0.0, left in the mask.
+    cols["mu_logprob"][:, TURNS == 1] = 0.0
+
+
+def _sampled_under_version_zero(cols, *, step):
+    cols["policy_version"][:] = 0
+
+
+def _retokenized(cols):
+    # A re-rendered history: two responses' ids change at the second turn's first token.
+    start = int(np.flatnonzero(TURNS == 1)[0])
+    cols["token_id"][:2, start] = (cols["engine_token_id"][:2, start] + 1) % V
+
+
 NO_TOPK = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs")
 
 VARIANTS: dict[str, dict] = {
-    "clean": {"temperature": 0.7, "ranks": 2},
+    "clean": {"temperature": 0.7, "ranks": 2, "multi_turn": True, "max_staleness": 1},
     "clean_t1": {},
     "no_topk": {"drop": NO_TOPK},
     "pi_late": {"breaks": _pi_one_position_late},
@@ -174,6 +208,11 @@ VARIANTS: dict[str, dict] = {
     "mu_is_pi_declared": {"breaks": _mu_is_pi, "mu_source": "trainer_recompute"},
     "mu_is_pi_to_rounding": {"breaks": _mu_is_pi_to_rounding},
     "rank_collisions": {"ranks": 2, "sample_offsets": False},
+    "turn_shift": {"multi_turn": True, "breaks": _pi_late_from_the_last_turn},
+    "env_padded": {"multi_turn": True, "breaks": _environment_padded_with_zero},
+    "stale": {"multi_turn": True, "max_staleness": 1, "breaks": _sampled_under_version_zero, "steps": 3},
+    "retokenized": {"multi_turn": True, "breaks": _retokenized},
+    "equal_rewards": {"equal_rewards": True},
 }
 """One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
 
@@ -204,7 +243,11 @@ def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
     assert got["processed_logprobs"].verdict == "skipped"
     assert "temperature 1" in got["processed_logprobs"].summary
     assert got["rank_collisions"].verdict == "skipped"
-    assert all(f.verdict == "ok" for name, f in got.items() if name not in ("processed_logprobs", "rank_collisions"))
+    unlogged = {"turn_alignment": "no turns", "staleness_bound": "no policy_version", "token_drift": "no engine_token_id"}
+    for name, reason in unlogged.items():  # what a single-turn, synchronous run does not log
+        assert got[name].verdict == "skipped" and reason in got[name].summary, name
+    assert all(f.verdict == "ok" for name, f in got.items()
+               if name not in ("processed_logprobs", "rank_collisions", *unlogged))
 
 
 def test_log_without_topk_skips_the_topk_checks_with_a_reason(doctored):
@@ -222,6 +265,50 @@ def test_one_broken_run_leaves_the_others_alone(doctored):
 
 
 # ------------------------------------------------------------------------------------------------ broken logs
+
+
+def test_a_shift_from_a_turn_boundary_fails_turn_alignment_not_alignment(doctored):
+    """pi one position late from the last turn on: the whole-response average hides it, the per-turn judgement
+    names the turn."""
+    assert doctored["turn_shift"]["alignment"].verdict == "ok"
+    f = doctored["turn_shift"]["turn_alignment"]
+    assert f.verdict == "fail" and f.summary.startswith("turn(s) 2 of 3") and "one position later" in f.summary
+    assert "starts at a turn boundary" in f.cause
+    assert f.evidence["diff_best_shift_turn2"] < D.ALIGN_FACTOR * f.evidence["diff_logged_turn2"]
+    assert all(ex["turn"] == 2 and {"step", "sample_id", "pos"} <= set(ex) for ex in f.examples)
+    assert doctored["clean"]["turn_alignment"].verdict == "ok"
+
+
+def test_zero_padded_environment_logprobs_fail_turn_placeholders(doctored):
+    f = doctored["env_padded"]["turn_placeholders"]
+    assert f.verdict == "fail" and "most in turn 1" in f.summary and "mu's log-prob at exactly 0.0" in f.summary
+    assert f.evidence["n_flagged_turn1"] >= D.PADDED_MIN and "n_flagged_turn0" not in f.evidence
+    assert all(ex["turn"] == 1 and ex["mu_logprob"] == 0.0 for ex in f.examples)
+    assert doctored["clean"]["turn_placeholders"].verdict == "ok"
+
+
+def test_tokens_older_than_the_declared_bound_fail_staleness_bound(doctored):
+    f = doctored["stale"]["staleness_bound"]
+    assert f.verdict == "fail" and f.evidence["bound"] == 1 and f.evidence["max_staleness"] == 2
+    assert f.evidence["n_over_bound"] == B * T  # step 2's tokens, all sampled under version 0
+    assert all(ex["staleness"] == 2 and ex["policy_version"] == 0 for ex in f.examples)
+    assert doctored["clean"]["staleness_bound"].verdict == "ok"
+    assert doctored["turn_shift"]["staleness_bound"].verdict == "skipped"  # no bound declared
+    assert "no staleness bound declared" in doctored["turn_shift"]["staleness_bound"].summary
+
+
+def test_engine_ids_that_differ_from_the_trainers_fail_token_drift(doctored):
+    f = doctored["retokenized"]["token_drift"]
+    assert f.verdict == "fail" and f.evidence["n_differ"] == 2 * STEPS and f.evidence["n_differ_turn1"] == 2 * STEPS
+    assert all(ex["token_id"] != ex["engine_token_id"] and ex["turn"] == 1 for ex in f.examples)
+    assert doctored["clean"]["token_drift"].verdict == "ok"
+
+
+def test_groups_with_equal_rewards_warn(doctored):
+    f = doctored["equal_rewards"]["zero_variance_groups"]
+    assert f.verdict == "warn" and f.evidence["share_zero_variance"] == 1.0 and f.examples
+    assert {"step", "prompt_id", "reward", "n_responses"} <= set(f.examples[0])
+    assert doctored["clean"]["zero_variance_groups"].verdict == "ok"
 
 
 @pytest.mark.parametrize(("variant", "direction"), [("pi_late", "later"), ("mu_late", "earlier")])
@@ -400,12 +487,12 @@ def test_cli_help_lists_every_check():
 
 def test_cli_exit_codes(tmp_path):
     clean, broken = tmp_path / "clean", tmp_path / "broken"
-    write_log(clean, temperature=0.7, ranks=2)
+    write_log(clean, temperature=0.7, ranks=2, multi_turn=True, max_staleness=1)
     write_log(broken, breaks=_pi_one_position_late)
     runner = CliRunner()
     ok = runner.invoke(app, ["doctor", str(clean)])
     assert ok.exit_code == 0, ok.output
-    assert "[OK] alignment" in ok.output and "1 run(s): 8 ok, 0 warn, 0 fail, 0 skipped" in ok.output
+    assert "[OK] alignment" in ok.output and f"1 run(s): {len(D.CHECKS)} ok, 0 warn, 0 fail, 0 skipped" in ok.output
     bad = runner.invoke(app, ["doctor", str(broken)])
     assert bad.exit_code == 1
     assert "[FAIL] alignment" in bad.output and "likely cause:" in bad.output and "e.g. step=" in bad.output
@@ -415,7 +502,7 @@ def test_cli_exit_codes(tmp_path):
     assert unknown.exit_code == 2 and "nope" in unknown.output
     torn = tmp_path / "torn"
     write_log(torn)
-    tokens_file = next((torn / "run" / "tokens").glob("*.parquet"))
+    tokens_file = next((torn / "run" / "tokens").rglob("*.parquet"))
     tokens_file.write_bytes(tokens_file.read_bytes()[:300])  # a file cut short
     unreadable = runner.invoke(app, ["doctor", str(torn)])
     assert unreadable.exit_code == 2 and "cannot read" in unreadable.output and "validate" in unreadable.output

@@ -283,6 +283,9 @@ def test_weight_stream_export_imports_exactly(tmp_path):
     delta = np.exp(np.array(r.pi, np.float32)) - np.exp(np.array(r.mu, np.float32))
     blocked = np.where(r.advantage > 0, delta > DPPO_HIGH, delta < -DPPO_LOW)[keep]
     assert got.kept.tolist() == (~blocked).tolist()
+    # the tool turn (environment tokens 2-3, out of the loss mask) starts the model's turn 1 at position 4
+    assert not all(r.trained) and got.turn.tolist() == [int(p >= 4) for p in keep]
+    assert tokens.turn.max() == 1 and tokens.policy_version.isna().all()  # no weight version in the export
     assert set(tokens["rank"]) == {0, 1}
     samples = pq.read_table(run_dir / "samples").to_pandas()
     assert len(samples) == sum(len(rs) for rs in written.values())
@@ -442,6 +445,6 @@ def test_token_fraction_writes_a_sample_with_exact_summaries(tmp_path):
     assert 0 < len(kept) < len(all_rows) / 2
     assert json.loads((part / "run.json").read_text())["logging"]["token_fraction"] == 0.25
     summaries = pq.read_table(part / "summaries").to_pandas()
-    total = summaries[summaries["metric"] == "tokens"].groupby("step")["count"].sum()
+    total = summaries[(summaries["metric"] == "tokens") & summaries["dimension"].isna()].groupby("step")["count"].sum()
     assert total.to_dict() == all_rows.groupby("step").size().to_dict()
     assert len(pq.read_table(part / "samples")) == len(pq.read_table(full / "samples"))

@@ -199,10 +199,11 @@ def test_samples_carry_trl_rewards_and_stable_ids(attached_run):
     assert all(n == 1 for _, n in groups) and len(groups) == 2 * PROMPTS
 
 
-def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
+def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None, tool_at: tuple[int, int] | None = None):
     """A rollout_func that samples with transformers and reports the sampler's log-probs (an engine of its own),
     recording ``(prompt text, completion ids, log-probs)`` in ``seen``; ``nan_at = (row, pos)`` leaves one token unscored
-    (None), as vLLM does for a NaN."""
+    (None), as vLLM does for a NaN; ``tool_at = (start, end)`` marks those completion positions as a tool's result
+    (TRL's ``env_mask`` 0: out of the loss, the model's next turn after it)."""
 
     def rollout(prompts, trainer):
         tok = trainer.processing_class
@@ -212,6 +213,7 @@ def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
         with torch.no_grad():
             for ids in prompt_ids:
                 gen = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=8, temperature=1.0,
+                                     min_new_tokens=0 if tool_at is None else tool_at[1] + 2,
                                      top_k=0, top_p=1.0, output_scores=True, return_dict_in_generate=True,
                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
                 seq = gen.sequences[0, len(ids):].tolist()
@@ -224,7 +226,10 @@ def hf_rollout(seen: list, nan_at: tuple[int, int] | None = None):
             out_lps[nan_at[0]][nan_at[1]] = None
         for ids, seq, lps in zip(prompt_ids, out_ids, out_lps, strict=True):
             seen.append((tok.decode(ids, skip_special_tokens=True), seq, lps))
-        return {"prompt_ids": prompt_ids, "completion_ids": out_ids, "logprobs": out_lps}
+        out = {"prompt_ids": prompt_ids, "completion_ids": out_ids, "logprobs": out_lps}
+        if tool_at is not None:
+            out["env_mask"] = [[int(not tool_at[0] <= i < tool_at[1]) for i in range(len(seq))] for seq in out_ids]
+        return out
 
     return rollout
 
@@ -255,6 +260,20 @@ def test_engine_logprobs_are_mu_and_unscored_tokens_are_masked(toy_model_dir, tm
 
     for prompt, ids, pos, mu in rows:
         assert any(reported(prompt, ids, pos, mu, seq, lps) for p, seq, lps in seen if p == prompt), (prompt, ids)
+
+
+@pytest.mark.slow
+def test_tool_results_split_the_completion_into_turns(toy_model_dir, tmp_path):
+    """With tool calls (TRL's tool_mask), the tool's tokens are left out and each tool result starts a new turn."""
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1, num_iterations=1,
+                           rollout_func=hf_rollout([], tool_at=(2, 4)))
+    ts_trl.attach(trainer, tmp_path / "logs", run_id="tools")
+    trainer.train()
+    rows = read(tmp_path / "logs" / "tools", "select sample_id, list(pos order by pos), list(turn order by pos) "
+                                            "from tokens group by sample_id")
+    assert rows and all(2 not in pos and 3 not in pos for _, pos, _ in rows)
+    assert all(turns == [int(p >= 4) for p in pos] for _, pos, turns in rows)
+    assert any(1 in turns for _, _, turns in rows)
 
 
 @pytest.mark.slow
@@ -322,7 +341,8 @@ def test_a_missing_trl_internal_names_the_version_and_the_attribute(toy_model_di
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     monkeypatch.setattr(trl, "__version__", "9.0.0")
     monkeypatch.delattr(GRPOTrainer, "_calculate_rewards")
-    with pytest.raises(TRLVersionError, match=r"TRL 1\.16\.0.*TRL 9\.0\.0 lacks GRPOTrainer\._calculate_rewards\(\)"):
+    with pytest.raises(TRLVersionError, match=r"supports TRL >=1\.10,<1\.17; the installed TRL 9\.0\.0 lacks "
+                                              r"GRPOTrainer\._calculate_rewards\(\)"):
         ts_trl.attach(trainer, tmp_path / "logs")
     assert not (tmp_path / "logs").exists()  # nothing half-made
 
@@ -330,8 +350,16 @@ def test_a_missing_trl_internal_names_the_version_and_the_attribute(toy_model_di
 def test_another_trl_version_with_every_internal_only_warns(toy_model_dir, tmp_path, monkeypatch):
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.warns(LogWarning, match=r"tested with TRL 1\.16\.0, this is TRL 1\.17\.0"):
+    with pytest.warns(LogWarning, match=r"supports TRL >=1\.10,<1\.17, this is TRL 1\.17\.0"):
         ts_trl.check_trainer(trainer)
+
+
+def test_a_trl_older_than_the_range_is_refused_naming_it(toy_model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
+    monkeypatch.setattr(trl, "__version__", "1.9.0")
+    with pytest.raises(TRLVersionError, match=r"supports TRL >=1\.10,<1\.17; the installed TRL 1\.9\.0 is older"):
+        ts_trl.attach(trainer, tmp_path / "logs")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_moved_parameter_is_named(toy_model_dir, tmp_path, monkeypatch):
@@ -350,6 +378,7 @@ def test_other_trainers_are_refused():
         ts_trl.check_trainer(object())
 
 
+@pytest.mark.skipif(not hasattr(trl.trainer.utils, "add_fused_lm_head"), reason="TRL before 1.15 has no fused LM head")
 def test_capture_hook_refuses_trl_fused_head_before_the_first_step(toy_model_dir, tmp_path):
     trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=1)
     with pytest.raises(NoLogitsError, match=r"fused LM head.*integrations\.trl\.attach"):

@@ -30,6 +30,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from trustscope import db as tdb
 from trustscope import losses as L
 from trustscope import schema as S
+from trustscope.columns import turns_from_mask
 from trustscope.integrations import verl as tv
 from trustscope.logger import TokenLogger, run_status
 
@@ -182,10 +183,23 @@ def test_verl_plugin_entry_point_registers_the_rules(tmp_path):
     assert eval(done.stdout.strip().splitlines()[-1]) == sorted(tv.verl_loss_mode(r) for r in tv.verl_rules())
 
 
-def test_extra_pins_the_verl_this_module_supports():
+def test_extra_asks_for_the_verl_releases_this_module_supports():
+    from packaging.specifiers import SpecifierSet
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert f"verl=={tv.SUPPORTED_VERSION}" in project["project"]["optional-dependencies"]["verl"]
-    assert verl.__version__ == tv.SUPPORTED_VERSION
+    assert f"verl{tv.SUPPORTED_VERL}" in project["project"]["optional-dependencies"]["verl"]
+    assert verl.__version__ in SpecifierSet(tv.SUPPORTED_VERL)
+
+
+def test_a_verl_outside_the_range_is_named_at_attach(monkeypatch, tmp_path):
+    trainer = local_trainer(ppo_config(), LocalActorGroup(torch.zeros(1, 1)))
+    monkeypatch.setattr(verl, "__version__", "0.7.1")
+    with pytest.raises(tv.VerlVersionError, match=r"supports verl >=0\.8,<0\.10; the installed verl 0\.7\.1 is older"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    with pytest.warns(UserWarning, match=r"supports verl >=0\.8,<0\.10, this is verl 0\.10\.0"):
+        tv.attach(trainer, tmp_path).close()
 
 
 # ----------------------------------------------------------------------------------------- the loss in verl's actor
@@ -228,6 +242,15 @@ def test_verl_ppo_loss_equals_the_trustscope_rule(rule, agg, tmp_path):
     assert pi_verl.grad.abs().sum() > 0
 
 
+def _has_agg_mode(mode: str) -> bool:
+    try:
+        core_algos.agg_loss(loss_mat=torch.zeros(1, 1), loss_mask=torch.ones(1, 1), loss_agg_mode=mode)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_agg_mode("token-sum"), reason="verl before 0.9 has no token-sum aggregation")
 def test_policy_loss_applies_rollout_is_weights_like_verl():
     batch, pi = make_batch(seed=5)
     b = batch.batch
@@ -280,7 +303,7 @@ def test_replayed_mask_of_verl_loss_matches_verl_clipfrac(mode, tmp_path):
 
 
 def _read(run_dir: Path, table: str):
-    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).glob("*.parquet"))).read().to_pandas()
+    return pq.ParquetDataset(sorted(str(p) for p in (run_dir / table).rglob("*.parquet"))).read().to_pandas()
 
 
 @pytest.mark.parametrize("max_tokens", [None, 10])
@@ -338,7 +361,7 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
     joined = con.execute(
         "select count(*), count(distinct s.prompt_id), bool_and(t.prompt_id = s.prompt_id) "
         "from read_parquet(?) t join read_parquet(?) s using (run_id, step, sample_id)",
-        [str(run / "tokens" / "*.parquet"), str(run / "samples" / "*.parquet")],
+        [str(run / "tokens" / "**" / "*.parquet"), str(run / "samples" / "**" / "*.parquet")],
     ).fetchone()
     assert joined == (len(tokens), 4, True)
     assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())
@@ -353,6 +376,18 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
                         "from step_summary where step = 3").to_pandas().iloc[0]
     assert summary["n_tokens"] == len(tokens) and summary["n_samples"] == 8
     assert summary["trainer_blocked_frac"] == pytest.approx(summary["blocked_frac__dppo_binary_tv"])
+
+
+def test_turns_come_from_the_gaps_of_the_response_mask():
+    """A multi-turn agent loop's response mask is False on the tool's tokens: each gap starts a new turn."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1, 0, 0],   # turns 0, 1, 2, then padding
+                         [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],   # single-turn
+                         [0, 1, 1, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # a leading masked token
+    turns = turns_from_mask(mask.numpy())
+    assert turns.dtype == np.int32
+    assert turns[mask.numpy()].tolist() == [0, 0, 1, 1, 2] + [0] * 7 + [0, 0, 1, 1, 1, 1, 1, 1]
+    assert tv.tag_versions([{"min_global_steps": 4}, {"min_global_steps": 6}], 2).tolist() == [5, 7]
+    assert tv.tag_versions([{"status": "success"}], 1) is None and tv.tag_versions(None, 0) is None
 
 
 def test_hook_without_stamp_passes_through(tmp_path):
@@ -380,7 +415,7 @@ def test_hook_survives_pickling_without_its_logger(tmp_path):
 
 def test_moved_internal_names_version_and_attribute(monkeypatch):
     monkeypatch.delattr(core_algos, "register_policy_loss")
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: verl\.trainer\.ppo\.core_algos\.register_policy_loss "
                                                   r"is missing"):
         tv.register_policy_losses()
 
@@ -393,7 +428,7 @@ def test_hook_names_a_moved_padding_helper(monkeypatch, tmp_path):
     hook = tv.ActorLogHook(partial(ppo_loss, config=actor_config("trustscope_grpo")), tmp_path / "logs", "moved",
                            loss_rule="grpo")
     monkeypatch.delattr(padding, "no_padding_2_padding")
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: verl\.workers\.utils\.padding\."
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: verl\.workers\.utils\.padding\."
                                                   r"no_padding_2_padding is missing"):
         run_actor(batch, pi, hook)
     assert not (tmp_path / "logs" / "moved" / "tokens").exists()
@@ -405,7 +440,7 @@ def test_trainer_without_update_actor_is_refused(tmp_path):
         global_steps = 0
         actor_rollout_wg = object()
 
-    with pytest.raises(tv.VerlVersionError, match=r"verl 0\.9\.1: trainer OldTrainer has no _update_actor"):
+    with pytest.raises(tv.VerlVersionError, match=r"verl [0-9.]+: trainer OldTrainer has no _update_actor"):
         tv.attach(OldTrainer(), tmp_path)
 
 
@@ -632,6 +667,8 @@ def test_another_update_actor_is_refused_with_advice(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("verl.trainer.ppo.v1") is None,
+                    reason="verl before 0.9 has no V1 trainer")
 def test_verl_v1_trainer_without_transfer_queue_says_what_to_install(tmp_path, monkeypatch):
     import importlib.util
 
@@ -701,18 +738,21 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
     try:
         tq.init(cfg.transfer_queue)
+        # an asynchronous step 3: each trajectory started under weights 0, 1 or 2 (verl's numbering)
         meta = tq.kv_batch_put(keys=_v1_keys(batch), partition_id="train", fields=fields,
-                               tags=[{"status": "success"} for _ in range(8)])
+                               tags=[{"status": "success", "min_global_steps": i % 3, "max_global_steps": 2}
+                                     for i in range(8)])
         pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
         group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
                                ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
         trainer = object.__new__(PPOTrainerSync)
-        trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 1, group
-        metrics: dict = {}
+        trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 3, group
+        metrics: dict = {"training/off_policy/evicted_samples": 2.0, "training/num_turns/mean": 1.0}
         with tv.attach(trainer, tmp_path, run_id="v1-run") as run:
             out = trainer._update_actor(meta, metrics)
         assert trainer._update_actor.__func__ is PPOTrainer._update_actor  # restored on close
         assert out is meta and tv.STEP_KEY not in meta.extra_info and tv.SAMPLE_KEY not in meta.fields
+        assert tv.VERSION_KEY not in meta.fields
         stamped = tq.kv_batch_get(keys=meta.keys, partition_id="train", select_fields=[tv.SAMPLE_KEY])
     finally:
         tq.close()
@@ -740,6 +780,11 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     logged = dict(zip(steps["name"], steps["value"], strict=True))
     assert logged["actor/pg_clipfrac"] == pytest.approx(metrics["actor/pg_clipfrac"])
     assert not tokens["kept"].all()
+    # each response's version from its trajectory's first weights: staleness = verl's trajectory_staleness_worst
+    assert (tokens["policy_version"] == tokens["sample_id"] % 3 + 1).all()
+    assert (tokens["step"] - tokens["policy_version"] == 2 - tokens["sample_id"] % 3).all()
+    assert (tokens["turn"] == 0).all()  # single-turn responses: no gap in the response mask
+    assert logged["training/off_policy/evicted_samples"] == 2.0 and "training/num_turns/mean" not in logged
     # the step's summaries over both actors' tokens, in the metrics the V1 trainer hands its trackers
     assert metrics["trustscope/tokens/total"] == len(tokens)
     manifest = json.loads((run_dir / "run.json").read_text())
@@ -788,3 +833,173 @@ def test_a_run_killed_mid_step_resumes_with_each_step_once(tmp_path):
     with pytest.raises(ResumeError, match=r"cannot resume run 'killed' after step 8: rank 0 logged only up to step 4"):
         trainer._update_actor(make_batch(B=8)[0])
     handle.close()
+
+
+# ----------------------------------------------------- verl's own worker, engine and model forward, sharded actors
+
+
+def _torchrun_env() -> dict[str, str]:
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+
+
+def _engine_run(tmp_path: Path, world: int, sp: int, timeout: int = 600) -> Path:
+    """Driver batch and tiny Qwen2 under ``tmp_path``; then ``torchrun`` of ``world`` verl actor processes
+    (tests/verl_engine_run.py: verl's ``TrainingWorker.train_mini_batch`` over its FSDP engine, Ulysses sequence
+    size ``sp``) on gloo, with the hook as their loss function. Returns the run directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trustscope.train.toy import toy_tokenizer
+
+    tok = toy_tokenizer()
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():  # random weights, spread so that log-probs differ from token to token
+        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          tie_word_embeddings=False, initializer_range=0.5, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    batch, _ = make_batch(B=8, P=6, T=8, seed=5)
+    batch.batch["prompts"] = batch.batch["prompts"] % (len(tok) - 4) + 4 * batch.batch["attention_mask"][:, :6]
+    batch.batch["responses"] = batch.batch["responses"] % (len(tok) - 4) + 4 * batch.batch["response_mask"]
+    batch.batch["input_ids"] = torch.cat([batch.batch["prompts"], batch.batch["responses"]], 1)
+    out = tmp_path / f"world{world}-sp{sp}"
+    out.mkdir()
+    logdir = out / "logs"
+    with TokenLogger(logdir, "sharded", rank=0, loss_rule="dppo_binary_tv") as driver:
+        tv.log_driver_batch(driver, batch, step=1)
+    td = left_right_2_no_padding(batch.to_tensordict())  # RayPPOTrainer._update_actor's conversion and settings
+    tu.assign_non_tensor(td, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=4, mini_batch_size=4, epochs=1, seed=1,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    torch.save(td, out / "batch.pt")
+    cfg = actor_config("trustscope_dppo_binary_tv")
+    torch.save(tv.ActorLogHook(partial(ppo_loss, config=cfg), logdir, "sharded", loss_rule="dppo_binary_tv"),
+               out / "hook.pt")
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"sp": sp, "model": str(model_dir), "batch": str(out / "batch.pt"),
+                                "loss_fn": str(out / "hook.pt")}))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                           str(ROOT / "tests" / "verl_engine_run.py"), str(spec)],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                          env=_torchrun_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return logdir / "sharded"
+
+
+def _hf_logprobs(model_dir: Path, td, sample_ids: list[int]) -> dict[int, np.ndarray]:
+    """The tiny model's own log-probs of each response token of ``sample_ids``, one unpadded sequence at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    out = {}
+    with torch.no_grad():
+        for i, sid in enumerate(td[tv.SAMPLE_KEY].tolist()):
+            if sid in sample_ids:
+                ids = td["input_ids"][i].unsqueeze(0)  # (1, L) nested row: prompt + response, unpadded
+                n = int(td["response_mask"][i].sum())
+                logp = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+                out[sid] = logp[-n:].numpy()
+    return out
+
+
+@pytest.mark.slow
+def test_ulysses_sequence_parallel_actors_log_what_an_unsharded_run_logs(tmp_path):
+    """verl's real actor path on CPU: ``TrainingWorker.train_mini_batch``, its FSDP engine's
+    ``forward_backward_batch``, the tiny model's forward and verl's ``ppo_loss`` under the hook, on gloo.
+
+    4 processes as 2 data x 2 Ulysses sequence ranks (verl's own ``(dp, sp)`` device mesh, its Ulysses slicing,
+    all-to-all and gather) log one row per token, once per data-parallel replica, as ranks 1 and 2 (data rank + 1),
+    the same rows as 2 unsharded data-parallel processes given the same batch; pi is the model's own log-prob.
+    """
+    sharded = _engine_run(tmp_path, world=4, sp=2)
+    plain = _engine_run(tmp_path, world=2, sp=1)
+    for run_dir in (sharded, plain):
+        assert S.validate_logdir(run_dir.parent) == [] and run_status(run_dir) == "finished"
+    a = _read(sharded, "tokens").sort_values(["rank", "sample_id", "pos"]).reset_index(drop=True)
+    b = _read(plain, "tokens").sort_values(["rank", "sample_id", "pos"]).reset_index(drop=True)
+    td = torch.load(tmp_path / "world2-sp1" / "batch.pt", weights_only=False)
+    assert len(a) == len(b) == _read(plain, "samples")["length"].sum()
+    assert sorted(set(a["rank"])) == [1, 2] and not a.duplicated(["sample_id", "pos"]).any()
+    exact = ["rank", "sample_id", "pos", "token_id", "mu_logprob", "old_logprob", "advantage", "prompt_id"]
+    assert a[exact].equals(b[exact])
+    np.testing.assert_allclose(a["pi_logprob"], b["pi_logprob"], atol=1e-5)
+    np.testing.assert_allclose(a["entropy"], b["entropy"], atol=1e-5)
+    assert (a["kept"] == b["kept"]).all()
+    assert a["pi_logprob"].std() > 0.1  # log-probs that differ token to token: the comparison can fail
+    # the first mini-batch of each replica is trained before any optimizer step: pi is the model's own log-prob
+    first = {1: [0, 1], 2: [4, 5]}  # verl's dispatch: replica r gets rows 4r..4r+3, mini-batches of 2 in order
+    want = _hf_logprobs(tmp_path / "model", td, [s for ids in first.values() for s in ids])
+    for sid, logp in want.items():
+        got = a[a["sample_id"] == sid].sort_values("pos")["pi_logprob"].to_numpy()
+        np.testing.assert_allclose(got, logp, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_megatron_parallel_state_maps_to_one_logger_per_data_parallel_replica(tmp_path):
+    """Megatron's own parallel state (``megatron.core.parallel_state``, what verl's Megatron engine initialises) on
+    8 gloo processes, in three layouts of 2 data-parallel replicas: tensor x pipeline, tensor x context, pipeline x
+    context. :func:`actor_layout` finds one logging rank per replica (tensor rank 0, context rank 0, last pipeline
+    stage), the data-parallel rank from mpu, and refuses a loss group that is not mpu's data-parallel group.
+    (verl's Megatron engine itself needs CUDA: it does not run here.)"""
+    pytest.importorskip("megatron.core.parallel_state")
+    layouts = [[2, 2, 1], [2, 1, 2], [1, 2, 2]]
+    (tmp_path / "spec.json").write_text(json.dumps({"layouts": layouts, "out": str(tmp_path)}))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+                           str(ROOT / "tests" / "verl_engine_run.py"), str(tmp_path / "spec.json"), "megatron"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=_torchrun_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [row for rank in range(8) for row in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+    for tp, pp, cp in layouts:
+        ranks = [r for r in rows if r["layout"] == [tp, pp, cp]]
+        assert {r["name"] for r in ranks} == {f"Megatron: 2 data x {tp} tensor x {pp} pipeline x {cp} context"}
+        loggers = [r for r in ranks if r["logs"]]
+        assert sorted(r["dp_rank"] for r in loggers) == [0, 1]
+        assert all(r["tp"] == 0 and r["cp"] == 0 and r["last_stage"] for r in loggers)
+        assert all(r["dp_size"] == 2 for r in ranks)
+        assert all("not Megatron's" in r["refused"] and "trustscope maps" in r["refused"] for r in ranks)
+
+
+@pytest.mark.parametrize(("overrides", "refused"), [
+    ({"actor_rollout_ref.actor.strategy": "veomni", "actor_rollout_ref.actor.veomni": {"ulysses_parallel_size": 2}},
+     r"strategy veomni with \{'ulysses_parallel_size': 2\}"),
+    ({"actor_rollout_ref.actor.strategy": "megatron",
+      "actor_rollout_ref.actor.megatron": {"tensor_model_parallel_size": 2, "dynamic_context_parallel": True}},
+     r"megatron with dynamic_context_parallel=True"),
+])
+def test_attach_refuses_a_parallel_layout_it_cannot_map(overrides, refused, tmp_path):
+    trainer = local_trainer(ppo_config(**overrides), LocalActorGroup(torch.zeros(1, 1)))
+    with pytest.raises(tv.VerlLayoutError, match=refused + r".*trustscope maps FSDP .* Ulysses .* Megatron"):
+        tv.attach(trainer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_attach_records_the_actor_layout(tmp_path):
+    cfg = ppo_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2})
+    with tv.attach(local_trainer(cfg, LocalActorGroup(torch.zeros(1, 1))), tmp_path, run_id="sp") as run:
+        pass
+    summary = json.loads((tmp_path / run.run_id / "run.json").read_text())["config"]["verl"]
+    assert summary["actor_layout"] == "fsdp: data x 2 Ulysses sequence"
+
+
+def test_hook_refuses_a_world_it_cannot_map_before_logging(monkeypatch, tmp_path):
+    """A world larger than data x Ulysses sequence (ranks in groups trustscope cannot see) stops the first
+    micro-batch, naming the layout, with nothing logged."""
+    import torch.distributed as dist
+    import verl.utils.ulysses as ulysses
+
+    batch, pi = make_batch(seed=6)
+    stamped(batch, tmp_path)
+    hook = tv.ActorLogHook(partial(ppo_loss, config=actor_config("trustscope_grpo")), tmp_path / "logs", "unmapped",
+                           loss_rule="grpo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(ulysses, "get_ulysses_sequence_parallel_world_size", lambda group=None: 2)
+        with pytest.raises(tv.VerlLayoutError, match=r"FSDP: 1 data x 2 Ulysses sequence does not make up its world of 1 ranks"):
+            run_actor(batch, pi, hook)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "logs" / "unmapped").exists()

@@ -178,7 +178,7 @@ def test_micro_batches_of_one_step_and_flush_visibility(tmp_path):
     with pytest.raises(SchemaError, match="sample_id 100 was already logged at step 0"):
         lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
     tables = [tmp_path / "micro" / t for t in S.TABLES]
-    assert not [p for d in tables for p in d.glob("*.parquet")]  # nothing visible before a flush
+    assert not [p for d in tables for p in d.rglob("*.parquet")]  # nothing visible before a flush
     lg.flush()
     assert read(tmp_path / "micro", "tokens").num_rows == 2 * mask.sum()
     assert json.loads((tmp_path / "micro" / S.MANIFEST).read_text())["status"] == "running"
@@ -237,7 +237,7 @@ def test_ranks_write_their_own_files(tmp_path, monkeypatch):
     run = tmp_path / "multi"
     got = read(run, "tokens")
     assert sorted(set(got["rank"].to_pylist())) == [0, 1, 2]
-    names = [p.name for p in (run / "tokens").glob("*.parquet")]
+    names = [p.name for p in (run / "tokens").rglob("*.parquet")]
     assert len(names) == 9 and all(n.startswith(("r0000-", "r0001-", "r0002-")) for n in names)
     assert sorted(p.name for p in (run / S.RANKS_DIR).iterdir()) == ["rank0001.json", "rank0002.json"]
     assert run_status(run) == "finished"
@@ -439,7 +439,7 @@ def test_scalars_only_and_timed_flush(tmp_path):
     lg = TokenLogger(tmp_path, "timed", flush_seconds=0.2)
     lg.log_step(0, scalars={"reward/mean": 0.5, "loss": float("nan")})
     for _ in range(100):  # the writer flushes on its own after flush_seconds
-        if list((tmp_path / "timed" / "steps").glob("*.parquet")):
+        if list((tmp_path / "timed" / "steps").rglob("*.parquet")):
             break
         threading.Event().wait(0.05)
     steps = read(tmp_path / "timed", "steps")
@@ -474,7 +474,7 @@ def test_files_rotate_at_flush_rows_and_name_their_steps(tmp_path):
     with TokenLogger(tmp_path, "rot", flush_rows=int(mask.sum()) * 2, row_group_size=7, write_threads=1) as lg:
         for step in range(5):
             lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
-    files = sorted((tmp_path / "rot" / "tokens").glob("*.parquet"))
+    files = sorted((tmp_path / "rot" / "tokens").rglob("*.parquet"))
     spans = [tuple(int(x) for x in f.name.split("-")[1:3] if x.isdigit()) for f in files]
     assert [f.name.split("-")[1:3] for f in files] == [["s00000000", "00000001"], ["s00000002", "00000003"],
                                                         ["s00000004", "00000004"]], spans
@@ -490,7 +490,7 @@ def test_two_write_threads_split_a_flush_into_parts_committed_together(tmp_path)
     with TokenLogger(tmp_path, "two", row_group_size=7, write_threads=2) as lg:
         for step in range(3):
             lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
-    names = sorted(p.name for p in (tmp_path / "two" / "tokens").glob("*.parquet"))
+    names = sorted(p.name for p in (tmp_path / "two" / "tokens").rglob("*.parquet"))
     assert names == ["r0000-s00000000-00000002-f00000001-p00.parquet", "r0000-s00000000-00000002-f00000001-p01.parquet"]
     assert {S.parse_data_file(n).flush for n in names} == {1}
     one, two = read(tmp_path / "one", "tokens"), read(tmp_path / "two", "tokens")

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from app.launch import LOGDIR_ENV
 from trustscope import db as tsdb
+from trustscope import schema as S
 from trustscope.cli import app
 from trustscope.synthetic import SyntheticConfig, generate_run
 
@@ -58,7 +59,7 @@ def truncated(tmp_path_factory):
     root = tmp_path_factory.mktemp("truncated") / "logs"
     for name in ("good_a", "cut", "good_b"):
         generate_run(root, name, SyntheticConfig(tokens=1_500, steps=4, edge_cases=False, rows_per_file=600))
-    files = sorted((root / "cut" / "tokens").glob("*.parquet"))
+    files = sorted((root / "cut" / "tokens").rglob("*.parquet"))
     assert len(files) > 1, files
     with open(files[0], "r+b") as f:
         f.truncate(files[0].stat().st_size // 2)
@@ -144,7 +145,7 @@ def test_a_truncated_file_marks_its_run_broken_and_the_rest_reads(truncated):
         assert conn.runs().set_index("run_id").status.to_dict() == {
             "cut": "broken", "good_a": "finished", "good_b": "finished"}
         steps = conn.step_summary()
-        kept = pq.read_table(cut.parent.parent.parent / "good_a" / "tokens").num_rows
+        kept = pq.read_table(S.run_of(cut).parent / "good_a" / "tokens").num_rows
         assert steps.groupby("run_id").n_tokens.sum()["good_a"] == kept
         read = conn.sql("select count(*) as n from tokens where run_id = 'cut'").table.column("n")[0].as_py()
         others = [f for f in sorted(cut.parent.glob("*.parquet")) if f != cut]

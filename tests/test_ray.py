@@ -187,7 +187,7 @@ def test_a_task_error_is_raised_as_its_own_class(logdir, local_ray, tmp_path, mo
         logs = tmp_path / str(ray_address) / "logs"
         shutil.copytree(logdir, logs)
         with tsdb.connect(logs, cache=False, ray=ray_address) as db:
-            broken = sorted((logs / "run_a" / "tokens").glob("*.parquet"))[1]  # broken once the views are bound
+            broken = sorted((logs / "run_a" / "tokens").rglob("*.parquet"))[1]  # broken once the views are bound
             broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
             with pytest.raises(duckdb.Error, match=broken.name):
                 db.step_summary()

@@ -202,3 +202,26 @@ def test_demo_refuses_a_busy_port_before_training(tmp_path):
         res = runner.invoke(app, ["demo", "--logdir", str(tmp_path / "demo"), "--port", str(port)])
     assert res.exit_code == 2 and f"port {port}" in res.stderr
     assert not (tmp_path / "demo").exists()  # nothing trained
+
+
+def test_report_says_where_the_mismatch_lives(tmp_path):
+    """The terminal report and the HTML page carry the page's tables by position, turn and staleness, with the
+    counts, and a sentence for a run that logs no turn or version."""
+    from async_logs import write_async_logdir
+
+    logdir = write_async_logdir(tmp_path / "logs")
+    res = runner.invoke(app, ["report", str(logdir), "--html", str(tmp_path / "r.html")], terminal_width=100)
+    assert res.exit_code == 0, res.output
+    for dimension in ("position", "turn", "staleness"):
+        assert f"Where the mismatch lives: by {dimension}" in res.output
+    assert "sync-single-turn logs no turn" in res.output and "sync-single-turn logs no policy_version" in res.output
+    with tsdb.connect(logdir) as conn:
+        mismatch, blocked = report.by_dimension(conn, ["async-lag3"])
+    stale = mismatch[mismatch.dimension == "staleness"].set_index("bucket")
+    assert stale.index.tolist() == [0, 1, 2, 3] and stale.mismatch_mean.is_monotonic_increasing
+    own = blocked[(blocked.dimension == "staleness") & (blocked.rule == "dppo_binary_tv")].set_index("bucket")
+    row = own.loc[3]
+    assert f"{row.n_blocked:,} of {row.n_nonzero_advantage:,}" in res.output  # the counts beside the fraction
+    page = (tmp_path / "r.html").read_text()
+    assert "Mismatch and ESS by staleness" in page and "What each rule blocks by turn" in page
+    assert "Run sync-single-turn logs no turn" in page

@@ -18,7 +18,8 @@ from trustscope.logger import TokenLogger
 CONTRACT = {
     "tokens": ["run_id", "step", "rank", "sample_id", "prompt_id", "pos", "token_id", "mu_logprob", "old_logprob",
                "pi_logprob", "advantage", "entropy", "mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs",
-               "topk_tv", "topk_kl", "kept", "loss_rule", "blocked_rules"],
+               "topk_tv", "topk_kl", "kept", "loss_rule", "blocked_rules", "policy_version", "turn", "engine_token_id",
+               "routing_agreement", "engine_experts", "trainer_experts"],
     "samples": ["run_id", "step", "rank", "sample_id", "prompt_id", "prompt", "response", "reward", "advantage",
                 "length", "finish_reason"],
     "steps": ["run_id", "step", "rank", "name", "value"],
@@ -60,7 +61,7 @@ def good_logdir(tmp_path):
 
 
 def one_file(logdir, table):
-    return next((logdir / "good" / table).glob("*.parquet"))
+    return next((logdir / "good" / table).rglob("*.parquet"))
 
 
 def test_good_logdir_is_clean(good_logdir):
@@ -113,14 +114,17 @@ def test_ragged_topk_duplicate_keys_and_foreign_run(good_logdir):
     table = table.set_column(table.schema.get_field_index("pi_topk_logprobs"), S.TOKENS.field("pi_topk_logprobs"),
                              pa.array(ids, S.TOKENS.field("pi_topk_logprobs").type))
     pq.write_table(table, path)
-    pq.write_table(table.slice(0, 2), path.with_name("copy.parquet"))
+    flat = path.parent.parent  # the table folder itself: read as a layout 1 folder, any name
+    pq.write_table(table.slice(0, 2), flat / "copy.parquet")
     other = table.set_column(0, S.TOKENS.field("run_id"), pa.array(["other"] * table.num_rows))
-    pq.write_table(other, path.with_name("foreign.parquet"))
+    pq.write_table(other, flat / "foreign.parquet")
+    pq.write_table(other, path.with_name("by-hand.parquet"))  # in a rank folder: not read, named
     problems = S.validate_logdir(good_logdir)
     text = "\n".join(map(str, problems))
     assert "pi_topk_logprobs and mu_topk_ids lists differ in length on 1 row(s)" in text
     assert "duplicate key(s) ('run_id', 'step', 'sample_id', 'pos')" in text
-    assert f"{path.with_name('foreign.parquet')}: run_id 'other' in a file of run 'good'" in text
+    assert f"{flat / 'foreign.parquet'}: run_id 'other' in a file of run 'good'" in text
+    assert f"{path.with_name('by-hand.parquet')}: read by tools that list the folder" in text
 
 
 def test_manifest_problems(good_logdir):
@@ -162,10 +166,11 @@ def test_files_of_an_uncommitted_flush_are_not_read(good_logdir):
     manifest = json.loads((run / S.MANIFEST).read_text())
     committed = S.committed_files(run)
     assert manifest["committed_flush"] == 1 and all(len(files) == 1 for files in committed.values())
-    torn = run / "tokens" / S.data_file_name(0, 2, 2, 2)  # a flush renamed in one table, then the writer died
-    torn.write_bytes(committed["tokens"][0].read_bytes())
+    torn = run / "tokens" / S.rank_dir_name(0) / S.data_file_name(0, 2, 2, 2)  # a flush no manifest commits
+    torn.write_bytes(committed["tokens"][0].read_bytes())  # (an older logger renamed before it committed)
     assert S.committed_files(run) == committed
-    assert S.validate_logdir(good_logdir) == []
+    assert [(p.path, "which its manifest never committed" in p.message) for p in S.validate_logdir(good_logdir)] \
+        == [(torn, True)]  # other tools would read it: validate names it
     with TokenLogger(good_logdir, "good", resume=True) as lg:  # resuming removes it
         assert not torn.exists()
         lg.log_step(2, scalars={"loss": 0.5})

@@ -9,9 +9,10 @@ import pytest
 
 from trustscope import db as tsdb
 from trustscope import schema as S
+from trustscope.columns import DIMENSIONS, dimension, position_bucket
 from trustscope.logger import TokenLogger
 from trustscope.logger.summaries import HIST_EDGES, MU_BUCKET_SQL, MU_LOWS
-from trustscope.losses import list_losses
+from trustscope.losses import get_loss, list_losses
 
 B, T, K, V = 32, 24, 4, 200
 
@@ -171,7 +172,7 @@ def test_a_steps_micro_batches_are_merged_into_one_set_of_rows(tmp_path):
                         samples={k: v[part] for k, v in samples.items()})
     whole, micro = _summary_rows(tmp_path, "whole"), _summary_rows(tmp_path, "micro")
     assert set(micro.part) == {0} and len(micro) == len(whole) > 100
-    key = ["metric", "rule", "advantage_sign", "mu_low", "bin_low"]
+    key = ["metric", "rule", "advantage_sign", "mu_low", "bin_low", "dimension", "bucket"]
     whole, micro = (t.sort_values(key, na_position="first").reset_index(drop=True) for t in (whole, micro))
     exact = [*key, "count", "min", "max"]
     pd.testing.assert_frame_equal(micro[exact], whole[exact])
@@ -204,3 +205,110 @@ def test_a_flush_inside_a_step_writes_what_is_merged_so_far(tmp_path):
     key = ["metric", "rule", "advantage_sign", "mu_bucket", "bin_low"]
     merged = split.merge(whole, on=key, suffixes=("_split", "_whole"), how="outer", validate="one_to_one")
     assert (merged["count_split"] == merged["count_whole"]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the summary dimensions: position bucket, turn, staleness
+
+
+def async_rollout(step: int) -> tuple[dict, np.ndarray, dict]:
+    """:func:`rollout` as an asynchronous multi-turn step: each response starts under an older weight version and
+    switches to a newer one part-way (a partial rollout), and its tokens fall into turns 0, 1, 2."""
+    tokens, mask, samples = rollout(step)
+    rng = np.random.default_rng(100 + step)
+    start = np.maximum(step - rng.integers(0, 3, B), 0)  # (B,) the version each response began under
+    switch = rng.integers(0, T, B)  # (B,) where the newer version took over
+    pos = np.arange(T)[None, :]  # (1, T)
+    tokens["policy_version"] = np.where(pos < switch[:, None], start[:, None], np.minimum(start + 1, step)[:, None])
+    boundaries = np.sort(rng.integers(1, T, (B, 2)), axis=1)  # (B, 2) where turns 1 and 2 begin
+    tokens["turn"] = (pos >= boundaries[:, :1]).astype(np.int32) + (pos >= boundaries[:, 1:]).astype(np.int32)
+    return tokens, mask, samples
+
+
+@pytest.fixture(scope="module")
+def async_db(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("dimensions")
+    for run_id, fraction in (("full", 1.0), ("tenth", 0.1)):
+        with TokenLogger(logdir, run_id, token_fraction=fraction, flush_rows=1, loss_rule="dppo_binary_tv") as lg:
+            for step in range(4):
+                tokens, mask, samples = async_rollout(step)
+                half = B // 2
+                for part in (slice(0, half), slice(half, B)):
+                    lg.log_step(step, tokens={k: v[part] for k, v in tokens.items()}, mask=mask[part],
+                                samples={k: v[part] for k, v in samples.items()})
+    with tsdb.connect(logdir) as conn:
+        yield conn
+
+
+@pytest.mark.parametrize("dim", [d.name for d in DIMENSIONS])
+def test_dimension_summaries_at_a_tenth_equal_those_recomputed_from_every_token(async_db, dim):
+    """The summaries by position bucket, turn and staleness of a run logged at token_fraction 0.1 equal those
+    recomputed in SQL from every token row of the same run logged at 1.0 (the dimension's own SQL expression)."""
+    full, tenth = (async_db.summaries(run, dimension=dim).drop(columns="run_id") for run in ("full", "tenth"))
+    pd.testing.assert_frame_equal(full, tenth, check_exact=True)
+    tenth = tenth.astype({"bucket": "int64"})
+    assert len(tenth) and (tenth.dimension == dim).all() and tenth.mu_low.isna().all()
+    assert async_db.step_summary("tenth").n_tokens.sum() < 0.3 * async_db.step_summary("full").n_tokens.sum()
+    d = dimension(dim)
+    cur = async_db.cursor()
+    rules = ["dppo_binary_tv", "ppo_clip", "minirl"]
+    delta = float(get_loss("minimal_negative_mask").defaults["delta"])
+    blocks = ", ".join(f"count_if(blocks_{r} and advantage != 0) as blocked_{r}" for r in rules)
+    rows = cur.execute(f"""
+        select step, ({d.sql})::bigint as bucket, count(*) as n, count_if(advantage > 0) as n_pos,
+            count_if(advantage = 0) as n_zero,
+            sum(abs(pi_prob - mu_prob)) as sum_abs, max(abs(pi_prob - mu_prob)) as max_abs,
+            sum(exp(log_ratio)) as w_sum, sum(exp(log_ratio) * exp(log_ratio)) as w_sum_sq,
+            count_if(advantage < 0 and mu_prob - pi_prob >= {delta}) as n_bad, {blocks}
+        from sample_tokens where run_id = 'full' group by all order by all""").df()
+    rows = rows.set_index(["step", "bucket"])
+    assert len(rows) > 8 and len(rows.index.get_level_values("bucket").unique()) >= 3
+    tokens = tenth[tenth.metric == "tokens"].groupby(["step", "bucket"])["count"].sum()
+    pd.testing.assert_series_equal(tokens, rows.n, check_names=False, check_dtype=False)
+    pos = tenth[(tenth.metric == "tokens") & (tenth.advantage_sign == "positive")].groupby(["step", "bucket"])["count"]
+    assert (pos.sum().reindex(rows.index, fill_value=0) == rows.n_pos).all()
+    moments = tenth[tenth.metric == "abs_prob_diff"].set_index(["step", "bucket"])
+    np.testing.assert_allclose(moments["sum"], rows.sum_abs, rtol=1e-9)
+    np.testing.assert_allclose(moments["max"], rows.max_abs, rtol=1e-12)
+    weights = tenth[tenth.metric == "is_weight"].set_index(["step", "bucket"])
+    np.testing.assert_allclose(weights["sum"], rows.w_sum, rtol=1e-9)
+    np.testing.assert_allclose(weights["sum_sq"], rows.w_sum_sq, rtol=1e-9)
+    bad = tenth[tenth.metric == "bad_negative"].set_index(["step", "bucket"])
+    assert bad.threshold.unique().tolist() == [delta] and bad["count"].sum() > 0
+    assert (bad["count"] == rows.n_bad).all()
+    hist = tenth[tenth.metric == "abs_prob_diff_hist"].groupby(["step", "bucket"])["count"].sum()
+    assert (hist == rows.n).all()
+    for rule in rules:
+        got = tenth[(tenth.metric == "blocked") & (tenth.rule == rule)].groupby(["step", "bucket"])["count"].sum()
+        assert (got.reindex(rows.index, fill_value=0) == rows[f"blocked_{rule}"]).all(), rule
+    assert rows[[f"blocked_{r}" for r in rules]].to_numpy().sum() > 0
+
+
+def test_dimension_rows_merge_across_calls_like_one_call(tmp_path):
+    """A step logged in four micro-batches writes the same dimension rows as the step logged in one call."""
+    tokens, mask, samples = async_rollout(3)
+    quarter = B // 4
+    with TokenLogger(tmp_path, "whole") as lg:
+        lg.log_step(3, tokens=tokens, mask=mask, samples=samples)
+    with TokenLogger(tmp_path, "micro") as lg:
+        for i in range(4):
+            part = slice(i * quarter, (i + 1) * quarter)
+            lg.log_step(3, tokens={k: v[part] for k, v in tokens.items()}, mask=mask[part],
+                        samples={k: v[part] for k, v in samples.items()})
+    with tsdb.connect(tmp_path, cache=False) as conn:
+        whole, micro = (conn.summaries(run, dimension="*").drop(columns="run_id") for run in ("whole", "micro"))
+    assert set(whole.dimension.dropna()) == {"position", "turn", "staleness"}
+    exact = ["metric", "rule", "advantage_sign", "dimension", "bucket", "bin_low", "count", "min", "max"]
+    pd.testing.assert_frame_equal(whole[exact], micro[exact])
+    np.testing.assert_allclose(whole["sum"].astype(float), micro["sum"].astype(float), rtol=1e-12)
+
+
+def test_position_buckets_are_the_sql_macro_buckets():
+    con = duckdb.connect()
+    for name in ("position_bucket", "position_bucket_label"):
+        con.execute((MU_BUCKET_SQL.parent / f"{name}.sql").read_text())
+    pos = np.array([0, 1, 2, 3, 4, 7, 8, 15, 16, 1023, 1024, 2**31 - 1])
+    sql = [con.execute("select position_bucket(?::integer)", [int(p)]).fetchone()[0] for p in pos]
+    assert position_bucket(pos).tolist() == sql == [0, 1, 2, 2, 4, 4, 8, 8, 16, 512, 1024, 2**30]
+    labels = [con.execute("select position_bucket_label(?)", [b]).fetchone()[0] for b in (0, 1, 2, 4, 8)]
+    assert labels == ["0", "1", "2-3", "4-7", "8-15"]

@@ -13,6 +13,7 @@ import typer
 import typer.core
 
 from trustscope import __version__
+from trustscope.rule_settings import RULE_OPTION_HELP, SETTINGS_ENV, check_budget, rule_params_of
 from trustscope.sql_command import first_line, left_out
 from trustscope.sql_command import sql as sql_command
 
@@ -105,6 +106,18 @@ app = typer.Typer(
 )
 
 
+def _rule_params(command: str, rules: list[str] | None) -> dict | None:
+    """``--rule`` options as ``connect(rule_params=...)`` (None when there are none); bad input exits 2 with the
+    parser's message (the rule, the parameter, the value and its bounds)."""
+    if not rules:
+        return None
+    try:
+        return rule_params_of(rules)
+    except ValueError as exc:
+        typer.echo(f"trustscope {command}: --rule: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def version() -> None:
     """Print the trustscope version."""
@@ -122,11 +135,17 @@ def dashboard(
                                      "generated and printed with the URL when started from a terminal)."),
     no_auth: bool = typer.Option(False, "--no-auth", help="Serve with no sign-in, even on an address other than "
                                  "loopback (anyone who can reach the port reads every run)."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
 ) -> None:
     """Serve the Streamlit dashboard over a log directory (localhost only unless --host says otherwise; any other
     address asks for an access token or an OIDC sign-in)."""
+    import os
+
     from trustscope._dashboard import load
 
+    if rule:
+        _rule_params("dashboard", rule)
+        os.environ[SETTINGS_ENV] = "\n".join(rule)
     try:
         load("app.launch").launch(logdir, host=host, port=port, token=token, no_auth=no_auth)
     except (OSError, ValueError) as exc:
@@ -156,15 +175,113 @@ def demo(
 
 
 @app.command()
+def parity(
+    model: str = typer.Option(..., "--model", help="A Hugging Face causal LM directory (save_pretrained layout), or "
+                              "a toy preset name (toy, toy-v2, toy-moe), built or taken from the cache."),
+    prompts: str = typer.Option("add1", "--prompts", help="A file of prompts (one a line, or a .json list of "
+                                "strings) or a toy task's name (its eval split)."),
+    engine: str = typer.Option("vllm", help="Rollout engine: vllm, or hf (transformers generate)."),
+    engine_dtype: str = typer.Option("float32", help="The engine's dtype: float32 or bfloat16."),
+    trainer_dtype: str = typer.Option("float32", help="The trainer forward's dtype: float32 or bfloat16."),
+    n: int = typer.Option(1, help="Responses per prompt."),
+    max_tokens: int = typer.Option(16, help="Response tokens at most."),
+    max_prompts: int = typer.Option(32, help="Use the first this many prompts."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    band: list[str] = typer.Option([], "--band", help="TOL=SHARE: at least SHARE of the tokens have |log pi - log "
+                                   "mu| <= TOL (e.g. 1e-2=0.99); first:TOL=SHARE counts the first generated token "
+                                   "only. Repeatable; a broken band exits 1."),
+    logdir: Path | None = typer.Option(None, help="Log the tokens as a trustscope run here (mu = engine, pi = "
+                                       "trainer), for the dashboard, report and doctor."),
+    run_id: str | None = typer.Option(None, help="Run id of the logged run (default: a timestamp)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+) -> None:
+    """Generate with the rollout engine, score the same tokens with the trainer's forward, and report the log-prob
+    differences: shares within 1e-3 / 1e-2 / 0.1, by position, the first token apart, the largest with their text
+    and, on a mixture-of-experts model, by routing agreement. Exit 1 when a --band is broken, 2 on bad input."""
+    import json
+
+    from trustscope.parity import (
+        ParityInputError,
+        format_summary,
+        log_parity,
+        parse_band,
+        read_prompts,
+        run_parity,
+    )
+    from trustscope.parity import summary as parity_summary
+
+    try:
+        bands = [parse_band(b) for b in band]
+        for name, value in (("--n", n), ("--max-tokens", max_tokens), ("--max-prompts", max_prompts)):
+            if value < 1:
+                raise ParityInputError(f"{name} must be >= 1, got {value}")
+        if engine not in ("vllm", "hf"):
+            raise ParityInputError(f"--engine must be vllm or hf, got {engine!r}")
+        texts = read_prompts(prompts)[:max_prompts]
+        model_dir = model
+        if not Path(model).exists():
+            from trustscope.train.toy import TOY_PRESETS, build_toy_model
+            from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
+
+            if model in MOE_PRESETS:
+                model_dir = str(build_toy_moe_model(MOE_PRESETS[model]))
+            elif model in TOY_PRESETS:
+                from trustscope.train.toy_models import seed_cache
+
+                seed_cache(TOY_PRESETS[model])  # a build shipped with trustscope (toy-v2), when the cache lacks it
+                model_dir = str(build_toy_model(TOY_PRESETS[model]))
+            else:
+                raise ParityInputError(f"--model {model}: no such directory, nor a toy preset "
+                                       f"({sorted(TOY_PRESETS) + sorted(MOE_PRESETS)})")
+        result = run_parity(model_dir, texts, engine=engine, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
+                            n=n, max_tokens=max_tokens, seed=seed)
+    except ParityInputError as exc:
+        typer.echo(f"trustscope parity: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    report = parity_summary(result)
+    broken = result.broken(bands)
+    typer.echo(format_summary(report, bands, broken))
+    if logdir is not None:
+        typer.echo(f"logged as run {log_parity(result, logdir, run_id)} in {logdir}")
+    if json_out is not None:
+        report["bands"] = [{"band": str(b), "share": result.within(b.tol, b.first),
+                            "broken": any(b == bb for bb, _ in broken)} for b in bands]
+        json_out.write_text(json.dumps(report, indent=2))
+    if broken:
+        typer.echo("trustscope parity: broken band(s): " + ", ".join(f"{b} (found {s:.2%})" for b, s in broken),
+                   err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
 def validate(logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
-                                          "s3://bucket/prefix (endpoint and credentials from the AWS variables).")
+                                          "s3://bucket/prefix (endpoint and credentials from the AWS variables)."),
+             repair: bool = typer.Option(False, "--repair", help="First finish or remove what killed writers and "
+                                         "compactions left (local log directories): files no manifest lists that "
+                                         "are provably superseded or orphaned, staged and superseded folders; "
+                                         "each removal is printed. Ranks a live logger writes are skipped.")
              ) -> None:
-    """Check a log directory against the schema; print each problem with its file. Exit 0 only when clean."""
+    """Check a log directory against the schema; print each problem with its file, and each file that tools
+    reading the folders (DuckDB, pyarrow, pandas, polars, Spark) read but no manifest lists. Exit 0 only when
+    clean."""
     import tempfile
 
     from trustscope import storage
     from trustscope.schema import SCHEMA_VERSION, run_dirs, validate_logdir
 
+    if repair:
+        from trustscope.logger.compaction import repair_run
+
+        if storage.is_remote(logdir):
+            typer.echo("trustscope validate: --repair works on local log directories; on s3:// run "
+                       "`trustscope compact`, which finishes and cleans what it can", err=True)
+            raise typer.Exit(2)
+        if not Path(logdir).is_dir():
+            typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
+            raise typer.Exit(2)
+        for run in run_dirs(Path(logdir)):
+            for line in repair_run(run):
+                typer.echo(f"repair: {run}: {line}")
     with tempfile.TemporaryDirectory(prefix="trustscope-validate-") as scratch:
         local = Path(logdir)
         if storage.is_remote(logdir):  # the committed objects and their manifests, copied whole
@@ -176,11 +293,21 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
         if not local.is_dir():
             typer.echo(f"trustscope validate: {logdir} is not a directory", err=True)
             raise typer.Exit(2)
-        problems = validate_logdir(local)
+        problems: list = validate_logdir(local)
         for problem in problems:
             inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
             where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
             typer.echo(f"{where}: {problem.message}")
+        if storage.is_remote(logdir):  # what a plain reader of the prefix reads and no manifest commits
+            try:
+                strays = storage.stray_objects(logdir)
+            except storage.StorageError as exc:
+                typer.echo(f"trustscope validate: {exc}", err=True)
+                raise typer.Exit(2) from exc
+            for url in strays:
+                typer.echo(f"{url}: read by tools that list the prefix but by no manifest; `trustscope compact` "
+                           f"removes it when it is provably superseded or orphaned")
+            problems += strays
         runs = run_dirs(local)
     if problems:
         typer.echo(f"trustscope validate: {len(problems)} problem(s) in {logdir}", err=True)
@@ -192,14 +319,17 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
 def compact(
     logdir: str = typer.Argument(..., help="A log directory, one run directory inside it, or an "
                                  "s3://bucket/prefix (endpoint and credentials from the AWS variables)."),
-    grace: float = typer.Option(5.0, help="Seconds the replaced files are kept after the commit, for readers "
-                                "that listed them just before."),
+    grace: float = typer.Option(5.0, help="Seconds the rank folders a swap replaced are kept (under the run's "
+                                "_superseded/), for readers that hold them open."),
     force: bool = typer.Option(False, "--force", help="s3:// only: also compact ranks whose manifest reads "
                                "running (object stores have no locks; only when no logger writes them)."),
 ) -> None:
-    """Rewrite each rank's many small committed files as a few large ones (readers see the same rows, switched
-    over in one manifest write), so reading costs follow rows, not files. A rank a live logger writes is skipped:
-    the logger compacts its own files (TokenLogger(compact_every=...))."""
+    """Rewrite each rank's many small committed files as a few large ones (every reader sees the same rows,
+    switched over by one atomic swap of the rank's folder), so reading costs follow rows, not files; what killed
+    writers and compactions left is finished or removed first. A rank a live logger writes is skipped: the logger
+    compacts its own files (TokenLogger(compact_every=...)). On s3:// and file systems that cannot swap folders,
+    a tool listing the files in the moment between a compacted file's landing and the deletion of the files it
+    replaces counts their rows twice (docs/logging.md)."""
     from trustscope.logger.compaction import CompactionError, compact_logdir
     from trustscope.storage import StorageError
 
@@ -230,11 +360,19 @@ def report(
     warn_mismatch_growth: float = typer.Option(2.0, help="Collapse warning: growth of mean |pi - mu| over the "
                                                "run's first window that fires it."),
     warn_window: int = typer.Option(10, help="Collapse warning: steps averaged."),
+    warn_relative: float | None = typer.Option(None, "--warn-relative", help="Collapse warning against the run's "
+                                               "own first --warn-window steps instead: the bad-update rate or mean "
+                                               "|pi - mu| this many robust deviations (median, MAD) above them "
+                                               "(replaces the two lines above and the fitted detector)."),
     ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
                                    "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
                                    "storage they share)."),
     ray_fallback: str = typer.Option("warn", "--ray-fallback", help="When the --ray cluster cannot be reached: "
                                      "warn (and aggregate here) or error."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
+    budget: float | None = typer.Option(None, "--budget", help="Equal-budget section: the share of the tokens "
+                                        "with A != 0 every rule is moved to block, in (0, 1) (default: the share "
+                                        "the run's own rule blocks)."),
 ) -> None:
     """Summarise every run of a log directory: reward, mismatch, what each rule would block, clipped tokens,
     collapse early warnings. A run with an unreadable file is flagged and left out; the others are reported."""
@@ -251,15 +389,22 @@ def report(
         from trustscope.paths import sample_logdir
 
         logdir = str(sample_logdir())
+    rule_params = _rule_params("report", rule)
+    if budget is not None:
+        try:
+            check_budget(budget)
+        except ValueError as exc:
+            typer.echo(f"trustscope report: --budget: {exc}", err=True)
+            raise typer.Exit(2) from exc
     try:
-        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window)
+        lines = WarningLines(warn_bad_rate, warn_mismatch_growth, warn_window, warn_relative)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RayUnavailableWarning)
-            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback)
+            db, broken = connect_readable(logdir, ray=ray, ray_fallback=ray_fallback, rule_params=rule_params)
         for warning in caught:
             typer.echo(f"trustscope report: {warning.message}", err=True)
         with db:
-            print_report(db, broken=broken, lines=lines)
+            print_report(db, broken=broken, lines=lines, budget=budget)
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
     except (FileNotFoundError, NoRunsFound, StorageError, ValueError, RayUnavailable) as exc:
@@ -374,6 +519,7 @@ def doctor(
     from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
     webhook: str | None = typer.Option(None, "--webhook", help="Post each failed check to this Slack-compatible "
                                        "webhook URL (docs/trackers.md)."),
+    rule: list[str] | None = typer.Option(None, "--rule", help=RULE_OPTION_HELP),
 ) -> None:
     """Contract checks on any log, native or imported: each measures one way the logged numbers can be wrong and
     gives a verdict (the list ends this help). Exit 1 when a check fails, 2 when a run cannot be read whole (it is
@@ -395,7 +541,7 @@ def doctor(
         typer.echo(f"trustscope doctor: --webhook: {exc}", err=True)
         raise typer.Exit(2) from exc
     try:
-        db, broken = connect_readable(logdir, cache=False)
+        db, broken = connect_readable(logdir, cache=False, rule_params=_rule_params("doctor", rule))
         with db:
             findings = diagnose(db, run or None, first_step=from_step)
     except (KeyError, ValueError, FileNotFoundError) as exc:

@@ -61,6 +61,14 @@ ALIGNMENT_CAUSES = {
 """What usually shifts the two series, by the direction in which pi fits mu better."""
 MIN_TOKENS = 20
 """Fewer tokens than this and a statistical check is skipped: too few to tell."""
+CERTAIN_LOGPROB = math.log(0.9)
+"""A token the engine logs at exactly 0.0 (probability 1) while the trainer gives it under 0.9 was padded, not
+scored: no engine rounds a probability under 0.9 up to exactly 1 (check ``turn_placeholders``)."""
+PADDED_MIN = 3
+"""Padded tokens (``turn_placeholders``) in one turn from which the check fails (fewer only warn)."""
+ZERO_VARIANCE_WARN = 0.5
+"""A share of GRPO groups with all rewards equal from which ``zero_variance_groups`` warns: most of the batch then
+carries no gradient while its tokens still count in the loss's denominators."""
 TOPK_MASS_TOLERANCE = 5e-3
 """How far above 1 a top-K list's probabilities may sum. float16 top-K (``topk_precision="float16"``) rounds a
 log-prob x by up to |x| * 2^-11, which moves a row's sum by up to entropy * 2^-11 (about 1.5e-3 at 3 nats)."""
@@ -387,6 +395,138 @@ def judge_rank_collisions(m: Mapping[str, Any]) -> Judgement:
                      "different responses share a key and joins mix them. Pass a global sample_id (e.g. the index "
                      "in the global batch, or rank * per_rank + i); a context-parallel shard of one sample belongs "
                      "to one rank's file once reassembled.")
+
+
+@register_check("turn_alignment", sql="turn_alignment.sql", about="mu and pi one position apart from a turn on")
+def judge_turn_alignment(m: Mapping[str, Any]) -> Judgement:
+    """``alignment`` judged per turn: a one-position shift inside a turn's tokens fits much better than the logged
+    alignment (a shift that starts at a turn boundary, which the whole-response ``alignment`` averages away)."""
+    turns = [t for t in (m.get("turns") or []) if t["turn"] is not None] if m else []
+    if not turns:
+        return Judgement("skipped", "the run logs no turns (tokens without `turn`): `alignment` judges whole "
+                         "responses", _pick(m, "n_tokens"))
+    judged = [t for t in turns if (t["n_pairs"] or 0) >= MIN_TOKENS]
+    if not judged:
+        return Judgement("skipped", f"no turn has {MIN_TOKENS} pairs of adjacent positions to compare",
+                         _pick(m, "n_tokens", "n_turns"))
+    shifted = []
+    for t in judged:
+        best, direction = min((t["diff_pi_later"], "later"), (t["diff_pi_earlier"], "earlier"))
+        if t["diff_logged"] >= ALIGN_FLOOR and best < ALIGN_FACTOR * t["diff_logged"]:
+            shifted.append((t, direction, best))
+    evidence = {"n_tokens": m["n_tokens"], "n_turns": m["n_turns"],
+                **{f"diff_logged_turn{t['turn']}": t["diff_logged"] for t in judged},
+                **{f"diff_best_shift_turn{t['turn']}": min(t["diff_pi_later"], t["diff_pi_earlier"]) for t in judged}}
+    if not shifted:
+        return Judgement("ok", f"in each of {len(judged)} turns mu and pi fit best as logged", evidence)
+    names = ", ".join(str(t["turn"]) for t, _, _ in shifted)
+    worst, direction, best = max(shifted, key=lambda x: x[0]["diff_logged"] - x[2])
+    summary = (f"turn(s) {names} of {len(judged)}: pi fits mu far better one position {direction} (turn "
+               f"{worst['turn']}: mean |pi - mu| {worst['diff_logged']:.4g} as logged, {best:.4g} shifted)")
+    first = all(t["turn"] != min(x["turn"] for x in judged) for t, _, _ in shifted)
+    cause = ("the shift starts at a turn boundary: the turns before it are aligned. " if first else "") + (
+        "The trainer's sequence and the engine's differ by one token from that boundary on: a separator or role "
+        "token dropped (or added) where the environment's answer is spliced in, or the response mask and the "
+        "log-probs sliced per turn with different offsets. Build the trainer's input from the engine's token ids, "
+        "turn by turn, and log both from the same positions.")
+    return Judgement("fail", summary, evidence, list(worst["examples"] or []), cause)
+
+
+@register_check("turn_placeholders", sql="turn_placeholders.sql",
+                about="log-probs of 0.0 padded in for a turn's tokens", params={"certain": CERTAIN_LOGPROB})
+def judge_turn_placeholders(m: Mapping[str, Any]) -> Judgement:
+    """Tokens whose mu log-prob is exactly 0.0 while pi gives them under 0.9, per turn: an environment's (tool's)
+    tokens with the engine's log-probs padded with 0.0, let through by the response mask. ``fail`` from
+    :data:`PADDED_MIN` such tokens in one turn, ``warn`` below."""
+    if not m or not m.get("n_tokens"):
+        return Judgement("skipped", "no token rows")
+    turns = m.get("turns") or []
+    flagged = [t for t in turns if t["n_flagged"]]
+    evidence = {"n_tokens": m["n_tokens"], "n_flagged": m["n_flagged"],
+                **{f"n_flagged_turn{t['turn']}": t["n_flagged"] for t in flagged}}
+    certain = math.exp(CERTAIN_LOGPROB)
+    if not flagged:
+        return Judgement("ok", f"no token with mu's log-prob at exactly 0.0 where pi gives under {certain:.2g}, in "
+                         f"{len(turns)} turn(s)", evidence)
+    worst = max(flagged, key=lambda t: t["n_flagged"] / t["n_tokens"])
+    where = "tokens without a turn" if worst["turn"] is None else f"turn {worst['turn']}"
+    summary = (f"{m['n_flagged']} of {m['n_tokens']} tokens have mu's log-prob at exactly 0.0 where pi gives under "
+               f"{certain:.2g}; most in {where}: {worst['n_flagged']} of {worst['n_tokens']}, "
+               f"{worst['n_flagged_kept']} kept")
+    cause = ("the engine's log-probs were padded with 0.0 where nothing was sampled: typically the environment's or "
+             "a tool's tokens spliced into a multi-turn trajectory, which have no engine log-prob, left in the "
+             "response mask. Mask those tokens out (response mask False) and log only the model's own turns.")
+    verdict = "fail" if worst["n_flagged"] >= PADDED_MIN else "warn"
+    return Judgement(verdict, summary, evidence, list(worst["examples"] or []), cause)
+
+
+@register_check("zero_variance_groups", sql="zero_variance_groups.sql",
+                about="GRPO groups whose rewards are all equal")
+def judge_zero_variance_groups(m: Mapping[str, Any]) -> Judgement:
+    """The share of GRPO groups (the responses of one prompt_id at one step) whose rewards are all equal: their
+    group-relative advantages are 0, so they carry no gradient, yet their tokens count in the loss's denominators.
+    ``warn`` from :data:`ZERO_VARIANCE_WARN` of the groups."""
+    if not m or not m.get("n_groups"):
+        return Judgement("skipped", "no prompt with two or more rewarded responses at one step (samples.reward, "
+                         "prompt_id)", _pick(m, "n_groups"))
+    evidence = _pick(m, "n_groups", "n_zero_variance", "n_steps", "n_tokens", "n_tokens_zero_variance")
+    share = m["n_zero_variance"] / m["n_groups"]
+    tokens = m["n_tokens_zero_variance"] / m["n_tokens"] if m["n_tokens"] else 0.0
+    evidence.update(share_zero_variance=share, token_share_zero_variance=tokens)
+    summary = (f"{m['n_zero_variance']} of {m['n_groups']} groups ({share:.0%}) have all rewards equal: "
+               f"{tokens:.0%} of their response tokens carry no gradient")
+    if share < ZERO_VARIANCE_WARN:
+        return Judgement("ok", summary, evidence, list(m.get("examples") or []))
+    return Judgement("warn", summary, evidence, list(m.get("examples") or []),
+                     "most prompts are all solved or all failed at this difficulty: the batch's gradient comes from "
+                     "few groups while every token dilutes the token-mean loss. Filter such groups out (dynamic "
+                     "sampling), use a sequence-level or constant normaliser, or rebalance the prompt set.")
+
+
+@register_check("staleness_bound", sql="staleness_bound.sql", about="tokens older than the declared staleness bound",
+                manifest_field="max_staleness")
+def judge_staleness_bound(m: Mapping[str, Any], max_staleness: Any) -> Judgement:
+    """Tokens whose staleness (step - policy_version) exceeds the run's declared bound (run.json ``max_staleness``,
+    ``TokenLogger(max_staleness=k)``): an asynchronous trainer that lets older rollouts through than it claims."""
+    if not m or not m.get("n_versioned"):
+        return Judgement("skipped", "the run logs no policy_version: staleness unknown", _pick(m, "n_tokens"))
+    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)):
+        raise ValueError(f"run.json max_staleness={max_staleness!r} must be an integer")
+    by = m.get("by_staleness") or []
+    evidence = {**_pick(m, "n_tokens", "n_versioned", "max_staleness"),
+                **{f"n_staleness_{b['staleness']}": b["n"] for b in by[:8]}}
+    if max_staleness is None:
+        return Judgement("skipped", f"no staleness bound declared (run.json max_staleness); the stalest tokens are "
+                         f"{m['max_staleness']} version(s) behind", evidence, list(m.get("examples") or []))
+    over = sum(b["n"] for b in by if b["staleness"] > max_staleness)
+    evidence.update(bound=max_staleness, n_over_bound=over)
+    summary = (f"{over} of {m['n_versioned']} tokens are more than {max_staleness} version(s) behind the trainer "
+               f"(stalest: {m['max_staleness']})")
+    if not over:
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, list(m.get("examples") or []),
+                     "rollouts older than the declared bound reached the update: the trainer's staleness filter "
+                     "(or its queue's capacity) lets them through, or policy_version is logged from the wrong "
+                     "counter (the version a request was submitted under, not the weights that sampled the token).")
+
+
+@register_check("token_drift", sql="token_drift.sql", about="engine token ids differing from the trainer's")
+def judge_token_drift(m: Mapping[str, Any]) -> Judgement:
+    """The engine's sampled token id (``engine_token_id``) differing from the id the trainer scored: the trainer's
+    input was re-tokenized from text instead of reusing the sampled ids."""
+    if not m or not m.get("n_logged"):
+        return Judgement("skipped", "the run logs no engine_token_id", _pick(m, "n_tokens"))
+    evidence = _pick(m, "n_tokens", "n_logged", "n_differ", "n_responses_differ")
+    evidence.update({f"n_differ_turn{t['turn']}": t["n_differ"] for t in (m.get("turns") or []) if t["n_differ"]})
+    summary = (f"{m['n_differ']} of {m['n_logged']} tokens' ids differ between the engine and the trainer, in "
+               f"{m['n_responses_differ']} response(s)")
+    if not m["n_differ"]:
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, list(m.get("examples") or []),
+                     "the trainer scores different token ids than the engine sampled: the history was decoded to "
+                     "text and tokenized again (merges differ across a turn boundary or a chat template), so pi is "
+                     "computed on tokens mu never sampled. Keep the sampled ids and splice the environment's tokens "
+                     "in (tokens in, tokens out).")
 
 
 # ------------------------------------------------------------------------------------------------ measuring

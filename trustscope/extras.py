@@ -69,3 +69,24 @@ def missing(exc: ModuleNotFoundError, needed_by: str, extra: str | None = None) 
     if extra_for(exc.name) is None:
         raise exc
     raise MissingExtra(message(exc.name or "", needed_by, extra), name=exc.name) from exc
+
+
+def release_position(version: str, supported: str) -> int:
+    """Where release ``version`` stands against ``supported`` (``">=A,<B"``, an extra's range): -1 older than A,
+    0 inside, 1 at B or newer; 0 for a version string that is no release number (a fork's own: its internals
+    are probed where they are used). Release numbers compare as integers (``1.10 > 1.9``); pre-release tags
+    are ignored."""
+    import re
+
+    def release(text: str) -> tuple[int, ...] | None:
+        match = re.match(r"v?(\d+(?:\.\d+)*)", text.strip())
+        return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+    bounds = dict(part.strip().split("=", 1) if "=" in part else (part.strip()[0], part.strip()[1:])
+                  for part in supported.split(","))
+    here, low, high = release(version), release(bounds[">"]), release(bounds["<"])
+    if here is None:
+        return 0
+    if here < low:
+        return -1
+    return 1 if here >= high else 0

@@ -624,3 +624,143 @@ def format_alternatives(texts: Sequence[str], probs: Sequence[float], sampled_in
         pi = f"  pi {pi_probs[i]:.4f}" if pi_probs is not None and i < len(pi_probs) else ""
         lines.append(f"{t!r} mu {p:.4f}{pi}{mark}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ by dimension
+
+DIMENSION_AXES = {"position": "position in the response (power-of-two buckets)", "turn": "turn",
+                  "staleness": "staleness (step - policy_version)"}
+"""The x-axis title of each summary dimension (:data:`trustscope.columns.DIMENSIONS`)."""
+
+
+def _bucket_labels(df: pd.DataFrame) -> list[str]:
+    """The bucket labels of ``df`` in bucket order (position ``2-3`` after ``1``, staleness ``10`` after ``9``)."""
+    return df.sort_values("bucket").drop_duplicates("bucket_label")["bucket_label"].astype(str).tolist()
+
+
+def mismatch_by_dimension(df: pd.DataFrame, dimension: str) -> go.Figure:
+    """Mean |pi - mu| and the importance weights' ESS fraction by one summary dimension's bucket, one line per run.
+
+    Reads ``run_id, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac`` (the ``mismatch_by_dimension``
+    query's rows of one dimension); the token count of every point is on hover.
+    """
+    _check_columns(df, ["run_id", "bucket", "bucket_label", "n_tokens", "mismatch_mean", "ess_frac"],
+                   "mismatch_by_dimension")
+    labels = _bucket_labels(df)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["mean |pi - mu|", "ESS / tokens (importance weights)"],
+                        horizontal_spacing=0.1)
+    for i, run in enumerate(_ordered(df["run_id"])):
+        one = df[df["run_id"] == run].sort_values("bucket")
+        x = one["bucket_label"].astype(str)
+        for col, (column, fmt) in enumerate((("mismatch_mean", ".4g"), ("ess_frac", ".2%")), start=1):
+            fig.add_trace(go.Scatter(
+                x=x, y=one[column], mode="lines+markers", name=str(run), legendgroup=str(run), showlegend=col == 1,
+                line={"color": series_colour(i)}, customdata=one[["n_tokens"]].to_numpy(),
+                hovertemplate=f"{run}<br>{dimension} %{{x}}<br>%{{y:{fmt}}} over %{{customdata[0]:,.0f}} "
+                              "tokens<extra></extra>"), row=1, col=col)
+    fig.update_xaxes(title_text=DIMENSION_AXES.get(dimension, dimension), type="category", categoryorder="array",
+                     categoryarray=labels)
+    fig.update_yaxes(rangemode="tozero", col=1)
+    percent_axis(fig, col=2)
+    return _finish(fig, 360, top=60)
+
+
+def blocked_by_dimension(df: pd.DataFrame, dimension: str, max_cols: int = 3) -> go.Figure:
+    """Each rule's blocked fraction of the A != 0 tokens by one summary dimension's bucket: one panel per rule
+    (titled with its name), one line per run in the run's colour.
+
+    Reads ``run_id, rule, bucket, bucket_label, n_blocked, n_nonzero_advantage, blocked_frac`` (the
+    ``blocked_by_dimension`` query's rows of one dimension); the counts are on hover.
+    """
+    _check_columns(df, ["run_id", "rule", "bucket", "bucket_label", "n_blocked", "n_nonzero_advantage",
+                        "blocked_frac"], "blocked_by_dimension")
+    labels = _bucket_labels(df)
+    rules = rule_order(df["rule"])
+    rows, cols = _grid(len(rules), max_cols)
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes="all", subplot_titles=rules,
+                        vertical_spacing=min(0.3 / max(rows - 1, 1), 0.15), horizontal_spacing=0.05)
+    runs = _ordered(df["run_id"])
+    for k, rule in enumerate(rules):
+        row, col = divmod(k, cols)
+        for i, run in enumerate(runs):
+            one = df[(df["rule"] == rule) & (df["run_id"] == run)].sort_values("bucket")
+            fig.add_trace(go.Scatter(
+                x=one["bucket_label"].astype(str), y=one["blocked_frac"], mode="lines+markers", name=str(run),
+                legendgroup=str(run), showlegend=k == 0, line={"color": series_colour(i)},
+                customdata=one[["n_blocked", "n_nonzero_advantage"]].to_numpy(),
+                hovertemplate=f"{run}<br>{rule}, {dimension} %{{x}}<br>%{{y:.2%}} (%{{customdata[0]:,.0f}} of "
+                              "%{customdata[1]:,.0f} tokens with A != 0)<extra></extra>"), row=row + 1, col=col + 1)
+    fig.update_xaxes(type="category", categoryorder="array", categoryarray=labels)
+    fig.update_xaxes(title_text=dimension, row=rows)  # short: the panels of a row sit side by side
+    percent_axis(fig)
+    fig.update_yaxes(title_text="blocked (% of A != 0)", col=1)
+    return _finish(fig, 120 + 230 * rows, top=60)
+
+
+def threshold_curves(df: pd.DataFrame, target: float | None = None, applied: str | None = None) -> go.Figure:
+    """Blocked share of a run's tokens with A != 0 against each rule's threshold, one line per rule, on one scale:
+    the threshold as a multiple of the one evaluated (u = 1, marked on every line: the default, or the run's own
+    for its rule; ratio bands scale in log, see :class:`trustscope.losses.Threshold`). A larger scale blocks fewer
+    tokens. ``target``: the equal budget's share, drawn across.
+
+    Reads ``rule, param, value, scale, n_blocked, n_tokens, blocked_frac, default`` (``LogDB.threshold_curve``).
+    """
+    _check_columns(df, ["rule", "param", "value", "scale", "n_blocked", "n_tokens", "blocked_frac", "default"],
+                   "threshold_curves")
+    fig = go.Figure()
+    for rule in rule_order(df["rule"].unique()):
+        one = df[df["rule"] == rule].sort_values("scale")
+        name = rule + (APPLIED_MARK if rule == applied else "")
+        custom = one[["param", "value", "n_blocked", "n_tokens"]].to_numpy()
+        fig.add_trace(go.Scatter(
+            x=one["scale"], y=one["blocked_frac"], mode="lines", name=name, legendgroup=rule, meta={"rule": rule},
+            line={"color": rule_colour(rule), "width": 3 if rule == applied else 1.5, "shape": "hv"},
+            customdata=custom,
+            hovertemplate=f"{rule}<br>%{{customdata[0]}} = %{{customdata[1]:.4g}} (scale %{{x:.3g}})<br>"
+                          "blocks %{y:.2%} (%{customdata[2]:,} of %{customdata[3]:,} tokens)<extra></extra>"))
+        below = one[one["scale"] <= 1.0]
+        at = below.iloc[-1] if len(below) else one.iloc[0]
+        fig.add_trace(go.Scatter(
+            x=[1.0], y=[at["blocked_frac"]], mode="markers", name=f"{rule} at {at['param']} = {at['default']:.4g}",
+            legendgroup=rule, showlegend=False, meta={"rule": rule},
+            marker={"color": rule_colour(rule), "size": 10, "symbol": "diamond", "line": {"width": 1, "color": "black"}},
+            hovertemplate=f"{rule} at {at['param']} = {at['default']:.4g} (the parameters evaluated)<br>"
+                          f"blocks about %{{y:.2%}}<extra></extra>"))
+    if target is not None and len(df):
+        fig.add_hline(y=target, line={"dash": "dash", "color": "black", "width": 1},
+                      annotation_text=f"equal budget {target:.2%}", annotation_position="top left")
+    log_axis(fig, df["scale"], axis="x")
+    percent_axis(fig)
+    fig.update_xaxes(title_text="threshold as a multiple of the one evaluated (log; diamond: 1, the default)")
+    fig.update_yaxes(title_text="blocked (% of the tokens with A != 0)")
+    return _finish(fig, 460)
+
+
+def budget_picks(df: pd.DataFrame, dimension: str, rules: Sequence[str]) -> go.Figure:
+    """Which tokens each rule blocks at an equal budget along one ``dimension`` (mu bucket, advantage sign,
+    entropy bucket, position): the share of the rule's blocked tokens in each group, beside the share of all the
+    tokens with A != 0 (grey), so a rule's bias shows as a bar above the grey one. Each bar is labelled with its
+    count of tokens.
+
+    Reads ``rule, dimension, value, n_blocked, share`` (``LogDB.budget_picks``).
+    """
+    _check_columns(df, ["rule", "dimension", "value", "n_blocked", "share"], "budget_picks")
+    one = df[df["dimension"] == dimension]
+    values = _buckets(one["value"], None)
+    fig = go.Figure()
+    for rule in ["(all tokens)", *rules]:
+        part = one[one["rule"] == rule].set_index("value").reindex(values)
+        colour = "#BBBBBB" if rule == "(all tokens)" else rule_colour(rule)
+        name = "all tokens with A != 0" if rule == "(all tokens)" else f"{rule} blocks"
+        counts = part["n_blocked"].fillna(0).astype(int)
+        fig.add_trace(go.Bar(x=values, y=part["share"].fillna(0), name=name, marker_color=colour,
+                             text=[f"{c:,}" if c else "" for c in counts], textposition="outside",
+                             textfont={"size": 10}, cliponaxis=False,
+                             meta={"rule": rule}, customdata=part[["n_blocked"]].fillna(0).to_numpy(),
+                             hovertemplate="%{x}<br>%{y:.1%} (%{customdata[0]:,} tokens)<extra>%{fullData.name}"
+                                           "</extra>"))
+    percent_axis(fig)
+    fig.update_xaxes(title_text=dimension.replace("_", " "), categoryorder="array", categoryarray=values)
+    fig.update_yaxes(title_text="share of the tokens each blocks")
+    fig.update_layout(barmode="group")
+    return _finish(fig, 380)

@@ -83,6 +83,165 @@ sample_id)``: the mean log-ratio, the length, the P90 of binary TV, and the sums
 over the tokens before this one."""
 
 
+ScoreFn = Callable[..., "Tensor"]
+"""``score(terms: MaskTerms, **params) -> (B, T)`` float: see :class:`Threshold`."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A mask family's scalar threshold: the one number that moves how much the rule blocks.
+
+    The threshold is ``param``; the parameters of ``scaled`` (``param`` first) move together on one scale ``u``
+    (``u = 1`` at the parameters the rule is evaluated at, its *base*): ``"linear"`` ones become ``base * u``,
+    ``"power"`` ones ``base ** u`` (the two bounds of a ratio band keep their log-ratio proportion, so a band
+    symmetric in log stays so). Every other parameter stays at the base. ``score(terms, **base params)`` gives
+    each token the scale at which it starts to be blocked: the rule at scale ``u`` blocks a token exactly when
+    ``score > u`` (``score >= u`` when ``inclusive``); NaN where it blocks the token at no scale, ``inf`` where at
+    every scale (dual-clip's block, which no scale moves). The SQL macro ``<family>_score`` in
+    ``trustscope/sql/macros/`` computes the same score, with the arguments of ``<family>_blocks``. A larger
+    scale blocks fewer tokens.
+    """
+
+    param: str
+    scaled: tuple[tuple[str, str], ...]
+    score: ScoreFn
+    inclusive: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.scaled or self.scaled[0][0] != self.param:
+            raise ValueError(f"Threshold({self.param!r}).scaled must start with its own parameter")
+        bad = [kind for _, kind in self.scaled if kind not in ("linear", "power")]
+        if bad:
+            raise ValueError(f"Threshold({self.param!r}).scaled kinds {bad} must be 'linear' or 'power'")
+
+    def scalable(self, base: Mapping[str, Any]) -> str | None:
+        """Why the scale is undefined at ``base`` (a linear parameter at 0, a power one at 1), or None."""
+        for name, kind in self.scaled:
+            value = base.get(name)
+            if not _is_number(value) or not math.isfinite(value):
+                return f"{name}={value!r} is not a finite number"
+            if kind == "linear" and value == 0:
+                return f"{name}=0 cannot be scaled"
+            if kind == "power" and (value <= 0 or value == 1):
+                return f"{name}={value!r} cannot be scaled in log (it must be > 0 and != 1)"
+        return None
+
+    def scale_of(self, value: float, base: Mapping[str, Any]) -> float:
+        """The scale ``u`` at which the threshold parameter equals ``value``."""
+        kind, b = dict(self.scaled)[self.param], float(base[self.param])
+        return value / b if kind == "linear" else math.log(value) / math.log(b)
+
+    def at(self, u: float, base: Mapping[str, Any]) -> dict[str, Any]:
+        """The parameters at scale ``u``: ``base`` with the scaled parameters moved."""
+        out = dict(base)
+        for name, kind in self.scaled:
+            out[name] = float(base[name]) * u if kind == "linear" else float(base[name]) ** u
+        return out
+
+
+def _harmful(t: MaskTerms, anchor_logprob: Tensor) -> Tensor:
+    """DPPO's direction test: pi moved past the anchor the way A pushes (A = 0 in the negative branch)."""
+    return ((t.advantage > 0) & (t.pi_logprob > anchor_logprob)) | ((t.advantage <= 0) & (t.pi_logprob < anchor_logprob))
+
+
+def score_dppo(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
+    """DPPO anchored on mu: D / delta where pi moved the harmful way."""
+    return (t.divergence(divergence) / delta).where(_harmful(t, t.mu_logprob), math.nan)
+
+
+def score_dppo_old(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
+    """DPPO anchored on pi_old: D(pi_old, pi) / delta where pi moved the harmful way from pi_old."""
+    return (t.divergence(divergence, "old") / delta).where(_harmful(t, t.old_logprob), math.nan)
+
+
+def _clip_score(t: MaskTerms, r: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's clip on ``r`` as a scale: (r - 1) / eps_high for A > 0, (1 - r) / eps_low for A <= 0."""
+    return ((r - 1) / eps_high).where(t.advantage > 0, (1 - r) / eps_low)
+
+
+def score_ratio_clip(t: MaskTerms, eps_low: float, eps_high: float, dual_clip: float | None = None,
+                     **_: Any) -> Tensor:
+    """PPO's clip on r = pi/mu; dual-clip's block (A <= 0, r > c) is at every scale."""
+    score = _clip_score(t, t.ratio, eps_low, eps_high)
+    if dual_clip is not None:
+        score = score.where(~((t.advantage <= 0) & (t.ratio > dual_clip)), math.inf)
+    return score
+
+
+def score_ratio_clip_old(t: MaskTerms, eps_low: float, eps_high: float, **_: Any) -> Tensor:
+    """PPO's clip on pi/pi_old."""
+    return _clip_score(t, t.old_ratio, eps_low, eps_high)
+
+
+def score_lowprob_relax(t: MaskTerms, eps_low: float, eps_high: float, alpha_low: float, alpha_high: float,
+                        **_: Any) -> Tensor:
+    """PPO's clip on r = pi/mu, each side only where mu >= that side's alpha."""
+    side = ((t.advantage > 0) & (t.mu_prob >= alpha_high)) | ((t.advantage <= 0) & (t.mu_prob >= alpha_low))
+    return _clip_score(t, t.ratio, eps_low, eps_high).where(side, math.nan)
+
+
+def _band_score(log_r: Tensor, low: float, high: float) -> Tensor:
+    """A band [low, high] of ratios (low < 1 < high), both bounds scaled in log: max(log r / log high, log r /
+    log low)."""
+    return (log_r / math.log(high)).maximum(log_r / math.log(low))
+
+
+def score_ratio_band(t: MaskTerms, low: float, high: float, **_: Any) -> Tensor:
+    """The token's ratio band."""
+    return _band_score(t.ratio.log(), low, high)
+
+
+def score_seq_geo_band(t: MaskTerms, low: float, high: float, **_: Any) -> Tensor:
+    """The response's geometric-mean ratio band."""
+    return _band_score(t.seq_log_ratio, low, high)
+
+
+def score_seq_ratio_clip(t: MaskTerms, eps_low: float, eps_high: float, **_: Any) -> Tensor:
+    """PPO's clip on the sequence ratio s (GSPO)."""
+    return _clip_score(t, t.seq_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO).exp(), eps_low, eps_high)
+
+
+def score_negative_mask(t: MaskTerms, delta: float, **_: Any) -> Tensor:
+    """Mask-delta: (mu - pi) / delta on A <= 0 tokens."""
+    return ((t.mu_prob - t.pi_prob) / delta).where(t.advantage <= 0, math.nan)
+
+
+def score_drpo(t: MaskTerms, delta: float, **_: Any) -> Tensor:
+    """DRPO: sign(A) (pi - mu) / delta (sign(A) = -1 for A <= 0)."""
+    shift = t.pi_prob - t.mu_prob
+    return (shift / delta).where(t.advantage > 0, -shift / delta)
+
+
+def score_cppo(t: MaskTerms, delta: float, w_min: float, delta_b: float, **_: Any) -> Tensor:
+    """CPPO: z = w D against min(delta, delta + b W - S) = delta + min(0, b W - S), so the scale is
+    (z - min(0, b W - S)) / delta where pi moved the harmful way (``w_min`` and ``delta_b`` stay)."""
+    valid = t.valid
+    div = t.binary_tv  # (B, T)
+    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T)
+    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1)
+    w = (w_min + (1 - w_min) * (last - pos) / last.clamp_min(1)).where(valid, 0.0)  # (B, T)
+    z = (w * div).where(valid, 0.0)  # (B, T)
+    spent, weight = z.cumsum(-1) - z, w.cumsum(-1) - w
+    budget = div.where(valid, math.nan).nanquantile(0.9, dim=-1, keepdim=True).clamp(min=delta_b, max=2 * delta_b)
+    slack = (budget * weight - spent).clamp(max=0)  # (B, T) min(0, b W - S)
+    return ((z - slack) / delta).where(_harmful(t, t.mu_logprob), math.nan)
+
+
+def delta_threshold(score: ScoreFn, inclusive: bool = False) -> Threshold:
+    """The threshold of a family gated on one ``delta``."""
+    return Threshold("delta", (("delta", "linear"),), score, inclusive)
+
+
+def clip_threshold(score: ScoreFn) -> Threshold:
+    """PPO-style clips: eps_high is the threshold, eps_low keeps its proportion to it."""
+    return Threshold("eps_high", (("eps_high", "linear"), ("eps_low", "linear")), score)
+
+
+def band_threshold(score: ScoreFn) -> Threshold:
+    """Ratio bands: ``low`` is the threshold, ``high`` keeps its log-ratio proportion to it."""
+    return Threshold("low", (("low", "power"), ("high", "power")), score)
+
+
 @dataclass(frozen=True)
 class SqlMask:
     """How the SQL views evaluate a rule's mask as a "would block" flag: the rule's mask family and its inputs.
@@ -92,12 +251,14 @@ class SqlMask:
     order; None passes SQL null) and then ``params`` (the rule's parameter names, in order, bound per run from the
     run's manifest or the defaults; None passes null). ``sequence``: the mask reads the whole response, through
     the context columns ``rule_blocks`` computes over ``(run_id, step, rank, sample_id)`` windows.
+    ``threshold``: the family's scalar threshold (:class:`Threshold`), or None where it has none.
     """
 
     family: str
     columns: tuple[str | None, ...] = ()
     params: tuple[str | None, ...] = ()
     sequence: bool = False
+    threshold: Threshold | None = None
 
     def __post_init__(self) -> None:
         if not _IDENTIFIER.fullmatch(self.family):
@@ -113,22 +274,29 @@ class SqlMask:
 
 # The mask families of the built-in rules; a user's rule of the same kind names one of these.
 NO_MASK = SqlMask("none")
-RATIO_CLIP_MU = SqlMask("ratio_clip", ("ratio", "advantage"), ("eps_low", "eps_high", "dual_clip"))
-RATIO_CLIP_OLD = SqlMask("ratio_clip", ("old_ratio", "advantage"), ("eps_low", "eps_high", None))
+RATIO_CLIP_MU = SqlMask("ratio_clip", ("ratio", "advantage"), ("eps_low", "eps_high", "dual_clip"),
+                        threshold=clip_threshold(score_ratio_clip))
+RATIO_CLIP_OLD = SqlMask("ratio_clip", ("old_ratio", "advantage"), ("eps_low", "eps_high", None),
+                         threshold=clip_threshold(score_ratio_clip_old))
 DPPO_MU = SqlMask("dppo", ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "pi_logprob", "mu_logprob", "advantage"),
-                  ("divergence", "delta"))
+                  ("divergence", "delta"), threshold=delta_threshold(score_dppo))
 DPPO_OLD = SqlMask("dppo", ("old_binary_tv", "old_binary_kl", None, None, "pi_logprob", "old_logprob", "advantage"),
-                   ("divergence", "delta"))
+                   ("divergence", "delta"), threshold=delta_threshold(score_dppo_old))
 LOWPROB_RELAX = SqlMask("lowprob_relax", ("ratio", "mu_prob", "advantage"),
-                        ("eps_low", "eps_high", "alpha_low", "alpha_high"))
-NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("delta",))
-RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"))
-SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True)
-SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True)
+                        ("eps_low", "eps_high", "alpha_low", "alpha_high"),
+                        threshold=clip_threshold(score_lowprob_relax))
+NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("delta",),
+                        threshold=delta_threshold(score_negative_mask, inclusive=True))
+RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"), threshold=band_threshold(score_ratio_band))
+SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True,
+                         threshold=clip_threshold(score_seq_ratio_clip))
+SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True,
+                       threshold=band_threshold(score_seq_geo_band))
 CPPO_PREFIX = SqlMask("cppo", ("seq_pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
                                "prefix_pos_binary_tv", "pi_logprob", "mu_logprob", "advantage"),
-                      ("delta", "w_min", "delta_b"), sequence=True)
-DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",))
+                      ("delta", "w_min", "delta_b"), sequence=True, threshold=delta_threshold(score_cppo))
+DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",),
+                       threshold=delta_threshold(score_drpo, inclusive=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,6 +321,20 @@ class Param:
     choices: tuple[str, ...] | None = None
     optional: bool = False
     why: str | None = None
+
+    def bounds(self) -> str:
+        """What the parameter accepts, in words: ``[0, 1)``, ``> low``, ``one of [...]``."""
+        if self.choices is not None:
+            return f"one of {sorted(self.choices)}" + (" or None" if self.optional else "")
+        if self.low is None and self.high is None:
+            if self.above is not None:
+                return f"> {self.above}" + (" or None" if self.optional else "")
+            return "any value" if not _is_number(self.default) else "any number"
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        text = f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high_open or self.high is None else ']'}"
+        text += f" and > {self.above}" if self.above else ""
+        return text + (" or None" if self.optional else "")
 
     def check(self, rule: str, name: str, params: Mapping[str, Any]) -> None:
         """Raise ValueError naming ``rule``, the parameter and its value when ``params[name]`` is not accepted."""
@@ -256,6 +438,11 @@ class LossRule:
     loss: RuleFn | None = None
     mask_params: tuple[str, ...] = ()
     weight_params: tuple[str, ...] = ()
+
+    @property
+    def threshold(self) -> Threshold | None:
+        """The rule's scalar threshold (its SQL mask family's), or None: see :class:`Threshold`."""
+        return self.sql.threshold if self.sql is not None else None
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -387,6 +574,12 @@ def _add(rule: LossRule) -> LossRule:
         if unknown:
             raise ValueError(f"loss rule {rule.name!r}: sql family {rule.sql.family!r} passes parameter(s) {unknown} "
                              f"the rule does not have; its parameters are {sorted(rule.params)}")
+        if rule.sql.threshold is not None:
+            unknown = [p for p, _ in rule.sql.threshold.scaled if p not in rule.params]
+            if unknown:
+                raise ValueError(f"loss rule {rule.name!r}: the threshold of sql family {rule.sql.family!r} scales "
+                                 f"parameter(s) {unknown} the rule does not have; its parameters are "
+                                 f"{sorted(rule.params)}")
     for name, spec in rule.params.items():
         spec.check(rule.name, name, rule.defaults)
     _REGISTRY[rule.name] = rule
@@ -429,13 +622,18 @@ def list_losses() -> list[str]:
 
 def catalogue_markdown() -> str:
     """The docs' rule table: one row per rule with its SQL mask family and defaults."""
-    rows = ["| rule | SQL mask family | defaults | what it does |", "|---|---|---|---|"]
+    rows = ["| rule | SQL mask family | defaults | scalar threshold | what it does |", "|---|---|---|---|---|"]
     for name in list_losses():
         rule = _REGISTRY[name]
         family = "-" if rule.sql is None else f"`{rule.sql.family}`" + (" (sequence)" if rule.sql.sequence else "")
         defaults = ", ".join(f"{k}={v!r}" for k, v in rule.defaults.items()) or "-"
         summary = " ".join(rule.doc.split()).replace("|", "\\|")
-        rows.append(f"| `{name}` | {family} | {defaults} | {summary} |")
+        threshold = "-"
+        if rule.threshold is not None:
+            moved = [f"{p} ({'in log' if kind == 'power' else 'in proportion'})" for p, kind in rule.threshold.scaled
+                     if p != rule.threshold.param]
+            threshold = f"`{rule.threshold.param}`" + (f", moving {', '.join(moved)}" if moved else "")
+        rows.append(f"| `{name}` | {family} | {defaults} | {threshold} | {summary} |")
     return "\n".join(rows) + "\n"
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -38,6 +39,9 @@ MISMATCH_WARN = 0.01
 BAD_NEGATIVE_WARN = 0.005
 """Bad negative-update rate above which a run is flagged (the paper finds < 0.5% of tokens drive collapse)."""
 CLIPPED_TOP = 10
+BUDGET_MAX_ROWS = 500_000
+"""The report cuts a run's rules at an equal budget on its logged rows only up to this many (where its summaries
+hold no threshold histogram): the cut reads every row, 49 s for 1M rows on a loaded 2-core machine."""
 STALE_AFTER_S = 600.0
 """A ``running`` run whose manifest has not been touched for this long reads ``stale`` (its writer may be on
 another host, where its process cannot be checked)."""
@@ -51,11 +55,20 @@ class WarningLines:
     reaches ``bad_rate`` or the mean |pi - mu| has grown ``mismatch_growth`` times over the run's first window.
 
     The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
-    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``)."""
+    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``).
+
+    ``relative_z``: the lines against the run's own baseline instead, so that one setting means the same on a
+    model whose normal mismatch is ten times the toy's or a tenth: a step warns when the last ``window`` steps'
+    bad-update rate, or their mean |pi - mu|, stands ``relative_z`` robust deviations above the run's first
+    ``window`` steps (their median; the deviation 1.4826 x their median absolute deviation, floored by the
+    counting noise of the rate, sqrt(max(median, 1 / baseline tokens) / recent tokens), and by 5% of the median
+    mismatch). ``bad_rate`` and ``mismatch_growth`` are then not read, and the fitted detector, whose weights are
+    absolute, is left out (see :func:`collapse_warnings`)."""
 
     bad_rate: float = 0.01
     mismatch_growth: float = 2.0
     window: int = 10
+    relative_z: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("bad_rate", "mismatch_growth"):
@@ -64,6 +77,36 @@ class WarningLines:
                 raise ValueError(f"WarningLines.{name}={value!r} must be a finite number > 0")
         if not (isinstance(self.window, int) and self.window >= 1):
             raise ValueError(f"WarningLines.window={self.window!r} must be an integer >= 1")
+        if self.relative_z is not None and not (isinstance(self.relative_z, int | float)
+                                                and math.isfinite(self.relative_z) and self.relative_z > 0):
+            raise ValueError(f"WarningLines.relative_z={self.relative_z!r} must be a finite number > 0 (robust "
+                             f"deviations above the run's first steps), or None for the absolute lines")
+
+    def describe(self) -> list[str]:
+        """The lines in words, for captions and alerts."""
+        if self.relative_z is not None:
+            return [f"bad negative updates of the last {self.window} steps {self.relative_z:g} robust deviations "
+                    f"above the run's first {self.window} steps",
+                    f"mean |pi - mu| of the last {self.window} steps {self.relative_z:g} robust deviations above "
+                    f"the run's first {self.window} steps"]
+        return [f"bad negative updates reach {self.bad_rate:.1%} of the last {self.window} steps' tokens",
+                f"mean |pi - mu| {self.mismatch_growth:g}x the run's first {self.window} steps"]
+
+
+ROBUST_SCALE = 1.4826
+"""The median absolute deviation times this estimates a normal spread's standard deviation."""
+MISMATCH_FLOOR = 0.05
+"""The relative lines' least deviation of mean |pi - mu|: this share of the baseline's median (a run whose first
+steps agree to the digit would otherwise warn on any wiggle); a share, so it scales with the run."""
+
+
+def robust_z(recent: pd.Series, baseline: pd.Series, floor: pd.Series | float) -> pd.Series:
+    """(recent - median(baseline)) / max(1.4826 MAD(baseline), floor): how far ``recent`` stands above the
+    baseline in robust deviations."""
+    med = float(baseline.median()) if len(baseline.dropna()) else math.nan
+    mad = ROBUST_SCALE * float((baseline - med).abs().median()) if len(baseline.dropna()) else math.nan
+    scale = np.maximum(mad, floor)
+    return (recent - med) / pd.Series(scale, index=recent.index).where(lambda x: x > 0)
 
 
 @dataclass(frozen=True)
@@ -209,7 +252,7 @@ def run_table(db: LogDB) -> pd.DataFrame:
 
 
 WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
-                   "warn_mismatch", "score", "warn_score", "warning"]
+                   "warn_mismatch", "score", "warn_score", "warning", "bad_rate_z", "mismatch_z"]
 
 
 def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
@@ -226,6 +269,8 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
     updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
+    if lines.relative_z is not None:
+        detector = None  # its weights are absolute: not refitted in the run's own terms
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db
@@ -249,7 +294,22 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
             "run_id": run_id, "step": one["step"].to_numpy(), "reward_mean": one["reward_mean"].to_numpy(),
             "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
             "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
-            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy()})
+            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy(),
+            "bad_rate_z": np.nan, "mismatch_z": np.nan})
+        if lines.relative_z is not None:
+            first = one.iloc[:lines.window]
+            step_rate = (first["n_bad_negative"].astype(float) / first["n_tokens"].astype(float).where(
+                first["n_tokens"] > 0))
+            base_tokens = float(first["n_tokens"].sum())
+            noise = np.sqrt(max(float(step_rate.median()) if step_rate.notna().any() else 0.0, 1 / max(base_tokens, 1))
+                            / recent["n_tokens"].where(recent["n_tokens"] > 0))
+            bad_z = robust_z(rate, step_rate, noise)
+            recent_mismatch = mismatch.rolling(lines.window, min_periods=1).mean()
+            mis_z = robust_z(recent_mismatch, mismatch.iloc[:lines.window],
+                             MISMATCH_FLOOR * abs(float(mismatch.iloc[:lines.window].median())))
+            part["bad_rate_z"], part["mismatch_z"] = bad_z.to_numpy(), mis_z.to_numpy()
+            part["warn_bad_rate"] = late & (bad_z >= lines.relative_z).to_numpy()
+            part["warn_mismatch"] = late & (mis_z >= lines.relative_z).to_numpy()
         if detector is not None and all(c in one.columns and one[c].notna().any() for c in detector.signals):
             part["score"], part["warn_score"] = detector.score(one)
         else:
@@ -276,9 +336,13 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dic
             why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
                        f"{detector.window} steps' {names}")
         if row["warn_bad_rate"]:
-            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens")
+            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens"
+                       + (f", {row['bad_rate_z']:.1f} robust deviations above its first steps"
+                          if pd.notna(row.get("bad_rate_z")) else ""))
         if row["warn_mismatch"]:
-            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps")
+            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps"
+                       + (f", {row['mismatch_z']:.1f} robust deviations above them"
+                          if pd.notna(row.get("mismatch_z")) else ""))
         out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
     return out
 
@@ -322,6 +386,10 @@ class RunReport:
     clipped: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
     collapse_warning: str | None = None
+    equal_budget: pd.DataFrame | None = None
+    """the run's rows of :meth:`LogDB.equal_budget` (set by :func:`print_report`), or None"""
+    chosen_rules: list[str] = field(default_factory=list)
+    """rules evaluated at parameters the user chose (``--rule``): their blocks counted from the logged rows"""
 
 
 def _first_last(series: pd.Series) -> tuple[float | None, float | None]:
@@ -470,8 +538,13 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     for r in reports:
         parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0 "
                           f"({r.source})", style="italic"))
-        rules = Table(caption="rules that block nothing left out" if r.blocked_by_rule else
-                      "no rule blocks any token of this run")
+        chosen = [c for c in r.chosen_rules if c != r.loss_rule]
+        caption = "rules that block nothing left out" if r.blocked_by_rule else "no rule blocks any token of this run"
+        if chosen and r.exact:
+            caption += (f"; {', '.join(chosen)} at the parameters given (--rule), which the summaries do not hold: "
+                        "counted from the logged rows" + (f" ({r.token_fraction:.0%} of the tokens)" if r.token_fraction else "")
+                        + ", tokens blocked of those rows")
+        rules = Table(caption=caption)
         rules.add_column("rule", no_wrap=True)
         rules.add_column("blocked", justify="right")
         rules.add_column("tokens blocked", justify="right")
@@ -480,6 +553,8 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
             rules.add_row(Text(rule + (" (applied)" if own else ""), style="bold" if own else ""), _fmt(frac, ".2%"),
                           f"{n:,}")
         parts.append(rules)
+        if r.equal_budget is not None and len(r.equal_budget):
+            parts += equal_budget_parts(r)
         if r.clipped is not None and not r.clipped.empty:
             tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most (logged rows)",
                            title_justify="left")
@@ -500,12 +575,156 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     return Group(*parts)
 
 
+# ------------------------------------------------------------------------------------------------ by dimension
+
+DIMENSION_ABSENT = {
+    "position": "has no summary dimensions (logged before them, or with summaries=False)",
+    "turn": "logs no turn (a single-turn run, or tokens logged without `turn`)",
+    "staleness": "logs no policy_version (a synchronous run, or tokens logged without it)",
+}
+"""What a run without a dimension's rows lacks, said in a sentence where its chart or table would be."""
+
+
+def by_dimension(db: LogDB, run_ids: list[str] | None = None, first_step: int | None = None,
+                 last_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the mismatch lives, exact from the summaries' dimension rows over the steps taken together: the
+    ``mismatch_by_dimension`` rows (per run, dimension, bucket: tokens, mean |pi - mu|, ESS fraction, bad
+    negative updates) and the ``blocked_by_dimension`` rows (per run, dimension, bucket, rule: n_blocked of the
+    A != 0 tokens)."""
+    params = {"run_ids": run_ids, "first_step": first_step, "last_step": last_step}
+    return db.query("mismatch_by_dimension", **params), db.query("blocked_by_dimension", **params)
+
+
+def lacking(mismatch: pd.DataFrame, dimension: str, run_ids: list[str]) -> list[str]:
+    """The runs of ``run_ids`` without rows of ``dimension`` in ``mismatch`` (:func:`by_dimension`'s first frame)."""
+    have = set(mismatch.loc[mismatch["dimension"] == dimension, "run_id"])
+    return [r for r in run_ids if r not in have]
+
+
+def absent_sentence(dimension: str, runs: list[str]) -> str:
+    """One sentence saying that ``runs`` have no ``dimension`` rows, and why that usually is."""
+    if not runs:
+        return ""
+    who = f"Run {runs[0]}" if len(runs) == 1 else "Runs " + ", ".join(runs)
+    what = DIMENSION_ABSENT.get(dimension, f"has no {dimension} rows")
+    if len(runs) > 1:
+        what = what.replace("has ", "have ", 1).replace("logs ", "log ", 1)
+    return f"{who} {what}: nothing to split by {dimension}."
+
+
+def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
+                      applied: dict[str, str | None]) -> Group:
+    """The terminal tables of :func:`by_dimension`: per dimension, one row per (run, bucket) with its tokens,
+    mean |pi - mu|, ESS fraction and what the run's own rule blocks (count of the A != 0 tokens and fraction);
+    a sentence for the runs without the dimension."""
+    from trustscope.columns import DIMENSIONS
+
+    parts: list = []
+    for dim in DIMENSIONS:
+        rows = mismatch[mismatch["dimension"] == dim.name].sort_values(["run_id", "bucket"])
+        missing = lacking(mismatch, dim.name, run_ids)
+        if rows.empty:
+            parts.append(Text(f"By {dim.name}: {absent_sentence(dim.name, missing)}", style="italic"))
+            continue
+        table = Table(title=f"Where the mismatch lives: by {dim.name} (every step, every token)", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+                      caption=absent_sentence(dim.name, missing) or None)
+        for col in ("run", dim.name, "tokens", "|pi-mu|", "ESS", "own rule blocks"):
+            table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+        own = blocked[(blocked["dimension"] == dim.name)]
+        own = own[own["rule"] == own["run_id"].map(applied)].set_index(["run_id", "bucket"])
+        for row in rows.itertuples():
+            key = (row.run_id, row.bucket)
+            block = "-"
+            if key in own.index:
+                b = own.loc[key]
+                block = f"{int(b.n_blocked):,} of {int(b.n_nonzero_advantage):,} ({_fmt(b.blocked_frac, '.2%')})"
+            table.add_row(str(row.run_id), str(row.bucket_label), f"{int(row.n_tokens):,}",
+                          _fmt(row.mismatch_mean, ".4f"), _fmt(row.ess_frac, ".1%"), block)
+        parts.append(table)
+    return Group(*parts)
+
+
+def equal_budget_parts(r: RunReport) -> list:
+    """The run's equal-budget section: each rule with a scalar threshold moved to block the reference's share
+    (:meth:`LogDB.equal_budget`), beside what it blocks at the parameters evaluated (a rule over half of the
+    tokens at those marked out of calibration)."""
+    from trustscope.query.budget import OUT_OF_CALIBRATION
+
+    eb = r.equal_budget
+    solved = eb[eb["param"].notna()]
+    if not len(solved):
+        return []
+    if solved["value"].isna().all():  # nothing cut: one line says why
+        note = solved["note"].dropna()
+        return [Text(f"{r.run_id}: rules at an equal budget not computed"
+                     + (f": {note.iloc[0]}" if len(note) else ""), style="dim")]
+    reference = solved["reference"].iloc[0]
+    target = solved["target_frac"].iloc[0]
+    head = (f"{r.run_id}: rules at an equal budget, each threshold moved to block "
+            + (f"{target:.2%} of the tokens with A != 0, as {reference}" if target == target and target is not None
+               else f"the reference's share ({reference})"))
+    sources = {"summ" if str(x).startswith("summaries") else "rows" for x in solved["source"]}
+    counts = solved["n_tokens"].dropna()
+    of = f" of {int(counts.iloc[0]):,}" if len(counts) and counts.nunique() == 1 else ""
+    table = Table(caption=escape(
+        "threshold: at the parameters evaluated here -> at the equal budget ([low, high]: the bracket the "
+        "summaries' bins allow); default: the share of the tokens with A != 0 it blocks there (* over half: out "
+        "of calibration for this run, the equal-budget threshold is the one that would match); budget: the "
+        f"tokens{of} it blocks at the equal budget; "
+        + ("from: rows = the logged rows (exact cut), summ = the summaries (every token, to a bin edge)"
+           if len(sources) > 1 else f"from the {'summaries (every token, to a bin edge)' if sources == {'summ'} else solved['source'].iloc[0]}")))
+    columns = ("rule", "threshold", "default", "budget") + (("from",) if len(sources) > 1 else ())
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("rule", "threshold", "from") else "right",
+                         no_wrap=col != "rule", overflow="fold")
+    for row in solved.itertuples():
+        frac, _n = r.blocked_by_rule.get(row.rule, (0.0, 0))
+        if row.value is None or row.value != row.value:
+            value, blocks = "-", row.note or "-"
+        else:
+            value = f"{row.value:.4g}" + (f" [{row.value_low:.3g}, {row.value_high:.3g}]"
+                                          if row.value_low != row.value_high else "")
+            blocks = f"{int(row.n_blocked):,}"
+        own = row.rule == r.loss_rule
+        cells = [Text(row.rule + (" (applied)" if own else ""), style="bold" if own else ""),
+                 Text(f"{row.param} {row.default:.4g} -> {value}"),
+                 _fmt(frac, ".2%") + (" *" if frac > OUT_OF_CALIBRATION else ""), blocks]
+        if len(sources) > 1:
+            cells.append("summ" if str(row.source).startswith("summaries") else "rows")
+        table.add_row(*cells)
+    parts: list = [Text(head, style="italic"), table]
+    unsolved = eb[eb["param"].isna()]
+    if len(unsolved):
+        parts.append(Text(f"not compared at an equal budget: {', '.join(unsolved['rule'])} (no scalar threshold)",
+                          style="dim"))
+    return parts
+
+
 def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
-                 lines: WarningLines | None = None) -> list[RunReport]:
-    """Print the terminal summary; return the reports."""
+                 lines: WarningLines | None = None, budget: float | None = None) -> list[RunReport]:
+    """Print the terminal summary, with each run's rules at an equal budget (the run's own rule's share, or
+    ``budget``) and where the mismatch lives (runs with summary dimensions); return the reports."""
     reports = build(db, lines)
-    (console or Console()).print(render(reports, broken))
+    if reports:
+        eb = db.equal_budget([r.run_id for r in reports], budget, max_rows=BUDGET_MAX_ROWS)
+        chosen = db.chosen_rules()
+        for r in reports:
+            r.chosen_rules = chosen
+            r.equal_budget = eb[eb["run_id"] == r.run_id].reset_index(drop=True)
+    console = console or Console()
+    console.print(render(reports, broken))
+    if reports:
+        console.print(_dimension_part(db, reports))
     return reports
+
+
+def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
+    mismatch, blocked = by_dimension(db, [r.run_id for r in reports])
+    if mismatch.empty:
+        return Group(Text("Where the mismatch lives: no run has summary dimensions (position, turn, staleness); "
+                          "they are logged since summaries table version 2.", style="italic"))
+    return render_dimensions(mismatch, blocked, [r.run_id for r in reports], {r.run_id: r.loss_rule for r in reports})
 
 
 # ------------------------------------------------------------------------------------------------ html
@@ -578,6 +797,28 @@ def figures_for(db: LogDB, overview: Overview | None = None) -> list[tuple[str, 
         if not agg.empty:
             out.append(("Tokens the PPO clip blocks at the highest rate", "Over the logged token rows of every "
                         "run, tokens seen at least 5 times; the bar label is blocked of seen.", figures.clipped_tokens(agg, "ppo_clip")))
+    out += dimension_figures(db, table["run_id"].tolist())
+    return out
+
+
+def dimension_figures(db: LogDB, run_ids: list[str]) -> list[tuple[str, str, object]]:
+    """The report's figures of where the mismatch lives: per summary dimension some run has, mean |pi - mu| and
+    ESS, then each rule's blocked fraction, by bucket, one line per run (exact, every step)."""
+    from trustscope import figures
+    from trustscope.columns import DIMENSIONS
+
+    mismatch, blocked = by_dimension(db, run_ids)
+    out: list[tuple[str, str, object]] = []
+    for dim in DIMENSIONS:
+        rows = mismatch[mismatch["dimension"] == dim.name]
+        if rows.empty:
+            continue
+        absent = absent_sentence(dim.name, lacking(mismatch, dim.name, run_ids))
+        out.append((f"Mismatch and ESS by {dim.name}", f"Exact over every token of every step ({dim.doc}); hover for "
+                    f"the token counts. {absent}", figures.mismatch_by_dimension(rows, dim.name)))
+        out.append((f"What each rule blocks by {dim.name}", "Blocked tokens over the bucket's tokens with A != 0; "
+                    f"hover for the counts. {absent}",
+                    figures.blocked_by_dimension(blocked[blocked["dimension"] == dim.name], dim.name)))
     return out
 
 
@@ -594,6 +835,8 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     reports = build(db, lines, overview)
     console = Console(record=True, width=110, file=io.StringIO())
     console.print(render(reports, broken))
+    if reports:
+        console.print(_dimension_part(db, reports))
     summary_html = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
     blocks = []
     for i, (title, caption, fig) in enumerate(figures_for(db, overview)):

@@ -1,40 +1,43 @@
 """Arrow schemas of the log tables, the on-disk layout, and validation with clear errors.
 
-Layout of one run (``<logdir>/<run_id>/``)::
+Layout of one run (``<logdir>/<run_id>/``, :data:`LAYOUT` 2)::
 
-    run.json                      manifest: run id, SCHEMA_VERSION, config, model, sampling, tokenizer, status
+    run.json                      manifest: run id, SCHEMA_VERSION, LAYOUT, config, model, sampling, tokenizer, status
     vocab.parquet                 token_id -> text
-    tokens/*.parquet              one row per logged response token
-    samples/*.parquet             one row per response
-    steps/*.parquet               long-form scalars (name, value) per step
-    summaries/*.parquet           exact per-step aggregates over every token (trustscope.logger.summaries)
+    tokens/r<rank>/*.parquet      one row per logged response token, one folder per rank
+    samples/r<rank>/*.parquet     one row per response
+    steps/r<rank>/*.parquet       long-form scalars (name, value) per step
+    summaries/r<rank>/*.parquet   exact per-step aggregates over every token (trustscope.logger.summaries)
     ranks/rank<r>.json            status of every rank other than 0 (rank 0's is in run.json)
+    _staging/, _superseded/       a compaction's next rank folders, and the folders it replaced (never read)
 
-Files are written under a temporary name (``.<name>.tmp``, which ``*.parquet`` does not match) and renamed, so a
-reader never sees half a file. Each rank writes its own files, named ``r<rank>-s<first step>-<last step>-f<flush>``:
-one flush of a rank writes one file per table, all with the same flush number, and then records that number as
-``committed_flush`` in the rank's manifest. Readers see a file only once its flush is committed
-(:func:`committed_files`), so a step lands in every table at once or in none, and the manifest's ``rows`` always
-count exactly the files a reader sees. Files of older loggers, without a flush number, are always visible.
+Runs of layout 1 (older loggers, ``sample_logs/``) keep every rank's files directly in the table folder
+(``tokens/*.parquet``); readers read both. Files are written under a temporary name (``.<name>.tmp``, which
+``*.parquet`` does not match) in the table folder and renamed into the rank folder, so a reader never sees half a
+file. Each rank writes its own files, named ``r<rank>-s<first step>-<last step>-f<flush>``: one flush of a rank
+writes one file per table, all with the same flush number. The rank's manifest records that number as
+``committed_flush`` first, and the files are renamed into place after (:mod:`trustscope.logger.writer`), so a file
+that any reader can list is always one the manifest commits: trustscope's readers (:func:`committed_files`) and a
+plain glob of the folders see the same files of each table at every moment.
 Compaction (:mod:`trustscope.logger.compaction`) rewrites consecutive committed flushes of a rank as one file per
-table, ``r<rank>-s<first step>-<last step>-c<first flush>-<last flush>``, and commits the switch in the same
-manifest (:data:`COMPACTED_KEY`): from then on readers see the compacted files instead of the flush files they
-replace, never both, never neither.
+table, ``r<rank>-s<first step>-<last step>-c<first flush>-<last flush>``, records it in the same manifest
+(:data:`COMPACTED_KEY`), and swaps the rank's folder for one that holds the compacted file instead of the flush
+files it replaces in one atomic rename (``renameat2(RENAME_EXCHANGE)``): every reader sees the one or the other,
+never both, never neither.
 
 Keys: ``sample_id`` is unique within ``(run_id, step)`` over all ranks; ``(run_id, step, sample_id, pos)`` is the
 token key. ``pos`` is the position in the response (0 = first generated token).
 
-Nullable columns (``nullable=True`` below) may hold nulls; every other column must not. Every file carries
-``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
+Nullable columns (declared in :mod:`trustscope.columns`) may hold nulls; every other column must not. Every file
+carries ``trustscope.schema_version`` and ``trustscope.table`` in its Arrow schema metadata.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
+import dataclasses
 import itertools
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -45,11 +48,24 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trustscope import columns as C
+
 SCHEMA_VERSION = 1
 """Version of the tables below; written into every run manifest and every file. Bump on any change."""
 
 TABLES = ("tokens", "samples", "steps", "summaries")
 """Tables written as a directory of Parquet files per run (``vocab`` is one file)."""
+
+LAYOUT = 2
+"""Version of the run directory's layout, written into every rank manifest as ``layout``: 2, one folder per rank
+inside each table folder (``tokens/r0000/``); 1 (or no ``layout`` key), every file directly in the table folder.
+A resumed run keeps the layout it was created with."""
+LAYOUT_KEY = "layout"
+STAGING_DIR = "_staging"
+"""Where a compaction builds a rank's next folders (``<run>/_staging/r<rank>-c<first>-<last>/<table>/``)."""
+SUPERSEDED_DIR = "_superseded"
+"""Where the folders a compaction replaced wait for deletion (``<run>/_superseded/<unix ms>-r<rank>-.../``)."""
+_RANK_DIR = re.compile(r"^r(\d+)$")
 
 MANIFEST = "run.json"
 VOCAB_FILE = "vocab.parquet"
@@ -62,34 +78,8 @@ LOGPROB_TOLERANCE = 1e-5
 
 STATUSES = ("running", "finished", "crashed")
 
-TOKENS = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("sample_id", pa.int64(), nullable=False),
-        pa.field("prompt_id", pa.int64(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token_id", pa.int32(), nullable=False),
-        pa.field("mu_logprob", pa.float32(), nullable=False),
-        pa.field("old_logprob", pa.float32(), nullable=True),
-        pa.field("pi_logprob", pa.float32(), nullable=False),
-        pa.field("advantage", pa.float32(), nullable=False),
-        pa.field("entropy", pa.float32(), nullable=True),
-        # Null when the run logs no top-K (TokenLogger(log_topk=False)); the manifest says so.
-        pa.field("mu_topk_ids", pa.list_(pa.field("element", pa.int32(), nullable=False)), nullable=True),
-        pa.field("mu_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
-        pa.field("pi_topk_logprobs", pa.list_(pa.field("element", pa.float32(), nullable=False)), nullable=True),
-        pa.field("topk_tv", pa.float32(), nullable=True),
-        pa.field("topk_kl", pa.float32(), nullable=True),
-        pa.field("kept", pa.bool_(), nullable=False),
-        pa.field("loss_rule", pa.string(), nullable=False),
-        # Written by the logger, never given: bit i set when rule i of the file's footer list (BLOCKED_RULES_META)
-        # blocks the token at the parameters listed there. Null where the logger computed no summaries.
-        pa.field("blocked_rules", pa.int64(), nullable=True),
-    ]
-)
-"""One row per logged response token."""
+TOKENS = C.arrow_schema(C.TOKEN_COLUMNS)
+"""One row per logged response token (declared in :data:`trustscope.columns.TOKEN_COLUMNS`)."""
 
 BLOCKED_RULES_META = "trustscope.blocked_rules"
 """Footer key of a tokens file whose ``blocked_rules`` the logger computed: a JSON list of ``[rule, parameters]``,
@@ -97,72 +87,27 @@ bit i of ``blocked_rules`` standing for entry i (at most :data:`MAX_BLOCKED_RULE
 MAX_BLOCKED_RULES = 63
 """Rules one ``blocked_rules`` value can hold (int64, the sign bit left unused)."""
 
-SAMPLES = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("sample_id", pa.int64(), nullable=False),
-        pa.field("prompt_id", pa.int64(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=True),
-        pa.field("response", pa.string(), nullable=True),
-        pa.field("reward", pa.float32(), nullable=True),
-        pa.field("advantage", pa.float32(), nullable=True),
-        pa.field("length", pa.int32(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=True),
-    ]
-)
+SAMPLES = C.arrow_schema(C.SAMPLE_COLUMNS)
 """One row per response (every response of the step, also when only a fraction of its tokens is logged)."""
 
-STEPS = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("name", pa.string(), nullable=False),
-        pa.field("value", pa.float64(), nullable=True),
-    ]
-)
+STEPS = C.arrow_schema(C.STEP_COLUMNS)
 """Long-form scalars: reward, loss, lr, timings, grad norm, ... (NaN and inf are kept: a NaN loss is news)."""
 
-SUMMARIES = pa.schema(
-    [
-        pa.field("run_id", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("part", pa.int32(), nullable=False),  # the first log_step call of (step, rank) merged here: 0, ...
-        pa.field("metric", pa.string(), nullable=False),
-        pa.field("rule", pa.string(), nullable=True),  # metric 'blocked': the loss rule
-        pa.field("advantage_sign", pa.string(), nullable=True),  # positive / negative / zero
-        pa.field("mu_low", pa.float64(), nullable=True),  # lower edge of the mu bucket (sql macro mu_bucket)
-        pa.field("bin_low", pa.float64(), nullable=True),  # histogram rows: the bin [bin_low, bin_high)
-        pa.field("bin_high", pa.float64(), nullable=True),
-        pa.field("threshold", pa.float64(), nullable=True),  # metric 'bad_negative': the delta used
-        pa.field("count", pa.int64(), nullable=False),
-        pa.field("sum", pa.float64(), nullable=True),
-        pa.field("sum_sq", pa.float64(), nullable=True),
-        pa.field("min", pa.float64(), nullable=True),
-        pa.field("max", pa.float64(), nullable=True),
-    ]
-)
+SUMMARIES = C.arrow_schema(C.SUMMARY_COLUMNS)
 """Exact per-step aggregates over every token handed to ``log_step`` (whatever ``token_fraction`` keeps), one row
-per (step, metric, group) and flush, the step's calls merged by the writer; see :mod:`trustscope.logger.summaries`. Mergeable: sum counts and sums, min/max the
-extremes over parts and ranks (the ``summaries`` view does)."""
+per (step, metric, group) and flush, the step's calls merged by the writer; see :mod:`trustscope.logger.summaries`.
+Mergeable: sum counts and sums, min/max the extremes over parts and ranks (the ``summaries`` view does)."""
 
-TABLE_VERSIONS: dict[str, int] = {"summaries": 1, "tokens": 2}
+TABLE_VERSIONS: dict[str, int] = C.table_versions()
 """Version of a table changed after :data:`SCHEMA_VERSION`'s set, in its files' metadata
-(``trustscope.table_version``); bump on any change of that table. Files written before have no such key (tokens
-version 2 added ``blocked_rules``)."""
+(``trustscope.table_version``): the highest ``since`` of its columns. Files written before have an older version or
+no such key (tokens version 2 added ``blocked_rules``, 3 ``policy_version``, ``turn`` and ``engine_token_id``;
+summaries version 2 ``dimension`` and ``bucket``)."""
 
-ADDED_COLUMNS: dict[str, frozenset[str]] = {"tokens": frozenset({"blocked_rules"})}
+ADDED_COLUMNS: dict[str, frozenset[str]] = C.added_columns()
 """Nullable columns added by a table version: files written before lack them, and readers see nulls there."""
 
-VOCAB = pa.schema(
-    [
-        pa.field("token_id", pa.int32(), nullable=False),
-        pa.field("text", pa.string(), nullable=True),
-    ]
-)
+VOCAB = C.arrow_schema(C.VOCAB_COLUMNS)
 """Token id -> decoded text, so statistics can name tokens."""
 
 SCHEMAS: dict[str, pa.Schema] = {"tokens": TOKENS, "samples": SAMPLES, "steps": STEPS, "summaries": SUMMARIES,
@@ -172,7 +117,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "tokens": ("run_id", "step", "sample_id", "pos"),
     "samples": ("run_id", "step", "sample_id"),
     "steps": ("run_id", "step", "rank", "name"),
-    "summaries": ("run_id", "step", "rank", "part", "metric", "rule", "advantage_sign", "mu_low", "bin_low"),
+    "summaries": ("run_id", "step", "rank", "part", "metric", "rule", "advantage_sign", "mu_low", "bin_low",
+                  "dimension", "bucket"),
     "vocab": ("token_id",),
 }
 """Columns that together are unique in each table (over all files and ranks of a run)."""
@@ -218,20 +164,19 @@ def _leaf(name: str) -> str:
     return f"{name}.list.element"
 
 
-WRITE_OPTIONS: dict[str, WriteOptions] = {
-    "tokens": WriteOptions(
-        dictionary=("run_id", "loss_rule"),
-        byte_stream_split=(
-            "mu_logprob", "old_logprob", "pi_logprob", "advantage", "entropy", "topk_tv", "topk_kl",
-            _leaf("mu_topk_ids"), _leaf("mu_topk_logprobs"), _leaf("pi_topk_logprobs"),
-        ),
-        statistics=tuple(n for n in TOKENS.names if n not in TOPK_COLUMNS),
-    ),
-    "samples": WriteOptions(dictionary=("run_id", "finish_reason"), byte_stream_split=("reward", "advantage")),
-    "steps": WriteOptions(dictionary=("run_id", "name"), byte_stream_split=()),
-    "summaries": WriteOptions(dictionary=("run_id", "metric", "rule", "advantage_sign"), byte_stream_split=()),
-    "vocab": WriteOptions(dictionary=(), byte_stream_split=()),
-}
+def _write_options(table: str) -> WriteOptions:
+    """A table's Parquet settings from its columns' declarations (:mod:`trustscope.columns`): dictionary encoding
+    where declared, BYTE_STREAM_SPLIT on the float columns (and the top-K lists' values) of ``tokens``, statistics
+    where declared (None: on every column)."""
+    cols = C.TABLE_COLUMNS[table]
+    split = {"tokens": tuple(c.name if not pa.types.is_list(c.type) else _leaf(c.name) for c in cols if c.is_float),
+             "samples": tuple(c.name for c in cols if c.is_float)}.get(table, ())
+    stats = tuple(c.name for c in cols if c.statistics)
+    return WriteOptions(dictionary=tuple(c.name for c in cols if c.dictionary), byte_stream_split=split,
+                        statistics=None if len(stats) == len(cols) else stats)
+
+
+WRITE_OPTIONS: dict[str, WriteOptions] = {table: _write_options(table) for table in C.TABLE_COLUMNS}
 
 
 def with_metadata(table: str, schema: pa.Schema | None = None) -> pa.Schema:
@@ -299,6 +244,51 @@ def parse_data_file(name: str) -> DataFileName | None:
     return DataFileName(int(m[1]), int(m[2]), int(m[3]), None if m[4] is None else int(m[4]), compacted)
 
 
+def rank_dir_name(rank: int) -> str:
+    """The name of rank ``rank``'s folder inside each table folder (layout 2): ``r<rank>``, as its files begin."""
+    return f"r{rank:04d}"
+
+
+def is_rank_dir_name(name: str) -> bool:
+    """Whether ``name`` (inside a table folder) is a rank folder's."""
+    return _RANK_DIR.match(name) is not None
+
+
+def rank_folder(run_dir: Path | PurePosixPath, table: str, rank: int) -> Path:
+    """Where rank ``rank`` keeps its files of ``table`` in a layout 2 run: ``<run>/<table>/r<rank>``."""
+    return run_dir / table / rank_dir_name(rank)
+
+
+def table_of(path: Path | PurePosixPath) -> str:
+    """The table a data file belongs to: its folder, or its folder's folder for a file in a rank folder."""
+    parent = path.parent
+    return parent.parent.name if _RANK_DIR.match(parent.name) and parent.name not in TABLES else parent.name
+
+
+def run_of(path: Path | PurePosixPath) -> Path | PurePosixPath:
+    """The run directory a data file belongs to (its table folder's parent)."""
+    parent = path.parent
+    if _RANK_DIR.match(parent.name) and parent.name not in TABLES:
+        parent = parent.parent
+    return parent.parent
+
+
+def is_vanished_file_error(err: BaseException) -> bool:
+    """Whether ``err`` (DuckDB's, pyarrow's, the OS's) says a file listed a moment ago is gone: a compaction
+    swapped the rank folder between the listing and the read. Reading again (listing again) is the cure."""
+    if isinstance(err, FileNotFoundError):
+        return True
+    text = str(err)
+    return any(s in text for s in ("No such file or directory", "No files found that match", "errno 2",
+                                   "does not exist"))
+
+
+def layout_of(manifest: dict) -> int:
+    """The layout (:data:`LAYOUT`) a rank manifest says its run has: 1 when it says none (older loggers)."""
+    value = manifest.get(LAYOUT_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
 def rank_manifest_paths(run_dir: Path) -> list[Path]:
     """Every rank's manifest: ``run.json`` (rank 0) and ``ranks/rank<r>.json``."""
     run_dir = Path(run_dir)
@@ -315,32 +305,80 @@ while a record lists it, so a compaction is committed, like a flush, by one atom
 @dataclass(frozen=True)
 class Commits:
     """What the rank manifests commit: each rank's last committed flush (``marks``), the flush ranges its
-    compactions supersede (``ranges``, sorted) and the compacted files they list (``listed``: ``<table>/<name>``)."""
+    compactions supersede (``ranges``, sorted), the compacted files they list (``listed``: ``<folder>/<name>``,
+    the folder relative to the run: ``tokens`` or ``tokens/r0000``) and each record as ``(rank, first flush, last
+    flush, its files)`` (``records``)."""
 
     marks: dict[int, int]
     ranges: dict[int, tuple[tuple[int, int], ...]]
     listed: frozenset[str]
+    records: tuple[tuple[int, int, int, frozenset[str]], ...] = ()
+    landing: dict[tuple[int, int], frozenset[str]] = dataclasses.field(default_factory=dict)
+    """(rank, flush) -> the files (relative to the run) of a committed flush being renamed into place
+    (the manifest's ``publishing``): it is read once all of them are there, so a step shows in every table at
+    once."""
 
     def visible(self, table: str, name: str) -> bool:
-        """Whether a reader should see file ``name`` of ``table``'s folder: a finished ``.parquet`` file (never a
-        temporary one) that is either a compacted file some manifest lists, or a flush file whose flush is at most
-        its rank's committed flush and in none of its rank's compacted ranges. Files without a flush number (older
-        loggers) and files of ranks without a mark are always visible."""
+        """Whether a reader should see file ``name`` of folder ``table`` (relative to the run) with every
+        compaction record in effect (see :meth:`select`, which decides that from the folder's listing)."""
+        return self._visible(table, name, self.ranges)
+
+    def select(self, folder: str, names: Iterable[str], present: set[str] | None = None) -> list[str]:
+        """The names of one folder's listing that a reader should see, sorted. ``folder`` is relative to the run
+        (``tokens``, or ``tokens/r0000``). A compaction record supersedes the flush files of its range in this
+        folder only once every file it lists in this folder is there: a compaction records itself before its
+        files land (the rank folder's swap, or an upload), and until then the flush files it replaces are read.
+        ``present``: every file of the run's table folders (relative to the run); a flush being renamed into place
+        (:attr:`landing`) is read once all its files are among them."""
+        names = sorted(names)
+        here = {f"{folder}/{n}" for n in names}
+        present = here if present is None else present
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        own = _RANK_DIR.match(folder.rpartition("/")[2]) if "/" in folder else None  # a rank folder: its rank's
+        for rank, lo, hi, files in self.records:
+            if own is not None and rank != int(own[1]):
+                continue
+            if all(f in here for f in files if f.rpartition("/")[0] == folder):
+                ranges.setdefault(rank, []).append((lo, hi))
+        effect = {rank: tuple(sorted(found)) for rank, found in ranges.items()}
+        return [n for n in names if self._visible(folder, n, effect) and self._landed(n, present)]
+
+    def _landed(self, name: str, present: set[str]) -> bool:
+        if not self.landing:
+            return True
+        parsed = _DATA_FILE_RE.match(name)
+        if parsed is None or parsed[4] is None:
+            return True
+        rank, flush = int(parsed[1]), int(parsed[4])
+        files = self.landing.get((rank, flush))
+        if files is None or files <= present:
+            return True
+        # compacted since it landed (a compaction takes only flushes whose files are all in place)
+        return any(a <= flush <= b for a, b in self.ranges.get(rank, ()))
+
+    def _visible(self, folder: str, name: str, ranges: dict[int, tuple[tuple[int, int], ...]]) -> bool:
+        """A finished ``.parquet`` file (never a temporary one) that is either a compacted file some manifest
+        lists, or a flush file whose flush is at most its rank's committed flush; in both cases not inside another
+        range of ``ranges`` (the compactions in effect: a compaction that merges compacted files lists the old
+        records until its own files are in place). Files without a flush number (older loggers) are visible in a
+        table folder of layout 1, never in a rank folder; files of ranks without a mark are always visible."""
         if not name.endswith(".parquet") or name.startswith(TMP_PREFIX):
             return False
         parsed = _DATA_FILE_RE.match(name)
+        flat = "/" not in folder  # a layout 1 table folder: files of older loggers, any name, are read
         if parsed is None:
-            return True
+            return flat
+        rank = int(parsed[1])
         if parsed[5] is not None:
-            return f"{table}/{name}" in self.listed
+            lo, hi = int(parsed[5]), int(parsed[6])
+            return f"{folder}/{name}" in self.listed and not any(
+                a <= lo and hi <= b and (a, b) != (lo, hi) for a, b in ranges.get(rank, ()))
         if parsed[4] is None:
-            return True
-        rank, flush = int(parsed[1]), int(parsed[4])
+            return flat
+        flush = int(parsed[4])
         if rank in self.marks and flush > self.marks[rank]:
             return False
-        ranges = self.ranges.get(rank, ())
-        i = bisect.bisect_right(ranges, (flush, math.inf)) - 1
-        return i < 0 or ranges[i][1] < flush
+        return not any(a <= flush <= b for a, b in ranges.get(rank, ()))
 
 
 def read_commits(manifests: Iterable[bytes]) -> Commits:
@@ -349,6 +387,8 @@ def read_commits(manifests: Iterable[bytes]) -> Commits:
     marks: dict[int, int] = {}
     ranges: dict[int, tuple[tuple[int, int], ...]] = {}
     listed: set[str] = set()
+    records = []
+    landing: dict[tuple[int, int], set[str]] = {}
     for data in manifests:
         try:
             manifest = json.loads(data)
@@ -363,11 +403,19 @@ def read_commits(manifests: Iterable[bytes]) -> Commits:
         found = []
         for record in compaction_records(manifest):
             found.append((record["flushes"][0], record["flushes"][1]))
-            listed.update(f for f in record["files"] if (name := parse_data_file(f.rpartition("/")[2])) is not None
-                          and name.rank == rank and name.compacted is not None)
+            files = frozenset(f for f in record["files"] if (name := parse_data_file(f.rpartition("/")[2]))
+                              is not None and name.rank == rank and name.compacted is not None)
+            listed.update(files)
+            records.append((rank, record["flushes"][0], record["flushes"][1], files))
         if found:
             ranges[rank] = tuple(sorted(found))
-    return Commits(marks, ranges, frozenset(listed))
+        for entry in manifest.get("publishing") or ():
+            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str):
+                name = parse_data_file(entry[1].rpartition("/")[2])
+                if name is not None and name.flush is not None:
+                    landing.setdefault((rank, name.flush), set()).add(entry[1])
+    return Commits(marks, ranges, frozenset(listed), tuple(records),
+                   {k: frozenset(v) for k, v in landing.items()})
 
 
 def compaction_records(manifest: dict) -> list[dict]:
@@ -420,20 +468,39 @@ LISTING_TRIES = 5
 """How often :func:`committed_files` lists again when a compaction commits while it lists."""
 
 
+def table_listing(run_dir: Path, table: str) -> dict[str, list[str]]:
+    """What one table folder of a local run holds: folder relative to the run (``tokens``, ``tokens/r0000``, ...)
+    -> the names of the files in it (the table folder's own files, layout 1, and each rank folder's, layout 2).
+    A missing folder holds nothing; a rank folder swapped while it is listed is listed whole, before or after."""
+    out: dict[str, list[str]] = {}
+    try:
+        entries = list(os.scandir(run_dir / table))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    flat = []
+    for entry in entries:
+        if _RANK_DIR.match(entry.name):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                out[f"{table}/{entry.name}"] = [e.name for e in os.scandir(entry.path)]
+        else:
+            flat.append(entry.name)
+    out[table] = flat
+    return out
+
+
 def committed_files(run_dir: Path | PurePosixPath, fs: Any = None) -> dict[str, list[Path]]:
     """The files of each table a reader should see, sorted: finished files that a rank manifest commits
-    (:meth:`Commits.visible`): flush files of committed flushes that no compaction superseded, and the compacted
-    files the manifests list.
+    (:meth:`Commits.select`): flush files of committed flushes that no compaction in effect superseded, and the
+    compacted files the manifests list, in the table folders (layout 1) and their rank folders (layout 2).
 
-    A file whose flush number is above its rank's ``committed_flush`` belongs to a flush that was still being
-    written, or whose writer died between the renames and the manifest update; it is never read, and the
-    logger removes it when the run is resumed. Files without a flush number (older loggers) are always read.
-    The manifests are read before the folders are listed (a flush's files land before its commit) and again after:
-    a compaction deletes the files it supersedes only after its commit, so when the manifests are the same both
-    times the listing holds every file they commit; when a compaction committed meanwhile, the run is listed again.
-    Local runs are listed with ``os.scandir`` (this is called for every query cursor); no file is opened but the
-    manifests. With ``fs`` (a ``pyarrow.fs.FileSystem``, e.g. an object store), ``run_dir`` is a path on it and
-    the paths returned are ``PurePosixPath``s on it.
+    A file whose flush number is above its rank's ``committed_flush`` is one no manifest commits (a writer of an
+    older version died between its renames and its commit, or the file was copied in by hand): it is never read,
+    ``validate`` names it, and the next writer of the rank, ``trustscope compact`` and ``validate --repair``
+    remove it. Files without a flush number (older loggers) are always read.
+    The manifests are read before the folders are listed and again after: when a compaction committed meanwhile,
+    the run is listed again. Local runs are listed with ``os.scandir`` (this is called for every query cursor); no
+    file is opened but the manifests. With ``fs`` (a ``pyarrow.fs.FileSystem``, e.g. an object store), ``run_dir``
+    is a path on it and the paths returned are ``PurePosixPath``s on it.
     """
     if fs is not None:
         return _committed_files_on(fs, PurePosixPath(run_dir))
@@ -442,13 +509,12 @@ def committed_files(run_dir: Path | PurePosixPath, fs: Any = None) -> dict[str, 
     before = _read_all(paths)
     for _ in range(LISTING_TRIES):
         commits = read_commits(before)
+        listings = {table: table_listing(run_dir, table) for table in TABLES}
+        present = {f"{folder}/{n}" for found in listings.values() for folder, names in found.items() for n in names}
         out: dict[str, list[Path]] = {}
         for table in TABLES:
-            folder = run_dir / table
-            names = []
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                names = [entry.name for entry in os.scandir(folder) if commits.visible(table, entry.name)]
-            out[table] = [folder / name for name in sorted(names)]
+            out[table] = [run_dir / folder / name for folder, names in sorted(listings[table].items())
+                          for name in commits.select(folder, names, present)]
         after = _read_all(_manifest_paths(str(run_dir)))
         if after == before or _same_compactions(before, after):
             return out
@@ -466,9 +532,11 @@ def _same_compactions(before: list[bytes], after: list[bytes]) -> bool:
 def _committed_files_on(fs: Any, run_dir: PurePosixPath) -> dict[str, list[Path]]:
     from pyarrow.fs import FileSelector, FileType
 
+    def entries(folder: PurePosixPath) -> list[Any]:
+        return fs.get_file_info(FileSelector(str(folder), allow_not_found=True))
+
     def names(folder: PurePosixPath) -> list[str]:
-        infos = fs.get_file_info(FileSelector(str(folder), allow_not_found=True))
-        return [PurePosixPath(i.path).name for i in infos if i.type == FileType.File]
+        return [PurePosixPath(i.path).name for i in entries(folder) if i.type == FileType.File]
 
     def manifests() -> list[bytes]:
         paths = [run_dir / MANIFEST]
@@ -480,15 +548,105 @@ def _committed_files_on(fs: Any, run_dir: PurePosixPath) -> dict[str, list[Path]
                 texts.append(f.read())
         return texts
 
+    def listing(table: str) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {table: []}
+        for info in entries(run_dir / table):
+            name = PurePosixPath(info.path).name
+            if info.type == FileType.File:
+                out[table].append(name)
+            elif _RANK_DIR.match(name):
+                out[f"{table}/{name}"] = names(run_dir / table / name)
+        return out
+
     before = manifests()
     for _ in range(LISTING_TRIES):
         commits = read_commits(before)
-        out = {table: [run_dir / table / n for n in sorted(names(run_dir / table)) if commits.visible(table, n)]
-               for table in TABLES}
+        listings = {table: listing(table) for table in TABLES}
+        present = {f"{folder}/{n}" for found in listings.values() for folder, names in found.items() for n in names}
+        out = {table: [run_dir / folder / n for folder, found in sorted(listings[table].items())
+                       for n in commits.select(folder, found, present)] for table in TABLES}
         after = manifests()
         if after == before or _same_compactions(before, after):
             return out
         before = after
+    return out
+
+
+def readable_set(run_dir: Path) -> dict[str, list[Path]]:
+    """Every file of each table that a plain reader of the folders may read: each ``*.parquet`` file under the
+    table folder, at any depth (DuckDB's ``<table>/**/*.parquet``; pyarrow, pandas and Spark read the same less
+    the names they skip, ``.`` and ``_`` prefixes)."""
+    out: dict[str, list[Path]] = {}
+    for table in TABLES:
+        found = []
+        for folder, dirs, files in os.walk(run_dir / table):
+            dirs.sort()
+            found += [Path(folder) / f for f in files if f.endswith(".parquet")]
+        out[table] = sorted(found)
+    return out
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A file in a table folder that plain readers read but no manifest commits (:func:`stray_files`)."""
+
+    path: Path
+    why: str
+    removable: bool
+    """Provably superseded (its rows are in a compacted file that is read) or orphaned (a flush no manifest
+    commits, a compacted file no manifest lists): ``validate --repair`` removes it. A name the logger never
+    writes (a hand-copied file) is only named."""
+
+
+def stray_files(run_dir: Path, visible: dict[str, list[Path]] | None = None) -> list[Stray]:
+    """The files of :func:`readable_set` that :func:`committed_files` does not read, each with why."""
+    run_dir = Path(run_dir)
+    visible = committed_files(run_dir) if visible is None else visible
+    read = {p for files in visible.values() for p in files}
+    commits = read_commits(_read_all(_manifest_paths(str(run_dir))))
+    out = []
+    for files in readable_set(run_dir).values():
+        originals: dict[Path, set[str]] = {}
+        for path in files:
+            if path in read:
+                continue
+            name = parse_data_file(path.name)
+            folder = path.parent.relative_to(run_dir).as_posix()
+            if name is None or path.name.startswith(TMP_PREFIX) or folder.count("/") > 1:
+                out.append(Stray(path, "not a file the logger writes (copied in by hand?)", False))
+            elif name.compacted is not None:
+                out.append(Stray(path, f"a compacted file of rank {name.rank} that no manifest lists (left by a "
+                                       f"compaction that did not finish)", True))
+            elif name.flush is None:
+                out.append(Stray(path, "not a file the logger writes (copied in by hand?)", False))
+            elif (name.rank, name.flush) in commits.landing:
+                out.append(Stray(path, f"flush {name.flush} of rank {name.rank} is committed but not all its files "
+                                       f"are in place (a writer killed while renaming them); the next writer of "
+                                       f"the rank or `trustscope validate --repair` puts the rest in place", False))
+            elif name.rank in commits.marks and name.flush > commits.marks[name.rank]:
+                out.append(Stray(path, f"flush {name.flush} of rank {name.rank}, which its manifest never "
+                                       f"committed (committed_flush {commits.marks[name.rank]}): a writer died "
+                                       f"before its commit", True))
+            else:
+                holders = [p for p in read if p.parent == path.parent and (n := parse_data_file(p.name)) is not None
+                           and n.rank == name.rank and n.compacted is not None
+                           and n.compacted[0] <= name.flush <= n.compacted[1]]
+                proven = False
+                for holder in holders:
+                    if holder not in originals:
+                        try:
+                            meta = pq.read_metadata(holder).metadata or {}
+                            originals[holder] = {o[0] for o in json.loads(meta.get(b"trustscope.compacted.originals",
+                                                                                     b"[]"))}
+                        except (OSError, ValueError, pa.ArrowException):
+                            originals[holder] = set()
+                    proven = proven or path.name in originals[holder]
+                if proven:
+                    out.append(Stray(path, f"superseded: its rows are in the compacted file {holders[0].name}, "
+                                           f"which is read", True))
+                else:
+                    out.append(Stray(path, f"flush {name.flush} of rank {name.rank}, which a compaction record "
+                                           f"supersedes, but no compacted file read holds its rows", False))
     return out
 
 
@@ -510,9 +668,12 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-def schema_problems(table: str, schema: pa.Schema) -> list[str]:
-    """Differences between ``schema`` and table ``table``'s schema: missing, extra, mistyped columns."""
+def schema_problems(table: str, schema: pa.Schema, extra: tuple[C.Column, ...] = ()) -> list[str]:
+    """Differences between ``schema`` and table ``table``'s schema (with the run's own columns ``extra``, see
+    :func:`run_extra_columns`): missing, extra, mistyped columns."""
     expected = SCHEMAS[table]
+    if extra:
+        expected = pa.schema([*expected, *(c.field for c in extra)])
     problems = []
     for field in expected:
         idx = schema.get_field_index(field.name)
@@ -533,9 +694,10 @@ def schema_problems(table: str, schema: pa.Schema) -> list[str]:
         if version is not None and version.decode() != str(SCHEMA_VERSION):
             problems.append(f"schema_version {version.decode()!r} in file metadata, expected {SCHEMA_VERSION}")
         table_version = schema.metadata.get(b"trustscope.table_version")
-        if table in TABLE_VERSIONS and table_version is not None and table_version.decode() != str(TABLE_VERSIONS[table]):
+        if table in TABLE_VERSIONS and table_version is not None and not (
+                table_version.decode().isdigit() and int(table_version.decode()) <= TABLE_VERSIONS[table]):
             problems.append(f"table_version {table_version.decode()!r} of table {table!r} in file metadata, "
-                            f"expected {TABLE_VERSIONS[table]}")
+                            f"expected at most {TABLE_VERSIONS[table]}")
     return problems
 
 
@@ -548,7 +710,8 @@ def _same_list_type(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 def value_problems(table: str, data: pa.Table) -> list[str]:
-    """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists."""
+    """Values that break the contract: nulls in non-nullable columns, bad logprobs, ragged top-K lists, values
+    outside their column's declared check (:mod:`trustscope.columns`)."""
     import pyarrow.compute as pc
 
     schema = SCHEMAS[table]
@@ -558,12 +721,22 @@ def value_problems(table: str, data: pa.Table) -> list[str]:
             problems.append(f"column {field.name!r} has {data.column(field.name).null_count} null(s)")
     if table != "tokens":
         return problems
-    for name in LOGPROB_COLUMNS:
-        if name in data.column_names:
-            problems += _logprob_problems(name, data.column(name))
-    for name in TOPK_LOGPROB_COLUMNS:
-        if name in data.column_names:
-            problems += _logprob_problems(name, pc.list_flatten(data.column(name)))
+    for col in C.TOKEN_COLUMNS:
+        if col.check is None or col.name not in data.column_names:
+            continue
+        values = data.column(col.name)
+        if pa.types.is_list(col.type):
+            values = pc.list_flatten(values)
+        if col.check.kind == "logprob":
+            problems += _logprob_problems(col.name, values)
+        elif col.check.kind == "version" and "step" in data.column_names:
+            bad = _count(pc.or_(pc.less(values, 0), pc.greater(values, data.column("step"))))
+            if bad:
+                problems.append(f"column {col.name!r} has {bad} value(s) below 0 or above the row's step")
+        elif col.check.kind == "turn":
+            bad = _count(pc.less(values, 0))
+            if bad:
+                problems.append(f"column {col.name!r} has {bad} negative value(s)")
     lengths = {
         name: pc.list_value_length(data.column(name)) for name in TOPK_COLUMNS if name in data.column_names
     }
@@ -633,15 +806,29 @@ def manifest_problems(manifest: dict, run_dir: Path) -> list[str]:
     return problems
 
 
-def validate_file(path: Path, table: str, run_id: str | None = None) -> list[str]:
-    """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id."""
+def run_extra_columns(manifest: dict) -> tuple[C.Column, ...]:
+    """The run's own per-token columns its manifest declares (``logging.extra_columns``, see
+    :func:`trustscope.columns.extra_columns`); none for a manifest without them or with a declaration this
+    trustscope cannot read."""
+    logging_info = manifest.get("logging") if isinstance(manifest, dict) else None
+    declared = logging_info.get("extra_columns") if isinstance(logging_info, dict) else None
+    try:
+        return C.extra_columns(declared or None)
+    except ValueError:
+        return ()
+
+
+def validate_file(path: Path, table: str, run_id: str | None = None,
+                  extra: tuple[C.Column, ...] = ()) -> list[str]:
+    """Problems of one Parquet file of table ``table``: unreadable, wrong schema, bad values, foreign run_id.
+    ``extra``: the run's own tokens columns (:func:`run_extra_columns`)."""
     import pyarrow.compute as pc
 
     try:
         data = pq.ParquetFile(path).read()  # not read_table: its dataset layer imports pandas
     except Exception as err:  # any reader error means the file is not usable Parquet
         return [f"not readable as Parquet ({type(err).__name__}: {err})"]
-    problems = schema_problems(table, data.schema)
+    problems = schema_problems(table, data.schema, extra)
     present = [f.name for f in SCHEMAS[table] if f.name in data.column_names]
     problems += value_problems(table, data.select(present))
     if run_id is not None and "run_id" in data.column_names:
@@ -663,6 +850,10 @@ def _key_problems(table: str, files: list[Path]) -> list[str]:
             part = pq.ParquetFile(path).read(columns=read_cols)
         except Exception:  # reported by validate_file already
             continue
+        for name in read_cols:  # a key column added by a later table version: null in older files
+            if name not in part.column_names and name in ADDED_COLUMNS.get(table, ()):
+                part = part.append_column(SCHEMAS[table].field(name), pa.nulls(part.num_rows,
+                                                                               SCHEMAS[table].field(name).type))
         parts.append(part.select(read_cols))
     if not parts:
         return []
@@ -725,17 +916,28 @@ def _row_count_problems(run_dir: Path, files: dict[str, list[Path]]) -> list[Pro
 
 
 def _compaction_problems(run_dir: Path) -> list[Problem]:
-    """Compaction records (:data:`COMPACTED_KEY`) whose flush ranges overlap or whose listed files are gone."""
+    """Compaction records (:data:`COMPACTED_KEY`) whose flush ranges overlap, or whose listed files are gone.
+    Two states of a compaction killed halfway are not problems (readers read the run right, and the next writer
+    of the rank, ``trustscope compact`` and ``validate --repair`` finish it): a record whose files are still staged
+    under ``_staging``, and a record listed beside the larger one that replaced it."""
     problems = []
     for path, manifest in _readable_manifests(run_dir):
+        rank = manifest.get("rank", 0)
         records = sorted(compaction_records(manifest), key=lambda r: r["flushes"][0])
         for before, after in itertools.pairwise(records):
-            if after["flushes"][0] <= before["flushes"][1]:
+            (a, b), (c, d) = before["flushes"], after["flushes"]
+            nested = (a <= c and d <= b) or (c <= a and b <= d)
+            if after["flushes"][0] <= before["flushes"][1] and not nested:
                 problems.append(Problem(path, f"compacted flush ranges {before['flushes']} and {after['flushes']} "
                                               f"overlap"))
-        for rel in (rel for r in records for rel in r["files"]):
-            if not (run_dir / rel).is_file():
-                problems.append(Problem(path, f"compacted file {rel} is listed but missing"))
+        for record in records:
+            lo, hi = record["flushes"]
+            staged = (run_dir / STAGING_DIR / f"{rank_dir_name(rank if isinstance(rank, int) else 0)}"
+                      f"-c{lo:08d}-{hi:08d}").is_dir()
+            replaced = any(r is not record and r["flushes"][0] <= lo and hi <= r["flushes"][1] for r in records)
+            for rel in record["files"]:
+                if not (run_dir / rel).is_file() and not staged and not replaced:
+                    problems.append(Problem(path, f"compacted file {rel} is listed but missing"))
     return problems
 
 
@@ -744,9 +946,11 @@ def validate_run(run_dir: Path) -> list[Problem]:
     run_dir = Path(run_dir)
     problems: list[Problem] = []
     manifest_path = run_dir / MANIFEST
+    extra: tuple[C.Column, ...] = ()
     try:
         manifest = read_manifest(run_dir)
         problems += [Problem(manifest_path, m) for m in manifest_problems(manifest, run_dir)]
+        extra = run_extra_columns(manifest)
     except SchemaError as err:
         problems.append(Problem(manifest_path, str(err).removeprefix(f"{manifest_path}: ")))
     for path in sorted((run_dir / RANKS_DIR).glob("rank*.json")):
@@ -763,10 +967,15 @@ def validate_run(run_dir: Path) -> list[Problem]:
     for table in TABLES:
         files = visible[table]
         for path in files:
-            problems += [Problem(path, m) for m in validate_file(path, table, run_id)]
+            own = extra if table == "tokens" else ()
+            problems += [Problem(path, m) for m in validate_file(path, table, run_id, own)]
         problems += [Problem(run_dir / table, m) for m in _key_problems(table, files)]
     problems += _row_count_problems(run_dir, visible)
     problems += _compaction_problems(run_dir)
+    for stray in stray_files(run_dir, visible):
+        fix = "; `trustscope validate --repair` removes it" if stray.removable else ""
+        problems.append(Problem(stray.path, f"read by tools that list the folder (DuckDB, pyarrow, pandas, polars, "
+                                            f"Spark) but by no manifest: {stray.why}{fix}"))
     vocab = run_dir / VOCAB_FILE
     if vocab.exists():
         problems += [Problem(vocab, m) for m in validate_file(vocab, "vocab")]

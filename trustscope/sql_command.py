@@ -44,7 +44,11 @@ def left_out(command: str, broken: dict[str, list[str]]) -> None:
               help="Rows returned at most (the output says when rows were cut).")
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds before the query is interrupted.")
-def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: int, timeout: float) -> None:
+@click.option("--rule", "rules", multiple=True, metavar="NAME:param=value",
+              help="Evaluate a rule at other parameters (repeatable): NAME:param=value,... or NAME@VALUE (its "
+                   "scalar threshold); a run's own rule stays at the parameters it trained with.")
+def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: int, timeout: float,
+        rules: tuple[str, ...] = ()) -> None:
     """Run one read-only SQL query over a log directory (macros and views of trustscope/sql loaded).
 
     LOGDIR is a log directory, one run directory inside it, or an s3://bucket/prefix (default: the sample logs);
@@ -68,8 +72,17 @@ def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: in
     if fmt == "parquet" and out is None:
         click.echo("trustscope sql: --format parquet needs --out FILE", err=True)
         raise SystemExit(2)  # SystemExit, not click's Exit: typer's group runs its own copy of click
+    rule_params = None
+    if rules:  # the rule catalogue is imported only when asked for
+        from trustscope.rule_settings import rule_params_of
+
+        try:
+            rule_params = rule_params_of(rules)
+        except ValueError as exc:
+            click.echo(f"trustscope sql: --rule: {exc}", err=True)
+            raise SystemExit(2) from exc
     try:
-        db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout)
+        db, broken = connect_readable(logdir, max_rows=max_rows, timeout_s=timeout, rule_params=rule_params)
         left_out("sql", broken)
         with db:
             # the output's libraries load while this process waits on the worker's answer (rich: 30 ms)

@@ -1,9 +1,10 @@
 """Where a run's files live: a local directory, or an object store prefix (``s3://bucket/prefix``).
 
 The logger writes through a :class:`RunStore`: :class:`LocalStore` (temporary name, fsync, rename) or
-:class:`ObjectStore` (one PUT per object, which S3 makes visible whole or not at all). Either way a flush's part
-files land before the manifest that commits them, so readers that list only committed flushes
-(:func:`trustscope.schema.committed_files`) never see half a flush.
+:class:`ObjectStore` (one PUT per object, which S3 makes visible whole or not at all). Either way the manifest that
+commits a flush lands first and its files after, one rename or PUT each, so any reader that lists the folders (not
+only :func:`trustscope.schema.committed_files`) finds committed files only. :func:`exchange` swaps two folders in one
+atomic step, which compaction uses to replace a rank's folder.
 
 Object stores are reached through pyarrow's filesystem layer over fsspec's ``s3fs``
 (``pyarrow.fs.PyFileSystem(FSSpecHandler(s3fs.S3FileSystem(...)))``): the same fsspec filesystem DuckDB can
@@ -28,6 +29,7 @@ layer, ``validate`` and the SQL worker read that folder as they read any log dir
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -36,6 +38,7 @@ import random
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -365,6 +368,63 @@ def replace_file(tmp: str | os.PathLike, final: str | os.PathLike, fsync: bool) 
     os.replace(tmp, final)
 
 
+RENAME_EXCHANGE = 2
+"""``renameat2``'s flag that swaps two existing paths in one atomic step (Linux 3.15; ext4, xfs, btrfs, tmpfs)."""
+_AT_FDCWD = -100
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV}
+_exchange_ok: dict[int, bool] = {}
+
+
+def _renameat2() -> Any:
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """Swap the two existing paths ``a`` and ``b`` (folders here) in one atomic step: a reader resolving either
+    name finds the old entry or the new one, never neither (Linux ``renameat2(RENAME_EXCHANGE)`` through libc).
+    Raises OSError (EINVAL, ENOSYS, ...) where the system or file system cannot (see :func:`can_exchange`)."""
+    import ctypes
+
+    fn = _renameat2() if sys.platform.startswith("linux") else None
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2(RENAME_EXCHANGE) is not available on this system")
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
+def can_exchange(folder: str | os.PathLike) -> bool:
+    """Whether :func:`exchange` works inside ``folder`` (tried once per file system on two empty folders made
+    there; NFS and non-Linux systems cannot)."""
+    folder = Path(folder)
+    try:
+        dev = folder.stat().st_dev
+    except OSError:
+        return False
+    if dev not in _exchange_ok:
+        probe = folder / f".exchange-{secrets.token_hex(4)}{S.TMP_SUFFIX}"
+        try:
+            (probe / "a").mkdir(parents=True)
+            (probe / "b").mkdir()
+            exchange(probe / "a", probe / "b")
+            _exchange_ok[dev] = True
+        except OSError as err:
+            if err.errno not in _NO_EXCHANGE:
+                return False  # the folder cannot be written: nothing to swap here (the file system is not judged)
+            _exchange_ok[dev] = False
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    return _exchange_ok[dev]
+
+
 class LocalStore:
     """A run on local disk: files are written under a temporary name, fsynced and renamed into place."""
 
@@ -385,6 +445,10 @@ class LocalStore:
         probe = run_dir / f".probe-{secrets.token_hex(4)}{S.TMP_SUFFIX}"
         probe.write_bytes(b"")
         probe.unlink()
+
+    def prepare_folder(self, folder: Path) -> None:
+        """Create ``folder`` (a rank's folder inside a table folder)."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
 
     def write_atomic(self, path: Path, data: str | bytes) -> None:
         """Write ``data`` to a temporary name and rename it over ``path``; on failure no temporary file is left."""
@@ -464,6 +528,9 @@ class ObjectStore:
 
     def prepare(self, run_dir: PurePosixPath) -> None:
         """Nothing to create on an object store (prefixes are implicit); the open-time check already wrote."""
+
+    def prepare_folder(self, folder: PurePosixPath) -> None:
+        """Nothing to create: prefixes are implicit."""
 
     def retry(self, what: str, target: str, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """``call(*args, **kwargs)`` retried under :attr:`policy` (:meth:`Retrier.retry`)."""
@@ -647,19 +714,45 @@ def _committed_objects(fsspec_fs: Any, run: str) -> tuple[dict[str, bytes], dict
         listed = _run_objects(fsspec_fs, run)
         read = {_manifest_rank(rel) for rel in manifests}
         late = {rank for rel in listed if (rank := _manifest_rank(rel)) is not None} - read
-        objects = {}
-        for rel, entry in listed.items():
+        objects = {rel: entry for rel, entry in listed.items() if rel == S.VOCAB_FILE}
+        folders: dict[str, list[str]] = {}
+        for rel in listed:
             folder, _, name = rel.rpartition("/")
-            parsed = S.parse_data_file(name)
-            if rel == S.VOCAB_FILE or (folder in S.TABLES and commits.visible(folder, name)
-                                       and (parsed is None or parsed.rank not in late)):
-                objects[rel] = entry
+            parts = folder.split("/")
+            if parts[0] in S.TABLES and (len(parts) == 1 or (len(parts) == 2 and S.is_rank_dir_name(parts[1]))):
+                folders.setdefault(folder, []).append(name)
+        present = {f"{folder}/{n}" for folder, names in folders.items() for n in names}
+        for folder, names in folders.items():
+            for name in commits.select(folder, names, present):
+                parsed = S.parse_data_file(name)
+                if parsed is None or parsed.rank not in late:
+                    objects[f"{folder}/{name}"] = listed[f"{folder}/{name}"]
         again = read_manifests({rel: {} for rel in manifests})
         now = S.read_commits(again.values())
         if (now.ranges, now.listed) == (commits.ranges, commits.listed):
             break
         manifests = again
     return manifests, objects
+
+
+def stray_objects(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The URLs of the ``.parquet`` objects under the table prefixes of each run under ``url`` that no manifest
+    commits: what a plain reader of the prefix reads and trustscope does not (``trustscope validate`` names them;
+    ``trustscope compact`` removes those provably superseded or orphaned). Raises :class:`StorageError`."""
+    store = ObjectStore(url, storage_options, write=False)
+    try:
+        fs, out = store.fsspec, []
+        for run in _remote_runs(fs, str(store.logdir)):
+            _, committed = _committed_objects(fs, run)
+            out += [f"{SCHEME}{run}/{rel}" for rel in sorted(_run_objects(fs, run))
+                    if rel.split("/")[0] in S.TABLES and rel.endswith(".parquet") and rel not in committed]
+        return out
+    except StorageError:
+        raise
+    except Exception as err:
+        raise StorageError(f"{store.url}: cannot list the object store: {type(err).__name__}: {err}") from None
+    finally:
+        store.close()
 
 
 def mirror(url: str, root: Path | None = None, storage_options: Mapping[str, Any] | None = None,

@@ -78,6 +78,7 @@ class SyntheticConfig:
         rows_per_file: token rows per Parquet file (a real logger flushes at a similar size).
         edge_cases: put the hand-made threshold cases into step 0.
         summaries: the logger's exact summaries and per-token ``blocked_rules`` bits (``TokenLogger(summaries=)``).
+        rule_settings: rule settings the summaries also count (``TokenLogger(rule_settings=)``).
         seed: random seed.
     """
 
@@ -95,6 +96,7 @@ class SyntheticConfig:
     rows_per_file: int = 1 << 20
     edge_cases: bool = True
     summaries: bool = True
+    rule_settings: tuple[str, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -287,7 +289,7 @@ def generate_run(logdir: Path | str, run_id: str = "synthetic", config: Syntheti
     loggers = [
         TokenLogger(logdir, run_id, **manifest, vocab=vocab if rank == 0 else None, loss_rule=cfg.loss_rule,
                     rank=rank, flush_rows=cfg.rows_per_file, flush_seconds=1e9, fsync=False,
-                    summaries=cfg.summaries)
+                    summaries=cfg.summaries, rule_settings=cfg.rule_settings)
         for rank in range(cfg.ranks)
     ]
     try:

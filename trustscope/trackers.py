@@ -86,6 +86,8 @@ def step_metrics(rows: Iterable[Mapping[str, Any]], step: int | None = None,
     """
     by_metric: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:
+        if row.get("dimension") is not None:  # the summary dimensions' rows split the same tokens again
+            continue
         name = row.get("metric")
         if not isinstance(name, str) or not name:
             raise ValueError(f"a summaries row needs a metric name, got metric={name!r} in {dict(row)!r}")
@@ -234,7 +236,10 @@ class EarlyWarning:
         return {f"{PREFIX}/warning": float(fired),
                 f"{PREFIX}/warning/score": float(last["score"]),
                 f"{PREFIX}/warning/bad_rate_recent": float(last["bad_rate_recent"]),
-                f"{PREFIX}/warning/mismatch_growth": float(last["mismatch_growth"])}
+                f"{PREFIX}/warning/mismatch_growth": float(last["mismatch_growth"]),
+                **({f"{PREFIX}/warning/bad_rate_z": float(last["bad_rate_z"]),
+                    f"{PREFIX}/warning/mismatch_z": float(last["mismatch_z"])}
+                   if self.lines.relative_z is not None else {})}
 
     def reason(self, metrics: Mapping[str, float]) -> str:
         """One line saying why the warning fires, from :meth:`update`'s metrics."""
@@ -247,6 +252,15 @@ class EarlyWarning:
         if score >= DETECTOR.threshold:  # NaN (a run logged without the detector's signals) compares False
             why.append(f"early-warning score {score:.2f} >= {DETECTOR.threshold:.2f} over the last "
                        f"{DETECTOR.window} steps' {', '.join(DETECTOR_LABELS[n] for n in DETECTOR.signals)}")
+        if self.lines.relative_z is not None:
+            z = self.lines.relative_z
+            for name, said in (("bad_rate_z", f"bad negative updates {rate:.2%} of the last {self.lines.window} "
+                                              "steps' tokens"),
+                               ("mismatch_z", f"|pi - mu| {growth:.1f}x its first {self.lines.window} steps")):
+                value = metrics.get(f"{PREFIX}/warning/{name}", math.nan)
+                if value >= z:
+                    why.append(f"{said}, {value:.1f} robust deviations above the run's first steps (line {z:g})")
+            return "; ".join(why) or "the early-warning lines were crossed"
         if rate >= self.lines.bad_rate:
             why.append(f"bad negative updates {rate:.2%} of the last {self.lines.window} steps' tokens "
                        f"(line {self.lines.bad_rate:.2%})")

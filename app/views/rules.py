@@ -1,14 +1,19 @@
-"""Rules side by side: what each trust-region rule blocks on the same tokens, by mu bucket and advantage sign."""
+"""Rules side by side: what each trust-region rule blocks on the same tokens, by mu bucket and advantage sign, at
+the parameters of the panel (the defaults until set); a rule over half of the tokens is marked out of calibration,
+with the threshold that would block the run's own rule's share."""
 
 import streamlit as st
 
 from app import data, widgets
 from trustscope import figures
+from trustscope.losses import list_losses
 
 st.title("Rules side by side")
 runs = widgets.require_runs()
 run = widgets.pick_run(runs)
 applied = data.run_rule(run)
+widgets.rule_panel(figures.rule_order(list_losses()), applied, "rules_panel")
+widgets.calibration_warnings(run, data.equal_budget(run))
 steps = widgets.pick_steps(run)
 chosen = widgets.pick_rules(data.masking_rules(run), applied)
 df = data.rules_by_bucket(run, steps)

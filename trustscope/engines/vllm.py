@@ -61,6 +61,16 @@ class WeightSyncExtension:
         if current_platform.is_cpu() and lm_head is not None and hasattr(lm_head, "quant_method"):
             # CPU prepacks lm_head at load; tied embeddings leave that packed copy stale after reload_weights.
             lm_head.quant_method.process_weights_after_loading(lm_head)
+        if current_platform.is_cpu():
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+            for module in self.model_runner.model.modules():
+                # A reload re-shuffles the MoE weights but skips the CPU experts' prepack (only the first load
+                # runs it), so the kernel would read plain weights as packed ones: prepack them again.
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                experts = getattr(kernel, "fused_experts", None)
+                if isinstance(experts, CPUUnquantizedExperts):
+                    experts.process_weights_after_loading(module)
         return len(weights)
 
 
@@ -228,7 +238,12 @@ class VLLMEngine(Engine):
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s weights into vLLM (see the module docstring), then reset the prefix cache."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        weights = [(k, v.detach()) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+        state = model.state_dict()
+        with contextlib.suppress(ImportError):  # the checkpoint's layout (transformers 5 fuses MoE experts in memory)
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = dict(revert_weight_conversion(model, state))
+        weights = [(k, v.detach()) for k, v in state.items() if not (tied and k == "lm_head.weight")]
         if not self.in_process:
             from safetensors.torch import save
 

@@ -27,6 +27,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import orjson
 
+from trustscope.columns import turns_from_mask
 from trustscope.schema import LOGPROB_TOLERANCE
 
 __all__ = ["IMPORTERS", "ImportFormat", "ImportFormatError", "ImportUsageError", "ImportedRun", "Importer",
@@ -266,6 +267,10 @@ def _step_call(seqs: list[Sequence], sample_ids: list[int], prompt_ids: list[int
     for name in ("old_logprob", "entropy"):
         if all(getattr(s, name) is not None for s in seqs):
             tokens[name] = _padded(seqs, name, width, 0.0, np.float32)
+    turns = np.zeros((len(seqs), width), dtype=np.int32)  # (B, T) the model turn: a new one after each gap
+    for i, seq in enumerate(seqs):  # in the trained positions (a multi-turn trajectory's environment tokens)
+        turns[i, : len(seq.mask)] = turns_from_mask(seq.mask)
+    tokens["turn"] = turns
     if any(s.kept is not None for s in seqs):
         kept = np.ones((len(seqs), width), dtype=bool)
         for i, seq in enumerate(seqs):

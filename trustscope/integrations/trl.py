@@ -59,7 +59,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trustscope.extras import missing
+from trustscope.extras import missing, release_position
 
 try:
     import torch
@@ -69,12 +69,17 @@ except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings
 
 from trustscope.alerts import Alerts, check_webhook_url
 from trustscope.capture import capture, top_k
+from trustscope.columns import turns_from_mask
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
 from trustscope.trackers import LiveTrackerAlerts, StepReporter
 
 TESTED_TRL = "1.16.0"
-"""The TRL version this module reads the internals of (the ``[trl]`` extra pins it)."""
+"""The newest TRL release this module is tested with (the main test environment's)."""
+SUPPORTED_TRL = ">=1.10,<1.17"
+"""The TRL releases this module supports (the ``[trl]`` extra's range; docs/trl.md has the table). Within it each
+internal is probed (:func:`check_trainer`), never the version string: TRL 1.15 added the fused LM head and
+``eos_token_ids``, which older releases lack and this module does without."""
 
 CLIPPED_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
 """TRL loss types whose loss is PPO's clipped surrogate: their mask is the clip region."""
@@ -96,7 +101,7 @@ _METHODS: dict[str, tuple[str, ...]] = {
 _ATTRIBUTES = ("loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "temperature", "top_p",
                "top_k", "min_p", "repetition_penalty", "max_completion_length", "top_entropy_quantile",
                "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction", "num_generations",
-               "reward_weights", "beta", "eos_token_ids", "rollout_func", "tools", "accelerator",
+               "reward_weights", "beta", "rollout_func", "tools", "accelerator",
                "processing_class", "state", "args", "model")
 """GRPOTrainer attributes attach reads."""
 _CONFIG_FIELDS = ("delta", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
@@ -110,14 +115,14 @@ _TOPK_IDS, _TOPK_LOGPROBS, _MU_RECOMPUTE = "trustscope_mu_topk_ids", "trustscope
 
 
 class TRLVersionError(RuntimeError):
-    """The installed TRL lacks an internal this integration reads (it was written against :data:`TESTED_TRL`)."""
+    """The installed TRL lacks an internal this integration reads (it supports :data:`SUPPORTED_TRL`)."""
 
 
 def check_trainer(trainer: Any) -> None:
-    """Raise if ``trainer`` is not a ``GRPOTrainer`` whose internals are where TRL 1.16 has them.
+    """Raise if ``trainer`` is not a ``GRPOTrainer`` with the internals this module reads (TRL 1.10 to 1.16 have them).
 
     :class:`TRLVersionError` names the installed TRL version and every missing method, parameter or attribute;
-    a ``TypeError`` names a trainer class attach does not support. A TRL version other than :data:`TESTED_TRL`
+    a ``TypeError`` names a trainer class attach does not support. A TRL release outside :data:`SUPPORTED_TRL`
     that has everything only warns.
     """
     import trl
@@ -136,7 +141,9 @@ def check_trainer(trainer: Any) -> None:
             missing.append(f"GRPOTrainer.{name}()")
             continue
         have = inspect.signature(method).parameters
-        lost = [p for p in params if p not in have]
+        # TRL 1.14 takes (model, *args, **kwargs) and hands them on: its return value is checked at the first step
+        forwards = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in have.values())
+        lost = [] if forwards else [p for p in params if p not in have]
         if lost:
             missing.append(f"parameter(s) {', '.join(lost)} of GRPOTrainer.{name}()")
     missing += [f"GRPOTrainer.{name}" for name in _ATTRIBUTES if not hasattr(trainer, name)]
@@ -148,15 +155,19 @@ def check_trainer(trainer: Any) -> None:
             missing.append("GRPOTrainer.vllm_generation.generate() / .logprobs")
     if missing:
         raise TRLVersionError(
-            f"trustscope.integrations.trl reads TRL internals as of TRL {TESTED_TRL}; the installed TRL {version} "
-            f"lacks {'; '.join(missing)}. Install trl=={TESTED_TRL} (pip install 'trustscope[trl]'), or log with "
+            f"trustscope.integrations.trl supports TRL {SUPPORTED_TRL}; the installed TRL {version} "
+            f"lacks {'; '.join(missing)}. Install a TRL of that range (pip install 'trustscope[trl]'), or log with "
             f"trustscope.logger.TokenLogger from your own code.")
     known = CLIPPED_LOSS_TYPES | UNMASKED_LOSS_TYPES
     if trainer.loss_type not in known:
         raise TRLVersionError(f"GRPOTrainer.loss_type {trainer.loss_type!r} (TRL {version}) is not one whose mask "
                               f"trustscope knows; known: {sorted(known)}")
-    if version != TESTED_TRL:
-        warnings.warn(f"trustscope.integrations.trl was tested with TRL {TESTED_TRL}, this is TRL {version}; the "
+    position = release_position(version, SUPPORTED_TRL)
+    if position < 0:  # TRL 1.0-1.9 return (logps, entropies) from the loss's forward
+        raise TRLVersionError(f"trustscope.integrations.trl supports TRL {SUPPORTED_TRL}; the installed TRL {version} "
+                              f"is older: pip install 'trustscope[trl]' (or 'trl{SUPPORTED_TRL}')")
+    if position > 0:
+        warnings.warn(f"trustscope.integrations.trl supports TRL {SUPPORTED_TRL}, this is TRL {version}; the "
                       f"internals it reads are present, but check the log against TRL's own metrics",
                       LogWarning, stacklevel=3)
 
@@ -528,6 +539,8 @@ class Attachment:
             tokens["entropy"] = entropy
         if old is not None:
             tokens["old_logprob"] = torch.nan_to_num(old)
+        if "tool_mask" in inputs:  # tool calls: each tool result (0 in tool_mask) starts the model's next turn
+            tokens["turn"] = turns_from_mask(inputs["tool_mask"].bool().cpu().numpy())
         if _TOPK_IDS in inputs:
             mu_ids, mu_lps = force_sampled_into_topk(inputs[_TOPK_IDS], inputs[_TOPK_LOGPROBS], completion.long(),
                                                      mu.float())
@@ -578,7 +591,7 @@ class Attachment:
         t = self.trainer
         prompts = _rows(inputs["prompt_ids"], inputs["prompt_mask"])
         responses = _rows(inputs["completion_ids"], inputs["completion_mask"])
-        eos = set(t.eos_token_ids)
+        eos = set(getattr(t, "eos_token_ids", None) or [t.processing_class.eos_token_id])  # a list from TRL 1.15
         samples: dict[str, Any] = {  # texts: decoded by the logger's writer thread, for its text_fraction sample
             "sample_id": inputs[_SAMPLE_ID], "prompt_id": inputs[_PROMPT_ID],
             "prompt_token_ids": prompts, "response_token_ids": responses,
@@ -649,7 +662,7 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     """Log ``trainer`` (a TRL ``GRPOTrainer``) to ``logdir`` with trustscope. Call before ``trainer.train()``.
 
     Args:
-        trainer: a ``trl.GRPOTrainer`` of TRL :data:`TESTED_TRL` (checked: :func:`check_trainer`).
+        trainer: a ``trl.GRPOTrainer`` of TRL :data:`SUPPORTED_TRL` (checked: :func:`check_trainer`).
         logdir: the log directory; the run is ``<logdir>/<run_id>/``.
         topk: log mu's top-K ids and log-probs and pi's at the same ids (0: none). On the vLLM path the engine
             reports them; on the transformers path it needs ``topk_forward=True``. Costs one extra no-grad forward

@@ -34,8 +34,9 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
 - rank 0 is verl's driver: ``run.json`` (verl's config, loss rule, mu source, ``source={"framework": "verl"}``),
   the vocab, one ``samples`` row per response (prompt id from verl's ``uid``, reward, sequence advantage, length,
   texts) and verl's actor metrics as ``steps`` scalars.
-- the actor with torch.distributed rank r is rank r + 1 and writes the ``tokens`` rows of the samples it trains
-  on: pi (the loss's own log-probs), the mask the rule applied (with verl's own ``vanilla``, ``dppo_tv`` or
+- the actors of data-parallel rank r are rank r + 1: one process per replica (Ulysses sequence rank 0 under
+  FSDP; tensor and context rank 0 on the last pipeline stage under Megatron, :func:`actor_layout`) writes the
+  ``tokens`` rows of the samples the replica trains on: pi (the loss's own log-probs), the mask the rule applied (with verl's own ``vanilla``, ``dppo_tv`` or
   ``dppo_kl`` loss a replay of theirs, :data:`VERL_MASKS`), entropy (when verl computes it:
   ``actor.calculate_entropy=True`` or an entropy coefficient), and, from the driver batch that verl ships inside
   every micro-batch, ``responses``, ``rollout_log_probs`` as mu, ``old_log_probs`` as pi_old and ``advantages``.
@@ -55,8 +56,16 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   actor update the run is cut back, on every rank, to the step before ``trainer.global_steps`` (the checkpoint
   verl restored), so the steps a crash logged past the checkpoint are logged once (:meth:`VerlLogging.resume_at`).
 
-The log directory must be reachable from every worker (a shared filesystem on several nodes). Sequence or tensor
-parallelism (several ranks on one micro-batch) is refused: the ranks would log the same rows.
+Asynchronous and multi-turn runs: each token's ``turn`` is read off the response mask (verl's agent loop masks
+the tool's and environment's tokens out: a new model turn starts after each gap, :func:`trustscope.columns.turns_from_mask`). On the
+V1 trainer each response's ``policy_version`` is the weight version it started under, from the trajectory's
+``min_global_steps`` tag (+ 1: verl's weights at ``global_steps`` s are version s - 1), so ``staleness`` reads as
+verl's ``training/off_policy/trajectory_staleness_worst``; verl keeps a trajectory's first and last version, not
+each token's. verl's own ``training/off_policy/*`` metrics at the actor update are kept as ``steps`` scalars.
+
+The log directory must be reachable from every worker (a shared filesystem on several nodes). A parallel layout
+other than :data:`SUPPORTED_LAYOUTS` is refused by :func:`attach` (from verl's config) and by every actor at its
+first micro-batch (from its process groups), before anything is logged.
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from trustscope.extras import missing
+from trustscope.extras import missing, release_position
 
 try:
     import torch
@@ -88,16 +97,22 @@ except ModuleNotFoundError as exc:  # a reader's install: the [verl] extra bring
     missing(exc, "trustscope.integrations.verl", extra="verl")
 
 from trustscope import losses as L
+from trustscope.columns import turns_from_mask
 from trustscope.logger import TokenLogger
 
-SUPPORTED_VERSION = "0.9.1"
-"""The verl release this module is written and tested against (the ``[verl]`` extra pins it)."""
+SUPPORTED_VERL = ">=0.8,<0.10"
+"""The verl releases this module supports (the ``[verl]`` extra's range; docs/verl.md has the table). Within it each
+internal is probed where it is used (:class:`VerlVersionError` names a missing one), never the version string."""
 
 LOSS_PREFIX = "trustscope_"
 STEP_KEY = "trustscope_step"
 BATCH_SIZE_KEY = "trustscope_batch_size"
 SAMPLE_KEY = "trustscope_sample_id"
 PROMPT_KEY = "trustscope_prompt_id"
+VERSION_KEY = "trustscope_policy_version"
+KEPT_SCALARS = ("actor/", "training/off_policy/")
+"""The V1 trainer's step metrics kept as ``steps`` scalars at the actor update: verl's actor metrics and its own
+off-policy (staleness, evicted samples) figures."""
 _TOPK_FIELDS = frozenset({"mu_topk_logprobs", "pi_topk_logprobs"})
 
 
@@ -114,7 +129,7 @@ def verl_version() -> str:
         import verl
     except ImportError as err:
         raise ImportError(f"trustscope.integrations.verl needs verl ({err}); install it with "
-                          f"pip install 'trustscope[verl]' (verl=={SUPPORTED_VERSION})") from err
+                          f"pip install 'trustscope[verl]' (verl{SUPPORTED_VERL})") from err
     return str(getattr(verl, "__version__", "unknown"))
 
 
@@ -125,21 +140,34 @@ def _need(module_name: str, attr: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise VerlVersionError(f"verl {version}: module {module_name} cannot be imported ({err}); "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}") from err
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}") from err
     if not hasattr(module, attr):
         raise VerlVersionError(f"verl {version}: {module_name}.{attr} is missing; "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}")
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}")
     return getattr(module, attr)
 
 
 _CORE = "verl.trainer.ppo.core_algos"
 
 
+def _check_release(version: str) -> None:
+    """A :class:`VerlVersionError` for a verl older than :data:`SUPPORTED_VERL`, a warning for a newer one."""
+    position = release_position(version, SUPPORTED_VERL)
+    if position == 0:
+        return
+    if position < 0:
+        raise VerlVersionError(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}; the installed verl "
+                               f"{version} is older: pip install 'trustscope[verl]' (or 'verl{SUPPORTED_VERL}')")
+    warnings.warn(f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}, this is verl {version}: its "
+                  f"internals are checked as they are used, but check the log against verl's own metrics",
+                  stacklevel=3)
+
+
 def _require_attrs(obj: Any, what: str, attrs: tuple[str, ...]) -> None:
     missing = [a for a in attrs if not hasattr(obj, a)]
     if missing:
         raise VerlVersionError(f"verl {verl_version()}: {what} has no {', '.join(missing)}; "
-                               f"trustscope.integrations.verl is written for verl {SUPPORTED_VERSION}")
+                               f"trustscope.integrations.verl supports verl {SUPPORTED_VERL}")
 
 
 # ---------------------------------------------------------------------------------------------------- the losses
@@ -319,6 +347,17 @@ def _id_rows(ids: Tensor, mask: Tensor) -> list[Any]:
     return [row[m] for row, m in zip(ids_np, mask_np, strict=True)]
 
 
+def tag_versions(tags: Any, n: int) -> Tensor | None:
+    """``(B,)`` int64 ``policy_version`` of each response from verl V1's trajectory tags: ``min_global_steps``
+    (the weights it started under) + 1, in trustscope's (and verl's) step numbering; None when the tags lack it."""
+    if not tags or len(tags) != n:
+        return None
+    firsts = [tag.get("min_global_steps") if isinstance(tag, Mapping) else None for tag in tags]
+    if any(not isinstance(v, numbers.Integral) for v in firsts):
+        return None
+    return torch.tensor([int(v) + 1 for v in firsts], dtype=torch.int64)
+
+
 def log_driver_batch(logger: TokenLogger, batch: Any, step: int, tokenizer: Any = None) -> None:
     """Stamp the sample and prompt ids and the step into verl ``DataProto`` ``batch``; log one ``samples`` row each.
 
@@ -380,23 +419,103 @@ def actor_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------- the actor side
 
 
-def _dist_rank() -> int:
+SUPPORTED_LAYOUTS = ("FSDP (fsdp, fsdp2) with data parallelism and Ulysses sequence parallelism; Megatron with data, "
+                     "tensor, pipeline and context parallelism (not dynamic context parallelism)")
+"""The actor layouts :func:`actor_layout` maps (named in the error of any other)."""
+
+
+class VerlLayoutError(NotImplementedError):
+    """verl's actors run in a parallel layout whose ranks trustscope cannot map to data-parallel replicas."""
+
+
+@dataclass(frozen=True)
+class ActorLayout:
+    """Where one actor process sits in verl's parallel layout, read from verl's own process groups.
+
+    Attributes:
+        dp_rank: its data-parallel rank (trustscope logs it as rank ``dp_rank + 1``).
+        dp_size: the number of data-parallel replicas.
+        logs: True on the one rank per replica that holds the replica's gathered rows: Ulysses sequence rank 0
+            (FSDP), or tensor rank 0 and context rank 0 on the last pipeline stage (Megatron).
+        name: the layout in words, e.g. ``FSDP: 2 data x 2 Ulysses sequence``.
+    """
+
+    dp_rank: int
+    dp_size: int
+    logs: bool
+    name: str
+
+
+def _megatron_state() -> Any:
+    """Megatron's ``parallel_state`` (verl's ``mpu``) when this process initialised it, else None."""
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is None or not mpu.model_parallel_is_initialized():
+        return None
+    return mpu
+
+
+def actor_layout(dp_group: Any = None) -> ActorLayout:
+    """This actor's :class:`ActorLayout`, from the data-parallel group verl's engine hands its loss function.
+
+    verl's FSDP engine passes the ``dp`` dimension of its ``(dp, sp)`` device mesh and sets its Ulysses group
+    (``verl.utils.ulysses.get_ulysses_sequence_parallel_group``) while it trains; the sequence ranks of a replica
+    get the same rows and, after the gather of the outputs, the same log-probs. verl's Megatron engine passes
+    ``mpu.get_data_parallel_group()``; tensor and context ranks hold the same gathered outputs and only the last
+    pipeline stage computes the loss. Without torch.distributed each process is its own replica (rank from
+    ``RANK``). Raises :class:`VerlLayoutError` when the world is not data x (sequence | tensor x pipeline x
+    context), naming the layout and :data:`SUPPORTED_LAYOUTS`.
+    """
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0"))
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return ActorLayout(int(os.environ.get("RANK", "0")), 1, True, "one process per data-parallel rank")
+    world = dist.get_world_size()
+    dp_size, dp_rank = dist.get_world_size(group=dp_group), dist.get_rank(group=dp_group)
+    mpu = _megatron_state()
+    if mpu is not None:
+        sizes = {"tensor": mpu.get_tensor_model_parallel_world_size(),
+                 "pipeline": mpu.get_pipeline_model_parallel_world_size(),
+                 "context": mpu.get_context_parallel_world_size()}
+        name = f"Megatron: {dp_size} data x " + " x ".join(f"{n} {k}" for k, n in sizes.items())
+        mpu_dp = mpu.get_data_parallel_group()
+        if dp_group is not None and dist.get_process_group_ranks(dp_group) != dist.get_process_group_ranks(mpu_dp):
+            raise VerlLayoutError(f"verl actor layout {name}: the loss's data-parallel group is not Megatron's "
+                                  f"(dynamic context parallelism?); trustscope maps {SUPPORTED_LAYOUTS}")
+        if world != dp_size * math.prod(sizes.values()):
+            raise VerlLayoutError(f"verl actor layout {name} does not make up its world of {world} ranks; "
+                                  f"trustscope maps {SUPPORTED_LAYOUTS}")
+        logs = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+                and mpu.is_pipeline_last_stage(ignore_virtual=True))
+        return ActorLayout(dp_rank, dp_size, logs, name)
+    ulysses = importlib.import_module("verl.utils.ulysses")
+    sp_size, sp_rank = ulysses.get_ulysses_sequence_parallel_world_size(), ulysses.get_ulysses_sequence_parallel_rank()
+    name = f"FSDP: {dp_size} data x {sp_size} Ulysses sequence"
+    if world != dp_size * sp_size:
+        raise VerlLayoutError(
+            f"verl actor layout {name} does not make up its world of {world} ranks (ranks in groups trustscope "
+            f"cannot see: tensor or pipeline parallelism outside Megatron's parallel state?), so rows would be "
+            f"logged more than once or not at all; trustscope maps {SUPPORTED_LAYOUTS}")
+    return ActorLayout(dp_rank, dp_size, sp_rank == 0, name)
 
 
-def _check_replication(dp_group: Any) -> None:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world, dp = dist.get_world_size(), dist.get_world_size(group=dp_group)
-    if world != dp:
-        raise NotImplementedError(
-            f"trustscope's verl hook logs data-parallel actors only; this actor's data-parallel size is {dp} of a "
-            f"world of {world} (sequence or tensor parallelism would log every row {world // dp} times)"
-        )
+def check_actor_config(actor_cfg: Any) -> str:
+    """The actor layout verl's config asks for, in words; :class:`VerlLayoutError` for one trustscope cannot map
+    (a strategy other than FSDP or Megatron with model parallelism, Megatron's dynamic context parallelism).
+    :func:`attach` calls it; every actor checks its real groups again at its first micro-batch."""
+    strategy = str(actor_cfg.get("strategy", "fsdp"))
+    if strategy in ("fsdp", "fsdp2"):
+        sp = int(actor_cfg.get("ulysses_sequence_parallel_size", 1) or 1)
+        return f"{strategy}: data x {sp} Ulysses sequence"
+    block = actor_cfg.get(strategy, None) or {}
+    sizes = {k: v for k, v in block.items() if k.endswith("parallel_size") and isinstance(v, int) and v > 1}
+    if strategy == "megatron":
+        if block.get("dynamic_context_parallel", False):
+            raise VerlLayoutError(f"verl actor strategy megatron with dynamic_context_parallel=True: trustscope "
+                                  f"maps {SUPPORTED_LAYOUTS}")
+        return f"megatron: data x {sizes or 'no model parallelism'}"
+    if sizes:
+        raise VerlLayoutError(f"verl actor strategy {strategy} with {sizes}: trustscope maps {SUPPORTED_LAYOUTS}; "
+                              f"run {strategy} without model parallelism, or with FSDP or Megatron")
+    return f"{strategy}: data parallel"
 
 
 class ActorLogHook:
@@ -427,10 +546,11 @@ class ActorLogHook:
         self._seen: set[int] = set()
         self._opened = False
         self._share_done = True  # this rank's share of the open step is all logged (and committed)
+        self._layout: ActorLayout | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_logger", "_step", "_seen", "_opened", "_share_done"):
+        for key in ("_logger", "_step", "_seen", "_opened", "_share_done", "_layout"):
             state.pop(key)
         return state
 
@@ -443,14 +563,13 @@ class ActorLogHook:
         step = get(data=data, key=STEP_KEY, default=None)
         if step is None:
             return self.inner(model_output=model_output, data=data, dp_group=dp_group)
-        _check_replication(dp_group)
+        layout = self._layout_of(dp_group)
         fields = ["responses", "response_mask", "old_log_probs", "advantages", SAMPLE_KEY, PROMPT_KEY]
         missing = [f for f in fields if f not in data]
         if missing:
             raise KeyError(f"verl micro-batch of step {step} has no {missing}; the driver stamps {SAMPLE_KEY} and "
                            f"{PROMPT_KEY} (trustscope.integrations.verl.attach)")
-        if "rollout_log_probs" in data:
-            fields.append("rollout_log_probs")
+        fields += [f for f in ("rollout_log_probs", VERSION_KEY) if f in data]
         cols = data.select(*fields).to_padded_tensor()
         call = _ActorCall(mu=cols.get("rollout_log_probs", None))
         token = _ACTOR_CALL.set(call)
@@ -458,11 +577,19 @@ class ActorLogHook:
             result = self.inner(model_output=model_output, data=data, dp_group=dp_group)
         finally:
             _ACTOR_CALL.reset(token)
-        with torch.no_grad():
-            self._log(int(step), model_output, data, cols, call.keep)
+        if layout.logs:  # one rank per data-parallel replica holds its gathered rows
+            with torch.no_grad():
+                self._log(int(step), model_output, data, cols, call.keep, layout.dp_rank + 1)
         return result
 
-    def _log(self, step: int, model_output: Mapping[str, Any], data: Any, cols: Any, keep: Tensor | None) -> None:
+    def _layout_of(self, dp_group: Any) -> ActorLayout:
+        """This process's :class:`ActorLayout`, read at its first micro-batch (before anything is logged)."""
+        if self._layout is None:
+            self._layout = actor_layout(dp_group)
+        return self._layout
+
+    def _log(self, step: int, model_output: Mapping[str, Any], data: Any, cols: Any, keep: Tensor | None,
+             rank: int) -> None:
         no_padding_2_padding = _need("verl.workers.utils.padding", "no_padding_2_padding")
         get = _need("verl.utils.tensordict_utils", "get_non_tensor_data")
         if step != self._step:
@@ -485,7 +612,10 @@ class ActorLogHook:
             "kept": self._kept(keep, pi, old, cols["advantages"], mask),
             "sample_id": sample_id.to(idx.device),
             "prompt_id": cols[PROMPT_KEY],
+            "turn": torch.from_numpy(turns_from_mask(mask.cpu().numpy())).to(idx.device),
         }
+        if VERSION_KEY in cols:
+            columns["policy_version"] = cols[VERSION_KEY]
         if self.log_old_logprob:
             columns["old_logprob"] = old
         entropy = model_output.get("entropy", None)
@@ -495,7 +625,7 @@ class ActorLogHook:
         tokens = {name: value.index_select(0, idx) for name, value in columns.items()}
         mask = mask.index_select(0, idx)
         if self._logger is None:
-            self._open()
+            self._open(rank)
         self._logger.log_step(step, tokens=tokens, mask=mask)
         self._seen.update(tokens["sample_id"].tolist())
         dp_size = int(get(data=data, key="dp_size", default=1) or 1)
@@ -503,14 +633,14 @@ class ActorLogHook:
             self._logger.commit_step()  # this rank's share of the step is in; its writer thread commits it
             self._share_done = True
 
-    def _open(self) -> None:
-        """This process's logger of the run, opened at its first logged micro-batch and kept for the whole run
-        (one per process: a hook unpickled again finds it); closed by :meth:`close`, by the :class:`FinishActors`
+    def _open(self, rank: int) -> None:
+        """This process's logger of the run (``rank``: trustscope's rank, the data-parallel rank + 1), opened at its
+        first logged micro-batch and kept for the whole run (one per process: a hook unpickled again finds it); closed by :meth:`close`, by the :class:`FinishActors`
         that :meth:`VerlLogging.close` sends, or at exit."""
         key = (self.logdir, self.run_id)
         logger = _ACTOR_LOGGERS.get(key)
         if logger is None or logger._closed:
-            logger = TokenLogger(self.logdir, self.run_id, rank=_dist_rank() + 1, resume=True,
+            logger = TokenLogger(self.logdir, self.run_id, rank=rank, resume=True,
                                  loss_rule=self.loss_rule, **self.logger_options)
             _ACTOR_LOGGERS[key] = logger
             atexit.register(_close_actor_logger, key, self)
@@ -779,10 +909,14 @@ class VerlV1Logging(VerlLogging):
             self.resume_at(step)
         view = read_v1_batch(batch)
         log_driver_batch(self.logger, view, step, getattr(self.trainer, "tokenizer", None))
-        stamps = TensorDict({k: view.batch[k] for k in (SAMPLE_KEY, PROMPT_KEY)}, batch_size=[len(batch.keys)])
+        versions = tag_versions(getattr(batch, "tags", None), len(batch.keys))
+        if versions is not None:
+            view.batch[VERSION_KEY] = versions
+        keys = [k for k in (SAMPLE_KEY, PROMPT_KEY, VERSION_KEY) if k in view.batch]
+        stamps = TensorDict({k: view.batch[k] for k in keys}, batch_size=[len(batch.keys)])
         tq.kv_batch_put(keys=list(batch.keys), partition_id=batch.partition_id, fields=stamps)
         fields = list(batch.fields or [])
-        batch.fields = fields + [k for k in (SAMPLE_KEY, PROMPT_KEY) if k not in fields]
+        batch.fields = fields + [k for k in keys if k not in fields]
         batch.extra_info.update(view.meta_info)
         try:
             output = self._update_actor(batch, metrics)
@@ -790,7 +924,7 @@ class VerlV1Logging(VerlLogging):
             batch.fields = fields
             for key in (STEP_KEY, BATCH_SIZE_KEY):
                 batch.extra_info.pop(key, None)
-        scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith("actor/")}
+        scalars = {k: v for k, v in actor_scalars(metrics).items() if k.startswith(KEPT_SCALARS)}
         if scalars:
             self.logger.log_step(step, scalars=scalars)
         self.logger.commit_step()
@@ -834,6 +968,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
 
     alerts_url = None if webhook is None else check_webhook_url(webhook)
     version = verl_version()
+    _check_release(version)
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
     params = list(inspect.signature(trainer._update_actor).parameters)
     v1 = params == ["batch", "metrics"]  # verl's V1 trainer: the batch is a KVBatchMeta into TransferQueue
@@ -858,6 +993,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     if cfg.get("distillation", None) and cfg.distillation.get("enabled", False):
         raise NotImplementedError("trustscope's verl hook wraps verl's ppo_loss; distillation runs use another loss")
     actor_cfg = cfg.actor_rollout_ref.actor
+    layout = check_actor_config(actor_cfg)
     rollout_cfg = cfg.actor_rollout_ref.rollout
     loss_mode = str(actor_cfg.policy_loss.get("loss_mode", "vanilla"))
     rule = rule_of_loss_mode(loss_mode)
@@ -884,7 +1020,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
         "rule_mu": "rollout_log_probs" if has_mu else "old_log_probs",
         "kept": ("the rule's mask" if rule is not None else f"verl's {loss_mode} mask, replayed" if verl_mask
                  else f"not recorded (verl's {loss_mode} loss)"),
-        "ranks": "0: driver (samples, steps); r + 1: actor of torch.distributed rank r (tokens)",
+        "ranks": "0: driver (samples, steps); r + 1: data-parallel replica r of the actors (tokens)",
+        "actor_layout": layout,
     }
     logger = TokenLogger(
         logdir, run_id, rank=0,

@@ -53,6 +53,11 @@ Arguments of :meth:`TokenLogger.log_step`:
   ``topk_kl`` are computed (:mod:`trustscope.divergence`, in the writer thread; for every token, as the summaries
   need them) when both top-K logprob lists are given and they are not. mu's top-K must already hold the sampled token
   (:func:`trustscope.divergence.force_sampled_into_topk`). Logprobs up to 1e-5 above 0 are stored as 0.
+  Asynchronous and multi-turn runs add ``policy_version`` (the weight version that sampled each token, in
+  ``[0, step]``) and ``turn`` (the model turn, never decreasing along a response), per token or ``(B,)`` per
+  response; ``engine_token_id`` is the id the engine sampled where the trainer's input may differ. A run's own
+  columns are declared once, ``TokenLogger(extra_columns={"env": "string"})``, and given like the built-in ones
+  (:mod:`trustscope.columns` declares every column and its check).
 - ``mask``: ``(B, T)`` bool, True on real response tokens (padded form only). ``pos`` is the column index.
 - ``samples`` (dict): columns of the ``samples`` table, each of length B (row i describes tokens row i). May be
   given without ``tokens`` (then ``length`` is required); ``length`` defaults to the mask's row sums.

@@ -12,19 +12,21 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
+from trustscope import columns as C
 from trustscope import schema as S
 from trustscope.logger.batch import Batch
 from trustscope.logger.errors import LogWarning
 from trustscope.schema import SchemaError
 
-TOKEN_INPUTS = tuple(n for n in S.TOKENS.names
-                     if n not in ("run_id", "step", "rank", "pos", "loss_rule", "blocked_rules"))
+TOKEN_INPUTS = tuple(c.name for c in C.TOKEN_COLUMNS if c.given != "logger")
 TEXT_IDS = {"prompt_token_ids": "prompt", "response_token_ids": "response"}
 """Sample inputs the writer thread decodes into a text column with the logger's vocab (``text_fraction``)."""
-SAMPLE_INPUTS = tuple(n for n in S.SAMPLES.names if n not in ("run_id", "step", "rank")) + tuple(TEXT_IDS)
-PER_SEQUENCE = ("sample_id", "prompt_id")  # always (B,)
-MAYBE_PER_SEQUENCE = ("advantage",)  # (B,) broadcast over T, or (B, T)
+SAMPLE_INPUTS = tuple(c.name for c in C.SAMPLE_COLUMNS if c.given != "logger") + tuple(TEXT_IDS)
+PER_SEQUENCE = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "sequence")  # always (B,)
+ROUTING = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "routing")  # (B, T, L, k)
+MAYBE_PER_SEQUENCE = tuple(c.name for c in C.TOKEN_COLUMNS if c.given == "token_or_sequence")  # (B,) or (B, T)
 MAX_STEP = 2**63 - 1  # steps are int64
 DEFAULT_ID_STRIDE = 2**32
 """Default sample ids of rank r are ``r * DEFAULT_ID_STRIDE + i``, so ranks that pass none never collide."""
@@ -40,8 +42,22 @@ def _narrow_float(x: Any) -> bool:
     return x.is_floating_point() and x.dtype.itemsize < 4
 
 
-def _to_numpy(x: Any, name: str) -> np.ndarray:
-    """A numpy view or copy of a tensor, array, scalar or (nested, rectangular) list."""
+def _to_numpy(x: Any, name: str, text: bool = False) -> np.ndarray:
+    """A numpy view or copy of a tensor, array, scalar or (nested, rectangular) list; ``text``: strings (and
+    None) kept as an object array."""
+    if text:
+        if isinstance(x, np.ndarray) and x.dtype.kind in "OUS":
+            return x.astype(object)
+        if isinstance(x, (list, tuple)):
+            arr = np.empty(len(x), dtype=object)
+            for i, v in enumerate(x):
+                arr[i] = v if v is None or isinstance(v, str) else _to_numpy(v, f"{name}[{i}]", text=True)
+            if len(x) and all(isinstance(v, np.ndarray) for v in arr):
+                try:
+                    return np.stack(list(arr))
+                except ValueError:
+                    raise SchemaError(f"{name}: rows of several lengths cannot form a (B, T) array") from None
+            return arr
     if _is_tensor(x):
         x = x.detach()
         if _narrow_float(x):
@@ -68,10 +84,10 @@ def _is_ragged(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and not np.isscalar(x[0]) and x[0] is not None
 
 
-def _as_float(arr: np.ndarray, name: str) -> np.ndarray:
+def _as_float(arr: np.ndarray, name: str, dtype: type = np.float32) -> np.ndarray:
     if arr.dtype.kind not in "fiub":
         raise SchemaError(f"{name}: expected numbers, got dtype {arr.dtype}")
-    return arr.astype(np.float32, copy=False)
+    return arr.astype(dtype, copy=False)
 
 
 def _as_int(arr: np.ndarray, name: str, dtype: type = np.int64) -> np.ndarray:
@@ -149,7 +165,8 @@ class _RowChecker:
             return
         idx = np.flatnonzero(~ok_rows)
         first = values[idx[0]] if ok.ndim == 1 else values[idx[0]][~ok[idx[0]]][0]
-        msg = f"{name} {what}, got {first.item()} at {self.where(idx[0])} ({len(idx)} bad row(s))"
+        first = first.item() if isinstance(first, np.generic) else first
+        msg = f"{name} {what}, got {first!r} at {self.where(idx[0])} ({len(idx)} bad row(s))"
         if self.strict:
             raise SchemaError(msg)
         self.bad[idx] = True
@@ -157,16 +174,19 @@ class _RowChecker:
 
 
 def _flatten_tokens(
-    tokens: Mapping[str, Any], mask: Any
+    tokens: Mapping[str, Any], mask: Any, either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
+    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS),
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """Token columns as flat rows. Returns (columns, row -> sequence index b, row -> pos, lengths (B,)).
 
-    Per-token columns become ``(N,)``, top-K columns ``(N, K)``, per-sequence columns are broadcast.
+    Per-token columns become ``(N,)``, list columns (``lists``: top-K, a list per token) ``(N, K)``, per-sequence
+    columns (and the ``either`` columns given ``(B,)``) are broadcast. ``text``: the string columns (kept as object
+    arrays).
     """
     if "token_id" not in tokens:
         raise Rejected("tokens['token_id'] is required")
     if mask is None and isinstance(tokens["token_id"], (list, tuple)):
-        return _flatten_ragged(tokens)
+        return _flatten_ragged(tokens, either, text, lists)
     token_id = _to_numpy(tokens["token_id"], "tokens['token_id']")
     if token_id.ndim != 2:
         raise Rejected(f"tokens['token_id'] must be (B, T) with a mask, or ragged with mask=None; "
@@ -191,14 +211,18 @@ def _flatten_tokens(
         t = t.astype(np.int32)
     cols: dict[str, np.ndarray] = {}
     for name, value in tokens.items():
-        arr = _to_numpy(value, f"tokens[{name!r}]")
+        arr = _to_numpy(value, f"tokens[{name!r}]", name in text)
         label = f"tokens[{name!r}]"
-        if name in S.TOPK_COLUMNS:
+        if name in lists:
             if arr.ndim != 3 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
             flat = arr.reshape(B * T, -1)
             cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
-        elif name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and arr.ndim == 1):
+        elif name in ROUTING:
+            if arr.ndim != 4 or arr.shape[:2] != (B, T):
+                raise Rejected(f"{label} must have shape (B, T, L, k) = ({B}, {T}, MoE layers, top-k), got {arr.shape}")
+            cols[name] = arr.reshape(B * T, *arr.shape[2:]).copy() if full else arr[b, t]
+        elif name in PER_SEQUENCE or (name in either and arr.ndim == 1):
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
             cols[name] = arr[b]
@@ -209,7 +233,9 @@ def _flatten_tokens(
     return cols, b, t, m.sum(axis=1)
 
 
-def _flatten_ragged(tokens: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
+                    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS)
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     seqs = tokens["token_id"]
     B = len(seqs)
     firsts = [_to_numpy(s, f"tokens['token_id'][{i}]") for i, s in enumerate(seqs)]
@@ -222,8 +248,8 @@ def _flatten_ragged(tokens: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], n
     cols: dict[str, np.ndarray] = {}
     for name, value in tokens.items():
         label = f"tokens[{name!r}]"
-        if name in PER_SEQUENCE or (name in MAYBE_PER_SEQUENCE and not _is_ragged(value)):
-            arr = _to_numpy(value, label)
+        if name in PER_SEQUENCE or (name in either and not _is_ragged(value)):
+            arr = _to_numpy(value, label, name in text)
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have one value per sample, shape ({B},), got {arr.shape}")
             cols[name] = arr[b]
@@ -231,14 +257,16 @@ def _flatten_ragged(tokens: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], n
         if not isinstance(value, (list, tuple)) or len(value) != B:
             raise Rejected(f"{label} must be a list of {B} per-sample sequences (like tokens['token_id']), "
                             f"got {type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
-        parts = [_to_numpy(v, f"{label}[{i}]") for i, v in enumerate(value)]
+        parts = [_to_numpy(v, f"{label}[{i}]", name in text) for i, v in enumerate(value)]
         for i, part in enumerate(parts):
-            ndim_ok = part.ndim == 2 or lengths[i] == 0 if name in S.TOPK_COLUMNS else part.ndim == 1
+            ndim_ok = (part.ndim == 2 or lengths[i] == 0 if name in lists else part.ndim == 3
+                       if name in ROUTING else part.ndim == 1)
             if part.ndim == 0 or len(part) != lengths[i] or not ndim_ok:
-                want = f"({lengths[i]}, K)" if name in S.TOPK_COLUMNS else f"({lengths[i]},)"
+                want = (f"({lengths[i]}, K)" if name in lists else f"({lengths[i]}, L, k)" if name in ROUTING
+                        else f"({lengths[i]},)")
                 raise Rejected(f"{label}[{i}] has shape {part.shape}, but tokens['token_id'][{i}] has length "
                                 f"{lengths[i]}: expected {want}")
-        if name in S.TOPK_COLUMNS:
+        if name in lists:
             ks = {p.shape[1] for p in parts if p.ndim == 2}
             if len(ks) > 1:
                 raise Rejected(f"{label}: top-K lists of several lengths {sorted(ks)} in one call")
@@ -263,11 +291,21 @@ class InputChecker:
     calls: the last step, the sample ids and scalar names already logged at it, and the run's top-K K."""
 
     def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
-                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True):
+                 vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True,
+                 extra_columns: tuple[C.Column, ...] = (), routing_shape: tuple[int, int, int] | None = None):
         self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
+        self.columns = (*C.TOKEN_COLUMNS, *extra_columns)
+        """Every tokens column, the run's own (``extra_columns``) last: what a call may give and how it is checked."""
+        self.extra = {c.name for c in extra_columns}
+        self.token_inputs = (*TOKEN_INPUTS, *(c.name for c in extra_columns))
+        self._either = tuple(c.name for c in self.columns if c.given == "token_or_sequence")
+        self._text = frozenset(c.name for c in extra_columns if pa.types.is_string(c.type))
+        self._lists = frozenset(c.name for c in self.columns if c.given in ("topk", "token_list"))
         self.token_fraction, self.seed, self.summaries = token_fraction, seed, summaries
         self.vocab_size = vocab_size
         self._k = topk_k
+        self.routing_shape = routing_shape
+        """``(MoE layers, top-k, experts)`` of the model, or None for a dense one: routed experts are refused."""
         self._disk_last_step = disk_last_step
         self._last_step: int | None = None  # last step accepted by log_step in this process
         self._step_sample_ids: set[int] = set()
@@ -284,10 +322,12 @@ class InputChecker:
         if not isinstance(loss_rule, str) or not loss_rule:
             raise Rejected(f"loss_rule must be a non-empty string, got {loss_rule!r}")
         check_text([loss_rule], "loss_rule")
-        for what, given, allowed in (("tokens", tokens, TOKEN_INPUTS), ("samples", samples, SAMPLE_INPUTS)):
+        for what, given, allowed in (("tokens", tokens, self.token_inputs), ("samples", samples, SAMPLE_INPUTS)):
             unknown = sorted(set(given or {}) - set(allowed))
             if unknown:
-                raise Rejected(f"unknown column(s) {unknown} in {what}; allowed: {list(allowed)}")
+                hint = (" (a run's own per-token columns are declared once: TokenLogger(..., extra_columns={name: "
+                        "type}))") if what == "tokens" else ""
+                raise Rejected(f"unknown column(s) {unknown} in {what}; allowed: {list(allowed)}{hint}")
         if mask is not None and tokens is None:
             raise Rejected("mask given without tokens")
         batch = Batch(step=step, loss_rule=loss_rule, tokens=None, samples=None,
@@ -297,7 +337,7 @@ class InputChecker:
         if tokens or samples:
             lengths = None
             if tokens:
-                cols, b, t, lengths = _flatten_tokens(tokens, mask)
+                cols, b, t, lengths = _flatten_tokens(tokens, mask, self._either, self._text, self._lists)
                 batch.n_generated = len(b)
             n_seq = len(lengths) if lengths is not None else _n_samples(samples)
             sample_ids, defaults = self._sequence_ids(step, new_step, tokens, samples, n_seq)
@@ -473,31 +513,11 @@ class InputChecker:
         sid = cols["sample_id"]
         check = _RowChecker(self.strict, len(b), lambda i: f"sample_id {sid[i]}, pos {t[i]}")
 
-        self._check_ids(cols, "token_id", check)
-        for name in (*S.LOGPROB_COLUMNS, *S.TOPK_LOGPROB_COLUMNS):
-            if name not in cols:
-                continue
-            arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
-            if not _within(arr, -np.inf, S.LOGPROB_TOLERANCE, finite=True):
-                finite = np.isfinite(arr)
-                check.rows(finite, f"tokens[{name!r}]", "must be finite", arr)
-                check.rows(~finite | (arr <= S.LOGPROB_TOLERANCE), f"tokens[{name!r}]",
-                           f"must be a log-probability (<= 0, tolerance {S.LOGPROB_TOLERANCE})", arr)
-            if arr.size and arr.max() > 0:  # float rounding of log 1, within the tolerance: store 0
-                np.minimum(arr, 0.0, out=arr)
-        for name, low, high in (("advantage", -np.inf, np.inf), ("entropy", -S.LOGPROB_TOLERANCE, np.inf),
-                                ("topk_tv", 0.0, 1.0 + 1e-6), ("topk_kl", -1e-6, np.inf)):
-            if name in cols:
-                arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
-                if not _within(arr, low, high, finite=True):
-                    what = "must be finite" if name == "advantage" else f"must be finite and in [{low}, {high}]"
-                    check.rows(np.isfinite(arr) & (arr >= low) & (arr <= high), f"tokens[{name!r}]", what, arr)
-        if "kept" in cols:
-            kept = cols["kept"]
-            if kept.dtype != np.bool_:
-                check.rows(np.isin(kept, (0, 1)), "tokens['kept']", "must be boolean (or 0/1)", kept)
-                cols["kept"] = kept.astype(bool)
-        self._check_topk(cols, check)
+        self._check_topk(cols)
+        self._check_routing(cols)
+        for col in self.columns:  # each given column gets its declared check (trustscope.columns)
+            if col.check is not None and col.name in cols:
+                CHECKERS[col.check.kind](self, cols, col, check, step)
 
         keep = ~check.bad
         dropped = int(check.bad.sum())
@@ -531,7 +551,26 @@ class InputChecker:
         if not _within(ids, 0, upper - 1):
             check.rows((ids >= 0) & (ids < upper), label, f"must be in [0, {upper})", ids)
 
-    def _check_topk(self, cols: dict[str, np.ndarray], check: _RowChecker) -> None:
+    def _check_routing(self, cols: dict[str, np.ndarray]) -> None:
+        """Routed experts against the run's ``routing_shape`` (refused whole, naming the field and the shapes); with
+        both sides given and no ``routing_agreement``, the logger fills it."""
+        from trustscope.routing import agreement, check_routing
+
+        given = [name for name in ROUTING if name in cols]
+        for name in given:
+            try:
+                cols[name] = check_routing(cols[name], f"tokens[{name!r}]", self.routing_shape)
+            except ValueError as err:
+                if self.routing_shape is None:
+                    raise Rejected(f"{err}: declare the model's TokenLogger(routing_shape=(MoE layers, top-k, "
+                                   f"experts)) to log routed experts") from None
+                raise Rejected(str(err)) from None
+        if len(given) == len(ROUTING) and "routing_agreement" not in cols:
+            cols["routing_agreement"] = agreement(cols["engine_experts"], cols["trainer_experts"])[0].astype(
+                np.float32)
+
+    def _check_topk(self, cols: dict[str, np.ndarray]) -> None:
+        """The top-K lists' shape: both of ids and mu's log-probs, one K for all lists and for the whole run."""
         given = [name for name in S.TOPK_COLUMNS if name in cols]
         if not given:
             return
@@ -547,5 +586,94 @@ class InputChecker:
         if k < 1:
             raise Rejected("tokens['mu_topk_ids'] has K = 0; leave the top-K columns out instead")
         self._k = k
-        self._check_ids(cols, "mu_topk_ids", check)
+
+
+def _check_logprob(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                   step: int) -> None:
+    name = col.name
+    arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
+    if not _within(arr, -np.inf, S.LOGPROB_TOLERANCE, finite=True):
+        finite = np.isfinite(arr)
+        check.rows(finite, f"tokens[{name!r}]", "must be finite", arr)
+        check.rows(~finite | (arr <= S.LOGPROB_TOLERANCE), f"tokens[{name!r}]",
+                   f"must be a log-probability (<= 0, tolerance {S.LOGPROB_TOLERANCE})", arr)
+    if arr.size and arr.max() > 0:  # float rounding of log 1, within the tolerance: store 0
+        np.minimum(arr, 0.0, out=arr)
+
+
+def _check_range(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                 step: int) -> None:
+    name, low, high = col.name, col.check.low, col.check.high
+    if pa.types.is_float64(col.type):
+        arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]", np.float64)
+    else:
+        arr = cols[name] = _as_float(cols[name], f"tokens[{name!r}]")
+    if not _within(arr, low, high, finite=True):
+        what = "must be finite" if col.check.kind == "finite" else f"must be finite and in [{low}, {high}]"
+        check.rows(np.isfinite(arr) & (arr >= low) & (arr <= high), f"tokens[{name!r}]", what, arr)
+
+
+def _check_token_id(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                    step: int) -> None:
+    checker._check_ids(cols, col.name, check)
+
+
+def _check_bool(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                step: int) -> None:
+    arr = cols[col.name]
+    if arr.dtype != np.bool_:
+        if arr.dtype.kind not in "iufb":
+            raise SchemaError(f"tokens[{col.name!r}]: expected booleans, got dtype {arr.dtype}")
+        check.rows(np.isin(arr, (0, 1)), f"tokens[{col.name!r}]", "must be boolean (or 0/1)", arr)
+        cols[col.name] = arr.astype(bool)
+
+
+def _check_int(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+               step: int) -> None:
+    label = f"tokens[{col.name!r}]"
+    value_type = col.type.value_type if pa.types.is_list(col.type) else col.type
+    arr = cols[col.name] = _as_int(cols[col.name], label, value_type.to_pandas_dtype())
+    if col.check.low > -np.inf and not _within(arr, col.check.low, np.inf):
+        check.rows(arr >= col.check.low, label, f"must be >= {int(col.check.low)}", arr)
+
+
+def _check_version(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                   step: int) -> None:
+    """A weight version in [0, step]: the engine that sampled the token cannot be ahead of the trainer."""
+    label = f"tokens[{col.name!r}]"
+    arr = cols[col.name] = _as_int(cols[col.name], label, np.int64)
+    if not _within(arr, 0, step):
+        check.rows((arr >= 0) & (arr <= step), label,
+                   f"must be a weight version in [0, {step}] (the step: the trainer's version)", arr)
+
+
+def _check_turn(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                step: int) -> None:
+    """A turn >= 0 that never decreases along a response (rows come in (response, pos) order)."""
+    label = f"tokens[{col.name!r}]"
+    arr = cols[col.name] = _as_int(cols[col.name], label, np.int32)
+    if not _within(arr, 0, np.iinfo(np.int32).max):
+        check.rows(arr >= 0, label, "must be >= 0", arr)
+    if len(arr) > 1:
+        sid = cols["sample_id"]
+        down = np.zeros(len(arr), dtype=bool)
+        down[1:] = (sid[1:] == sid[:-1]) & (arr[1:] < arr[:-1])  # (N,) a row whose turn is below its predecessor's
+        if down.any():
+            check.rows(~down, label, "must not decrease within a response (turns only go forward)", arr)
+
+
+def _check_text(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,
+                step: int) -> None:
+    arr = cols[col.name]
+    ok = np.fromiter((v is None or isinstance(v, str) for v in arr), dtype=bool, count=len(arr))
+    check.rows(ok, f"tokens[{col.name!r}]", "must hold strings (or None)", arr)
+    sid = cols["sample_id"]
+    check_text(list(arr), f"tokens[{col.name!r}]", "sample_id", sid)
+
+
+CHECKERS = {"logprob": _check_logprob, "range": _check_range, "finite": _check_range, "token_id": _check_token_id,
+            "bool": _check_bool, "int": _check_int, "version": _check_version, "turn": _check_turn,
+            "text": _check_text}
+"""One function per check kind of :data:`trustscope.columns.CHECKS`: ``(checker, cols, column, rows, step)``
+checks ``cols[column.name]`` in place (converted to the column's type), flagging bad rows on ``rows``."""
 

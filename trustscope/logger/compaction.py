@@ -4,12 +4,17 @@ The logger writes one file per table per rank per flush, and real runs flush eve
 of small files and every reader pays per file (listing, footers, one DuckDB scan per file, one kept aggregate per
 file). Compaction rewrites consecutive committed flushes of one rank into one file per table (bounded by
 :data:`MAX_ROWS` rows and :data:`MAX_BYTES` bytes), with the logger's encodings (:data:`trustscope.schema.WRITE_OPTIONS`)
-and row groups, and commits it as the logger commits a flush: one atomic write of the rank's manifest adds a record
-``{"flushes": [first, last], "files": [...], "at": ...}`` (:data:`trustscope.schema.COMPACTED_KEY`). From that write
-on, readers (:func:`trustscope.schema.committed_files`) read the listed files instead of every flush file in the
-range; before it, they read the sources. The sources are deleted only after the commit, and only
-``delete_after_s`` later, so a reader that listed them just before still finds them; a process killed anywhere in
-between leaves files that no reader sees, which the next compaction (or the logger's resume) removes.
+and row groups. It is committed by one atomic step that every reader of the folder sees, trustscope's or a plain
+glob: the compacted file is written into ``<run>/_staging/`` beside hard links to the rank folder's other files,
+the rank's manifest gets a record ``{"flushes": [first, last], "files": [...], "at": ...}``
+(:data:`trustscope.schema.COMPACTED_KEY`), and the staged folder is swapped with the live rank folder
+(:func:`trustscope.storage.exchange`, ``renameat2(RENAME_EXCHANGE)``); readers list the flush files or the
+compacted file, never both, never neither (:func:`trustscope.schema.committed_files` lets a record take effect in a
+folder once its files are there). The old folder waits under ``<run>/_superseded/`` ``delete_after_s`` for readers
+that hold it open. A process killed anywhere leaves a run every reader reads right; :func:`recover_rank` (the next
+writer, ``trustscope compact``, ``validate --repair``) swaps in what was staged and recorded and removes the rest.
+Where no swap exists (object stores, layout 1 runs, NFS) only :func:`compact_logdir` compacts, recording, putting
+the compacted file in place and deleting the sources at once (``docs/logging.md`` states the window).
 
 Files are merged only when their footers agree (the Arrow schema and every key but the flush's own counts): tokens
 files written with different ``blocked_rules`` rule lists, or before that column existed, are never merged
@@ -18,7 +23,8 @@ files it replaced, with their rows, in the order of its rows) and :data:`ORIGINA
 rows of, with its flush, steps, rows and token counts), so the query layer can merge the kept aggregates of the
 sources instead of recomputing them, and a run can still be cut back at a step (:func:`trustscope.logger.drop_steps_after`).
 
-Two ways to run it: :class:`BackgroundCompactor`, the logger's own thread (``TokenLogger(compact_every=N)``), which
+Two ways to run it: :class:`BackgroundCompactor`, the logger's own thread (``TokenLogger(compact_every=N)``, where
+:func:`background_compaction` allows it), which
 merges ``N`` consecutive units of the same size class at a time (an LSM-style tiering: each row is rewritten about
 ``log_N(flushes)`` times); and :func:`compact_logdir` (``trustscope compact``), which merges everything it can for
 logs already written.
@@ -30,6 +36,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trustscope import schema as S
-from trustscope.storage import RunStore, replace_file
+from trustscope.storage import RunStore, can_exchange, exchange, replace_file
 
 SOURCES_META = "trustscope.compacted.sources"
 """Footer key of a compacted file: JSON ``[[name, rows], ...]``, the files it replaced (flush files or earlier
@@ -61,7 +68,8 @@ MAX_BYTES = 256 << 20
 FANIN = 10
 """Units of one size class the logger's background compaction merges at a time (its ``compact_every``)."""
 DELETE_AFTER_S = 60.0
-"""Seconds a superseded file is kept after the commit that superseded it, for readers that listed it before."""
+"""Seconds a rank folder swapped out by a compaction is kept (under ``<run>/_superseded/``) for readers that hold it
+open; files superseded in place (layout 1, object stores) are deleted at once."""
 ROW_GROUP_SIZE = 1 << 17
 """Rows per row group of a compacted file (the logger's default ``row_group_size``)."""
 
@@ -82,6 +90,8 @@ class _File:
     name: str
     size: int
     parsed: S.DataFileName
+    folder: str = ""
+    """The folder it lies in, relative to the run (``tokens/r0000``; ``tokens`` in a layout 1 run)."""
 
 
 @dataclass
@@ -119,8 +129,6 @@ class RankResult:
     files_after: int = 0
     merged: list[tuple[int, int]] = field(default_factory=list)
     """The flush ranges committed as compacted files."""
-    superseded: list[Any] = field(default_factory=list)
-    """Paths no reader sees any more, still on storage (deleted later, see ``delete_after_s``)."""
     deleted: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -181,9 +189,10 @@ def _originals(meta: pq.FileMetaData, f: _File) -> list[list]:
 # ------------------------------------------------------------------------------------------------ planning
 
 
-def _units(rank: int, mark: Any, records: list[dict], listing: dict[str, dict[str, int]]) -> list[_Unit]:
+def _units(rank: int, mark: Any, records: list[dict], listing: dict[str, dict[str, int]],
+           folders: dict[str, str]) -> list[_Unit]:
     """The rank's committed flushes (up to ``mark``) not yet compacted, and its compacted ``records``, in flush
-    order."""
+    order. ``listing``: table -> name -> size of the rank's folder ``folders[table]``."""
     ranges = sorted((r["flushes"][0], r["flushes"][1]) for r in records)
     flushes: dict[int, list[_File]] = {}
     by_rel: dict[str, _File] = {}
@@ -192,9 +201,9 @@ def _units(rank: int, mark: Any, records: list[dict], listing: dict[str, dict[st
             parsed = S.parse_data_file(name)
             if parsed is None or parsed.rank != rank or name.startswith(S.TMP_PREFIX):
                 continue
-            f = _File(table, name, size, parsed)
+            f = _File(table, name, size, parsed, folders[table])
             if parsed.compacted is not None:
-                by_rel[f"{table}/{name}"] = f
+                by_rel[f"{f.folder}/{name}"] = f
             elif (parsed.flush is not None and isinstance(mark, int) and parsed.flush <= mark
                   and not any(lo <= parsed.flush <= hi for lo, hi in ranges)):
                 flushes.setdefault(parsed.flush, []).append(f)
@@ -211,7 +220,7 @@ def _describe(store: RunStore, run_dir: Any, unit: _Unit) -> None:
     """Fill in the unit's rows and identities from its files' footers."""
     rows: dict[str, int] = {}
     for f in unit.files:
-        meta = unit.metas[f"{f.table}/{f.name}"] = _footer(store, run_dir / f.table / f.name)
+        meta = unit.metas[f"{f.table}/{f.name}"] = _footer(store, run_dir / f.folder / f.name)
         rows[f.table] = rows.get(f.table, 0) + meta.num_rows
         unit.identity.setdefault(f.table, _identity(meta))
     unit.rows = max(rows.values(), default=0)
@@ -301,7 +310,7 @@ def _rewrite(store: RunStore, run_dir: Any, table: str, sources: list[list[_File
 
         for files in sources:
             with contextlib.ExitStack() as stack:
-                parts = [stack.enter_context(_opened(store, run_dir / table / f.name, metas[f.name]))
+                parts = [stack.enter_context(_opened(store, run_dir / f.folder / f.name, metas[f.name]))
                          for f in files]
                 for g in range(max(p.num_row_groups for p in parts)):
                     if stop is not None and stop.is_set():
@@ -321,12 +330,15 @@ def _rewrite(store: RunStore, run_dir: Any, table: str, sources: list[list[_File
 
 
 def _merge(store: RunStore, run_dir: Any, rank: int, group: list[_Unit], row_group_size: int, fsync: bool,
-           stop: threading.Event | None) -> tuple[dict, list[Any]]:
-    """Write the group's compacted files under their final names (not yet visible: no manifest lists them);
-    returns the manifest record and the files written. On any failure, what was written is removed."""
+           stop: threading.Event | None, folders: dict[str, str],
+           staging: Path | None) -> tuple[dict, list[tuple[Any, Any]]]:
+    """Write the group's compacted files, invisible to every reader: with ``staging`` (a local folder outside the
+    table folders) as ``staging/<table>/<name>``, else under temporary names, to be put in place after the
+    record is saved. Returns the manifest record and ``(temporary file or None, final path)`` per file. On any
+    failure, what was written is removed."""
     lo, hi = group[0].lo, group[-1].hi
     record: dict[str, Any] = {"flushes": [lo, hi], "files": []}
-    published: list[Any] = []
+    written: list[tuple[Any, Any]] = []
     tmp: Path | None = None
     try:
         for table in S.TABLES:
@@ -337,29 +349,32 @@ def _merge(store: RunStore, run_dir: Any, rank: int, group: list[_Unit], row_gro
             flat = [f for files in sources for f in files]
             name = S.compacted_file_name(rank, min(f.parsed.first_step for f in flat),
                                          max(f.parsed.last_step for f in flat), (lo, hi))
-            final = run_dir / table / name
-            tmp = S.tmp_path(store.spool(run_dir / table) / name)
+            final = run_dir / folders[table] / name
+            if staging is not None:
+                (staging / table).mkdir(parents=True, exist_ok=True)
+                tmp = S.tmp_path(staging / table / name)
+            else:
+                tmp = S.tmp_path(store.spool(run_dir / table) / name)
             try:
                 footers = {k: v for unit in group for k, v in unit.metas.items()}
                 _rewrite(store, run_dir, table, sources, footers, tmp, row_group_size, stop)
+                if staging is not None:
+                    replace_file(tmp, staging / table / name, fsync)
+                    tmp = None
             except OSError as err:
                 raise CompactionError(f"cannot write {_where(store, final)}: {_why(err)}") from err
-            try:
-                store.publish(tmp, final, fsync)
-            except OSError as err:
-                raise CompactionError(f"cannot write {_where(store, final)}: {_why(err)}") from err
+            written.append((tmp, final))
             tmp = None
-            published.append(final)
-            record["files"].append(f"{table}/{name}")
+            record["files"].append(f"{folders[table]}/{name}")
     except BaseException:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-        for path in published:
-            with contextlib.suppress(OSError):
-                store.delete(path)
+        for path in [tmp, *(t for t, _ in written)]:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-    return record, published
+    return record, written
 
 
 def _where(store: RunStore, path: Any) -> str:
@@ -374,10 +389,13 @@ def _why(err: BaseException) -> str:
 
 
 def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], listing: dict[str, dict[str, int]],
-             delete_after_s: float, now: float, result: RankResult) -> None:
-    """Delete what no reader sees and none will: a killed compaction's temporary and unlisted files at once, files
-    superseded by a record once ``delete_after_s`` passed since its commit. Failures are warnings (retried at the
-    next compaction; readers never see these files)."""
+             folders: dict[str, str], delete_after_s: float, now: float, result: RankResult,
+             mark: Any = None) -> None:
+    """Delete what trustscope does not read and never will: a killed compaction's temporary and unlisted files,
+    flush files above the rank's committed flush ``mark`` (a writer of an older version that died before its
+    commit), at once; files superseded by a record still in the rank's folders (older versions, or a deletion that
+    failed) once ``delete_after_s`` passed since its commit, and the rank's superseded folders as old. Failures are
+    warnings (retried at the next compaction)."""
     listed = {rel for r in records for rel in r["files"]}
     spans = [(r["flushes"][0], r["flushes"][1], float(r.get("at") or 0.0)) for r in records]
 
@@ -394,10 +412,12 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
                 if parsed is None or parsed.rank != rank or name.startswith(S.TMP_PREFIX):
                     continue
                 if parsed.compacted is not None:
-                    if f"{table}/{name}" in listed:
+                    if f"{folders[table]}/{name}" in listed:
                         continue
                     at = superseded_at(*parsed.compacted)
                     old = at is None or now - at >= delete_after_s
+                elif parsed.flush is not None and isinstance(mark, int) and parsed.flush > mark:
+                    old = True
                 elif parsed.flush is not None:
                     at = superseded_at(parsed.flush, parsed.flush)
                     old = at is not None and now - at >= delete_after_s
@@ -405,7 +425,7 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
                     old = False
             if not old:
                 continue
-            path = run_dir / table / name
+            path = run_dir / folders[table] / name
             try:
                 store.delete(path)
             except OSError as err:
@@ -413,30 +433,227 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
                 continue
             del names[name]
             result.deleted += 1
+    if not store.remote:
+        result.deleted += drop_superseded(Path(run_dir), rank, delete_after_s, now, result.warnings)
 
 
-def compact_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict, save: Callable[[list[dict]], None], *,
+def drop_superseded(run_dir: Path, rank: int, older_than_s: float = 0.0, now: float | None = None,
+                    warnings: list[str] | None = None) -> int:
+    """Delete rank ``rank``'s folders under ``_superseded`` that were superseded ``older_than_s`` seconds ago or
+    more; returns how many files went. No reader reaches them by path: a reader that listed one of them just
+    before the swap finds the files it keeps under the live folder, and a file compacted away not at all (it
+    retries); they are kept the grace period for readers that hold the old folder open."""
+    now = time.time() if now is None else now
+    gone = 0
+    for path in sorted((Path(run_dir) / S.SUPERSEDED_DIR).glob(f"*-{S.rank_dir_name(rank)}-*")):
+        ms = path.name.partition("-")[0]
+        if ms.isdigit() and now - int(ms) / 1000 < older_than_s:
+            continue
+        files = sum(len(f) for _, _, f in os.walk(path))
+        try:
+            shutil.rmtree(path)
+            gone += files
+        except OSError as err:
+            if warnings is not None:
+                warnings.append(f"cannot delete {path}: {_why(err)}")
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / S.SUPERSEDED_DIR).rmdir()  # empty: gone
+    return gone
+
+
+def _staging_dir(run_dir: Path, rank: int, flushes: tuple[int, int]) -> Path:
+    return run_dir / S.STAGING_DIR / f"{S.rank_dir_name(rank)}-c{flushes[0]:08d}-{flushes[1]:08d}"
+
+
+def _retire(run_dir: Path, staging: Path) -> None:
+    """Move a staging folder, which holds the swapped-out rank folders, under ``_superseded`` (its name starts
+    with the time of the swap, in ms)."""
+    done = run_dir / S.SUPERSEDED_DIR / f"{int(time.time() * 1000)}-{staging.name}"
+    done.parent.mkdir(exist_ok=True)
+    os.rename(staging, done)
+    with contextlib.suppress(OSError):
+        staging.parent.rmdir()
+
+
+def _in_range(name: str, rank: int, lo: int, hi: int) -> bool:
+    parsed = S.parse_data_file(name)
+    if parsed is None or parsed.rank != rank:
+        return False
+    if parsed.compacted is not None:
+        return lo <= parsed.compacted[0] and parsed.compacted[1] <= hi
+    return parsed.flush is not None and lo <= parsed.flush <= hi
+
+
+def _swap(run_dir: Path, rank: int, record: dict, staging: Path) -> list[str]:
+    """Swap each table's live rank folder with its staged one (built for ``record``) where the live folder does
+    not hold the record's files yet; returns the tables swapped. A staged folder that is not the live one less the
+    record's sources plus its files (the live folder changed since) is not swapped: CompactionError."""
+    lo, hi = record["flushes"]
+    swapped = []
+    for table in S.TABLES:
+        staged = staging / table
+        if not staged.is_dir():
+            continue
+        live = S.rank_folder(run_dir, table, rank)
+        mine = {rel.rpartition("/")[2] for rel in record["files"] if rel.rpartition("/")[0] == f"{table}/{live.name}"}
+        have = set(os.listdir(live)) if live.is_dir() else set()
+        if mine and mine <= have:
+            continue  # swapped already
+        expected = {n for n in have if not _in_range(n, rank, lo, hi)} | mine
+        if set(os.listdir(staged)) != expected:
+            raise CompactionError(f"{staged} does not match {live} (it changed since the compaction staged it); "
+                                  f"nothing swapped")
+        exchange(staged, live)
+        swapped.append(table)
+    return swapped
+
+
+def recover_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict) -> list[str]:
+    """Finish or undo what a killed writer or compaction of rank ``rank`` left half done; returns what it did, in
+    words. The caller holds the rank (its lock): nothing else writes it meanwhile.
+
+    * A flush the manifest commits whose files were not all renamed into place (``publishing``): renamed now
+      (rolled forward); a file whose temporary is gone too (an object store's local spool) is dropped from the
+      manifest's ``rows`` and counted as lost.
+    * A compaction recorded in the manifest whose staged folders were not all swapped in: swapped now (rolled
+      forward). A record none of whose files exists, with nothing staged: dropped (the flush files it would have
+      replaced are still read). A staged folder no record names: removed.
+    * Superseded folders older than :data:`DELETE_AFTER_S`: removed.
+    """
+    done: list[str] = []
+    changes: dict[str, Any] = {}
+    rows = dict(manifest.get("rows") or {})
+    lost_rows: dict[str, int] = {}
+    for entry in manifest.get("publishing") or []:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)):
+            continue
+        tmp, final, n = entry
+        final_path = run_dir / final
+        parsed = S.parse_data_file(final_path.name)
+        compacted = parsed is not None and parsed.flush is not None and any(
+            r["flushes"][0] <= parsed.flush <= r["flushes"][1] for r in S.compaction_records(manifest))
+        if compacted or store.exists(final_path):
+            continue
+        if tmp is not None and not store.remote and (run_dir / tmp).exists():
+            store.prepare_folder(final_path.parent)
+            replace_file(run_dir / tmp, final_path, True)
+            done.append(f"renamed {run_dir / tmp} to {final_path} (a committed flush a killed writer had not put "
+                        f"in place)")
+            continue
+        table = S.table_of(PurePosixPath(final))
+        if table in rows and isinstance(n, int):
+            rows[table] = max(0, int(rows[table]) - n)
+            lost_rows[table] = lost_rows.get(table, 0) + n
+        done.append(f"{_where(store, final_path)}: a committed file that never landed; its {n} row(s) are "
+                    f"counted as lost")
+    if lost_rows:
+        lost = dict(manifest.get("lost") or {"rows": dict.fromkeys(S.TABLES, 0), "first_step": None,
+                                             "last_step": None, "errors": []})
+        lost["rows"] = {t: int((lost.get("rows") or {}).get(t, 0)) + lost_rows.get(t, 0) for t in S.TABLES}
+        lost["errors"] = [*(lost.get("errors") or []), "the writer was killed before its last flush landed"][:10]
+        changes.update(rows=rows, lost=lost)
+    if done:  # every committed file is in place now, or counted as lost
+        changes["publishing"] = []
+    records = [dict(r) for r in S.compaction_records(manifest)]
+    whole = [r for r in records if all(store.exists(run_dir / rel) for rel in r["files"])]
+    nested = [r for r in records if any(o is not r and o["flushes"][0] <= r["flushes"][0]
+                                        and r["flushes"][1] <= o["flushes"][1] for o in whole)]
+    for record in nested:  # replaced by a compaction killed before it wrote its manifest the last time
+        done.append(f"dropped the record of flushes {record['flushes']}: a larger compaction replaced it")
+    if nested:
+        records = [r for r in records if not any(r is n for n in nested)]
+        changes[S.COMPACTED_KEY] = records
+    if not store.remote:
+        run_dir = Path(run_dir)
+        staged = {p.name: p for p in (run_dir / S.STAGING_DIR).glob(f"{S.rank_dir_name(rank)}-c*")}
+        kept = []
+        for record in records:
+            staging = _staging_dir(run_dir, rank, tuple(record["flushes"]))
+            if staging.name in staged:
+                del staged[staging.name]
+                try:
+                    tables = _swap(run_dir, rank, record, staging)
+                except (OSError, CompactionError) as err:
+                    done.append(f"cannot finish the compaction of flushes {record['flushes']}: {_why(err)}")
+                    kept.append(record)
+                    continue
+                _retire(run_dir, staging)
+                if tables:
+                    done.append(f"swapped in the compacted files of flushes {record['flushes']} in "
+                                f"{', '.join(tables)} (a compaction killed before its swap)")
+            elif not any((run_dir / rel).exists() for rel in record["files"]):
+                done.append(f"dropped the record of flushes {record['flushes']}: none of its files exists, "
+                            f"the flush files it would replace are read")
+                continue
+            kept.append(record)
+        for table in S.TABLES:  # a publish of several files killed before its swap (its temporaries are kept)
+            staged[f"{table}-{S.rank_dir_name(rank)}-publish"] = run_dir / S.STAGING_DIR / \
+                f"{table}-{S.rank_dir_name(rank)}-publish"
+        for path in staged.values():
+            if not path.exists():
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path} (staged by a compaction killed before its commit)")
+        with contextlib.suppress(OSError):
+            (run_dir / S.STAGING_DIR).rmdir()
+        if len(kept) != len(records) or nested:
+            changes[S.COMPACTED_KEY] = kept
+        gone = drop_superseded(run_dir, rank, DELETE_AFTER_S)
+        if gone:
+            done.append(f"removed {gone} superseded file(s) of rank {rank} under {run_dir / S.SUPERSEDED_DIR}")
+    if changes:
+        from trustscope.logger.runfiles import rank_file
+
+        manifest.update(changes)
+        store.write_atomic(rank_file(run_dir, rank), json.dumps(manifest, indent=2, default=str))
+    return done
+
+
+def compact_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict | Callable[[], dict],
+                 save: Callable[[list[dict]], None], *,
                  full: bool, fanin: int = FANIN, max_rows: int = MAX_ROWS, max_bytes: int = MAX_BYTES,
                  row_group_size: int = ROW_GROUP_SIZE, fsync: bool = True, delete_after_s: float = DELETE_AFTER_S,
-                 stop: threading.Event | None = None) -> RankResult:
+                 stop: threading.Event | None = None, lock: Any = None) -> RankResult:
     """Compact the committed files of one rank (see :func:`plan`); ``manifest`` is the rank's manifest as last
-    written, ``save(records)`` writes it with :data:`trustscope.schema.COMPACTED_KEY` replaced, atomically (the
-    commit). The caller holds the rank: nobody else writes its manifest meanwhile.
+    written (or a function that returns it, called under ``lock``), ``save(records)`` writes it with :data:`trustscope.schema.COMPACTED_KEY` replaced, atomically. The
+    caller holds the rank: nobody else writes its manifest meanwhile; ``lock`` (the writer's
+    :attr:`RunFiles.folder_lock`) is held while a rank folder is swapped, so no flush lands in a folder being
+    retired.
 
     Each merged group is committed on its own (a compaction stopped or killed halfway keeps the groups committed
-    so far). Superseded files are deleted ``delete_after_s`` after their commit, by a later call (``0``: at once).
-    Raises :class:`CompactionError` naming the path when a file or the manifest cannot be written; what this call
-    wrote is then removed and the log reads as before.
+    so far), in one of two ways:
+
+    * a local layout 2 run on a file system that can swap (:func:`trustscope.storage.can_exchange`): the
+      compacted files are written into ``_staging/r<rank>-c<first>-<last>/<table>/`` beside hard links to the
+      rank folder's other files, the record is saved, and each table's staged folder is swapped with the live
+      one in one atomic step; the old folder waits under ``_superseded`` ``delete_after_s`` for readers that hold
+      it open. Every reader sees the flush files or the compacted file, never both, never neither.
+    * elsewhere (an object store, a layout 1 run, a file system without ``RENAME_EXCHANGE``): the record is saved,
+      then the compacted file put in place (renamed, or uploaded), then the files it replaces deleted at once.
+      trustscope's readers switch when the compacted file lands; a plain lister that lists in between the
+      landing and the deletions counts those rows twice, or fails on a deleted file (see ``docs/logging.md``).
+
+    Raises :class:`CompactionError` naming the path when a file or the manifest cannot be written; the log then
+    reads as before (a swap interrupted halfway is finished by :func:`recover_rank`).
     """
     started = time.perf_counter()
     result = RankResult(str(run_dir), rank)
-    records = [dict(r) for r in S.compaction_records(manifest)]
     try:
-        listing = {t: _listing(store, run_dir / t) for t in S.TABLES}
+        # Under the lock: the writer commits a flush and renames its files while holding it, so every flush
+        # the manifest commits here has all its files in the listing.
+        with lock if lock is not None else contextlib.nullcontext():
+            if callable(manifest):
+                manifest = manifest()
+            layout = S.layout_of(manifest)
+            folders = {t: (f"{t}/{S.rank_dir_name(rank)}" if layout >= 2 else t) for t in S.TABLES}
+            listing = {t: _listing(store, run_dir / folders[t]) for t in S.TABLES}
+        swapping = not store.remote and layout >= 2 and can_exchange(run_dir)
     except OSError as err:
         raise CompactionError(f"cannot list {_where(store, run_dir)}: {_why(err)}") from err
-    _cleanup(store, run_dir, rank, records, listing, delete_after_s, time.time(), result)
-    units = _units(rank, manifest.get("committed_flush"), records, listing)
+    records = [dict(r) for r in S.compaction_records(manifest)]
+    _cleanup(store, run_dir, rank, records, listing, folders, delete_after_s, time.time(), result,
+             manifest.get("committed_flush"))
+    units = _units(rank, manifest.get("committed_flush"), records, listing, folders)
     result.files_before = sum(len(u.files) for u in units)
     try:
         for unit in units:
@@ -448,40 +665,123 @@ def compact_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict, save:
     for group in groups:
         if stop is not None and stop.is_set():
             break
+        staging = _staging_dir(Path(run_dir), rank, (group[0].lo, group[-1].hi)) if swapping else None
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         try:
-            record, written = _merge(store, run_dir, rank, group, row_group_size, fsync, stop)
+            record, written = _merge(store, run_dir, rank, group, row_group_size, fsync, stop, folders, staging)
         except Stopped:
             break
         record["at"] = time.time()
         replaced = {id(u.record) for u in group if u.record is not None}
         updated = sorted([r for r in records if id(r) not in replaced] + [record], key=lambda r: r["flushes"][0])
-        try:
-            save(updated)
-        except OSError as err:
-            for path in written:
-                with contextlib.suppress(OSError):
-                    store.delete(path)
-            raise CompactionError(f"cannot write the manifest of {_where(store, run_dir)} rank {rank}: "
-                                  f"{_why(err)}") from err
+        sources = [run_dir / f.folder / f.name for u in group for f in u.files]
+        # The records it replaces stay listed until its files are in place: readers go on reading their files.
+        both = sorted([*records, record], key=lambda r: r["flushes"][0])
+        if staging is not None:
+            _commit_swap(run_dir, rank, group, record, both, staging, save, lock)
+        else:
+            _commit_in_place(store, run_dir, rank, written, records, both, sources, save, result)
+        if len(both) != len(updated):
+            try:
+                save(updated)
+            except OSError as err:  # the old records list files no longer there: the next save drops them
+                result.warnings.append(f"cannot write the manifest of {_where(store, run_dir)} rank {rank}: "
+                                       f"{_why(err)}")
         records = updated
-        sources = [run_dir / f.table / f.name for u in group for f in u.files]
         after += len(written) - len(sources)
         result.merged.append((record["flushes"][0], record["flushes"][1]))
-        if delete_after_s <= 0:
-            for path in sources:
-                try:
-                    store.delete(path)
-                    result.deleted += 1
-                except OSError as err:
-                    result.warnings.append(f"cannot delete {_where(store, path)}: {_why(err)}")
-        else:
-            result.superseded += sources
     result.files_after = after
     result.seconds = time.perf_counter() - started
     return result
 
 
+def _commit_swap(run_dir: Path, rank: int, group: list[_Unit], record: dict, updated: list[dict], staging: Path,
+                 save: Callable[[list[dict]], None], lock: Any) -> None:
+    """Stage the rank folders of ``record`` (hard links to every other file), save the record, swap them in."""
+    sources = {(f.table, f.name) for u in group for f in u.files}
+    with lock if lock is not None else contextlib.nullcontext():
+        try:
+            for table in S.TABLES:
+                staged = staging / table
+                if not staged.is_dir():
+                    continue
+                live = S.rank_folder(run_dir, table, rank)
+                for name in os.listdir(live):
+                    if (table, name) not in sources:
+                        os.link(live / name, staged / name)
+            save(updated)
+        except OSError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CompactionError(f"cannot stage or record the compaction of {run_dir} rank {rank}: "
+                                  f"{_why(err)}") from err
+        try:
+            _swap(run_dir, rank, record, staging)
+            _retire(run_dir, staging)
+        except OSError as err:  # recorded: the next writer, compact or validate --repair finishes the swap
+            raise CompactionError(f"cannot swap in the compacted files of {run_dir} rank {rank}: "
+                                  f"{_why(err)}") from err
+
+
+def _commit_in_place(store: RunStore, run_dir: Any, rank: int, written: list[tuple[Any, Any]], records: list[dict],
+                     updated: list[dict], sources: list[Any], save: Callable[[list[dict]], None],
+                     result: RankResult) -> None:
+    """Save the record, put the compacted files in place, delete the files they replace at once."""
+    try:
+        save(updated)
+    except OSError as err:
+        for tmp, _ in written:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        raise CompactionError(f"cannot write the manifest of {_where(store, run_dir)} rank {rank}: "
+                              f"{_why(err)}") from err
+    landed: list[Any] = []
+    try:
+        for tmp, final in written:
+            store.publish(tmp, final, True)
+            landed.append(final)
+    except OSError as err:
+        for tmp, final in written:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                store.delete(final)
+        with contextlib.suppress(OSError):
+            save(records)
+        raise CompactionError(f"cannot write {_where(store, written[len(landed)][1])}: {_why(err)}") from err
+    for path in sources:
+        try:
+            store.delete(path)
+            result.deleted += 1
+        except OSError as err:
+            result.warnings.append(f"cannot delete {_where(store, path)}: {_why(err)}")
+
+
 # ------------------------------------------------------------------------------------------------ the logger
+
+
+def background_compaction(files: Any, every: int) -> bool:
+    """Whether the logger of ``files`` (a :class:`RunFiles`) compacts in the background with ``every``: only where
+    a compaction swaps the rank folder atomically (a local layout 2 run on a file system with
+    ``RENAME_EXCHANGE``), so that a plain reader never counts a row twice. Elsewhere it does not, with a
+    warning on a local file system that cannot swap; ``trustscope compact`` compacts such logs later."""
+    if not every:
+        return False
+    if files.store.remote:
+        return False  # object stores: no swap; said in docs/logging.md, not at every open
+    if files.layout < 2:
+        return False  # a run of layout 1, resumed: its folders hold every rank's files, no folder to swap
+    if not can_exchange(files.run_dir):
+        import warnings
+
+        from trustscope.logger.errors import LogWarning
+
+        warnings.warn(f"trustscope: {files.run_dir} is on a file system that cannot swap folders atomically "
+                      f"(renameat2 RENAME_EXCHANGE: NFS, or not Linux); background compaction is off, so that "
+                      f"readers of the folders never count a row twice. Run `trustscope compact` when no one reads.",
+                      LogWarning, stacklevel=4)
+        return False
+    return True
 
 
 class BackgroundCompactor:
@@ -510,6 +810,14 @@ class BackgroundCompactor:
         self._commits += 1
         if self._commits >= self.every:
             self._due.set()
+
+    def tidy(self) -> None:
+        """At the logger's close: delete every folder the rank's compactions swapped out (no reader reaches them by
+        path; whoever comes next would delete them anyway, and nobody may come)."""
+        warnings: list[str] = []
+        drop_superseded(Path(self.files.run_dir), self.files.rank, 0.0, None, warnings)
+        if warnings and self._error is None:
+            self._error = CompactionError("; ".join(warnings[:3]))
 
     def take_error(self) -> BaseException | None:
         err, self._error = self._error, None
@@ -543,10 +851,11 @@ class BackgroundCompactor:
         """Merge until nothing is left to merge: ``fanin`` units just merged may complete a class above."""
         try:
             while not self._stop.is_set():
-                result = compact_rank(self.files.store, self.files.run_dir, self.files.rank, self.files.snapshot(),
+                result = compact_rank(self.files.store, self.files.run_dir, self.files.rank, self.files.snapshot,
                                       lambda records: self.files.save(**{S.COMPACTED_KEY: records}), full=False,
                                       fanin=self.every, row_group_size=self.row_group_size, fsync=self.fsync,
-                                      delete_after_s=self.delete_after_s, stop=self._stop)
+                                      delete_after_s=self.delete_after_s, stop=self._stop,
+                                      lock=self.files.folder_lock)
                 self.rounds += 1
                 self.results = [*self.results[-9:], result]
                 if result.warnings:
@@ -607,6 +916,12 @@ def compact_logdir(location: str | os.PathLike, *, grace_s: float = 5.0, force: 
                         echo(f"{_where(store, run_dir)} rank {rank}: skipped, its manifest reads running (a live "
                              f"logger compacts its own files; --force if none writes it)")
                         continue
+                    try:
+                        for line in recover_rank(store, run_dir, rank, manifest):
+                            echo(f"{_where(store, run_dir)} rank {rank}: {line}")
+                    except OSError as err:
+                        raise CompactionError(f"cannot recover {_where(store, run_dir)} rank {rank}: "
+                                              f"{_why(err)}") from err
                 else:
                     lock = RunLock(Path(run_dir), rank)
                     try:
@@ -619,9 +934,13 @@ def compact_logdir(location: str | os.PathLike, *, grace_s: float = 5.0, force: 
                     locks.append(lock)
                     try:
                         manifest = read_json(path)
+                        for line in recover_rank(store, run_dir, rank, manifest):
+                            echo(f"{run_dir} rank {rank}: {line}")
                     except SchemaError as err:
                         echo(f"{run_dir} rank {rank}: skipped, {err}")
                         continue
+                    except (OSError, CompactionError) as err:
+                        raise CompactionError(f"cannot recover {run_dir} rank {rank}: {_why(err)}") from err
 
                 def save(records: list[dict], path: Any = path, manifest: dict = manifest) -> None:
                     manifest[S.COMPACTED_KEY] = records
@@ -632,17 +951,10 @@ def compact_logdir(location: str | os.PathLike, *, grace_s: float = 5.0, force: 
                 results.append(result)
                 if result.merged:
                     last_commit = time.monotonic()
-        pending = [p for r in results for p in r.superseded]
-        if pending:
+        if not store.remote and any(r.merged for r in results):  # the folders swapped out, after the grace
             time.sleep(max(0.0, last_commit + grace_s - time.monotonic()))
-        for result in results:
-            for path in result.superseded:
-                try:
-                    store.delete(path)
-                    result.deleted += 1
-                except OSError as err:
-                    result.warnings.append(f"cannot delete {_where(store, path)}: {_why(err)}")
-            result.superseded = []
+            for result in results:
+                result.deleted += drop_superseded(Path(result.run_dir), result.rank, 0.0, None, result.warnings)
     finally:
         for lock in locks:
             lock.release()
@@ -695,7 +1007,7 @@ def cut_compacted(run_dir: Path, rank: int, record: dict, step: int, fsync: bool
                           if not k.startswith(_OWN_PREFIXES) and k not in (source.schema_arrow.metadata or {})}
                 footer[SOURCES_META.encode()] = json.dumps([[path.name, rows]]).encode()
                 footer[ORIGINALS_META.encode()] = json.dumps(taken).encode()
-                table = path.parent.name
+                table = S.table_of(path)
                 left = rows
                 with pq.ParquetWriter(tmp, source.schema_arrow, **S.WRITE_OPTIONS[table].writer_kwargs()) as out:
                     for g in range(source.num_row_groups):
@@ -707,9 +1019,70 @@ def cut_compacted(run_dir: Path, rank: int, record: dict, step: int, fsync: bool
                     out.add_key_value_metadata(footer)
             replace_file(tmp, final, fsync)
             written.append(final)
-            new["files"].append(f"{table}/{name}")
+            new["files"].append(f"{path.parent.relative_to(run_dir).as_posix()}/{name}")
     except BaseException:
         for path in written:
             path.unlink(missing_ok=True)
         raise
     return new, written
+
+
+# ------------------------------------------------------------------------------------------------ repair
+
+
+def repair_run(run_dir: str | os.PathLike) -> list[str]:
+    """Remove what a killed writer or compaction left in a local run, and say what, one line each: the work
+    :func:`recover_rank` finishes, the files of :func:`trustscope.schema.stray_files` that are provably
+    superseded or orphaned, the temporary files of writers that are gone, and every superseded folder. A file
+    the logger never writes (copied in by hand) is only named, never removed. Each rank is repaired under its
+    lock: a rank a live logger writes is skipped (said)."""
+    from trustscope.logger.errors import LogDirError
+    from trustscope.logger.runfiles import RunLock, rank_file, read_json
+    from trustscope.schema import SchemaError
+    from trustscope.storage import LocalStore
+
+    run_dir = Path(run_dir)
+    store = LocalStore(run_dir.parent)
+    said: list[str] = []
+    ranks = [0, *sorted(int(n[4:-5]) for n in _listing(store, run_dir / S.RANKS_DIR)
+                        if re.fullmatch(r"rank\d+\.json", n))]
+    held = []
+    try:
+        for rank in ranks:
+            path = rank_file(run_dir, rank)
+            if not path.exists():
+                continue
+            lock = RunLock(run_dir, rank)
+            try:
+                lock.acquire(run_dir.name, rank)
+            except LogDirError as err:
+                said.append(f"rank {rank}: skipped, {err}")
+                continue
+            held.append((rank, lock))
+            try:
+                said += [f"rank {rank}: {line}" for line in recover_rank(store, run_dir, rank, read_json(path))]
+            except SchemaError as err:
+                said.append(f"rank {rank}: skipped, {err}")
+                continue
+            said += [f"rank {rank}: removed {n} superseded file(s) under {run_dir / S.SUPERSEDED_DIR}"
+                     for n in [drop_superseded(run_dir, rank)] if n]
+            prefix = f"{S.TMP_PREFIX}r{rank:04d}-"
+            for table in S.TABLES:
+                for folder in [run_dir / table, *(run_dir / table).glob("r[0-9]*")]:
+                    for name in _listing(store, folder):
+                        if name.startswith(prefix) and name.endswith(S.TMP_SUFFIX):
+                            (folder / name).unlink(missing_ok=True)
+                            said.append(f"rank {rank}: removed {folder / name} (a temporary file of a writer "
+                                        f"that is gone)")
+        mine = {rank for rank, _ in held}
+        for stray in S.stray_files(run_dir):
+            name = S.parse_data_file(stray.path.name)
+            if not stray.removable or name is None or name.rank not in mine:
+                said.append(f"kept {stray.path}: {stray.why}")
+                continue
+            stray.path.unlink(missing_ok=True)
+            said.append(f"removed {stray.path}: {stray.why}")
+    finally:
+        for _, lock in held:
+            lock.release()
+    return said

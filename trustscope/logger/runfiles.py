@@ -236,6 +236,10 @@ class RunFiles:
         self.manifest: dict[str, Any] = {}
         self._manifest_lock = threading.Lock()  # the writer thread saves, the training thread reads
         self._save_lock = threading.Lock()  # the writer and the compaction thread both save
+        self.folder_lock = threading.Lock()
+        """Held while files are renamed into the rank's folders (the writer) or the folders swapped (compaction)."""
+        self.layout = S.LAYOUT
+        """The run's layout (:data:`trustscope.schema.LAYOUT`): a resumed run keeps its own."""
         self.disk_last_step: int | None = None
         """The last step of this rank in the committed files already on disk (resume), else None."""
         self.next_flush = 1
@@ -261,10 +265,32 @@ class RunFiles:
             self.lock.release()
             raise
 
+    def data_dir(self, table: str) -> Path | PurePosixPath:
+        """Where this rank's files of ``table`` land: its rank folder (layout 2), else the table folder."""
+        return (S.rank_folder(self.run_dir, table, self.rank) if self.layout >= 2
+                else self.run_dir / table)
+
+    def _listing(self) -> dict[str, list[str]]:
+        """Folder relative to the run -> the names in it, for every table folder and rank folder of the run."""
+        out: dict[str, list[str]] = {}
+        for table in S.TABLES:
+            names = self.store.names(self.run_dir / table)
+            out[table] = [n for n in names if not S.is_rank_dir_name(n)]
+            for n in names:
+                if S.is_rank_dir_name(n):
+                    out[f"{table}/{n}"] = self.store.names(self.run_dir / table / n)
+        return out
+
     def _check_existing(self, resume: bool) -> None:
         store = self.store
-        listed = {t: store.names(self.run_dir / t) for t in S.TABLES}
-        mine = [self.run_dir / t / n for t, names in listed.items() for n in names
+        if store.exists(self.run_dir / S.MANIFEST):
+            with contextlib.suppress(SchemaError):
+                self.layout = S.layout_of(read_json(self.run_dir / S.MANIFEST, store))
+        if self.layout >= 2:
+            for table in S.TABLES:
+                store.prepare_folder(self.data_dir(table))
+        listed = self._listing()
+        mine = [self.run_dir / f / n for f, names in listed.items() for n in names
                 if (name := S.parse_data_file(n)) is not None and name.rank == self.rank]
         exists = store.exists(self.path) or bool(mine)
         if exists and not resume:
@@ -272,11 +298,18 @@ class RunFiles:
                               f"pass resume=True to continue it, or choose another run_id")
         if not exists:
             return
+        from trustscope.logger.compaction import recover_rank
+
+        if store.exists(self.path):  # what a killed writer or compaction of this rank left half done
+            recover_rank(store, self.run_dir, self.rank, read_json(self.path, store))
+            listed = self._listing()
+            mine = [self.run_dir / f / n for f, names in listed.items() for n in names
+                    if (name := S.parse_data_file(n)) is not None and name.rank == self.rank]
         prefix = f"{S.TMP_PREFIX}r{self.rank:04d}-"
-        for table, names in listed.items():  # half-written files of a writer that died; no reader ever saw them
+        for folder, names in listed.items():  # half-written files of a writer that died; no reader ever saw them
             for n in names:
                 if n.startswith(prefix) and n.endswith(S.TMP_SUFFIX):
-                    store.delete(self.run_dir / table / n)
+                    store.delete(self.run_dir / folder / n)
         committed = store.committed(self.run_dir) if store.remote else {
             p for files in S.committed_files(self.run_dir).values() for p in files}
         for path in mine:  # files of a flush whose commit never happened: never visible, and removed now
@@ -301,6 +334,10 @@ class RunFiles:
                 raise SchemaError(f"{self.path}: schema_version {old.get('schema_version')!r}; this trustscope "
                                   f"writes {S.SCHEMA_VERSION} and cannot append to it")
             topk_k = old.get("logging", {}).get("topk_k")
+            declared = (old.get("logging") or {}).get("extra_columns") or {}
+            if declared != (logging_info.get("extra_columns") or {}):
+                raise SchemaError(f"{self.path}: extra_columns {logging_info.get('extra_columns') or {}} differ from "
+                                  f"the run's {declared}: a run's own columns and their types are declared once")
             self.prior_lost = old.get("lost")
             if self.store.remote:  # the earlier sessions' store failures stay counted
                 self.store.faults.add_prior(old.get("storage_faults"))
@@ -333,6 +370,7 @@ class RunFiles:
         }
         if self.rank == 0:
             self.manifest.update(run_info)
+        self.manifest[S.LAYOUT_KEY] = self.layout
         self.manifest.update(logging=logging_info, last_step=self.disk_last_step, rows=dict.fromkeys(S.TABLES, 0),
                              committed_flush=self.next_flush - 1, tokens_generated=0, tokens_logged=0,
                              dropped_rows=0, lost=None, resumes=[])
@@ -371,16 +409,28 @@ class RunFiles:
             return json.loads(json.dumps(self.manifest, default=str))
 
     def commit(self, flush: int, rows: Mapping[str, int], last_step: int | None, counts: Mapping[str, int],
-               topk_k: int | None, lost: dict | None) -> None:
-        """Make flushes up to ``flush`` visible: their rows, last step and token counts enter the manifest with
-        ``committed_flush = flush``, in one atomic write. Raises the OSError if the manifest cannot be written."""
+               topk_k: int | None, lost: dict | None, publishing: Sequence[tuple[Any, Any, int]] = ()) -> None:
+        """Commit flushes up to ``flush``: their rows, last step and token counts enter the manifest with
+        ``committed_flush = flush``, in one atomic write, before their files are put in place. ``publishing``:
+        ``(temporary file, final name, rows)`` of those files, kept in the manifest (``publishing``, paths
+        relative to the run) so that the files of a writer killed before it renamed them all are renamed by the
+        next writer (:func:`trustscope.logger.compaction.recover_rank`). Raises the OSError if the manifest cannot
+        be written."""
         m = self.manifest
         total = {t: m["rows"].get(t, 0) + rows.get(t, 0) for t in S.TABLES}
         prev = m.get("last_step")
         step = prev if last_step is None or (prev is not None and prev >= last_step) else last_step
         counted = {k: (m.get(k) or 0) + v if m.get(k) is not None else None for k, v in counts.items()}
         self.save(rows=total, last_step=step, committed_flush=flush, logging={**m["logging"], "topk_k": topk_k},
-                  lost=self.all_lost(lost), **counted)
+                  lost=self.all_lost(lost), publishing=[[self._relative(tmp), self._relative(final), n]
+                                                        for tmp, final, n in publishing], **counted)
+
+    def _relative(self, path: Any) -> str | None:
+        """``path`` relative to the run directory (None for a file outside it: an object store's local spool)."""
+        try:
+            return PurePosixPath(path).relative_to(PurePosixPath(self.run_dir)).as_posix()
+        except ValueError:
+            return None
 
     def cut_after(self, step: int) -> int:
         """Drop this rank's committed flushes after ``step`` (:func:`drop_steps_after` for this rank alone, under
@@ -542,7 +592,7 @@ def _cut_record(store: RunStore, run: Any, rank: int, record: dict, step: int) -
         finals = []
         try:
             for path in written:
-                final = run / path.parent.name / path.name
+                final = run / path.relative_to(local).as_posix()
                 finals.append(final)
                 store.publish(path, final, fsync=False)
         except BaseException:
@@ -606,11 +656,11 @@ def cut_rank(store: RunStore, run: Any, rank: int, manifest: dict, step: int,
                 counts[k] = None if value is None or counts[k] is None else counts[k] + int(value)
         for path, footer in zip(paths, footers, strict=True):
             name = S.parse_data_file(path.name)
-            rows[path.parent.name] += footer.num_rows
+            rows[S.table_of(path)] += footer.num_rows
             last_steps.append(name.last_step if name is not None else step)
     cut = {S.COMPACTED_KEY: sorted(records.values(), key=lambda r: r["flushes"][0])} \
         if S.COMPACTED_KEY in manifest else {}
-    return {**counts, **cut, "rows": rows, "updated_at": now(),
+    return {**counts, **cut, "rows": rows, "updated_at": now(), "publishing": [],
             "last_step": max(last_steps) if last_steps else None}, gone
 
 

@@ -10,16 +10,26 @@ view adds up the micro-batches of a step and the ranks of a run.
 Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
 
 - ``tokens``: token count per advantage sign (positive, negative, zero) and mu bucket.
-- ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`, default parameters), the tokens its
-  keep-mask blocks, per advantage sign (positive, negative: A = 0 is left out, a blocked A = 0 token carries no
-  gradient either way) and mu bucket: every rule's mask from :func:`trustscope.losses.keep_masks`, without its
-  loss, the rules sharing their ratios and divergences. The top-K rules gate on the stored ``topk_tv`` /
-  ``topk_kl``, as the SQL views do. A rule that needs a column the call lacks (top-K, old_logprob) has no rows.
+- ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`: the rule the run trains with at its
+  own parameters, every other at its defaults), the tokens its keep-mask blocks, per advantage sign (positive,
+  negative: A = 0 is left out, a blocked A = 0 token carries no gradient either way) and mu bucket: every rule's
+  mask from :func:`trustscope.losses.keep_masks`, without its loss, the rules sharing their ratios and
+  divergences. The top-K rules gate on the stored ``topk_tv`` / ``topk_kl``, as the SQL views do. A rule that
+  needs a column the call lacks (top-K, old_logprob) has no rows. Each rule setting the logger was given
+  (``TokenLogger(rule_settings=...)``, :mod:`trustscope.rule_settings`) has rows of its own, ``rule`` being the
+  setting's name (``geo_mask@0.99``, ``ppo_clip:eps_low=0.1,eps_high=0.1``), whose parameters the name gives back
+  and ``run.json``'s ``logging.summary_rules`` records.
+- ``threshold_hist``: per rule with a scalar threshold (:class:`trustscope.losses.Threshold`), at the parameters
+  of its ``blocked`` rows, the tokens with A != 0 by the scale at which the rule starts to block them (its
+  ``score``), binned on :data:`THRESHOLD_EDGES`: the rule at scale u blocks the tokens of every bin above u, so the
+  blocked count at any bin edge, and the threshold that blocks a given share to within one bin, follow exactly
+  (``LogDB.equal_budget``). Tokens no scale blocks are not counted; those every scale blocks are in the last bin.
 - ``trainer_blocked``: tokens with ``kept`` False, per advantage sign and mu bucket.
 - ``bad_negative``: tokens with A < 0 and mu - pi >= ``threshold`` (minimal_negative_mask's default delta, the
   SQL's ``bad_negative_delta``).
-- ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``:
-  count, sum, sum of squares, min and max;
+- ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``,
+  ``routing_agreement`` (MoE runs): count, sum, sum of squares, min and max; ``routing_agreement`` once more per
+  MoE layer when both routings are given (:func:`routing_rows`: ``dimension`` ``layer``);
 - ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``, ``abs_seq_log_ratio``: the count per fixed bin
   ``[bin_low, bin_high)`` of :data:`HIST_EDGES`, so quantiles follow exactly to bin resolution (8 bins a decade).
 - The early-warning signals (:func:`ratio_rows`), count, sum, sum of squares, min and max like the moments above:
@@ -29,6 +39,11 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   exponential (the response's geometric-mean weight, whose ESS is the response-level one), and
   ``abs_seq_log_ratio`` with its histogram, for the tails. A response is one call's rows of its ``sample_id``: the
   trainer hands each response whole to one call, so the per-response figures are exact.
+
+Every metric above but the per-response ones (``seq_*``) is held once more per bucket of each summary dimension
+(:data:`trustscope.columns.DIMENSIONS`: position bucket, turn, staleness = step - policy_version), each on its own
+and never crossed with the mu bucket: rows with ``dimension`` and ``bucket`` set (:func:`dimension_rows`). A call
+without a dimension's columns (no ``turn``, no ``policy_version``) has no rows of it.
 
 The mu buckets are those of the SQL macro ``mu_bucket`` (``sql/macros/mu_bucket.sql``), whose edges are read from
 that file: one definition. A bucket is stored as its lower edge (``mu_low``), which the view labels with the macro.
@@ -64,6 +79,9 @@ SIGNS = ("positive", "negative", "zero")
 
 HIST_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-56, 25) / 8.0), [np.inf]])
 """``(83,)`` histogram edges: 0, then 1e-7 to 1e3 at 8 per decade, then inf. Bin i is ``[edge i, edge i+1)``."""
+THRESHOLD_EDGES = np.concatenate([[0.0], 10.0 ** (np.arange(-48, 49) / 8.0), [np.inf]])
+"""``(99,)`` the ``threshold_hist`` edges, in scale (1: the parameters evaluated): 0, then 1e-6 to 1e6 at 8 per
+decade, then inf (a default off by three decades, GSPO's on a model far from its own, still falls inside)."""
 
 
 @contextlib.contextmanager
@@ -93,9 +111,9 @@ def _moments(name: str, x: np.ndarray) -> dict:
             "min": float(x.min()), "max": float(x.max())}
 
 
-def _hist(name: str, x: np.ndarray) -> list[dict]:
-    counts = np.bincount(np.searchsorted(HIST_EDGES, x, side="right") - 1, minlength=len(HIST_EDGES) - 1)
-    return [{"metric": f"{name}_hist", "bin_low": float(HIST_EDGES[i]), "bin_high": float(HIST_EDGES[i + 1]),
+def _hist(name: str, x: np.ndarray, edges: np.ndarray = HIST_EDGES) -> list[dict]:
+    counts = np.bincount(np.searchsorted(edges, x, side="right") - 1, minlength=len(edges) - 1)
+    return [{"metric": f"{name}_hist", "bin_low": float(edges[i]), "bin_high": float(edges[i + 1]),
              "count": int(counts[i])} for i in np.flatnonzero(counts)]
 
 
@@ -129,7 +147,30 @@ def blocked_rule_list() -> list[tuple[str, dict]]:
     return [(rule.name, dict(rule.defaults)) for rule in rules[: S.MAX_BLOCKED_RULES]]
 
 
-def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
+SummaryRule = tuple[str, str, dict]
+"""``(name, rule, params)``: what one set of ``blocked`` rows is (see :func:`summary_rules`)."""
+
+
+def summary_rules(loss_rule: str | None = None, loss_params: dict | None = None,
+                  settings: tuple = ()) -> tuple[SummaryRule, ...]:
+    """The rule settings the summaries count blocks for: every registered rule under its own name, at its defaults
+    except ``loss_rule`` (the rule the run trains with) at ``loss_params`` (its defaults where they are None or
+    rejected), then each of ``settings`` (:class:`trustscope.rule_settings.RuleSetting`) under its name."""
+    from trustscope.losses import get_loss, list_losses
+
+    out = []
+    for name in list_losses():
+        params = dict(get_loss(name).defaults)
+        if name == loss_rule and loss_params:
+            with contextlib.suppress(TypeError, ValueError):
+                params = get_loss(name).resolve(**loss_params)
+        out.append((name, name, params))
+    out += [(s.name, s.rule, dict(s.params)) for s in settings]
+    return tuple(out)
+
+
+def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None,
+                   rules: tuple[SummaryRule, ...] | None = None) -> list[dict]:
     """:func:`summarize` over one call's rows, adding ``topk_tv``/``topk_kl`` to ``cols`` first when the top-K
     lists are there and the divergences are not (computed once, for every row, and written with the rows), and
     ``blocked_rules`` when ``bit_rules`` names rules (see :func:`summarize`)."""
@@ -137,16 +178,30 @@ def summarize_call(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ())
         tv, kl = topk_divergences_np(cols["mu_topk_logprobs"], cols["pi_topk_logprobs"])
         cols.setdefault("topk_tv", tv)
         cols.setdefault("topk_kl", kl)
-    return summarize(cols, bit_rules)
+    return summarize(cols, bit_rules, step, rules)
 
 
-def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> list[dict]:
+def _score_hist(name: str, score: np.ndarray) -> list[dict]:
+    """``threshold_hist`` rows of one rule: the scores > 0 (NaN: blocked at no scale) on :data:`HIST_EDGES`."""
+    score = score[score > 0]
+    if not len(score):
+        return []
+    score = np.minimum(score, np.finfo(np.float64).max)  # blocked at every scale: the last bin, [1e6, inf)
+    return [{**row, "metric": "threshold_hist", "rule": name} for row in _hist("threshold", score, THRESHOLD_EDGES)]
+
+
+def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step: int | None = None,
+              rules: tuple[SummaryRule, ...] | None = None) -> list[dict]:
     """The summary rows of one call's flat, checked token columns ``(N,)`` / ``(N, K)`` (every token).
 
     The rules' masks run on one torch intra-op thread (:func:`one_torch_thread`). With ``bit_rules``, the same
     masks also go into ``cols["blocked_rules"]`` ``(N,)`` int64: bit i set when ``bit_rules[i]`` blocks the row
     (a rule whose inputs the call lacks blocks nothing, as in the SQL views). The kept aggregates' first pass
-    reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`).
+    reads these bits instead of evaluating each rule again (:func:`trustscope.db.stored_rule_bits`). ``rules``:
+    the settings counted (:func:`summary_rules`; default: every rule at its defaults); the bits are taken from
+    the settings named like their rule, and only where those are at the rule's defaults.
+
+    ``step``: the call's step, which the ``staleness`` dimension reads (None: no staleness rows).
 
     Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
     """
@@ -194,16 +249,39 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> l
                         advantages=tensor("advantage"), mask=torch.from_numpy(valid),
                         old_logprob=tensor("old_logprob"), **lists)
     signed = sign < 2
-    with one_torch_thread():
-        masks = keep_masks(batch, rules_with_inputs(batch, given), given=given)
+    rules = summary_rules() if rules is None else rules
+    with_inputs = set(rules_with_inputs(batch, given))
     bit_of = {name: i for i, name in enumerate(bit_rules)}
     bits = np.zeros(n, dtype=np.int64) if bit_rules else None  # (N,)
+
+    def flat_of(values: torch.Tensor) -> np.ndarray:
+        values = values.numpy().reshape(-1)  # (B * T,)
+        return values if dense else values[flat]  # (N,)
+
+    with one_torch_thread(), torch.no_grad():
+        base = {rule: params for name, rule, params in rules if name == rule and rule in with_inputs}
+        masks = dict(keep_masks(batch, list(base), params=base, given=given))
+        terms = MaskTerms(batch, given)  # the settings' masks and the scores share one set of terms
+        for name, rule, params in rules:
+            if name != rule and rule in with_inputs:
+                spec = get_loss(rule)
+                masks[name] = (spec.mask(terms, **{p: params[p] for p in spec.mask_params}) & terms.valid
+                               if spec.mask is not None else
+                               keep_masks(batch, [rule], params={rule: params}, given=given)[rule])
+        scores = {rule: get_loss(rule).threshold.score(terms, **params) for rule, params in base.items()
+                  if get_loss(rule).threshold is not None
+                  and get_loss(rule).threshold.scalable(params) is None}  # (B, T) each
+        for rule, score in scores.items():
+            rows += _score_hist(rule, flat_of(score)[signed])
+        # the bits follow the rules' defaults (the tokens files' footer says so)
+        bit_masks = {name: masks[name] if base[name] == get_loss(name).defaults
+                     else keep_masks(batch, [name], given=given)[name] for name in bit_of if name in base}
+    blocked_by: dict[str, np.ndarray] = {}  # rule setting -> (N,) blocked A != 0 tokens, for the dimension rows
     for name, keep in masks.items():  # inputs checked finite already
-        blocked = ~keep.numpy().reshape(-1)  # (B * T,)
-        blocked = blocked if dense else blocked[flat]  # (N,)
-        rows += _grouped("blocked", group, blocked & signed, 2, rule=name)
-        if bits is not None and name in bit_of:
-            bits |= blocked.astype(np.int64) << bit_of[name]
+        blocked_by[name] = ~flat_of(keep) & signed
+        rows += _grouped("blocked", group, blocked_by[name], 2, rule=name)
+    for name, keep in bit_masks.items():
+        bits |= (~flat_of(keep)).astype(np.int64) << bit_of[name]
     if bits is not None:
         cols["blocked_rules"] = bits
 
@@ -218,4 +296,76 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = ()) -> l
             rows += [_moments(name, cols[name]), *_hist(name, cols[name])]
     if "entropy" in cols:
         rows.append(_moments("entropy", cols["entropy"]))
+    rows += routing_rows(cols)
+    rows += dimension_rows(cols, step, sign, diff, blocked_by, delta)
+    return rows
+
+
+def routing_rows(cols: dict[str, np.ndarray]) -> list[dict]:
+    """Mixture-of-experts routing: the moments of ``routing_agreement`` (the share of the engine's (layer, slot)
+    choices the trainer's router also made, per token); with both routings given, the same per MoE layer
+    (``dimension`` ``layer``, ``bucket`` the layer's index among the MoE layers, ``count`` the tokens)."""
+    if "routing_agreement" not in cols:
+        return []
+    rows = [_moments("routing_agreement", cols["routing_agreement"])]
+    if "engine_experts" in cols and "trainer_experts" in cols:
+        from trustscope.routing import agreement
+
+        per_layer = agreement(cols["engine_experts"], cols["trainer_experts"])[1]  # (N, L)
+        rows += [{**_moments("routing_agreement", per_layer[:, layer]), "dimension": "layer", "bucket": layer}
+                 for layer in range(per_layer.shape[1])]
+    return rows
+
+
+def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarray, diff: np.ndarray,
+                   blocked_by: dict[str, np.ndarray], delta: float) -> list[dict]:
+    """The rows of every summary dimension (:data:`trustscope.columns.DIMENSIONS`) whose columns the call has:
+    per bucket, each on its own (never crossed with the mu bucket), the same metrics as the grouped rows above:
+    ``tokens`` and ``trainer_blocked`` per advantage sign, ``blocked`` per rule and sign (A != 0), ``bad_negative``,
+    the moments of ``prob_diff``, ``abs_prob_diff``, ``is_weight``, ``log_ratio`` (and ``topk_tv``, ``topk_kl``,
+    ``entropy`` when given) and the histograms of ``abs_prob_diff`` (and ``topk_tv``, ``topk_kl``). The
+    per-response figures (``seq_*``) have no dimension rows: a response spans positions, turns and versions.
+
+    ``sign`` ``(N,)`` indexes :data:`SIGNS`; ``diff`` ``(N,)`` is pi - mu; ``blocked_by`` rule -> ``(N,)`` the
+    A != 0 tokens it blocks."""
+    from trustscope.columns import DIMENSIONS
+
+    log_ratio = cols["pi_logprob"].astype(np.float64) - cols["mu_logprob"].astype(np.float64)  # (N,)
+    values = {"prob_diff": diff, "abs_prob_diff": np.abs(diff), "is_weight": np.exp(log_ratio),
+              "log_ratio": log_ratio}
+    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy", "routing_agreement") if name in cols})
+    hists = [name for name in ("abs_prob_diff", "topk_tv", "topk_kl") if name in values]
+    bad = (cols["advantage"] < 0) & (-diff >= delta)  # (N,)
+    rows: list[dict] = []
+    for dim in DIMENSIONS:
+        if any(need not in cols for need in dim.needs) or (dim.name == "staleness" and step is None):
+            continue
+        lows, idx = np.unique(dim.bucket(cols, step), return_inverse=True)  # idx: (N,) bucket index 0..nb-1
+        nb = len(lows)
+        tag = [{"dimension": dim.name, "bucket": int(low)} for low in lows]
+
+        def by_sign(metric: str, where: np.ndarray | None, signs: int, tag: list[dict] = tag, idx: np.ndarray = idx,
+                    nb: int = nb, **extra: object) -> list[dict]:
+            g = sign * nb + idx  # (N,)
+            counts = np.bincount(g if where is None else g[where], minlength=len(SIGNS) * nb)
+            return [{"metric": metric, "advantage_sign": SIGNS[k // nb], "count": int(counts[k]), **tag[k % nb],
+                     **extra} for k in np.flatnonzero(counts[: signs * nb])]
+
+        rows += by_sign("tokens", None, 3)
+        if "kept" in cols:
+            rows += by_sign("trainer_blocked", ~cols["kept"], 3)
+        for rule, blocked in blocked_by.items():
+            rows += by_sign("blocked", blocked, 2, rule=rule)
+        n_bad = np.bincount(idx[bad], minlength=nb)
+        rows += [{"metric": "bad_negative", "advantage_sign": "negative", "count": int(n_bad[j]), "threshold": delta,
+                  **tag[j]} for j in range(nb)]
+        order = np.argsort(idx, kind="stable")  # (N,) the rows bucket by bucket
+        bounds = np.searchsorted(idx[order], np.arange(nb + 1))  # (nb + 1,)
+        for name, x in values.items():
+            xs = np.asarray(x)[order]
+            for j in range(nb):
+                part = xs[bounds[j]: bounds[j + 1]]
+                rows.append({**_moments(name, part), **tag[j]})
+                if name in hists:
+                    rows += [{**row, **tag[j]} for row in _hist(name, part)]
     return rows

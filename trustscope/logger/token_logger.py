@@ -14,7 +14,7 @@ import os
 import secrets
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from trustscope import __version__
+from trustscope import columns as C
 from trustscope import schema as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
-from trustscope.logger.compaction import FANIN, BackgroundCompactor
+from trustscope.logger.compaction import FANIN, BackgroundCompactor, background_compaction
 from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.memory import ON_FULL, RowBudget, default_max_buffered_rows
 from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
-from trustscope.logger.summaries import blocked_rule_list
+from trustscope.logger.summaries import blocked_rule_list, summary_rules
 from trustscope.logger.writer import Writer, default_write_threads
 from trustscope.schema import SchemaError
 from trustscope.storage import StorageError, open_store
@@ -58,6 +59,8 @@ class TokenLogger:
         tokenizer: Mapping[str, Any] | str | None = None,
         vocab: Any = None,
         loss_rule: str = "none",
+        loss_params: Mapping[str, Any] | None = None,
+        rule_settings: Sequence[str] = (),
         mu_source: str = "engine",
         source: Mapping[str, Any] | None = None,
         rank: int | None = None,
@@ -80,6 +83,9 @@ class TokenLogger:
         summaries: bool = True,
         compact_every: int = FANIN,
         storage_options: Mapping[str, Any] | None = None,
+        extra_columns: Mapping[str, str] | None = None,
+        max_staleness: int | None = None,
+        routing_shape: tuple[int, int, int] | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -111,8 +117,20 @@ class TokenLogger:
                              f"time), got {compact_every}")
         if not isinstance(loss_rule, str) or not loss_rule:
             raise ValueError(f"loss_rule must be a non-empty string, got {loss_rule!r}")
+        settings = _rule_settings(rule_settings)
+        if loss_params is not None and not isinstance(loss_params, Mapping):
+            raise ValueError(f"loss_params must be a mapping of the rule's parameters, got {loss_params!r}")
         if mu_source not in MU_SOURCES:
             raise ValueError(f"mu_source must be one of {sorted(MU_SOURCES)}, got {mu_source!r}")
+        extra = C.extra_columns(extra_columns)  # ValueError naming a bad name or type
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 (weight updates a sampling engine may lag the "
+                             f"trainer) or None, got {max_staleness!r}")
+        if routing_shape is not None:
+            from trustscope.routing import check_routing_shape
+
+            routing_shape = check_routing_shape(routing_shape)
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -150,16 +168,25 @@ class TokenLogger:
         try:
             if tokenizer is None and vocab is not None and hasattr(vocab, "name_or_path"):
                 tokenizer = {"name_or_path": str(vocab.name_or_path), "class": type(vocab).__name__}
+            rule_name = loss_rule.replace(":", ".").rsplit(".", 1)[-1]
+            own = dict(loss_params) if loss_params is not None else (
+                dict(config.get("loss_params") or {}) if isinstance(config, Mapping)
+                and str(config.get("loss", rule_name)).replace(":", ".").rsplit(".", 1)[-1] == rule_name else {})
+            self._summary_rules = summary_rules(rule_name, own, tuple(settings))
             run_info = {"loss_rule": loss_rule, "mu_source": mu_source, "source": jsonable(self.source),
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
-                        "tokenizer": jsonable(tokenizer)}
+                        "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness,
+                        **({"routing_shape": list(routing_shape)} if routing_shape else {}),
+                        **({"loss_params": jsonable(dict(loss_params))} if loss_params is not None else {})}
             logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
                             "log_topk": log_topk,
                             "topk_precision": topk_precision, "topk_k": None, "summaries": summaries, "seed": int(seed), "strict": strict,
                             "flush_rows": int(flush_rows), "flush_seconds": float(flush_seconds),
                             "compact_every": int(compact_every), "max_queue": int(max_queue),
                             "max_buffered_rows": int(max_buffered_rows), "on_full": on_full,
-                            "block_timeout_s": None if block_timeout_s is None else float(block_timeout_s)}
+                            "block_timeout_s": None if block_timeout_s is None else float(block_timeout_s),
+                            "extra_columns": {c.name: str(extra_columns[c.name]) for c in extra},
+                            "summary_rules": _recorded(self._summary_rules) if summaries else None}
             topk_k = self._files.start_manifest(resume, run_info, logging_info)
             if texts is not None and self.rank == 0:
                 self._files.write_vocab(texts)
@@ -174,13 +201,16 @@ class TokenLogger:
         self._checker = InputChecker(run_id=self.run_id, rank=self.rank, strict=strict, loss_rule=loss_rule,
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
-                                     disk_last_step=self._files.disk_last_step, summaries=summaries)
+                                     disk_last_step=self._files.disk_last_step, summaries=summaries,
+                                     extra_columns=extra, routing_shape=routing_shape)
         prior = self._files.manifest.get("buffer") if resume else None
         self._budget = RowBudget(int(max_buffered_rows), int(max_queue), on_full,
                                  None if block_timeout_s is None else float(block_timeout_s),
                                  prior if isinstance(prior, dict) else None)
         self._files.note(buffer=self._budget.report())
-        self._compactor = (BackgroundCompactor(self._files, int(compact_every), int(row_group_size), fsync)
+        compact_every = int(compact_every) if background_compaction(self._files, int(compact_every)) else 0
+        self._files.note(logging={**self._files.manifest["logging"], "compact_every": compact_every})
+        self._compactor = (BackgroundCompactor(self._files, compact_every, int(row_group_size), fsync)
                            if compact_every else None)
         self._writer = Writer(self._files, run_id=self.run_id, rank=self.rank, log_topk=log_topk,
                               topk_precision=topk_precision, flush_rows=int(flush_rows),
@@ -188,9 +218,11 @@ class TokenLogger:
                               row_group_size=int(row_group_size), fsync=fsync, topk_k=topk_k,
                               write_threads=default_write_threads() if write_threads is None else int(write_threads),
                               blocked_rules=blocked_rule_list() if summaries else None,
+                              summary_rules=self._summary_rules,
                               on_commit=None if self._compactor is None else self._compactor.committed,
                               budget=self._budget, decode=text_decoder(vocab, texts),
-                              text_fraction=float(text_fraction), seed=int(seed))
+                              text_fraction=float(text_fraction), seed=int(seed),
+                              extra_fields=tuple(c.field for c in extra))
         self._summary_calls = 0  # calls with summaries queued so far
         self._calls_through: dict[int, int] = {}  # step -> calls with summaries queued up to its last call
         self._atexit = _close_at_exit(self)
@@ -307,6 +339,7 @@ class TokenLogger:
             self._writer.stop()
             if self._compactor is not None:
                 self._compactor.stop()
+                self._compactor.tidy()
             lost, fatal = self._writer.lost, self._writer.fatal
             if fatal is not None and status == "finished":
                 status, error = "crashed", f"writer thread stopped: {type(fatal).__name__}: {fatal}"
@@ -442,3 +475,30 @@ class NullLogger:
 
     def __exit__(self, *exc: Any) -> None:
         pass
+
+
+def _rule_settings(settings: Sequence[str]) -> list:
+    """``rule_settings`` checked (:func:`trustscope.rule_settings.parse_settings`): a list of settings, not one
+    string."""
+    from trustscope.rule_settings import parse_settings
+
+    if isinstance(settings, str):
+        raise ValueError(f"rule_settings must be a list of rule settings (NAME@VALUE or NAME:param=value), got the "
+                         f"string {settings!r}")
+    parsed = parse_settings(settings)
+    from trustscope.losses import list_losses
+
+    clash = [s.name for s in parsed if s.name in list_losses()]
+    if clash:
+        raise ValueError(f"rule_settings: {clash[0]!r} is the rule at its defaults, which the summaries count "
+                         f"already; give it other parameters")
+    return parsed
+
+
+def _recorded(rules: tuple) -> dict[str, dict[str, Any]]:
+    """``run.json``'s ``logging.summary_rules``: what each ``rule`` value of the ``blocked`` summaries is, the rule
+    and its mask's parameters (the ones the blocks depend on)."""
+    from trustscope.losses import get_loss
+
+    return {name: {"rule": rule, "params": jsonable({p: params[p] for p in get_loss(rule).mask_params})}
+            for name, rule, params in rules}

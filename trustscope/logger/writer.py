@@ -1,10 +1,16 @@
 """The Arrow/Parquet writer: a background thread that turns checked batches into one file per table and flush,
 and commits each flush in the rank's manifest (:meth:`RunFiles.commit`).
 
-A flush writes every table's open temporary file, fsyncs it, renames it to its final name carrying the flush
-number (on an object store: uploads it under that name, one whole object), and only then records that number as
-committed: readers see the flush in every table at once, or not at all. Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they
-never split a step; :meth:`Writer.flush` and an idle writer flush everything.
+A flush closes and fsyncs every table's open temporary file (in the table folder, under a hidden name), records
+its number as committed in the rank's manifest, and only then renames each file into the rank's folder under its
+final name carrying the flush number (on an object store: uploads it under that name, one whole object). So no
+reader of the folders ever lists a file the manifest does not commit: trustscope's readers and a plain glob of a
+table see the same files at every moment, and each table's rows of the flush appear by one rename (or PUT).
+The manifest names the flush's temporary and final files (``publishing``), so a writer killed between the commit
+and the renames is rolled forward by the next writer of the rank (or ``trustscope validate --repair``).
+
+Automatic flushes (``flush_rows`` rows or ``flush_seconds`` reached) happen when a new step begins, so they never
+split a step; :meth:`Writer.flush` and an idle writer flush everything.
 
 Failures never stop the thread: a batch that cannot be converted is lost alone; a file that cannot be written
 loses the open flush; a manifest that cannot be written leaves its flushes invisible until a later commit
@@ -19,6 +25,7 @@ import json
 import os
 import queue
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +41,11 @@ import pyarrow.parquet as pq
 from trustscope import schema as S
 from trustscope.divergence_np import topk_divergences_np
 from trustscope.logger.batch import Batch
+from trustscope.logger.checks import ROUTING
 from trustscope.logger.memory import RowBudget
 from trustscope.logger.runfiles import RunFiles
 from trustscope.logger.summaries import summarize_call
-from trustscope.storage import RunStore
+from trustscope.storage import RunStore, can_exchange, exchange
 
 
 def default_write_threads() -> int:
@@ -64,6 +72,7 @@ class _Part:
         self.writer: pq.ParquetWriter | None = None
         self.tmp: Path | None = None
         self.busy: Future | None = None  # the row group being encoded (one at a time: bounded memory)
+        self.rows = 0
 
     def wait(self) -> None:
         """Wait for the row group in flight; raises its error."""
@@ -74,9 +83,10 @@ class _Part:
     def write(self, table: _Table, data: pa.Table) -> None:
         self.wait()
         if self.writer is None:
-            spool = table.store.spool(table.directory)
+            spool = table.store.spool(table.spool_dir)
             self.tmp = S.tmp_path(spool / f"{table.prefix}-open-{secrets.token_hex(6)}.parquet")
             self.writer = pq.ParquetWriter(self.tmp, table.schema, **table.options.writer_kwargs())
+        self.rows += data.num_rows
         if self.pool is None:
             self.writer.write_table(data, row_group_size=table.row_group_size)
         else:
@@ -91,10 +101,13 @@ class _Table:
     """
 
     def __init__(self, name: str, store: RunStore, directory: Path | PurePosixPath, row_group_size: int,
-                 prefix: str, parts: int = 1):
+                 prefix: str, parts: int = 1, spool_dir: Path | PurePosixPath | None = None):
         self.name = name
         self.store = store
         self.directory = directory
+        """Where the table's files land (the rank's folder, or the table folder in a layout 1 run)."""
+        self.spool_dir = directory if spool_dir is None else spool_dir
+        """Where they are written first (the table folder: outside the rank folder, which compaction swaps)."""
         self.prefix = prefix
         self.schema = S.with_metadata(name)
         self.options = S.WRITE_OPTIONS[name]
@@ -144,25 +157,19 @@ class _Table:
             part.writer.close()
             part.writer = None
 
-    def publish(self, flush: int, rank: int, fsync: bool,
-                attempted: list[Path | PurePosixPath]) -> list[Path | PurePosixPath]:
-        """Give the closed files their final names (fsynced and renamed, or uploaded: see
-        :meth:`RunStore.publish`); still invisible to readers until ``flush`` is committed. Each final name is
-        added to ``attempted`` before its upload starts: an upload that failed may still have landed (its reply
-        was lost), so a failed flush removes every name it attempted."""
+    def finish(self, flush: int, rank: int) -> list[tuple[Path, Path | PurePosixPath, int]]:
+        """The closed files as ``(temporary file, final name, rows)``, one per part that received rows; the table
+        is ready for the next flush. Nothing is renamed here (see :meth:`Writer._publish`)."""
         assert self.first_step is not None and self.last_step is not None
-        written = [part for part in self.parts if part.tmp is not None]
-        finals = []
-        for i, part in enumerate(written):
+        out = []
+        for i, part in enumerate(p for p in self.parts if p.tmp is not None):
             assert part.tmp is not None
             final = self.directory / S.data_file_name(rank, self.first_step, self.last_step, flush,
                                                       i if len(self.parts) > 1 else None)
-            attempted.append(final)
-            self.store.publish(part.tmp, final, fsync)
+            out.append((part.tmp, final, part.rows))
             part.tmp = None
-            finals.append(final)
         self.reset()
-        return finals
+        return out
 
     def abort(self) -> None:
         """Drop the open files and pending rows (after a write error); never raises."""
@@ -179,7 +186,7 @@ class _Table:
 
     def reset(self) -> None:
         for part in self.parts:
-            part.writer, part.tmp, part.busy = None, None, None
+            part.writer, part.tmp, part.busy, part.rows = None, None, None, 0
         self.pending, self.pending_rows, self.next_part = [], 0, 0
         self.rows, self.first_step, self.last_step = 0, None, None
 
@@ -192,13 +199,16 @@ class _Table:
 
 @dataclass
 class _Flush:
-    """A flush whose files are renamed but whose commit has not reached the manifest yet."""
+    """A flush whose files are closed (under their temporary names) but whose commit has not reached the manifest
+    yet; its files are renamed into place once it has."""
 
     number: int
     rows: dict[str, int]
+    first_step: int
     last_step: int
     counts: dict[str, int]
-    files: list[Path | PurePosixPath]
+    files: list[tuple[Path, Path | PurePosixPath, int]]
+    """``(temporary file, final name, rows)`` of each file."""
 
 
 class _Constants:
@@ -236,7 +246,7 @@ class _StepSummaries:
     ``part`` is the first call merged; a flush in the middle of a step (idle, or an explicit ``flush()``) writes what
     is merged so far, and the step's later calls start a new set at their own part."""
 
-    KEY = ("metric", "rule", "advantage_sign", "mu_low", "bin_low", "bin_high", "threshold")
+    KEY = ("metric", "rule", "advantage_sign", "mu_low", "bin_low", "bin_high", "threshold", "dimension", "bucket")
 
     def __init__(self, step: int, part: int) -> None:
         self.step, self.part = step, part
@@ -273,7 +283,7 @@ class Writer:
                  topk_k: int | None, write_threads: int = 1, blocked_rules: list[tuple[str, dict]] | None = None,
                  on_commit: Callable[[], None] | None = None, budget: RowBudget | None = None,
                  decode: Callable[[list[np.ndarray]], list[str]] | None = None, text_fraction: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, extra_fields: tuple[pa.Field, ...] = (), summary_rules: tuple | None = None):
         self.files = files
         self.budget = budget or RowBudget(2**62, max_queue, "block", None)
         """The rows and calls waiting in memory (:mod:`trustscope.logger.memory`): the training thread admits each
@@ -282,6 +292,8 @@ class Writer:
         self._room_asked = threading.Event()
         self._on_commit = on_commit
         """Called on the writer thread after each commit (the background compaction counts them)."""
+        self._summary_rules = summary_rules
+        """The rule settings the summaries count (:func:`trustscope.logger.summaries.summary_rules`)."""
         self._bit_rules = tuple(name for name, _ in blocked_rules or ())
         """The rules whose blocks each token row records in ``blocked_rules`` (bit i: entry i), when summaries
         are computed; named with their parameters in every tokens file's footer."""
@@ -294,16 +306,21 @@ class Writer:
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
         self._k = topk_k
         self._constants = _Constants()
-        self._tables = {t: _Table(t, files.store, files.run_dir / t, row_group_size, f"r{rank:04d}",
-                                  write_threads if t == "tokens" else 1) for t in S.TABLES}
+        # On an object store a table's flush is one object (one PUT, atomic for listers), never parts.
+        parts = 1 if files.store.remote else write_threads
+        self._can_swap = not files.store.remote and files.layout >= 2 and can_exchange(files.run_dir)
+        self._tables = {t: _Table(t, files.store, files.data_dir(t), row_group_size, f"r{rank:04d}",
+                                  parts if t == "tokens" else 1, spool_dir=files.run_dir / t) for t in S.TABLES}
+        if extra_fields:  # the run's own per-token columns (TokenLogger(extra_columns=...)), after the built-in ones
+            self._tables["tokens"].schema = S.with_metadata("tokens", pa.schema([*S.TOKENS, *extra_fields]))
         self._open_step: int | None = None
         self._open_counts = self._no_counts()
         self._step_summaries: _StepSummaries | None = None
         """The open step's summary rows, merged over its calls; written when the step ends or a flush comes."""
         self._uncommitted: list[_Flush] = []
         self._orphans: list[Path | PurePosixPath] = []
-        """Files of a failed flush that could not be removed: no commit may happen while they exist, since the
-        next committed flush number would make them visible."""
+        """Files of a commit written back (they could not all be put in place) that could not be removed either:
+        no commit may happen while they exist, since the next committed flush number would make them read."""
         self._lost_rows = dict.fromkeys(S.TABLES, 0)
         self._lost_steps: tuple[int, int] | None = None
         self._errors: list[str] = []
@@ -606,25 +623,17 @@ class Writer:
         rows = {t.name: t.rows for t in open_tables}
         first_step = min(t.first_step for t in open_tables if t.first_step is not None)
         last_step = max(t.last_step for t in open_tables if t.last_step is not None)
-        published: list[Path | PurePosixPath] = []
-        attempted: list[Path | PurePosixPath] = []
         try:
             footer = {S.FLUSH_META_PREFIX + k: str(v) for k, v in {"flush": number, **self._open_counts}.items()}
             for table in open_tables:
                 table.close_file({**footer, **self._bits_footer} if table.name == "tokens" else footer)
-            for table in open_tables:
-                published.extend(table.publish(number, self.rank, self.fsync, attempted))
+            closed = [f for table in open_tables for f in table.finish(number, self.rank)]
         except Exception as err:
-            for path in attempted:  # published (or perhaps) but never committed: remove, so no commit shows them
-                if not self._remove(path):
-                    self._orphans.append(path)  # retried before every commit
             self._lose_open(err)
-            self._lose(err, {t: n for t, n in rows.items() if any(p.parent.name == t for p in published)},
-                       first_step, last_step)
             return
         self._release_open()
         self.files.next_flush += 1
-        self._uncommitted.append(_Flush(number, rows, last_step, self._open_counts, published))
+        self._uncommitted.append(_Flush(number, rows, first_step, last_step, self._open_counts, closed))
         self._open_counts = self._no_counts()
         self._open_step = None
         self._commit()
@@ -636,6 +645,39 @@ class Writer:
         except OSError as err:
             self._report(err)
 
+    def _commit(self) -> None:
+        """Record the closed flushes in the manifest, then rename (upload) their files into place; on a failed
+        manifest write they stay closed under their temporary names, invisible, and the commit is retried later.
+
+        Files whose rename fails after the commit are removed again, with those of the same commit already in
+        place, and the manifest is written back as before the commit: the flushes are lost (counted), and a reader
+        that listed the folder in that moment saw them come and go (a disk failure; the one window)."""
+        self._orphans = [path for path in self._orphans if not self._remove(path)]
+        if self._orphans:
+            return
+        rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
+        counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
+        files = [f for flush in self._uncommitted for f in flush.files]
+        self.files.note(buffer=self.budget.report())  # the bound's figures so far ride along
+        m = self.files.manifest
+        before = {k: m.get(k) for k in ("rows", "last_step", "committed_flush", "tokens_generated", "tokens_logged",
+                                        "dropped_rows")}
+        with self.files.folder_lock:  # a compaction lists the committed flushes under it: all in place, or none
+            try:
+                self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
+                                  counts, self._k, self.lost, publishing=files)
+            except Exception as err:
+                self._report(err)
+                return
+            try:
+                self._publish(files)
+            except Exception as err:
+                self._unpublish(files, before, err)
+                return
+        self._uncommitted.clear()
+        if self._on_commit is not None:
+            self._on_commit()
+
     def _remove(self, path: Path | PurePosixPath) -> bool:
         """Remove a file of a failed flush; returns whether it is gone (the error is reported if not)."""
         try:
@@ -645,37 +687,46 @@ class Writer:
             return False
         return True
 
-    def _commit(self) -> None:
-        """Record the renamed flushes in the manifest; on failure they stay invisible and are retried later.
+    def _publish(self, files: list[tuple[Path, Path | PurePosixPath, int]]) -> None:
+        """Rename (upload) committed files into place; the caller holds the rank folder's lock (a compaction
+        swapping the folder meanwhile would take a file renamed into it along with the old folder). Several files bound for one
+        rank folder (a flush's parts) land together, by a swap of the folder, where the file system can swap."""
+        by_folder: dict[Any, list[tuple[Path, Path | PurePosixPath, int]]] = {}
+        for f in files:
+            by_folder.setdefault(f[1].parent, []).append(f)
+        for folder, group in by_folder.items():
+            if len(group) > 1 and self._can_swap:
+                publish_together(self.files.run_dir, folder, [(tmp, final) for tmp, final, _ in group], self.fsync)
+                continue
+            for tmp, final, _ in group:
+                self.files.store.publish(tmp, final, self.fsync)
 
-        Never while files of a failed flush remain (``_orphans``): the commit would make them visible."""
-        self._orphans = [path for path in self._orphans if not self._remove(path)]
-        if self._orphans:
-            return
-        rows = {t: sum(f.rows.get(t, 0) for f in self._uncommitted) for t in S.TABLES}
-        counts = {k: sum(f.counts[k] for f in self._uncommitted) for k in self._no_counts()}
-        self.files.note(buffer=self.budget.report())  # the bound's figures so far ride along
-        try:
-            self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
-                              counts, self._k, self.lost)
-        except Exception as err:
-            self._report(err)
-            return
+    def _unpublish(self, files: list[tuple[Path, Path | PurePosixPath, int]], before: dict,
+                   err: BaseException) -> None:
+        """A commit whose files could not all be put in place: remove them and write the manifest back."""
+        self._report(err)
+        for tmp, final, _ in files:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not self._remove(final):
+                self._orphans.append(final)  # retried before every commit
+        for f in self._uncommitted:
+            self._lose(err, f.rows, f.first_step, f.last_step)
+        self.files.next_flush = min(f.number for f in self._uncommitted)  # the latest flushes: numbers reused
         self._uncommitted.clear()
-        if self._on_commit is not None:
-            self._on_commit()
+        try:
+            self.files.save(**before, publishing=[], lost=self.files.all_lost(self.lost))
+        except OSError as again:
+            self._report(again)
 
     def _give_up_uncommitted(self) -> None:
-        """At the end: flushes whose commit never succeeded are lost; their files are removed if possible."""
+        """At the end: flushes whose commit never succeeded are lost; their temporary files are removed."""
         err = self._error or self._fatal or RuntimeError("the manifest could not be updated")
         for f in self._uncommitted:
-            # On an object store a failed manifest PUT may have landed (its reply lost): its files stay, visible
-            # only if that commit did; a resume removes them otherwise. A local rename that failed did not happen.
-            if not self.files.store.remote:
-                for path in f.files:
-                    with contextlib.suppress(OSError):
-                        self.files.store.delete(path)
-            self._lose(err, f.rows, None, f.last_step)
+            for tmp, _, _ in f.files:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+            self._lose(err, f.rows, f.first_step, f.last_step)
         self._uncommitted.clear()
 
     # ---------------------------------------------------------------------------------- Arrow conversion
@@ -684,7 +735,8 @@ class Writer:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
-            batch.summaries = summarize_call(batch.tokens, self._bit_rules)
+            batch.summaries = summarize_call(batch.tokens, self._bit_rules, step=batch.step,
+                                             rules=self._summary_rules)
         batch.summarize = False
         batch.apply_sample()
         if batch.tokens is not None and batch.n_tokens:
@@ -708,7 +760,7 @@ class Writer:
         cols = batch.tokens
         assert cols is not None
         n = batch.n_tokens
-        k = max((cols[name].shape[1] for name in S.TOPK_COLUMNS if name in cols), default=1)
+        k = max((arr.shape[1] for arr in cols.values() if arr.ndim == 2), default=1)  # the longest list column
         max_rows = (2**31 - 1) // max(k, 1) - 1  # list offsets are int32
         if n > max_rows:
             parts = [Batch(batch.step, batch.loss_rule, {c: a[i: i + max_rows] for c, a in cols.items()}, None)
@@ -723,7 +775,7 @@ class Writer:
             "step": pa.array(np.full(n, batch.step, np.int64)),
             "rank": pa.array(np.full(n, self.rank, np.int32)),
         }
-        for f in S.TOKENS:
+        for f in self._tables["tokens"].schema:
             if f.name in out:
                 continue
             if f.name == "loss_rule":
@@ -738,6 +790,10 @@ class Writer:
                 if f.name != "mu_topk_ids" and self.topk_precision == "float16":
                     values = round_mantissa(values, 10)
                 out[f.name] = self._constants.list_array(values, f.type.value_type)
+            elif f.name in ROUTING and f.name in cols:  # (N, L, k) -> L * k ids a row, layer by layer
+                out[f.name] = self._constants.list_array(cols[f.name].reshape(n, -1), f.type.value_type)
+            elif f.name in cols and pa.types.is_list(f.type):  # a list per token, (N, L)
+                out[f.name] = self._constants.list_array(cols[f.name], f.type.value_type)
             elif f.name in cols:
                 out[f.name] = pa.array(cols[f.name].astype(f.type.to_pandas_dtype(), copy=False))
             else:
@@ -789,6 +845,33 @@ class Writer:
                 continue
             out[name] = texts
         return out
+
+
+def publish_together(run_dir: Path, folder: Path, files: list[tuple[Path, Path]], fsync: bool) -> None:
+    """Put several closed files into the rank folder ``folder`` in one atomic step: a copy of the folder is staged
+    (hard links to its files, and to the new ones) under ``<run>/_staging/`` and swapped with it
+    (:func:`trustscope.storage.exchange`); the temporaries are removed after. A reader lists all of them or
+    none."""
+    stage = run_dir / S.STAGING_DIR / f"{folder.parent.name}-{folder.name}-publish"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        for name in os.listdir(folder):
+            os.link(folder / name, stage / name)
+        for tmp, final in files:
+            if fsync:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.link(tmp, stage / final.name)
+        exchange(stage, folder)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # the old folder, after the swap: links only
+    for tmp, _ in files:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def round_mantissa(values: np.ndarray, bits: int) -> np.ndarray:

@@ -127,7 +127,7 @@ class NamedAnalyses:
         return self._frame("step_summary", where={"run_id": run_ids}, refresh=True)
 
     def summaries(self, run_ids: Sequence[str] | str | None = None,
-                  metrics: Sequence[str] | str | None = None) -> pd.DataFrame:
+                  metrics: Sequence[str] | str | None = None, dimension: str | None = None) -> pd.DataFrame:
         """The exact per-step summaries the logger computed over every token (whatever ``token_fraction`` kept),
         merged over micro-batches and ranks (see ``sql/views/summaries.sql`` and :mod:`trustscope.logger.summaries`).
 
@@ -136,8 +136,16 @@ class NamedAnalyses:
         of rule R on A < 0 tokens of mu bucket b is ``fraction`` of the row (metric 'blocked', rule R, advantage_sign
         'negative', mu_bucket b); the median |pi - mu| is the bin_high of the first 'abs_prob_diff_hist' row with
         cum_fraction >= 0.5. Runs logged before the summaries table existed have no rows.
+
+        ``dimension``: None (default) gives the rows grouped by advantage sign x mu bucket; a summary dimension's
+        name (``position``, ``turn``, ``staleness``: :data:`trustscope.columns.DIMENSIONS`) gives its rows instead,
+        split by ``bucket`` (``bucket_label``), each metric once per bucket; ``"*"`` gives both.
         """
-        return self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
+        frame = self._frame("summaries", where={"run_id": run_ids, "metric": metrics}, refresh=True)
+        if dimension == "*":
+            return frame
+        keep = frame["dimension"].isna() if dimension is None else frame["dimension"] == dimension
+        return frame[keep].reset_index(drop=True)
 
     def overview(self, run_ids: Sequence[str] | str | None = None) -> Overview:
         """The overview figures of every run with a logged step (or of ``run_ids``), the one source of the Runs
@@ -165,6 +173,10 @@ class NamedAnalyses:
         steps = [self._frame("summary_steps", where={"run_id": ids})]
         blocked = [self._frame("summary_blocked", where={"run_id": ids})]
         exact = set(steps[0]["run_id"])
+        chosen = self.chosen_rules()
+        if chosen and exact:  # the summaries hold those rules at their defaults: counted from the logged rows
+            blocked[0] = blocked[0][~blocked[0]["rule"].isin(chosen)]
+            blocked.append(self.blocked_fractions(sorted(exact), chosen)[list(BLOCKED_COLUMNS)])
         rest = [r for r in ids if r not in exact]
         if rest:
             logged = self.step_summary(rest).assign(bad_negative_delta=ANALYSIS_DEFAULTS["bad_negative_delta"])
@@ -181,6 +193,14 @@ class NamedAnalyses:
             .reset_index(drop=True),
             blocked=pd.concat([f for f in blocked if len(f)] or blocked[:1], ignore_index=True),
             sources=sources)
+
+    def chosen_rules(self) -> list[str]:
+        """The rules this connection evaluates at parameters other than their defaults (``rule_params``)."""
+        from trustscope.losses import get_loss
+        from trustscope.query.rules import bindable
+
+        params: dict = getattr(self, "rule_params", {})
+        return sorted(r for r, p in params.items() if p != bindable(get_loss(r).defaults))
 
     def blocked_fractions(self, run_ids: Sequence[str] | str | None = None,
                           rules: Sequence[str] | str | None = None) -> pd.DataFrame:
@@ -234,6 +254,58 @@ class NamedAnalyses:
         df = self._frame("sample_tokens", where={"run_id": [run_id], "step": [int(step)],
                                                  "sample_id": [int(sample_id)]}, refresh=True)
         return df.sort_values("pos").reset_index(drop=True)
+
+    def equal_budget(self, run_ids: Sequence[str] | str | None = None, budget: float | None = None,
+                     rules: Sequence[str] | str | None = None, max_rows: int | None = None) -> pd.DataFrame:
+        """Per run and rule: the threshold at which the rule blocks the same share of the run's tokens with
+        A != 0 as a reference, the run's own rule (default) or ``budget`` (a share in (0, 1)); see
+        :mod:`trustscope.query.budget`.
+
+        Columns: run_id, rule, param (the rule's threshold parameter), default (its value here: the run's own for
+        its own rule, else the default or the caller's choice), value (the threshold found), value_low /
+        value_high (the bracket the source allows, with n_blocked_low / n_blocked_high: what each end blocks;
+        equal to value from the logged rows), n_blocked of n_tokens (at value), blocked_frac, target_frac,
+        target_blocked, reference (a sentence), setting (the rule at value as a rule setting, ``rule@value``,
+        which ``--rule`` and ``TokenLogger(rule_settings=...)`` read back), params (JSON: the mask's parameters
+        at value), source ('summaries (...)' or 'logged rows (...)'), note (exactness, or why there is no value:
+        no scalar threshold, no reference, out of bounds, not reachable). ``max_rows``: leave out (with a note)
+        the cuts that would read more than this many logged token rows of a run (the report's limit).
+        """
+        from trustscope.query.budget import equal_budget
+
+        return equal_budget(self, run_ids, budget, rules, max_rows)
+
+    def threshold_curve(self, run_id: str, rules: Sequence[str] | str | None = None) -> pd.DataFrame:
+        """The blocked share of run ``run_id``'s tokens with A != 0 against each rule's threshold (rules with a
+        scalar threshold), one row per bin edge of scale: run_id, rule, param, value (the threshold), scale,
+        n_blocked, n_tokens, blocked_frac, default (the threshold the rule is evaluated at here), source."""
+        from trustscope.query.budget import threshold_curve
+
+        return threshold_curve(self, run_id, rules)
+
+    def budget_picks(self, run_id: str, budget: pd.DataFrame) -> pd.DataFrame:
+        """Which tokens each rule blocks on ``run_id`` at the thresholds of ``budget`` (an :meth:`equal_budget`
+        frame), from the logged rows: rule ('(all tokens)': every token with A != 0), dimension ('mu_bucket',
+        'advantage_sign', 'entropy_bucket', 'position'), value, n_blocked, share (of the rule's blocked tokens)."""
+        from trustscope.query.budget import cuts_of
+
+        cuts = cuts_of(budget, self, run_id)
+        df = self.query("budget_picks", run_id=run_id, cuts=cuts or [{"rule": "", "u": 0.0}])
+        totals = df.groupby(["rule", "dimension"])["n_blocked"].transform("sum")
+        return df.assign(share=df["n_blocked"] / totals)
+
+    def budget_overlap(self, run_id: str, budget: pd.DataFrame, rule_a: str, rule_b: str) -> pd.DataFrame:
+        """Two rules on ``run_id`` at the thresholds of ``budget`` (an :meth:`equal_budget` frame), from the
+        logged rows: per token text, n tokens that both block ('both'), only ``rule_a`` ('only a'), only
+        ``rule_b`` ('only b'). Columns: pick, token_text, n."""
+        from trustscope.query.budget import cuts_of
+
+        cuts = {c["rule"]: c["u"] for c in cuts_of(budget, self, run_id)}
+        missing = [r for r in (rule_a, rule_b) if r not in cuts]
+        if missing:
+            raise ValueError(f"rule {missing[0]!r} has no equal-budget threshold on run {run_id!r}")
+        return self.query("budget_overlap", run_id=run_id, rule_a=rule_a, u_a=cuts[rule_a], rule_b=rule_b,
+                          u_b=cuts[rule_b])
 
     def samples(self, run_ids: Sequence[str] | str | None = None, steps: Sequence[int] | int | None = None,
                 limit: int = 1000) -> pd.DataFrame:

@@ -25,6 +25,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from trustscope import schema
+from trustscope.columns import builtin_token_columns_sql
 from trustscope.losses import LossRule, get_loss, list_losses
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
@@ -63,8 +64,19 @@ def words(sql: str) -> set[str]:
     return set(re.findall(r"[a-z_]+", strip_comments(sql)))
 
 
+TOKEN_COLUMNS_MARKER = "/* built-in token columns */"
+"""Where a view lists the built-in tokens columns (to pass a run's own columns through): generated from
+:data:`trustscope.columns.TOKEN_COLUMNS`, names only."""
+
+
+def view_text(view: str) -> str:
+    """A view's SQL, its built-in token columns list generated (:data:`TOKEN_COLUMNS_MARKER`)."""
+    return (VIEW_DIR / f"{view}.sql").read_text().replace(TOKEN_COLUMNS_MARKER, builtin_token_columns_sql())
+
+
 SQL_FINGERPRINT = hashlib.sha256(
     b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql")]))
+    + builtin_token_columns_sql().encode()
 ).hexdigest()
 """Changes whenever a macro or view changes, so kept aggregates of an older definition are never reused."""
 
@@ -164,6 +176,26 @@ def rule_columns_sql(stored: Mapping[str, int] | None = None) -> str:
                  for p in mask.params]
         call = f"{mask.family}_blocks({', '.join(args)})"
         lines.append(f",\n        coalesce({call}, false) as {quote('blocks_' + rule.name)}")
+    return "".join(lines) + score_columns_sql()
+
+
+def score_columns_sql() -> str:
+    """The generated ``score_<rule>`` columns of ``rule_blocks``: for every rule with a scalar threshold
+    (:class:`trustscope.losses.Threshold`), the scale at which it starts to block the token, from its family's
+    ``<family>_score`` macro with the same arguments as its ``_blocks`` macro (null: blocked at no scale). Read by
+    the equal-budget queries only: the cold pass does not materialise them."""
+    lines = []
+    for rule in sql_rules():
+        mask = rule.sql
+        if mask.threshold is None:
+            continue
+        if not (MACRO_DIR / f"{mask.family}_score.sql").is_file():
+            raise ValueError(f"loss rule {rule.name!r}: sql family {mask.family!r} declares a threshold but has no "
+                             f"macro {MACRO_DIR / (mask.family + '_score.sql')}")
+        args = ["null" if c is None else quote(c) for c in mask.columns]
+        args += ["null" if p is None else f"rule_values().{quote(rule.name)}.{quote(p)}[rule_set]"
+                 for p in mask.params]
+        lines.append(f",\n        {mask.family}_score({', '.join(args)})::double as {quote('score_' + rule.name)}")
     return "".join(lines)
 
 
@@ -211,7 +243,7 @@ def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[st
     kept aggregate's name)."""
     load_macros(con)
     for view in load_order(views):
-        text = rule_blocks if view == "rule_blocks" else (VIEW_DIR / f"{view}.sql").read_text()
+        text = rule_blocks if view == "rule_blocks" else view_text(view)
         con.execute(f"create or replace view {view} as\n{text}")
         if view in CACHED_PARTIALS:
             if on_partial is not None:

@@ -28,10 +28,10 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -321,7 +321,7 @@ class LogDB(NamedAnalyses):
         """The :func:`~trustscope.query.partials.stored_variant` for ``files`` (one flush): the rules whose logged
         bits hold at this connection's parameters read them; None when no rule's do. ``rendered`` keeps the
         variants already rendered, by their stored bits."""
-        run = rule_sets.get(files[0].parent.parent)
+        run = rule_sets.get(schema.run_of(files[0]))
         stored = stored_rule_bits(files, run[1] if run else self.rule_params)
         if not stored:
             return None
@@ -342,7 +342,7 @@ class LogDB(NamedAnalyses):
         shared = {"rules": self.rule_params, "analysis": dict(ANALYSIS_DEFAULTS)}
 
         def key(file: Path) -> str:
-            run = file.parent.parent
+            run = schema.run_of(file)
             if run not in prefixes:
                 own = rule_sets.get(run)
                 prefixes[run] = json.dumps([self._fingerprint, {**shared, "own": own}], default=str)
@@ -391,7 +391,7 @@ class LogDB(NamedAnalyses):
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         check_statement(query, self._allowed)
         self._sandbox().start()  # the worker starts while the views' inputs are brought up to date
-        return self._run_in_sandbox(query, max_rows, timeout_s)
+        return again_if_swapped(lambda: self._run_in_sandbox(query, max_rows, timeout_s))
 
     def _run_in_sandbox(self, query: str, max_rows: int, timeout_s: float) -> QueryResult:
         """Run ``query`` in the worker, unchecked (its engine cannot write either way: see the tests)."""
@@ -414,12 +414,16 @@ class LogDB(NamedAnalyses):
         if name not in QUERIES:
             raise ValueError(f"unknown query {name!r}; known: {', '.join(QUERIES)}")
         text = (QUERY_DIR / f"{name}.sql").read_text()
-        self.refresh(words(text) & set(VIEWS))
-        cur = self.cursor()
-        try:
-            return cur.execute(text, params).df()
-        finally:
-            cur.close()
+
+        def run() -> pd.DataFrame:
+            self.refresh(words(text) & set(VIEWS))
+            cur = self.cursor()
+            try:
+                return cur.execute(text, params).df()
+            finally:
+                cur.close()
+
+        return again_if_swapped(run)
 
     def version(self) -> str:
         """A hash of every run file's path, size and modification time: it changes whenever a file lands,
@@ -468,6 +472,11 @@ class LogDB(NamedAnalyses):
     def _frame(self, view: str, *, where: dict[str, Sequence[Any] | None] | None = None,
                refresh: bool = False, limit: int | None = None, **analysis: float) -> pd.DataFrame:
         """Rows of ``view`` whose columns take one of the given values (bound as constants), as pandas."""
+        return again_if_swapped(lambda: self._frame_once(view, where=where, refresh=refresh, limit=limit,
+                                                         **analysis))
+
+    def _frame_once(self, view: str, *, where: dict[str, Sequence[Any] | None] | None = None,
+                    refresh: bool = False, limit: int | None = None, **analysis: float) -> pd.DataFrame:
         if refresh:
             self.refresh([view])
         cur = self.cursor(**analysis)
@@ -485,6 +494,24 @@ class LogDB(NamedAnalyses):
             return rel.to_df()
         finally:
             cur.close()
+
+
+_R = TypeVar("_R")
+SWAP_RETRIES = 3
+"""How often a read is run again when a file it listed went in the meantime (a compaction swapped a rank folder
+between the listing and the read: see ``docs/logging.md``)."""
+
+
+def again_if_swapped(read: Callable[[], _R]) -> _R:
+    """``read()``, run again (listing the files again) when it fails on a file that vanished after it was listed;
+    the last failure is raised."""
+    for attempt in range(SWAP_RETRIES + 1):
+        try:
+            return read()
+        except Exception as err:
+            if attempt == SWAP_RETRIES or not schema.is_vanished_file_error(err):
+                raise
+    raise AssertionError("unreachable")
 
 
 def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int = DEFAULT_MAX_ROWS,

@@ -167,7 +167,9 @@ def flush_steps(file: Path | str) -> tuple[tuple[str, int], int, int] | None:
     match = _FLUSH_NAME.match(path.name)
     if match is None:
         return None
-    return (str(path.parent.parent), int(match.group(1))), int(match.group(2)), int(match.group(3))
+    from trustscope.schema import run_of
+
+    return (str(run_of(path)), int(match.group(1))), int(match.group(2)), int(match.group(3))
 
 
 def flush_of(file: Path | str) -> tuple[str, str]:

@@ -358,13 +358,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 TOY_NAME = re.compile(r"toy([-_.][\w.-]*)?")
-"""A model name read as a toy world's (``toy``, ``toy-v2``, ``toy-v3``): one not in ``TOY_PRESETS`` is refused
-rather than looked up on the hub."""
+"""A model name read as a toy world's (``toy``, ``toy-v2``, ``toy-v3``): one in neither ``TOY_PRESETS`` nor
+``MOE_PRESETS`` is refused rather than looked up on the hub."""
 
 
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
-    :data:`trustscope.train.toy.TOY_PRESETS` warm-started on ``cfg.task``, built and cached on first use, or
+    :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
     copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
     from trustscope.train.config import ConfigError
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
@@ -379,9 +379,13 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
             if "target_accuracy" not in str(exc):
                 raise
             raise ConfigError(f"model={cfg.model!r} with task={cfg.task!r}: {exc}") from None
+    from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
+
+    if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
+        return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
     if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
         raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
-                          f"{', '.join(TOY_PRESETS)}, or to a Hugging Face model directory or hub name")
+                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS])}, or to a Hugging Face model directory or hub name")
     return cfg.model
 
 

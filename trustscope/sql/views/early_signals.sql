@@ -10,7 +10,7 @@
 with summ as (
     select metric, run_id, step, count, sum, sum_sq, min, max
     from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)
-    where metric in ('is_weight', 'log_ratio', 'seq_is_weight', 'abs_seq_log_ratio')
+    where metric in ('is_weight', 'log_ratio', 'seq_is_weight', 'abs_seq_log_ratio') and dimension is null
 ),
 
 ratios as (

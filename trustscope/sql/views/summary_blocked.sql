@@ -5,7 +5,7 @@
 with summ as (
     select run_id, step, metric, rule, advantage_sign, count
     from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)
-    where metric in ('tokens', 'blocked')
+    where metric in ('tokens', 'blocked') and dimension is null
 ),
 
 sides as (

@@ -9,6 +9,7 @@ with summ as (
     from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)
     where metric in ('tokens', 'trainer_blocked', 'bad_negative', 'abs_prob_diff', 'prob_diff', 'topk_tv',
                      'topk_kl', 'entropy')
+        and dimension is null
 ),
 
 per_step as (

@@ -1,11 +1,14 @@
 -- per-token metrics without the token text (what the aggregates read): probabilities, ratio, log ratio, binary
 -- and top-k tv/kl (top-k from the scalar columns stored at capture time), buckets and advantage sign, and the
--- logger's blocked_rules bits (null for files written without them).
+-- logger's blocked_rules bits (null for files written without them), the weight version, turn and staleness with
+-- the token's position bucket (the summary dimensions), and a run's own columns (every column of tokens but the
+-- built-in ones, whose list trustscope.query.catalogue generates from trustscope/columns.py) before source_file.
 with source as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
-        mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule, source_file,
-        blocked_rules
+        mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule,
+        blocked_rules, policy_version, turn, staleness, engine_token_id, routing_agreement,
+        columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from tokens
 ),
 
@@ -37,8 +40,14 @@ final as (
         entropy_bucket(entropy) as entropy_bucket,
         kept,
         loss_rule,
-        source_file,
-        blocked_rules
+        blocked_rules,
+        policy_version,
+        turn,
+        staleness,
+        position_bucket(pos) as position_bucket,
+        engine_token_id,
+        routing_agreement,
+        columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from probabilities
 )
 

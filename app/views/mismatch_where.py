@@ -1,0 +1,55 @@
+"""Where the mismatch lives: |pi - mu|, ESS and each rule's blocked fraction by staleness, turn and position."""
+
+import streamlit as st
+
+from app import data, widgets
+from trustscope import figures, report
+from trustscope.columns import DIMENSIONS
+
+st.title("Where the mismatch lives")
+runs = widgets.require_runs()
+ids = runs["run_id"].tolist()
+first = widgets.pick_run(runs, "First run")  # the run picked on the other pages leads
+remembered = st.session_state.get("_mismatch_runs")
+others = [r for r in (remembered if remembered is not None else ids) if r in ids and r != first]
+chosen = st.multiselect("Side by side", [r for r in ids if r != first], default=others[:3], key="mismatch_runs")
+st.session_state["_mismatch_runs"] = chosen
+picked = [first, *chosen]
+mismatch, blocked = data.by_dimension(tuple(picked))
+st.caption("Exact over every token the trainer handed to the logger, every step taken together (the summaries' "
+           "dimension rows: whatever token_fraction kept). ESS is the importance weights' effective sample size "
+           "(sum w)^2 / sum w^2 over the bucket's tokens; a fraction always comes with its counts.")
+if mismatch.empty:
+    st.info(report.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger "
+            "have position buckets; weight versions and turns need `policy_version` and `turn` per token.",
+            icon=":material/info:")
+    st.stop()
+rules = widgets.pick_rules(sorted(set(blocked["rule"])), data.run_rule(first), key="mismatch_rules")
+tabs = st.tabs([f"By {d.name}" for d in DIMENSIONS])
+for tab, dim in zip(tabs, DIMENSIONS, strict=True):
+    with tab:
+        rows = mismatch[mismatch["dimension"] == dim.name]
+        absent = report.lacking(mismatch, dim.name, picked)
+        if absent:
+            st.info(report.absent_sentence(dim.name, absent), icon=":material/info:")
+        if rows.empty:
+            continue
+        st.caption(f"{dim.doc[0].upper()}{dim.doc[1:]}.")
+        widgets.chart(data.figure(figures.mismatch_by_dimension, rows, dim.name), f"mismatch_{dim.name}",
+                      f"No token has a {dim.name} here.")
+        picked_blocked = blocked[(blocked["dimension"] == dim.name) & blocked["rule"].isin(rules)]
+        widgets.chart(data.figure(figures.blocked_by_dimension, picked_blocked, dim.name), f"blocked_{dim.name}",
+                      "No rule picked, or none blocks a token with A != 0 here: pick rules above.")
+        table = rows[["run_id", "bucket", "bucket_label", "n_tokens", "mismatch_mean", "ess_frac",
+                      "n_bad_negative"]].copy()
+        table["bad negative"] = [widgets.count_of(b, n) for b, n in zip(table["n_bad_negative"], table["n_tokens"],
+                                                                        strict=True)]
+        for rule in rules:
+            one = picked_blocked[picked_blocked["rule"] == rule].set_index(["run_id", "bucket"])
+            table[rule] = [widgets.count_of(*one.loc[k, ["n_blocked", "n_nonzero_advantage"]]) if k in one.index
+                           else "-" for k in zip(table["run_id"], table["bucket"], strict=True)]
+        st.dataframe(table.drop(columns=["bucket", "n_bad_negative"]).rename(columns={"bucket_label": dim.name}),
+                     hide_index=True, key=f"table_{dim.name}", column_config={
+                         "n_tokens": st.column_config.NumberColumn("tokens", format="localized"),
+                         "mismatch_mean": st.column_config.NumberColumn("mean |pi - mu|", format="%.4f"),
+                         "ess_frac": st.column_config.NumberColumn("ESS / tokens", format="percent")})

@@ -1,0 +1,187 @@
+"""Mixture-of-experts routing on both sides, per token: the experts the trainer's router picks and the experts the
+rollout engine picked, and how far they agree.
+
+A token's routing is an ``(L, k)`` array of expert ids: for each of the model's L MoE layers, the k experts its
+router chose (top-k), at the position whose output predicts the token (the position before it: the last prompt
+token for the first response token), the same alignment as the logits. Agreement is counted per (layer, slot):
+the share of the engine's L x k choices that the trainer's router also chose in that layer (order within a layer
+does not matter: the experts' outputs are summed).
+
+- Trainer side (:class:`TrainerRouting`): forward hooks on the transformers model's router modules (Qwen3-MoE's
+  ``mlp.gate``, Mixtral's ``mlp.gate``, any module returning ``(logits, weights, indices)`` or plain logits).
+- Engine side (:class:`VLLMRouting`): vLLM's own capture point, the MoE router's ``set_capture_fn`` (called with
+  the logical expert ids the fused-MoE kernel then uses), set on every MoE layer of the in-process worker. vLLM's
+  ``enable_return_routed_experts`` needs its Model Runner V2, which needs Triton, which the CPU build lacks
+  (``AuxOutput Connector requires Model Runner V2``, then ``Model Runner V2 requires Triton``); the capture point
+  it would use is the same. Each request is generated alone so every forward pass holds that request's tokens
+  only, in order (the prompt's prefill, then one decode row per token), with prefix caching off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+def moe_shape(config: Any) -> tuple[int, int, int] | None:
+    """``(num_moe_layers, top_k, num_experts)`` of a transformers config, or None for a dense model."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return None
+    layers = int(config.num_hidden_layers)
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    return len(moe_layers), int(top_k), int(experts)
+
+
+def check_routing(value: Any, name: str, shape: tuple[int, int, int] | None, tokens: int | None = None) -> np.ndarray:
+    """``value`` as an int16 array ``(N, L, k)`` of expert ids; ValueError naming ``name`` and the shapes when the
+    model is dense (``shape`` None), when ``(L, k)`` disagrees with the model's, or an id is out of range."""
+    arr = np.asarray(value)
+    if shape is None:
+        raise ValueError(f"{name}: routing given for a dense model (it has no MoE layers); got shape {arr.shape}")
+    layers, top_k, experts = shape
+    if arr.ndim != 3 or arr.shape[1:] != (layers, top_k) or (tokens is not None and arr.shape[0] != tokens):
+        want = f"({tokens if tokens is not None else 'N'}, {layers}, {top_k})"
+        raise ValueError(f"{name} has shape {arr.shape}, the model routes {want} (tokens, MoE layers, top-k)")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer expert ids, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= experts):
+        bad = arr[(arr < 0) | (arr >= experts)][0]
+        raise ValueError(f"{name}: expert id {int(bad)} out of range [0, {experts})")
+    return arr.astype(np.int16)
+
+
+def agreement(engine: np.ndarray, trainer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per token ``(N,)``: the share of the engine's (layer, slot) choices the trainer also made in that layer; per
+    token and layer ``(N, L)``: the same share within each layer. Inputs ``(N, L, k)``."""
+    if engine.shape != trainer.shape:
+        raise ValueError(f"engine routing {engine.shape} and trainer routing {trainer.shape} differ in shape")
+    hit = (engine[..., :, None] == trainer[..., None, :]).any(-1)  # (N, L, k)
+    by_layer = hit.mean(-1)  # (N, L)
+    return by_layer.mean(-1), by_layer
+
+
+def _router_indices(output: Any, top_k: int) -> torch.Tensor:
+    """``(rows, k)`` expert ids from a router module's output: ``(logits, weights, indices)`` or plain logits."""
+
+    if isinstance(output, tuple) and len(output) >= 3 and not output[2].is_floating_point():
+        return output[2]
+    logits = output[0] if isinstance(output, tuple) else output
+    return logits.topk(top_k, dim=-1).indices
+
+
+def _router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router module of each MoE layer, in layer order: a ``mlp.gate`` / ``block_sparse_moe.gate`` child of a
+    decoder layer."""
+    out = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] == "gate" and parts[-2] in ("mlp", "block_sparse_moe"):
+            out.append(module)
+    return out
+
+
+class TrainerRouting:
+    """Forward hooks on a transformers MoE model's routers: after a forward pass on ``(B, S)`` inputs, :meth:`take`
+    returns the ``(B, S, L, k)`` expert ids of every position."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        shape = moe_shape(model.config)
+        if shape is None:
+            raise ValueError("TrainerRouting: the model is dense (its config names no experts)")
+        self.layers, self.top_k, self.num_experts = shape
+        self.modules = _router_modules(model)
+        if len(self.modules) != self.layers:
+            raise ValueError(f"TrainerRouting: found {len(self.modules)} router modules, the config has "
+                             f"{self.layers} MoE layers")
+        self._rows: list[torch.Tensor | None] = [None] * self.layers
+
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[TrainerRouting]:
+        import torch
+
+        def hook(i: int):
+            def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+                self._rows[i] = _router_indices(output, self.top_k).detach().to("cpu", torch.int16)
+            return record
+
+        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(self.modules)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def take(self, batch: int, seq: int) -> np.ndarray:
+        import torch
+
+        if any(r is None for r in self._rows):
+            raise RuntimeError("TrainerRouting.take: no forward pass was recorded")
+        rows = torch.stack([r.reshape(batch, seq, self.top_k) for r in self._rows], 2)  # (B, S, L, k)
+        self._rows = [None] * self.layers
+        return rows.numpy()
+
+
+class VLLMRouting:
+    """The experts vLLM's fused-MoE kernels were handed, per layer, through each router's ``set_capture_fn``
+    (in-process engines only). :meth:`take` after generating one request returns its ``(rows, L, k)`` ids in the
+    order the tokens went through the model."""
+
+    def __init__(self, llm: Any, shape: tuple[int, int, int]) -> None:
+        import torch
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        self.layers, self.top_k, self.num_experts = shape
+        self._chunks: dict[int, list[torch.Tensor]] = {}
+        found: list[int] = []
+
+        def bind(worker: Any) -> int:
+            for module in worker.model_runner.model.modules():
+                router = getattr(module, "router", None)
+                if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
+                    if getattr(module, "is_monolithic", False):
+                        raise RuntimeError("VLLMRouting: a monolithic MoE kernel has no router capture point")
+                    layer = int(module.layer_id)
+                    router.set_capture_fn(lambda ids, layer=layer: self._chunks.setdefault(layer, []).append(
+                        ids.detach().to("cpu", torch.int16).clone()))
+                    found.append(layer)
+            return len(found)
+
+        llm.collective_rpc(bind)
+        if len(found) != self.layers:
+            raise RuntimeError(f"VLLMRouting: bound {len(found)} MoE routers, the model has {self.layers} MoE layers")
+        self._order = sorted(found)
+
+    def reset(self) -> None:
+        self._chunks = {}
+
+    def take(self) -> np.ndarray:
+        import torch
+
+        per_layer = [torch.cat(self._chunks.get(layer, [torch.zeros((0, self.top_k), dtype=torch.int16)]))
+                     for layer in self._order]
+        rows = {len(p) for p in per_layer}
+        if len(rows) != 1:
+            raise RuntimeError(f"VLLMRouting: layers captured different numbers of rows {sorted(rows)}")
+        self.reset()
+        return torch.stack(per_layer, 1).numpy()  # (rows, L, k)
+
+
+def check_routing_shape(shape: Any) -> tuple[int, int, int]:
+    """``(MoE layers, top-k, experts)`` as ints; ValueError naming ``routing_shape`` otherwise."""
+    try:
+        layers, top_k, experts = (int(x) for x in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"routing_shape must be (MoE layers, top-k, experts), got {shape!r}") from None
+    if layers < 1 or experts < 2 or not 1 <= top_k <= experts or experts > np.iinfo(np.int16).max:
+        raise ValueError(f"routing_shape {shape!r}: need layers >= 1, 2 <= experts <= 32767, 1 <= top-k <= experts")
+    return layers, top_k, experts

@@ -1,0 +1,3 @@
+-- a position bucket's label from its lower edge (position_bucket): '0', '1', '2-3', '4-7', ...
+create or replace macro position_bucket_label(low) as
+    case when low < 2 then low::varchar else low::varchar || '-' || (2 * low - 1)::varchar end;
