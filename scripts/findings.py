@@ -13,6 +13,9 @@ Definitions (shared by the tables and the figures):
 
 - a run's **first dip**: the first step where its 10-step mean training reward is 0.15 or more below its best
   10-step mean so far (the reward-dip definition of ``bench/eval_collapse_warning.py``); none if it never is;
+- a run's **steps to 0.9**: the first step where its 10-step mean training reward reaches ``TARGET`` (0.9); a run
+  that never does counts as its length plus one (censored: it did not get there within its steps);
+- a run's **reward area**: its mean training reward over all its steps (the area under the curve over its length);
 - a run's **collapse step**: the first step where its 10-step mean training reward is at most half its best
   10-step mean so far; none if it never is;
 - **blocked fraction**: tokens a rule blocks over the step's tokens with A != 0 (A = 0 tokens carry no gradient);
@@ -39,6 +42,14 @@ from experiments import LABELS, step_scalars  # noqa: E402  (this script's own d
 from trustscope.db import connect  # noqa: E402
 
 DIP_WINDOW, DIP_DEPTH, COLLAPSE_SHARE = 10, 0.15, 0.5
+TARGET = 0.9
+"""The 10-step mean training reward a run must reach (the paper's stable rules climb toward 100%)."""
+HEADLINE = (("dppo_binary_tv", "grpo"), ("dppo_binary_tv", "ppo_clip"), ("dppo_binary_kl", "grpo"),
+            ("dppo_binary_kl", "ppo_clip"))
+"""The headline's comparisons, DPPO against the PPO clips, on the measures of :data:`MEASURES`."""
+MEASURES = (("steps_to_target", "steps to 0.9", -1), ("reward_all", "reward area", 1),
+            ("eval_final", "eval accuracy, final", 1), ("collapsed", "collapsed", -1))
+"""Pre-stated measures of the headline: (column, label, the sign that favours the first rule)."""
 LOW_MU = 0.1
 """Tokens with mu below this are 'low-probability' (the paper's alpha; the mu buckets' edge at 0.1)."""
 RUN_ID = re.compile(r"^sanity-(?P<rule>.+)-s(?P<seed>\d+)$")
@@ -52,6 +63,35 @@ def first_step(steps: pd.Series, reward: pd.Series, *, depth: float = 0.0, share
     best = avg.cummax()
     below = ((best - avg >= depth) & (avg <= share * best)).to_numpy()
     return float(steps.to_numpy()[below.argmax()]) if below.any() else float("nan")
+
+
+def reach_step(steps: pd.Series, reward: pd.Series, target: float = TARGET) -> float:
+    """Steps trained until the 10-step mean reward first reaches ``target`` (steps count from 0: reaching it at step
+    s took s + 1 steps); the run's length plus one when it never does."""
+    reached = (reward.rolling(DIP_WINDOW, min_periods=DIP_WINDOW).mean() >= target).to_numpy()
+    return float(steps.to_numpy()[reached.argmax()] + 1) if reached.any() else float(steps.max() + 2)
+
+
+def headline_markdown(table: pd.DataFrame, n_boot: int = 10_000, seed: int = 0) -> str:
+    """Per comparison of :data:`HEADLINE` and measure of :data:`MEASURES`: each rule's mean over its seeds and the
+    difference (first - second) with a 95% percentile bootstrap interval, seeds resampled with replacement within
+    each rule. "favours" names a rule only when the interval excludes 0."""
+    rng = np.random.default_rng(seed)
+    sweep = table[table.kind == "sweep"].assign(collapsed=lambda t: t.collapse.notna().astype(float))
+    lines = ["| comparison | measure | first: mean (n) | second: mean (n) | difference | 95% bootstrap interval | "
+             "favours |", "|---|---|---|---|---|---|---|"]
+    for a, b in HEADLINE:
+        for column, label, good in MEASURES:
+            x = sweep.loc[sweep.rule == a, column].dropna().to_numpy()
+            y = sweep.loc[sweep.rule == b, column].dropna().to_numpy()
+            if len(x) < 2 or len(y) < 2:
+                continue
+            diffs = (rng.choice(x, (n_boot, len(x))).mean(1) - rng.choice(y, (n_boot, len(y))).mean(1))
+            low, high = np.percentile(diffs, [2.5, 97.5])
+            side = "-" if low <= 0 <= high else LABELS[a if (low > 0) == (good > 0) else b]
+            lines.append(f"| {LABELS[a]} - {LABELS[b]} | {label} | {x.mean():.3f} ({len(x)}) | {y.mean():.3f} "
+                         f"({len(y)}) | {x.mean() - y.mean():+.3f} | {low:+.3f} to {high:+.3f} | {side} |")
+    return "\n".join(lines)
 
 
 def load(logdir: Path) -> dict[str, pd.DataFrame]:
@@ -154,6 +194,7 @@ def run_table(wide: pd.DataFrame, exact: pd.DataFrame) -> pd.DataFrame:
             "reward_low5": w["reward/mean"].rolling(5).mean().min(),
             "eval_best": evals["eval/reward"].max() if len(evals) else np.nan,
             "eval_final": evals["eval/reward"].iloc[-1] if len(evals) else np.nan,
+            "steps_to_target": reach_step(w.step, w["reward/mean"]),
             "dip": first_step(w.step, w["reward/mean"], depth=DIP_DEPTH),
             "collapse": first_step(w.step, w["reward/mean"], share=COLLAPSE_SHARE),
             "mismatch_first10": e.mismatch.head(10).mean(), "mismatch_last10": e.mismatch.tail(10).mean(),
@@ -303,10 +344,17 @@ def main() -> None:
     args = parser.parse_args()
     data = load(args.logdir)
     table = run_table(data["wide"], data["exact"])
-    for path in make_figures(data, args.out):
+    try:
+        figures = make_figures(data, args.out)
+    except ModuleNotFoundError as exc:  # the tables need no plotting library
+        print(f"no figures: {exc} (pip install matplotlib)")
+        figures = []
+    for path in figures:
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     print("\n## The sweep (mean (min-max) over seeds)\n")
     print(sweep_markdown(table))
+    print("\n## The headline: DPPO against the PPO clips (bootstrap over seeds)\n")
+    print(headline_markdown(table))
     print("\n## The anchoring probe\n")
     print(probe_markdown(table))
     print("\n## Bad negative updates\n")

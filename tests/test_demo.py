@@ -25,15 +25,16 @@ def _experiments():
     return module
 
 
-def test_the_demo_trains_in_the_sample_logs_setting(tmp_path):
-    """Toy world v2 with the mismatch knobs of the shipped runs: bf16 rollouts, lag, four mini-batches, their lr."""
+def test_the_demo_trains_in_the_climb_setting(tmp_path):
+    """Toy world v2 in the setting of the ``sanity-climb`` sweep: the mismatch knobs of the shipped runs (bf16
+    rollouts, lag, four mini-batches) at the lr where runs learn; only the length and the evaluation cadence differ."""
     exp = _experiments()
-    v2 = {**exp.PRESETS["sanity-v2"].setting, "model": exp.PRESETS["sanity-v2"].toy}
+    climb = {**exp.PRESETS["sanity-climb"].setting, "model": exp.PRESETS["sanity-climb"].toy}
     cfg = demo_config(tmp_path, steps=3)
     for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "threads", "prompts_per_step", "group_size",
-                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_every",
-                 "eval_problems"):
-        assert getattr(cfg, knob) == v2[knob], knob
+                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_problems"):
+        assert getattr(cfg, knob) == climb[knob], knob
+    assert cfg.lr < exp.PRESETS["sanity-v2"].setting["lr"]  # the shipped runs' lr, where no run climbs
     assert cfg.engine == "vllm" and cfg.engine_dtype == "bfloat16" and cfg.policy_lag >= 1 and cfg.mini_batches > 1
     assert cfg.steps == 3 and cfg.run_dir.parent == tmp_path and cfg.run_id.startswith("demo-")
 
@@ -104,6 +105,35 @@ def test_toy_worlds_are_named_models(monkeypatch):
     assert resolve_model(TrainConfig(model="some/hub-model", run_id="x")) == "some/hub-model"
 
 
+def test_an_unknown_toy_world_or_a_warm_start_short_of_its_target_is_refused(monkeypatch):
+    """A toy-looking name that no preset has fails before any lookup, naming the model and the presets; a warm
+    start that misses its target fails naming the world, the task and the accuracy reached."""
+    import trustscope.train.toy as toy
+    import trustscope.train.toy_models as toy_models
+    from trustscope.train.config import ConfigError, TrainConfig
+    from trustscope.train.loop import resolve_model
+
+    for name in ("toy-v3", "toy_v2", "toy-V2"):
+        with pytest.raises(ConfigError, match=rf"model='{name}': no toy world of that name.*toy-v2"):
+            resolve_model(TrainConfig(model=name, run_id="x"))
+
+    def short(config, **kw):
+        raise RuntimeError(f"warm start on task {config.task!r} reached expected accuracy 0.120 after 4000 steps, "
+                           "short of target_accuracy=0.3; raise max_steps or lower the target")
+
+    monkeypatch.setattr(toy, "build_toy_model", short)
+    monkeypatch.setattr(toy_models, "seed_cache", lambda config: None)
+    with pytest.raises(ConfigError, match=r"model='toy-v2' with task='addcol2': .*reached expected accuracy 0\.120"):
+        resolve_model(TrainConfig(model="toy-v2", task="addcol2", max_tokens=32, run_id="x"))
+
+    def broken(config, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(toy, "build_toy_model", broken)
+    with pytest.raises(RuntimeError, match=r"^out of memory$"):  # any other failure passes through as it is
+        resolve_model(TrainConfig(model="toy-v2", task="addcol2", max_tokens=32, run_id="x"))
+
+
 def test_sample_runs_are_linked_beside_the_demo_run(tmp_path):
     if not schema.run_dirs(SAMPLE_LOGS):
         pytest.skip("no shipped sample logs in this checkout")
@@ -158,3 +188,21 @@ def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
     assert toy_meta(entry)["key"] == config.key()
     assert (entry / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     assert not list((tmp_path / "toy").glob(".*"))  # no temporary folder left behind
+
+
+@pytest.mark.slow
+def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
+    """The whole demo run, as `trustscope demo` trains it (no dashboard): its reward over the last five steps is
+    clearly above the first five, and the closing lines print both."""
+    from trustscope.db import connect
+    from trustscope.demo import DEMO_STEPS, run_demo
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    run_dir = run_demo(tmp_path, serve=False, samples=False)
+    with connect(run_dir, cache=False) as db:
+        reward = db.overview().steps.sort_values("step")["reward_mean"]
+    assert len(reward) == DEMO_STEPS
+    first, last = reward.head(5).mean(), reward.tail(5).mean()
+    assert last >= first + 0.1, f"the demo's reward went {first:.2f} -> {last:.2f} over its {DEMO_STEPS} steps"
+    closing = capsys.readouterr().err
+    assert f"reward {first:.2f} over the first 5 steps, {last:.2f} over the last 5" in closing

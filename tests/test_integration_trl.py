@@ -75,6 +75,35 @@ class FusedForwards:
             self.seen.setdefault(key, []).append(output.log_probs[b][scored].detach().tolist())
 
 
+class FullSoftmax:
+    """pi's whole distribution at every completion position of every training forward, from the full logits of the
+    backbone's last hidden states (read by a hook of the test's own): ``{(step, prompt text, completion ids):
+    [(T, V) log-probs]}``, to check what attach derives without logits."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer, self.seen, self.hidden = trainer, {}, None
+        self.tokenizer = trainer.processing_class
+        trainer.model.model.register_forward_hook(self.keep_hidden)
+        trainer.model.register_forward_hook(self.hook, with_kwargs=True)
+
+    def keep_hidden(self, module, args, output):
+        self.hidden = output.last_hidden_state.detach()
+
+    def hook(self, module, args, kwargs, output):
+        if not (kwargs.get("fused_lm_head") and torch.is_grad_enabled() and module.training):
+            return
+        labels, input_ids, attention = kwargs["labels"], kwargs["input_ids"], kwargs["attention_mask"]
+        with torch.no_grad():
+            logits = module.lm_head(self.hidden[:, :-1]).float() / self.trainer.temperature  # (B, L - 1, V)
+            logp = torch.log_softmax(logits, dim=-1)
+        for b in range(labels.shape[0]):
+            prompt = input_ids[b][(labels[b] == -100) & (attention[b] == 1)]
+            scored = labels[b, 1:] != -100
+            key = (self.trainer.state.global_step, self.tokenizer.decode(prompt, skip_special_tokens=True),
+                   tuple(labels[b, 1:][scored].tolist()))
+            self.seen.setdefault(key, []).append(logp[b][scored])
+
+
 def read(run: Path, sql: str, *params):
     """Rows of ``sql`` over the run, through trustscope's own query layer (the dashboard's views)."""
     with connect(run) as db:
@@ -278,7 +307,8 @@ def test_tool_results_split_the_completion_into_turns(toy_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_topk_forward_logs_trainer_topk(toy_model_dir, tmp_path):
-    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=2)
+    trainer = make_trainer(toy_model_dir, tmp_path / "out", steps=2, temperature=0.7)
+    full = FullSoftmax(trainer)
     with pytest.warns(LogWarning, match="trainer_recompute"):
         ts_trl.attach(trainer, tmp_path / "logs", topk=3, topk_forward=True, run_id="topk")
     trainer.train()
@@ -292,6 +322,16 @@ def test_topk_forward_logs_trainer_topk(toy_model_dir, tmp_path):
         assert pi_k[ids.index(token)] == pytest.approx(pi, abs=1e-4)
         if step == 0:  # same weights as the rollout: the recomputed distributions agree
             assert tv < 1e-4
+    # pi at mu's ids, derived from the hidden states, K head rows and TRL's log-prob, is the full softmax's
+    samples = read(run, """select t.step, t.sample_id, s.prompt, list(t.token_id order by t.pos),
+                                  list(t.mu_topk_ids order by t.pos), list(t.pi_topk_logprobs order by t.pos)
+                           from tokens t join samples s using (step, sample_id) group by all""")
+    assert len(samples) == 2 * PROMPTS * GROUP
+    for step, _, prompt, tokens, ids, pi_k in samples:
+        dists = full.seen[(step, prompt, tuple(tokens))]
+        want = [torch.stack([d[pos, torch.tensor(k)] for pos, k in enumerate(ids)]) for d in dists]
+        got = torch.tensor(pi_k)  # (T, K)
+        assert any(torch.allclose(got, w, atol=1e-5) for w in want), (step, prompt)
 
 
 @pytest.mark.slow

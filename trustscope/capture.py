@@ -27,7 +27,13 @@ measured on the same distribution as mu. ``temperature=1`` (the default) is the 
 
 A model whose forward returns no logits (TRL's fused LM head returns ``FusedCausalLMOutput``: log-probs and entropy
 of the labels only) cannot be captured from; :class:`CaptureHook` refuses it when it is opened
-(:class:`NoLogitsError`), and names what to use instead.
+(:class:`NoLogitsError`), and names what to use instead. For such a model, pi at mu's top-K ids comes from the final
+hidden states and the LM head's rows at those ids, with the log-normaliser recovered from the fused head's log-prob
+of the sampled token (:func:`logprobs_from_hidden`, no ``(N, V)`` tensor; :func:`top_k_from_hidden` for pi's own
+top-K)::
+
+    pi_topk = logprobs_from_hidden(hidden, model.lm_head.weight, mu_topk_ids, label_ids=response_ids,
+                                   label_logprobs=fused.log_probs, temperature=tau)
 """
 
 from __future__ import annotations
@@ -245,6 +251,425 @@ def top_k(
             ids[sl] = top.indices
             lps[sl] = top.values - torch.logsumexp(x, dim=-1, keepdim=True)
     return ids.reshape(B, T, k), lps.reshape(B, T, k)
+
+
+# ------------------------------------------------------------------------------------------ from hidden states
+
+DEFAULT_CHUNK_VOCAB = 8192
+"""Vocabulary rows per tile when the log-normaliser is computed: a tile is ``chunk_tokens x chunk_vocab``."""
+_GATHER_ELEMENTS = 1 << 24
+"""At most this many gathered head values ``(tokens, J, H)`` at once (32 MB in bf16)."""
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of a vocabulary-parallel LM head (Megatron's ``VocabParallelEmbedding`` layout).
+
+    The rank's ``weight`` ``(V_s, H)`` holds the rows of ids ``[start, start + V_s)`` of a vocabulary of
+    ``vocab_size`` ids (padded, if the framework pads it); every rank of ``group`` (a ``torch.distributed`` process
+    group, None: the default one) holds the same hidden states and calls :func:`logprobs_from_hidden` together.
+    """
+
+    start: int
+    vocab_size: int
+    group: Any = None
+
+
+@dataclass
+class HeadPartial:
+    """One shard's share of :func:`logprobs_from_hidden`, before the shards are combined.
+
+    Attributes:
+        logits: ``(N, J)`` float32 logits (scaled, soft-capped, divided by the temperature) at the ids this shard
+            owns, 0 at the others: the shards' sum is the logits at every id.
+        log_normaliser: ``(N,)`` float32 logsumexp of the shard's logits over its rows; None when the normaliser
+            comes from the label's log-prob.
+    """
+
+    logits: Tensor
+    log_normaliser: Tensor | None
+
+
+def _transform(y: Tensor, logit_scale: float, softcap: float | None, inv_t: float) -> Tensor:
+    """The head's raw output -> the sampler's logits: times ``logit_scale``, soft-capped, over the temperature."""
+    if logit_scale != 1.0:
+        y = y * logit_scale
+    if softcap is not None:
+        y = softcap * torch.tanh(y / softcap)
+    return y * inv_t if inv_t != 1.0 else y
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the gradient checks run in float64)."""
+    return torch.promote_types(torch.float32, dtype)
+
+
+def _tile(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``hidden @ weight.T + bias`` in ``dtype``, as the head's GEMM rounds it, then float32."""
+    y = hidden.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return y.to(_math_dtype(dtype))
+
+
+class _HeadGather(torch.autograd.Function):
+    """The head's raw output at given rows, ``y[n, j] = hidden[n] . weight[ids[n, j]] + bias[ids[n, j]]``.
+
+    forward(hidden (N, H), weight (V_s, H), bias (V_s,) or None, ids (N, J) local rows, dtype) -> y (N, J)
+    float32, rounded to the matmul's ``dtype`` as the head's GEMM rounds it. Chunked over tokens so the gathered rows are never
+    more than :data:`_GATHER_ELEMENTS`; saves only its inputs, by reference.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor,
+                dtype: torch.dtype) -> Tensor:
+        N, J = ids.shape
+        step = max(1, _GATHER_ELEMENTS // max(1, J * hidden.shape[1]))
+        out = torch.empty(N, J, dtype=_math_dtype(dtype), device=hidden.device)  # (N, J)
+        for start in _chunks(N, step):
+            sl = slice(start, start + step)
+            rows = weight.index_select(0, ids[sl].reshape(-1)).reshape(-1, J, weight.shape[1])  # (c, J, H)
+            y = torch.bmm(rows.to(dtype), hidden[sl].to(dtype).unsqueeze(-1)).squeeze(-1)  # (c, J) in dtype
+            if bias is not None:
+                y = y + bias.index_select(0, ids[sl].reshape(-1)).reshape(-1, J).to(dtype)
+            out[sl] = y
+        ctx.save_for_backward(hidden, weight, bias, ids)
+        ctx.step = step
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, ids = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        N, J = ids.shape
+        H = hidden.shape[1]
+        math_dtype = _math_dtype(grad.dtype)
+        grad = grad.to(math_dtype)
+        g_h = torch.zeros(hidden.shape, dtype=math_dtype, device=hidden.device) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=math_dtype, device=weight.device) if need_w else None
+        g_b = torch.zeros(bias.shape, dtype=math_dtype, device=bias.device) if need_b else None
+        for start in _chunks(N, ctx.step):
+            sl = slice(start, start + ctx.step)
+            flat = ids[sl].reshape(-1)  # (c * J,)
+            if g_h is not None:
+                rows = weight.index_select(0, flat).reshape(-1, J, H).to(math_dtype)  # (c, J, H)
+                g_h[sl] = torch.bmm(grad[sl].unsqueeze(1), rows).squeeze(1)
+            if g_w is not None:
+                g_w.index_add_(0, flat, (grad[sl, :, None] * hidden[sl, None, :].to(math_dtype)).reshape(-1, H))
+            if g_b is not None:
+                g_b.index_add_(0, flat, grad[sl].reshape(-1))
+        return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None)
+
+
+class _HeadLogNormaliser(torch.autograd.Function):
+    """logsumexp over the head's rows of the sampler's logits, tile by tile: no ``(N, V)`` tensor.
+
+    forward(hidden (N, H), weight (V_s, H), bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab, dtype)
+    -> (N,) float32, the tiles' matmuls in ``dtype``. Saves its inputs by reference and the result; backward recomputes each tile.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, logit_scale: float,
+                softcap: float | None, inv_t: float, chunk_tokens: int, chunk_vocab: int,
+                dtype: torch.dtype) -> Tensor:
+        N, V = hidden.shape[0], weight.shape[0]
+        lse = torch.full((N,), -math.inf, dtype=_math_dtype(dtype), device=hidden.device)  # (N,)
+        for t0 in _chunks(N, chunk_tokens):
+            ts = slice(t0, t0 + chunk_tokens)
+            acc = lse[ts]
+            for v0 in _chunks(V, chunk_vocab):
+                vs = slice(v0, v0 + chunk_vocab)
+                z = _transform(_tile(hidden[ts], weight[vs], None if bias is None else bias[vs], dtype),
+                               logit_scale, softcap, inv_t)  # (c, v)
+                acc = torch.logaddexp(acc, torch.logsumexp(z, dim=-1))
+            lse[ts] = acc
+        ctx.save_for_backward(hidden, weight, bias, lse)
+        ctx.settings = (logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab, dtype)
+        return lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, lse = ctx.saved_tensors
+        logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab, dtype = ctx.settings
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        N, V = hidden.shape[0], weight.shape[0]
+        math_dtype = _math_dtype(grad.dtype)
+        grad = grad.to(math_dtype)
+        g_h = torch.zeros(hidden.shape, dtype=math_dtype, device=hidden.device) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=math_dtype, device=weight.device) if need_w else None
+        g_b = torch.zeros(bias.shape, dtype=math_dtype, device=bias.device) if need_b else None
+        for t0 in _chunks(N, chunk_tokens):
+            ts = slice(t0, t0 + chunk_tokens)
+            h = hidden[ts]
+            for v0 in _chunks(V, chunk_vocab):
+                vs = slice(v0, v0 + chunk_vocab)
+                y = _tile(h, weight[vs], None if bias is None else bias[vs], dtype)  # (c, v)
+                # d lse / d z = softmax(z); d z / d y = logit_scale * inv_t * (1 - tanh^2) with the soft cap
+                scale = logit_scale * inv_t
+                if softcap is not None:
+                    cap = torch.tanh(y * (logit_scale / softcap))
+                    g = (softcap * inv_t * cap).sub_(lse[ts, None]).exp_().mul_(grad[ts, None] * scale)
+                    g.mul_(1 - cap * cap)
+                else:
+                    g = y.mul_(scale).sub_(lse[ts, None]).exp_().mul_(grad[ts, None] * scale)  # (c, v)
+                if g_h is not None:
+                    g_h[ts] += g @ weight[vs].to(math_dtype)
+                if g_w is not None:
+                    g_w[vs] += g.t() @ h.to(math_dtype)
+                if g_b is not None:
+                    g_b[vs] += g.sum(0)
+        return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
+
+
+def _first_bad(name: str, bad: Tensor, values: Tensor, what: str) -> None:
+    """Raise naming the first index where ``bad`` holds, with its value."""
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        value = values[index].item()
+        raise ValueError(f"{name} of shape {tuple(values.shape)}: index {index} = {value!r} {what}")
+
+
+def head_partial(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    bias: Tensor | None = None,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    log_normaliser: bool = True,
+    matmul_dtype: torch.dtype | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
+) -> HeadPartial:
+    """One vocabulary shard's share of :func:`logprobs_from_hidden` (no checks; that function makes them).
+
+    ``hidden`` ``(N, H)``, ``weight`` ``(V_s, H)`` (the rows of ids ``[vocab_start, vocab_start + V_s)``),
+    ``ids`` ``(N, J)`` global ids. :func:`combine_head_partials` turns the shards' partials into log-probs; a
+    single head is one shard with ``vocab_start=0``.
+    """
+    inv_t = _inverse_temperature(temperature)
+    dtype = matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    local = ids.long() - vocab_start  # (N, J)
+    owned = (local >= 0) & (local < weight.shape[0])  # (N, J)
+    y = _HeadGather.apply(hidden, weight, bias, local.clamp(0, weight.shape[0] - 1), dtype)  # (N, J)
+    logits = _transform(y, logit_scale, softcap, inv_t) * owned  # (N, J)
+    lse = (_HeadLogNormaliser.apply(hidden, weight, bias, logit_scale, softcap, inv_t, chunk_tokens, chunk_vocab,
+                                    dtype) if log_normaliser else None)
+    return HeadPartial(logits=logits, log_normaliser=lse)
+
+
+def combine_head_partials(parts: list[HeadPartial], label_logprobs: Tensor | None = None) -> Tensor:
+    """log pi at the ids of :func:`head_partial` from every shard's partial: ``(N, J)`` float32, or ``(N, J - 1)``
+    with ``label_logprobs`` ``(N,)``, where the first id of each row is the label and its log-prob gives the
+    log-normaliser (``log Z = z_label - log pi(label)``)."""
+    logits = parts[0].logits if len(parts) == 1 else torch.stack([p.logits for p in parts]).sum(0)  # (N, J)
+    if label_logprobs is not None:
+        log_z = logits[:, 0] - label_logprobs.to(logits.dtype)  # (N,)
+        return logits[:, 1:] - log_z[:, None]
+    if any(p.log_normaliser is None for p in parts):
+        raise ValueError("combine_head_partials: a partial has no log_normaliser and no label_logprobs were given")
+    lse = parts[0].log_normaliser if len(parts) == 1 else torch.logsumexp(
+        torch.stack([p.log_normaliser for p in parts]), dim=0)  # (N,)
+    return logits - lse[:, None]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks of a tensor-parallel group; the gradient passes through unchanged (every rank holds the
+    same result and computes the same loss from it, as Megatron's reduction into the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _reduce_shards(part: HeadPartial, group: Any) -> HeadPartial:
+    """Every rank's partial of a vocabulary-parallel head, combined into one (on every rank)."""
+    import torch.distributed as dist
+
+    logits = _AllReduceSum.apply(part.logits, group)
+    lse = part.log_normaliser
+    if lse is not None:
+        top = lse.detach().clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # a shift, for a stable sum of exponentials
+        lse = top + torch.log(_AllReduceSum.apply(torch.exp(lse - top), group))
+    return HeadPartial(logits=logits, log_normaliser=lse)
+
+
+def logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    bias: Tensor | None = None,
+    label_ids: Tensor | None = None,
+    label_logprobs: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    shard: VocabShard | None = None,
+    matmul_dtype: torch.dtype | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
+) -> Tensor:
+    """pi's log-probs at given ids from the final hidden states and the LM head, without the logits.
+
+    ``log pi(k) = z_k - log Z`` with ``z = transform(hidden @ weight.T + bias)`` (``transform``: times
+    ``logit_scale``, soft-capped at ``softcap`` as Gemma's ``final_logit_softcapping``, over ``temperature``) and
+    ``log Z = logsumexp(z)``. ``z_k`` needs only the head's rows at the ids: ``O(N K H)``. ``log Z`` is
+
+    - recovered from the label's log-prob where a fused head returns it (TRL's ``FusedCausalLMOutput.log_probs``,
+      computed at the same temperature): ``log Z = z_label - log pi(label)``, no pass over the vocabulary;
+    - else computed tile by tile over the vocabulary (``chunk_tokens x chunk_vocab`` at a time; the logsumexp is
+      accumulated tile by tile, so no ``(N, V)`` tensor is made, in the forward or the backward).
+
+    The logits are rounded to the matmul's dtype (``matmul_dtype``; None: ``promote_types(hidden.dtype,
+    weight.dtype)``; under autocast pass the autocast dtype) as the head's GEMM rounds them, then the math is float32: in bf16 the result equals the full-logits log-softmax of the bf16
+    logits up to the GEMM's own rounding. Gradients flow to ``hidden``, ``weight``, ``bias`` and
+    ``label_logprobs`` where they require them; the backward recomputes what it needs tile by tile.
+
+    Args:
+        hidden: ``(*, H)`` final hidden states (after the final norm: the LM head's input), one per position.
+        weight: ``(V, H)`` the LM head's weight (the embedding for a tied head), or this rank's rows with ``shard``.
+        ids: ``(*, K)`` ids to score at each position (mu's top-K), in ``[0, V)``.
+        bias: ``(V,)`` the head's bias (this rank's slice with ``shard``), or None.
+        label_ids: ``(*,)`` the label at each position (the token the fused head scored); with ``label_logprobs``.
+        label_logprobs: ``(*,)`` log pi(label) at the same temperature, finite; gives log Z.
+        temperature: the sampler's (see :func:`capture`).
+        logit_scale: the model's own multiplier of its logits (1 for most models; TRL reads it from the config).
+        softcap: the model's soft cap of its logits (Gemma's ``final_logit_softcapping``; None for most models).
+        shard: the vocabulary slice ``weight`` holds on this rank of a tensor-parallel group (every rank of the
+            group calls this with the same ``hidden``, ``ids`` and labels); None: ``weight`` is the whole head.
+        matmul_dtype: the dtype the head's matmul runs in (only the gathered rows are cast to it).
+        chunk_tokens: tokens per tile of the vocabulary pass, when there is one.
+        chunk_vocab: vocabulary rows per tile of that pass.
+
+    Returns:
+        ``(*, K)`` float32 log pi at ``ids``.
+
+    Raises:
+        ValueError: naming the tensor and its shape, or the first bad index and its value: ``hidden``'s width not
+            the head's, ``ids`` or ``label_ids`` outside the vocabulary, ``label_logprobs`` not finite, shapes that
+            disagree.
+    """
+    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden of shape {tuple(hidden.shape)} (*, H) does not match the LM head's weight of shape "
+                         f"{tuple(weight.shape)} (V, H): H = {hidden.shape[-1] if hidden.ndim else None} against "
+                         f"{weight.shape[-1] if weight.ndim else None}")
+    lead = tuple(hidden.shape[:-1])
+    if ids.ndim != len(lead) + 1 or tuple(ids.shape[:-1]) != lead:
+        raise ValueError(f"ids of shape {tuple(ids.shape)} must be (*, K) with * = {lead}, hidden's leading shape")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids of shape {tuple(ids.shape)} must hold integer token ids, got dtype {ids.dtype}")
+    V = weight.shape[0] if shard is None else int(shard.vocab_size)
+    start = 0 if shard is None else int(shard.start)
+    if shard is not None and not 0 <= start <= start + weight.shape[0] <= V:
+        raise ValueError(f"shard rows [{start}, {start + weight.shape[0]}) (weight of shape {tuple(weight.shape)}) "
+                         f"are not inside the vocabulary [0, {V})")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} must be ({weight.shape[0]},), one per head row")
+    _first_bad("ids", (ids < 0) | (ids >= V), ids, f"is outside the vocabulary [0, {V})")
+    if (label_ids is None) != (label_logprobs is None):
+        raise ValueError("label_ids and label_logprobs go together: pass both (log Z from the label) or neither "
+                         "(log Z computed over the vocabulary)")
+    if chunk_tokens < 1 or chunk_vocab < 1:
+        raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1, got {chunk_tokens} and {chunk_vocab}")
+    K = ids.shape[-1]
+    flat_ids = ids.reshape(-1, K).long()  # (N, K)
+    if label_ids is not None:
+        for name, t in (("label_ids", label_ids), ("label_logprobs", label_logprobs)):
+            if tuple(t.shape) != lead:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} must have hidden's leading shape {lead}")
+        _first_bad("label_ids", (label_ids < 0) | (label_ids >= V), label_ids, f"is outside the vocabulary [0, {V})")
+        _first_bad("label_logprobs", ~torch.isfinite(label_logprobs), label_logprobs,
+                   "is not finite (log Z cannot be recovered from it)")
+        flat_ids = torch.cat([label_ids.reshape(-1, 1).long(), flat_ids], dim=1)  # (N, 1 + K)
+    part = head_partial(hidden.reshape(-1, hidden.shape[-1]), weight, flat_ids.to(weight.device), bias=bias,
+                        vocab_start=start, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                        log_normaliser=label_ids is None, matmul_dtype=matmul_dtype, chunk_tokens=chunk_tokens,
+                        chunk_vocab=chunk_vocab)
+    if shard is not None:
+        part = _reduce_shards(part, shard.group)
+    labels = None if label_logprobs is None else label_logprobs.reshape(-1).to(part.logits.device)
+    return combine_head_partials([part], labels).reshape(*lead, K)
+
+
+@torch.no_grad()
+def top_k_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    bias: Tensor | None = None,
+    label_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    matmul_dtype: torch.dtype | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_vocab: int = DEFAULT_CHUNK_VOCAB,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The ``k`` most likely ids of pi at each position, from the final hidden states, tile by tile (no gradient).
+
+    :func:`top_k` for a model whose logits are never built: ``hidden`` ``(*, H)``, the whole head ``weight``
+    ``(V, H)`` (and ``bias``), the transform and dtype of :func:`logprobs_from_hidden`. One pass over the
+    vocabulary in ``chunk_tokens x chunk_vocab`` tiles keeps a running top-``k`` and logsumexp per position.
+
+    Returns:
+        ``ids`` ``(*, k)`` int64 and ``logprobs`` ``(*, k)`` float32, by descending probability, and, when
+        ``label_ids`` ``(*,)`` are given, log pi of each label ``(*,)`` (else None).
+    """
+    if hidden.ndim < 1 or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden of shape {tuple(hidden.shape)} (*, H) does not match the LM head's weight of shape "
+                         f"{tuple(weight.shape)} (V, H)")
+    V = weight.shape[0]
+    if not 1 <= k <= V:
+        raise ValueError(f"k must be in [1, V] = [1, {V}], got {k}")
+    lead = tuple(hidden.shape[:-1])
+    if label_ids is not None:
+        if tuple(label_ids.shape) != lead:
+            raise ValueError(f"label_ids of shape {tuple(label_ids.shape)} must have hidden's leading shape {lead}")
+        _first_bad("label_ids", (label_ids < 0) | (label_ids >= V), label_ids, f"is outside the vocabulary [0, {V})")
+    inv_t = _inverse_temperature(temperature)
+    dtype = matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    N = flat.shape[0]
+    ids = torch.empty(N, k, dtype=torch.long, device=flat.device)  # (N, k)
+    values = torch.empty(N, k, dtype=torch.float32, device=flat.device)  # (N, k)
+    lse = torch.empty(N, dtype=torch.float32, device=flat.device)  # (N,)
+    for t0 in _chunks(N, chunk_tokens):
+        ts = slice(t0, t0 + chunk_tokens)
+        best_v = torch.full((flat[ts].shape[0], 0), -math.inf, device=flat.device)  # (c, <= k)
+        best_i = torch.empty(best_v.shape, dtype=torch.long, device=flat.device)
+        acc = torch.full((best_v.shape[0],), -math.inf, device=flat.device)  # (c,)
+        for v0 in _chunks(V, chunk_vocab):
+            vs = slice(v0, v0 + chunk_vocab)
+            z = _transform(_tile(flat[ts], weight[vs], None if bias is None else bias[vs], dtype),
+                           logit_scale, softcap, inv_t).float()  # (c, v)
+            acc = torch.logaddexp(acc, torch.logsumexp(z, dim=-1))
+            top = z.topk(min(k, z.shape[1]), dim=-1)
+            cand_v = torch.cat([best_v, top.values], dim=1)
+            cand_i = torch.cat([best_i, top.indices + v0], dim=1)
+            keep = cand_v.topk(min(k, cand_v.shape[1]), dim=-1)
+            best_v, best_i = keep.values, cand_i.gather(1, keep.indices)
+        ids[ts], values[ts], lse[ts] = best_i, best_v, acc
+    label_lp = None
+    if label_ids is not None:
+        y = _HeadGather.apply(flat, weight, bias, label_ids.reshape(-1, 1).long().to(flat.device), dtype)  # (N, 1)
+        label_lp = (_transform(y[:, 0], logit_scale, softcap, inv_t).float() - lse).reshape(lead)
+    return ids.reshape(*lead, k), (values - lse[:, None]).reshape(*lead, k), label_lp
 
 
 def fused_head_forward(model: torch.nn.Module) -> torch.nn.Module | None:

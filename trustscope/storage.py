@@ -357,14 +357,19 @@ def check_store(url: str, fsspec_fs: Any, write: bool) -> None:
                            f"{type(err).__name__}: {err}") from None
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    """Put the local file ``path``'s bytes on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_file(tmp: str | os.PathLike, final: str | os.PathLike, fsync: bool) -> None:
     """Rename the finished local file ``tmp`` to ``final`` atomically, its bytes on disk first when ``fsync``."""
     if fsync:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)
     os.replace(tmp, final)
 
 

@@ -36,8 +36,11 @@ and keeps their ids, handing TRL the sampled token's log-prob first as it expect
 is no engine distribution, so ``topk=K`` needs ``topk_forward=True``: one extra no-grad forward right after each
 rollout gives the trainer's own top-K at the rollout's weights; it stands in for mu's top-K (a recompute, like mu
 on that path: top-K TV measures how far pi moved since the rollout, not training-inference mismatch). Either way
-pi's log-probs at those ids need logits, which TRL's fused head does not produce, so ``topk`` adds one no-grad
-forward per micro-batch on the loss side. Without ``topk`` nothing is recomputed.
+pi's log-probs at those ids come from the loss's own forward, though TRL's fused LM head makes no logits: a forward
+hook on the model's backbone keeps its last hidden states (the head's input), and
+:func:`~trustscope.capture.logprobs_from_hidden` scores the K ids with the head's K rows and the log-normaliser
+recovered from TRL's log-prob of the sampled token (``log Z = z_token - log pi(token)``): ``O(B T K H)`` work, no
+further forward, no ``(B, T, V)`` tensor. Without ``topk`` nothing is recomputed.
 
 How it hooks in. TRL's callbacks mark step boundaries (used for the scalars and to close the log) but no public
 hook sees a batch's tokens or the loss's log-probs, so :class:`_Hooks` wraps four methods of this one trainer
@@ -53,6 +56,7 @@ no per-token rollout log-probs), so attach refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
@@ -68,7 +72,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings
     missing(exc, "trustscope.integrations.trl", extra="trl")
 
 from trustscope.alerts import Alerts, check_webhook_url
-from trustscope.capture import capture, top_k
+from trustscope.capture import fused_head_forward, logprobs_from_hidden, top_k_from_hidden
 from trustscope.columns import turns_from_mask
 from trustscope.divergence import force_sampled_into_topk
 from trustscope.logger import LogWarning, TokenLogger
@@ -289,6 +293,51 @@ def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
     return [tuple(r[m].tolist()) for r, m in zip(ids_np, mask_np, strict=True)]
 
 
+def _head_module(model: Any) -> Any:
+    """The module TRL's fused LM head patched (the causal LM under any PEFT wrapper), or ``model`` without one."""
+    return fused_head_forward(model) or model
+
+
+def _backbone(model: Any) -> Any:
+    """The module whose output's ``last_hidden_state`` is the LM head's input (the fused head calls it)."""
+    head = _head_module(model)
+    backbone = getattr(head, "base_model", None)
+    if backbone is None or backbone is head:
+        raise TRLVersionError(f"{type(head).__name__} has no backbone module (base_model) whose last hidden states "
+                              f"feed its LM head, as TRL {TESTED_TRL}'s fused head reads them; use topk=0")
+    return backbone
+
+
+def _logit_transform(model: Any) -> tuple[float, float | None]:
+    """The model's own scaling of its logits, ``(multiplier, soft cap)``, from its config: ``logit_scale``,
+    ``output_multiplier`` or ``lm_head_multiplier`` multiply, ``logits_scaling`` divides (multiplies for
+    HyperCLOVA X), ``final_logit_softcapping`` caps; TRL's fused head reads the same fields."""
+    config = model.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(config, name, None) is not None:
+            return float(getattr(config, name)), softcap
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        return (float(scaling) if config.model_type == "hyperclovax" else 1 / float(scaling)), softcap
+    return 1.0, softcap
+
+
+def _gathered(*params: Any) -> Any:
+    """DeepSpeed ZeRO-3 gathers the LM head's partitioned parameters for a direct read, as TRL's fused head does
+    (a no-op context otherwise)."""
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:
+        return contextlib.nullcontext()
+    return maybe_gather_lm_head_ctx(*params)
+
+
+def _full(param: Any) -> Any:
+    """An FSDP2 DTensor parameter as a plain tensor (all-gathered, as TRL's fused head gathers the head)."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
 def _pad_rows(rows: list[list[Any]], width: int, k: int, fill: float, dtype: torch.dtype, device: Any) -> Tensor:
     """Ragged ``(B, T_i, K)`` rows -> ``(B, width, K)``, right-padded with ``fill``."""
     out = torch.full((len(rows), width, k), fill, dtype=dtype)
@@ -313,7 +362,9 @@ class _Hooks:
         self._rewards: Tensor | None = None
         self._engine_topk: tuple[list, list] | None = None
         self._capturing = False
-        self.forward: tuple[Tensor, Tensor | None] | None = None
+        self._hidden: list[tuple[Tensor, torch.dtype]] | None = None  # collected while the loss forward runs
+        self.forward: tuple[Tensor, Tensor | None, tuple[Tensor, torch.dtype] | None] | None = None
+        self._handles: list[Any] = []
 
     def install(self, trainer: Any) -> None:
         self._wrap(trainer, "_calculate_rewards", self.calculate_rewards)
@@ -324,11 +375,17 @@ class _Hooks:
             self._wrap(trainer, "log", self.log)
         if trainer.use_vllm and self.a.topk:
             self._wrap(trainer.vllm_generation, "generate", self.vllm_generate)
+        if self.a.topk:
+            backbone = _backbone(trainer.accelerator.unwrap_model(trainer.model))
+            self._handles.append(backbone.register_forward_hook(self.backbone_output))
 
     def remove(self) -> None:
         for obj, name in reversed(self.installed):
             del obj.__dict__[name]  # the class's method shows through again
         self.installed.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _wrap(self, obj: Any, name: str, wrapper: Callable) -> None:
         original = getattr(obj, name)
@@ -376,13 +433,32 @@ class _Hooks:
 
     # --------------------------------------------------------------------------------------------------- loss side
 
+    def backbone_output(self, module: Any, args: Any, output: Any) -> None:
+        """Keep the loss forward's last hidden states (top-K only), with the dtype TRL's fused head multiplies
+        them in: float32 with ``cast_lm_head_to_fp32``, else autocast's dtype when autocast is on, else theirs."""
+        if self._hidden is None:
+            return
+        hidden = getattr(output, "last_hidden_state", None)
+        hidden = (output[0] if hidden is None else hidden).detach()  # (b, L, H)
+        device = hidden.device.type
+        dtype = (torch.float32 if getattr(self.a.trainer.args, "cast_lm_head_to_fp32", False)
+                 else torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype)
+        self._hidden.append((hidden, dtype))
+
     def per_token_logps(self, original: Callable, *args: Any, **kwargs: Any) -> tuple:
-        out = original(*args, **kwargs)
-        if self._capturing and self.forward is None:
+        first = self._capturing and self.forward is None
+        self._hidden = [] if first and self.a.topk else None
+        try:
+            out = original(*args, **kwargs)
+            hidden = self._hidden
+        finally:
+            self._hidden = None
+        if first:
             if not (isinstance(out, tuple) and len(out) == 3):
                 raise TRLVersionError(f"GRPOTrainer._get_per_token_logps_and_entropies returned "
                                       f"{type(out).__name__}; TRL {TESTED_TRL} returns (logps, entropies, aux_loss)")
-            self.forward = (out[0].detach(), None if out[1] is None else out[1].detach())
+            states = (torch.cat([h for h, _ in hidden]), hidden[0][1]) if hidden else None  # (B, L, H)
+            self.forward = (out[0].detach(), None if out[1] is None else out[1].detach(), states)
         return out
 
     def compute_loss(self, original: Callable, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -481,35 +557,40 @@ class Attachment:
 
     @torch.no_grad()
     def _rollout_forward(self, out: dict[str, Any]) -> None:
-        """The trainer's own top-K (and sampled-token log-prob) at the rollout's weights: one no-grad forward."""
+        """The trainer's own top-K (and sampled-token log-prob) at the rollout's weights: one no-grad forward of the
+        backbone, then one pass over the LM head's rows in tiles (:func:`~trustscope.capture.top_k_from_hidden`:
+        no ``(B, T, V)`` logits)."""
         t = self.trainer
-        model = t.accelerator.unwrap_model(t.model)
+        model = _head_module(t.accelerator.unwrap_model(t.model))
+        head = model.get_output_embeddings()
+        scale, softcap = _logit_transform(model)
+        input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)  # (B, P + T)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)  # (B, P + T)
+        T = out["completion_ids"].shape[1]
+        step = t.args.per_device_train_batch_size
         ids, lps, mu = [], [], []
-        for _rows, logits, completion in self._forward_logits(model, out):
-            cap = capture(logits, completion, response_start=1, temperature=t.temperature)
-            k_ids, k_lps = top_k(logits, self.topk, T=completion.shape[1], response_start=1,
-                                 temperature=t.temperature)
-            ids.append(k_ids)
-            lps.append(k_lps)
-            mu.append(cap.logprob)
-        out[_TOPK_IDS], out[_TOPK_LOGPROBS], out[_MU_RECOMPUTE] = torch.cat(ids), torch.cat(lps), torch.cat(mu)
-
-    def _forward_logits(self, model: Any, batch: Mapping[str, Any]):
-        """Plain-logits forwards over ``batch`` in chunks of the per-device batch size: yields (rows, logits
-        ``(b, T + 1, V)`` whose column t predicts completion token t, completion ids ``(b, T)``)."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)  # (B, P + T)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)  # (B, P + T)
-        T = batch["completion_ids"].shape[1]
-        step = self.trainer.args.per_device_train_batch_size
         for start in range(0, input_ids.shape[0], step):
             sl = slice(start, start + step)
-            logits = model(input_ids=input_ids[sl], attention_mask=attention[sl], logits_to_keep=T + 1).logits
-            yield sl, logits, batch["completion_ids"][sl]
+            hidden = _backbone(model)(input_ids=input_ids[sl], attention_mask=attention[sl]).last_hidden_state
+            with _gathered(head.weight, head.bias):
+                weight, bias = _full(head.weight), _full(head.bias)
+                k_ids, k_lps, lp = top_k_from_hidden(
+                    hidden[:, -(T + 1):-1].to(weight.device), weight, self.topk, bias=bias,
+                    label_ids=out["completion_ids"][sl].to(weight.device), temperature=t.temperature,
+                    logit_scale=scale, softcap=softcap)  # column t predicts completion token t
+            ids.append(k_ids)
+            lps.append(k_lps)
+            mu.append(lp)
+        device = out["completion_ids"].device
+        out[_TOPK_IDS], out[_TOPK_LOGPROBS], out[_MU_RECOMPUTE] = (torch.cat(x).to(device) for x in (ids, lps, mu))
 
     # --------------------------------------------------------------------------------------------------- loss side
 
-    def log_micro_batch(self, inputs: Mapping[str, Any], pi: Tensor, entropy: Tensor | None) -> None:
-        """Log one micro-batch of TRL's loss: its tokens, mu, pi, entropy, advantages and applied mask."""
+    def log_micro_batch(self, inputs: Mapping[str, Any], pi: Tensor, entropy: Tensor | None,
+                        hidden: tuple[Tensor, torch.dtype] | None = None) -> None:
+        """Log one micro-batch of TRL's loss: its tokens, mu, pi, entropy, advantages and applied mask (and, with
+        top-K, pi at mu's ids from the loss forward's last hidden states ``hidden``: ``(B, L, H)`` and the dtype
+        of the head's matmul)."""
         t = self.trainer
         if _SAMPLE_ID not in inputs:
             self._warn_once("untagged", "a batch generated before attach() was not logged")
@@ -547,7 +628,7 @@ class Attachment:
             mask &= torch.isfinite(mu_lps).all(-1)
             tokens["mu_topk_ids"] = mu_ids
             tokens["mu_topk_logprobs"] = torch.nan_to_num(mu_lps)
-            tokens["pi_topk_logprobs"] = self._pi_topk(inputs, mu_ids)
+            tokens["pi_topk_logprobs"] = self._pi_topk(inputs, mu_ids, pi, hidden)
         self._unscored += int((loss_mask.bool() & ~mask).sum())
         self.logger.log_step(t.state.global_step, tokens=tokens, mask=mask,
                              samples=self._samples(inputs))
@@ -576,15 +657,33 @@ class Attachment:
         return keep
 
     @torch.no_grad()
-    def _pi_topk(self, inputs: Mapping[str, Any], mu_ids: Tensor) -> Tensor:
-        """pi's log-probs at mu's top-K ids ``(B, T, K)``: one no-grad forward at the current weights."""
-        t = self.trainer
-        model = t.accelerator.unwrap_model(t.model)
-        parts = []
-        for sl, logits, completion in self._forward_logits(model, inputs):
-            cap = capture(logits, completion, response_start=1, mu_topk_ids=mu_ids[sl], temperature=t.temperature)
-            parts.append(cap.topk_logprobs)
-        return torch.cat(parts)
+    def _pi_topk(self, inputs: Mapping[str, Any], mu_ids: Tensor, pi: Tensor,
+                 hidden: tuple[Tensor, torch.dtype] | None) -> Tensor:
+        """pi's log-probs at mu's top-K ids ``(B, T, K)`` from the loss forward: its last hidden states, the LM
+        head's rows at the ids, and log Z from ``pi``, TRL's log-prob of each completion token (same temperature)."""
+        model = _head_module(self.trainer.accelerator.unwrap_model(self.trainer.model))
+        if hidden is None:
+            raise TRLVersionError(f"the loss forward did not run the backbone of {type(model).__name__}, as TRL "
+                                  f"{TESTED_TRL}'s fused LM head does; trustscope cannot score mu's top-K ids")
+        states, dtype = hidden
+        completion = inputs["completion_ids"]  # (B, T)
+        T = completion.shape[1]
+        if states.shape[0] != completion.shape[0] or states.shape[1] <= T:
+            raise TRLVersionError(f"the loss forward's hidden states have shape {tuple(states.shape)}, the "
+                                  f"completions {tuple(completion.shape)}; TRL {TESTED_TRL} runs prompt + completion")
+        head = model.get_output_embeddings()
+        weight, bias = head.weight, getattr(head, "bias", None)
+        scale, softcap = _logit_transform(model)
+        # a token whose pi is not finite is left out of the log (log_micro_batch's mask); any finite stand-in keeps
+        # the call's check on the label's log-prob for the tokens that are logged
+        label_lp = torch.where(torch.isfinite(pi), pi, torch.zeros_like(pi))  # (B, T)
+        with _gathered(weight, bias):
+            weight, bias = _full(weight), _full(bias)
+            return logprobs_from_hidden(states[:, -(T + 1):-1].to(weight.device), weight, mu_ids.to(weight.device),
+                                        bias=bias, label_ids=completion.to(weight.device),
+                                        label_logprobs=label_lp.to(weight.device),
+                                        temperature=self.trainer.temperature, logit_scale=scale, softcap=softcap,
+                                        matmul_dtype=dtype).to(pi.device)
 
     def _samples(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The micro-batch's samples rows: ids, prompt group, texts, finish reason, advantage, weighted reward."""
@@ -665,8 +764,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
         trainer: a ``trl.GRPOTrainer`` of TRL :data:`SUPPORTED_TRL` (checked: :func:`check_trainer`).
         logdir: the log directory; the run is ``<logdir>/<run_id>/``.
         topk: log mu's top-K ids and log-probs and pi's at the same ids (0: none). On the vLLM path the engine
-            reports them; on the transformers path it needs ``topk_forward=True``. Costs one extra no-grad forward
-            per micro-batch (pi's log-probs at the ids need logits, which TRL's fused head does not make).
+            reports them; on the transformers path it needs ``topk_forward=True``. pi's log-probs at the ids come
+            from the loss forward's last hidden states and K rows of the LM head (no extra forward, no logits).
         topk_forward: on the transformers path, stand the trainer's own top-K at the rollout's weights in for
             the engine's (one more no-grad forward per rollout). Ignored with vLLM.
         metrics: add the latest step's exact summaries, as ``trustscope/...`` metrics
@@ -714,6 +813,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
         if most is not None and 0 <= most < topk:
             raise ValueError(f"topk={topk} exceeds the colocated vLLM engine's max_logprobs={most} (TRL starts it "
                              f"with vLLM's default); use topk <= {most}")
+    if topk:
+        _backbone(trainer.accelerator.unwrap_model(trainer.model))  # pi's top-K reads its hidden states
     if topk and trainer.use_vllm and trainer.tools:
         raise ValueError("topk with tool calls on the vLLM path is not supported: the tool loop generates again "
                          "and extends the log-prob lists; use topk=0")

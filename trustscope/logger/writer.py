@@ -45,7 +45,7 @@ from trustscope.logger.checks import ROUTING
 from trustscope.logger.memory import RowBudget
 from trustscope.logger.runfiles import RunFiles
 from trustscope.logger.summaries import summarize_call
-from trustscope.storage import RunStore, can_exchange, exchange
+from trustscope.storage import RunStore, can_exchange, exchange, fsync_file
 
 
 def default_write_threads() -> int:
@@ -860,11 +860,7 @@ def publish_together(run_dir: Path, folder: Path, files: list[tuple[Path, Path]]
             os.link(folder / name, stage / name)
         for tmp, final in files:
             if fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(tmp)
             os.link(tmp, stage / final.name)
         exchange(stage, folder)
     finally:

@@ -47,6 +47,7 @@ import dataclasses
 import math
 import os
 import random
+import re
 import shutil
 import time
 from collections import deque
@@ -356,21 +357,35 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+TOY_NAME = re.compile(r"toy([-_.][\w.-]*)?")
+"""A model name read as a toy world's (``toy``, ``toy-v2``, ``toy-v3``): one in neither ``TOY_PRESETS`` nor
+``MOE_PRESETS`` is refused rather than looked up on the hub."""
+
+
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
     :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
     copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
+    from trustscope.train.config import ConfigError
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
     from trustscope.train.toy_models import seed_cache
 
     if cfg.model in TOY_PRESETS:
         toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
         seed_cache(toy)  # a build shipped with trustscope (toy-v2), when the cache lacks it
-        return build_toy_model(toy)
+        try:
+            return build_toy_model(toy)
+        except RuntimeError as exc:  # the warm start fell short of its target: name the world and the task
+            if "target_accuracy" not in str(exc):
+                raise
+            raise ConfigError(f"model={cfg.model!r} with task={cfg.task!r}: {exc}") from None
     from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
 
     if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
         return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
+    if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
+        raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
+                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS])}, or to a Hugging Face model directory or hub name")
     return cfg.model
 
 
