@@ -22,7 +22,6 @@ from s3_faults import FAULTS, FaultProxy
 from test_s3 import BUCKET, B, T, endpoint, private_cache, step_data  # noqa: F401  (fixtures)
 from typer.testing import CliRunner
 
-from trustscope import schema as S
 from trustscope import storage
 from trustscope.cli import app
 from trustscope.db import connect
@@ -170,9 +169,7 @@ def test_a_commit_whose_reply_is_lost_is_never_undone(proxy, endpoint, tmp_path)
             log_steps(lg, [1])
             proxy.clear()
             assert lg.manifest["committed_flush"] == 1  # as far as the writer knows
-            # the store holds the commit, but flush 1's objects are uploaded only after a commit the writer knows
-            # of: readers hold it back until they land, with the next commit
-            assert assert_whole(steps_seen(url, endpoint, tmp_path / "m1")) == [0]
+            assert assert_whole(steps_seen(url, endpoint, tmp_path / "m1")) == [0, 1]  # the store has it
             log_steps(lg, [2])
     assert lg.manifest["committed_flush"] == 3 and lg.manifest["rows"]["tokens"] == 3 * B * T
     assert lg.manifest["storage_faults"]["gave_up"] == 1
@@ -255,10 +252,6 @@ KILLS = int(os.environ.get("TRUSTSCOPE_S3_KILLS", "4"))
 """How many times the kill test kills its writer (the issue asks 50: ``TRUSTSCOPE_S3_KILLS=50``)."""
 
 
-@pytest.mark.xfail(reason="known defect of the commit-before-upload order on object stores: under injected "
-                          "lost replies a killed writer can leave one flush whose tokens object landed while the "
-                          "manifest's counts and its other tables disagree (validate names it); under repair",
-                   strict=False)
 def test_a_writer_killed_at_random_during_uploads_leaves_whole_flushes(proxy, endpoint, tmp_path):
     """A writer process logs to s3:// through the proxy, one flush per step, with faults on one in seven of its
     uploads and commits, and is SIGKILLed at a random moment, ``KILLS`` times. After each kill a reader sees whole
@@ -285,22 +278,14 @@ def test_a_writer_killed_at_random_during_uploads_leaves_whole_flushes(proxy, en
             writer.stderr.close()
         steps = assert_whole(steps_seen(url, endpoint, tmp_path / f"mirror-{kill}"))
         assert steps == list(range(len(steps))), f"kill {kill}: steps {steps}"
-        fs = storage.s3_filesystem()
-        manifest = json.loads(fs.cat_file(f"{BUCKET}/killed/{run}/run.json"))
-        # a flush killed between its commit and its uploads: committed in the manifest, its objects never landed
-        # (readers hold it back; the next writer drops it from the counts, its local spool gone with the process)
-        publishing = [e for e in manifest.get("publishing") or [] if isinstance(e, list) and len(e) == 3]
-        landing = {S.parse_data_file(e[1].rpartition("/")[2]).flush for e in publishing
-                   if not fs.exists(f"{BUCKET}/killed/{run}/{e[1]}")}  # a flush is read once all its files landed
-        tokens_landing = sum(e[2] for e in publishing if e[1].startswith("tokens/")
-                             and S.parse_data_file(e[1].rpartition("/")[2]).flush in landing)
-        assert manifest["rows"]["tokens"] - tokens_landing == len(steps) * B * T
-        assert manifest["last_step"] == (steps or [None])[-1] or landing
+        manifest = json.loads(storage.s3_filesystem().cat_file(f"{BUCKET}/killed/{run}/run.json"))
+        assert manifest["rows"]["tokens"] == len(steps) * B * T and manifest["last_step"] == (steps or [None])[-1]
         result = runner.invoke(app, ["validate", url])
-        if landing:  # the window validate names: a killed writer's half-landed flush, which the next writer drops
-            assert result.exit_code == 1 and "by no manifest" in result.output, f"kill {kill}: {result.output}"
-        else:
-            assert result.exit_code == 0, f"kill {kill}: {result.output}"
+        problems = [line for line in result.output.splitlines() if line.startswith("s3://")]
+        # what validate may name after a kill: objects uploaded by a flush whose commit the kill cut off (never
+        # read by trustscope; a tool listing the prefix would read them until the next writer removes them)
+        assert all("by no manifest" in line for line in problems), f"kill {kill}: {result.output}"
+        assert result.exit_code == (1 if problems else 0), f"kill {kill}: {result.output}"
         last = manifest["last_step"] if manifest["last_step"] is not None else -1
     proxy.clear()
     with TokenLogger(url, run, resume=True, flush_seconds=3600, storage_options=options(proxy)) as lg:
@@ -309,3 +294,4 @@ def test_a_writer_killed_at_random_during_uploads_leaves_whole_flushes(proxy, en
     assert assert_whole(steps_seen(url, endpoint, tmp_path / "mirror-end")) == list(range(last + 2))
     assert lg.manifest["storage_faults"]["failures"] > 0  # every session's failures, counted on
     assert len(lg.manifest["resumes"]) == KILLS
+    assert runner.invoke(app, ["validate", url]).exit_code == 0  # the resumed writer removed what kills left

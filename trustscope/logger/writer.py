@@ -319,6 +319,8 @@ class Writer:
         """The open step's summary rows, merged over its calls; written when the step ends or a flush comes."""
         self._uncommitted: list[_Flush] = []
         self._orphans: list[Path | PurePosixPath] = []
+        self._uploaded: set[Path | PurePosixPath] = set()
+        """Objects of uncommitted flushes already uploaded (object stores: uploaded first, committed after)."""
         """Files of a commit written back (they could not all be put in place) that could not be removed either:
         no commit may happen while they exist, since the next committed flush number would make them read."""
         self._lost_rows = dict.fromkeys(S.TABLES, 0)
@@ -646,8 +648,9 @@ class Writer:
             self._report(err)
 
     def _commit(self) -> None:
-        """Record the closed flushes in the manifest, then rename (upload) their files into place; on a failed
-        manifest write they stay closed under their temporary names, invisible, and the commit is retried later.
+        """Record the closed flushes in the manifest, then rename their files into place (an object store: upload
+        them, then record them); on a failed manifest write they stay invisible to trustscope's readers (local
+        files: closed under their temporary names) and the commit is retried later.
 
         Files whose rename fails after the commit are removed again, with those of the same commit already in
         place, and the manifest is written back as before the commit: the flushes are lost (counted), and a reader
@@ -662,18 +665,40 @@ class Writer:
         m = self.files.manifest
         before = {k: m.get(k) for k in ("rows", "last_step", "committed_flush", "tokens_generated", "tokens_logged",
                                         "dropped_rows")}
-        with self.files.folder_lock:  # a compaction lists the committed flushes under it: all in place, or none
+        if self.files.store.remote:
+            # An object store: each flush's objects are uploaded first (each appears whole or not at all), then the
+            # manifest commits them. A PUT whose reply is lost may have committed them; either way the objects stay
+            # and the next commit covers them. Killed in between, the objects are ones no manifest commits: never
+            # read by trustscope, named by validate, removed by the next writer (the one window a tool listing the
+            # prefix has; the logger does not compact on object stores, so it has no other).
+            try:
+                self._publish([f for f in files if f[1] not in self._uploaded])
+            except Exception as err:  # past the store's retries: these flushes are lost, their objects removed
+                self._uploaded.clear()
+                self._unpublish(files, before, err)
+                return
+            self._uploaded.update(f[1] for f in files)
             try:
                 self.files.commit(self._uncommitted[-1].number, rows, max(f.last_step for f in self._uncommitted),
-                                  counts, self._k, self.lost, publishing=files)
+                                  counts, self._k, self.lost)
             except Exception as err:
                 self._report(err)
                 return
-            try:
-                self._publish(files)
-            except Exception as err:
-                self._unpublish(files, before, err)
-                return
+            self._uploaded.clear()
+        else:
+            with self.files.folder_lock:  # a compaction lists the committed flushes under it: all in place or none
+                try:
+                    self.files.commit(self._uncommitted[-1].number, rows,
+                                      max(f.last_step for f in self._uncommitted), counts, self._k, self.lost,
+                                      publishing=files)
+                except Exception as err:
+                    self._report(err)
+                    return
+                try:
+                    self._publish(files)
+                except Exception as err:
+                    self._unpublish(files, before, err)
+                    return
         self._uncommitted.clear()
         if self._on_commit is not None:
             self._on_commit()
