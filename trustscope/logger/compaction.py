@@ -164,7 +164,8 @@ def _opened(store: RunStore, path: Any, meta: pq.FileMetaData | None = None) -> 
             yield f
 
 
-def _footer(store: RunStore, path: Any) -> pq.FileMetaData:
+def read_footer(store: RunStore, path: Any) -> pq.FileMetaData:
+    """The Parquet footer of ``path`` on ``store`` (local or an object store)."""
     with _opened(store, path) as f:
         return f.metadata
 
@@ -220,7 +221,7 @@ def _describe(store: RunStore, run_dir: Any, unit: _Unit) -> None:
     """Fill in the unit's rows and identities from its files' footers."""
     rows: dict[str, int] = {}
     for f in unit.files:
-        meta = unit.metas[f"{f.table}/{f.name}"] = _footer(store, run_dir / f.folder / f.name)
+        meta = unit.metas[f"{f.table}/{f.name}"] = read_footer(store, run_dir / f.folder / f.name)
         rows[f.table] = rows.get(f.table, 0) + meta.num_rows
         unit.identity.setdefault(f.table, _identity(meta))
     unit.rows = max(rows.values(), default=0)
@@ -965,11 +966,11 @@ def compact_logdir(location: str | os.PathLike, *, grace_s: float = 5.0, force: 
 # ------------------------------------------------------------------------------------------------ cutting back
 
 
-def flush_firsts(paths: list[Path]) -> dict[int, tuple[int, list]]:
-    """flush -> (its first step, its token counts) over the :data:`ORIGINALS_META` of one record's files."""
+def flush_firsts(footers: list[pq.FileMetaData]) -> dict[int, tuple[int, list]]:
+    """flush -> (its first step, its token counts) over the :data:`ORIGINALS_META` of one record's files' footers."""
     out: dict[int, tuple[int, list]] = {}
-    for path in paths:
-        for entry in json.loads((pq.read_metadata(path).metadata or {}).get(ORIGINALS_META.encode(), b"[]")):
+    for meta in footers:
+        for entry in json.loads((meta.metadata or {}).get(ORIGINALS_META.encode(), b"[]")):
             flush, first, counts = entry[1], entry[2], entry[5:8]
             out[flush] = (min(first, out[flush][0]), out[flush][1]) if flush in out else (first, counts)
     return out
@@ -981,7 +982,7 @@ def cut_compacted(run_dir: Path, rank: int, record: dict, step: int, fsync: bool
     the files written for it, under new names. A flush's rows are contiguous in a compacted file, so each file
     keeps a prefix of its rows. Nothing is deleted and no manifest written here."""
     paths = [run_dir / rel for rel in record["files"]]
-    firsts = flush_firsts(paths)
+    firsts = flush_firsts([pq.read_metadata(p) for p in paths])
     kept = sorted(f for f, (first, _) in firsts.items() if first <= step)
     if not kept:
         return None, []

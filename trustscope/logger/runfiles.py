@@ -558,20 +558,13 @@ def _store_manifests(store: RunStore, run: Path | PurePosixPath) -> dict[int, di
     return out
 
 
-def _footer(store: RunStore, path: Any) -> pq.FileMetaData:
-    if store.remote:
-        with store.fs.open_input_file(str(path)) as f:
-            return pq.read_metadata(f)
-    return pq.read_metadata(path)
-
-
 def _cut_record(store: RunStore, run: Any, rank: int, record: dict, step: int) -> tuple[dict | None, list]:
     """:func:`~trustscope.logger.compaction.cut_compacted` through ``store``: an object store's files are cut in
     a local copy and the new files uploaded. Returns the new record (None: nothing kept) and the files written."""
-    from trustscope.logger.compaction import ORIGINALS_META, cut_compacted
+    from trustscope.logger.compaction import ORIGINALS_META, cut_compacted, read_footer
 
     originals = [o for rel in record["files"]
-                 for o in json.loads((_footer(store, run / rel).metadata or {}).get(ORIGINALS_META.encode(), b"[]"))]
+                 for o in json.loads((read_footer(store, run / rel).metadata or {}).get(ORIGINALS_META.encode(), b"[]"))]
     across = sorted({(o[1], o[2], o[3]) for o in originals if o[2] <= step < o[3]})
     if across:
         flush, first, last = across[0]
@@ -607,6 +600,8 @@ def cut_rank(store: RunStore, run: Any, rank: int, manifest: dict, step: int,
              committed: Mapping[str, list]) -> tuple[dict | None, list]:
     """Rank ``rank``'s part of :func:`drop_steps_after` (its lock held by the caller): the manifest keys to
     change (None when the rank has no committed files) and the files to delete once that manifest is written."""
+    from trustscope.logger.compaction import flush_firsts, read_footer
+
     flushes: dict[Any, list[tuple[str, Any, S.DataFileName]]] = {}
     for table, files in committed.items():
         for path in files:
@@ -630,14 +625,8 @@ def cut_rank(store: RunStore, run: Any, rank: int, manifest: dict, step: int,
                 continue
             records[tuple(record["flushes"])] = record
             paths = [run / rel for rel in record["files"]]
-            footers = [_footer(store, p) for p in paths]
-            firsts: dict[int, list] = {}
-            from trustscope.logger.compaction import ORIGINALS_META
-
-            for meta in footers:
-                for o in json.loads((meta.metadata or {}).get(ORIGINALS_META.encode(), b"[]")):
-                    firsts.setdefault(o[1], o[5:8])
-            flush_counts = list(firsts.values())
+            footers = [read_footer(store, p) for p in paths]
+            flush_counts = [counts for _, counts in flush_firsts(footers).values()]
         elif min(name.first_step for _, _, name in group) > step:
             gone += paths
             continue
@@ -647,7 +636,7 @@ def cut_rank(store: RunStore, run: Any, rank: int, manifest: dict, step: int,
                 last = max(name.last_step for _, _, name in group)
                 raise ResumeError(f"run {manifest.get('run_id')!r} rank {rank}: flush {key} holds steps "
                                   f"{first}-{last}, on both sides of step {step}; it cannot be cut there")
-            footers = [_footer(store, p) for p in paths]
+            footers = [read_footer(store, p) for p in paths]
             meta = footers[0].metadata or {}
             flush_counts = [[None if (v := meta.get(f"{S.FLUSH_META_PREFIX}{k}".encode())) is None else int(v)
                              for k in counts]]
