@@ -248,9 +248,11 @@ class VLLMEngine(Engine):
         params = [SamplingParams(n=1, max_tokens=m, temperature=temperature, top_p=top_p, top_k=0, seed=s,
                                  logprobs=topk, detokenize=False, flat_logprobs=True)
                   for m, s in zip(max_tokens, request_seeds(seed, len(prompt_ids)), strict=True)]
+        outputs = []
         with _rng_preserved(), _torch_threads(self.num_threads):
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params,
-                                        use_tqdm=False)
+            for lo, hi in self._whole_prefills(prompt_ids):
+                outputs += self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids[lo:hi]],
+                                             params[lo:hi], use_tqdm=False)
         response_ids, finish, mu, tk_ids, tk_lps = [], [], [], [], []
         for out in outputs:
             c = out.outputs[0]
@@ -273,6 +275,19 @@ class VLLMEngine(Engine):
             texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             sampling=self.sampling_info() | {"seed": seed},
         )
+
+    def _whole_prefills(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+        """Consecutive ranges of sequences whose prefills fit one scheduler step together (``max_num_batched_tokens``,
+        ``max_num_seqs``). A prefill split over steps discards a sampled token, and vLLM's CPU runner then fails on a
+        seeded request ("CPU Generator does not use offset"), so long continuations go in several calls."""
+        sc = self.llm.llm_engine.vllm_config.scheduler_config
+        ranges, lo, tokens = [], 0, 0
+        for i, ids in enumerate(prompt_ids):
+            if i > lo and (tokens + len(ids) > sc.max_num_batched_tokens or i - lo >= sc.max_num_seqs):
+                ranges.append((lo, i))
+                lo, tokens = i, 0
+            tokens += len(ids)
+        return [*ranges, (lo, len(prompt_ids))]
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s weights into vLLM (see the module docstring), then reset the prefix cache."""
