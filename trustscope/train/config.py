@@ -6,7 +6,8 @@ config is written into the run manifest (``run.json``) at start, via :meth:`Trai
 
 The defaults are the toy world's: a tiny model on a laptop CPU, DPPO with binary TV, the paper's loss
 aggregation (Dr. GRPO) and advantages not divided by the group std. The mismatch knobs are ``engine_dtype``
-(bf16 rollouts against an fp32 trainer), ``policy_lag`` / ``sync_every`` (stale rollouts) and ``recompute_old``.
+(bf16 rollouts against an fp32 trainer), ``policy_lag`` / ``sync_every`` (stale rollouts), ``recompute_old``, and
+``async_chunk_tokens`` / ``async_batches`` / ``max_staleness`` (asynchronous partial rollouts).
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ the same ``prompts_per_step`` to float tolerance (see :func:`update_policy` and 
 
 Mismatch knobs: ``engine_dtype`` (bf16 rollouts against an fp32 trainer), ``policy_lag`` (step s trains on
 rollouts sampled with the weights of step s - lag, as in asynchronous RL), ``sync_every`` (the engine's weights
-are refreshed only every k steps) and ``recompute_old``.
+are refreshed only every k steps), ``recompute_old``, and asynchronous partial rollouts (``async_chunk_tokens``,
+``async_batches``, ``max_staleness``: responses continued across weight updates, :class:`PartialRollouts`). Every
+token is logged with the ``policy_version`` that sampled it.
 
 Where it departs from the paper's recipe (verl, DAPO data, 16 responses per prompt, lr 1e-6):
 - Scale: a tiny model and one-digit addition by default, so the defaults (lr 2e-4, 8 responses per prompt, 8
