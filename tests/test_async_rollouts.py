@@ -216,3 +216,37 @@ def test_async_resume_continues_the_groups_in_flight(tmp_path):
     for step in (2, 3):
         for name in ("reward/mean", "async/staleness_mean", "async/spanning_frac", "grad_norm"):
             assert resumed[step][name] == pytest.approx(full[step][name], rel=1e-6), (step, name)
+
+
+@pytest.mark.slow
+def test_two_ranks_log_the_versions_of_one(tmp_path):
+    """Data-parallel (torchrun, 2 ranks): rank 0 samples the partial rollouts and each rank logs its share's
+    per-token versions; together they are the one-rank run's, token for token, and the losses agree."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    options = {"engine": "hf", "async_chunk_tokens": 1, "async_batches": 2, "max_staleness": 1, "prompts_per_step": 4,
+               "group_size": 4, "max_tokens": 6, "topk": 5, "steps": 3, "eval_every": 0, "threads": 1, "lr": 1e-3}
+    train(TrainConfig(logdir=str(tmp_path / "one"), run_id="dp", **options))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [arg for name, value in options.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "-m", "trustscope.cli", "train", "--logdir", str(tmp_path / "two"),
+           "--run-id", "dp", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    key = ["step", "sample_id", "pos"]
+    cols = [*key, "token_id", "policy_version"]
+    one, two = (pq.read_table(tmp_path / name / "dp" / "tokens").to_pandas().sort_values(key).reset_index(drop=True)
+                for name in ("one", "two"))
+    assert sorted(two["rank"].unique()) == [0, 1]
+    assert (two[cols].values == one[cols].values).all()
+    assert (one.groupby(["step", "sample_id"])["policy_version"].nunique() > 1).any()
+    steps = {name: pq.read_table(tmp_path / name / "dp" / "steps").to_pandas() for name in ("one", "two")}
+    losses = {name: df[df["name"] == "loss"].sort_values("step")["value"].to_numpy() for name, df in steps.items()}
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5, atol=1e-6)
