@@ -939,7 +939,7 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
     hf_logging.disable_progress_bar()
     console = Console(stderr=True)
     console.print(f"[bold]trustscope train[/bold] run [cyan]{cfg.run_id}[/cyan] -> {cfg.run_dir}  "
-                  f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, lag {cfg.policy_lag})")
+                  f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, {rollout_mode(cfg)})")
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                TimeElapsedColumn())
     every = max(1, cfg.steps // 20)  # steps between two progress lines when stderr is not a terminal
@@ -959,6 +959,14 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
         result = train(cfg, on_step=on_step)
     console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")
     return result
+
+
+def rollout_mode(cfg: TrainConfig) -> str:
+    """How the run samples, for the progress line: ``lag k``, or the asynchronous partial rollouts' settings."""
+    if not cfg.async_chunk_tokens:
+        return f"lag {cfg.policy_lag}"
+    bound = "unbounded" if cfg.max_staleness < 0 else f"max staleness {cfg.max_staleness}"
+    return f"async: {cfg.async_chunk_tokens}-token chunks, {cfg.async_batches} batches in flight, {bound}"
 
 
 def print_options() -> None:
