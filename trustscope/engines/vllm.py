@@ -155,6 +155,7 @@ class VLLMEngine(Engine):
         num_threads: int | None = 1,
         gpu_memory_utilization: float = 0.3,
         llm_kwargs: dict[str, Any] | None = None,
+        routing: bool = False,
     ) -> None:
         super().__init__(model_dir, dtype, seed)
         from vllm.platforms import current_platform
@@ -182,6 +183,8 @@ class VLLMEngine(Engine):
         else:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization}
         kwargs |= llm_kwargs or {}
+        if routing:  # every position goes through the routers: no prompt is taken from the prefix cache
+            kwargs["enable_prefix_caching"] = False
         self.llm_kwargs = {k: v for k, v in kwargs.items() if k != "model"}
 
         from transformers import AutoTokenizer
@@ -194,6 +197,7 @@ class VLLMEngine(Engine):
             self.llm = LLM(**kwargs)
         _OPEN_ENGINES.add(id(self))
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.routing = self._routing_capture() if routing else None
 
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
                 seed: int) -> Rollout:
@@ -207,6 +211,8 @@ class VLLMEngine(Engine):
                            logprobs=topk, detokenize=False, flat_logprobs=True)
             for s in request_seeds(seed, len(prompts))
         ]
+        if self.routing is not None:
+            self.routing.reset()
         with _rng_preserved(), _torch_threads(self.num_threads):
             outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
 
@@ -233,7 +239,22 @@ class VLLMEngine(Engine):
             response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
             finish_reasons=finish, texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             sampling=self.sampling_info() | {"seed": seed},
+            routed_experts=None if self.routing is None else self.routing.take(prompt_ids, response_ids),
         )
+
+    def _routing_capture(self) -> Any:
+        """The batched routing capture (:class:`trustscope.routing.VLLMBatchRouting`) of an MoE model; ValueError
+        for a dense one, RuntimeError out of process (the capture point lives in the worker)."""
+        from transformers import AutoConfig
+
+        from trustscope.routing import VLLMBatchRouting, moe_shape
+
+        shape = moe_shape(AutoConfig.from_pretrained(self.model_dir))
+        if shape is None:
+            raise ValueError(f"routing=True: {self.model_dir} is a dense model (its config names no experts)")
+        if not self.in_process:
+            raise RuntimeError("routing=True needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        return VLLMBatchRouting(self.llm, shape)
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s weights into vLLM (see the module docstring), then reset the prefix cache."""

@@ -84,6 +84,14 @@ class TrainConfig:
     """Push the trainer's weights into the engine every this many steps (1: after every step)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the engine class, e.g. ``{"gpu_memory_utilization": 0.3}`` for vLLM on a GPU."""
+    log_routing: bool = True
+    """Mixture-of-experts models with the ``vllm`` engine: log each token's experts on both sides (the engine's
+    from vLLM's router capture point, the trainer's from its routers) and their ``routing_agreement``. No effect
+    on a dense model or with ``hf``."""
+    routing_replay: bool = False
+    """Routing replay (R3): the trainer's forward uses the experts the engine routed each position to (prompt and
+    response), with the routing weights from the trainer's router at those experts. Needs an MoE model and the
+    ``vllm`` engine; recorded in ``run.json`` (``routing_replay``), which ``trustscope doctor`` holds to it."""
 
     # --- objective --------------------------------------------------------------------------------------------
     loss: str = "dppo_binary_tv"
@@ -256,6 +264,8 @@ def _validate(c: TrainConfig) -> None:
                     "directory)")
     if c.resume and not c.run_id:
         raise _fail("resume", c.resume, "set run_id to the run to continue")
+    if c.routing_replay and c.engine != "vllm":
+        raise _fail("routing_replay", c.routing_replay, "routing replay needs the engine's experts: set engine=vllm")
 
     try:
         rule = get_loss(c.loss)
