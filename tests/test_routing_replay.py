@@ -1,0 +1,133 @@
+"""Routing replay (R3) on the trainer's side and its health check: the router hooks force the given experts with the
+router's own weights at them, positions given -1 keep the router's choice, the trainer's forward then matches the
+engine's routing exactly; a corrupted replay buffer leaves disagreement, which ``trustscope doctor`` fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trustscope.routing import RouterReplay, TrainerRouting, agreement, padded_routing
+
+
+def tiny_moe(layers: int = 2, experts: int = 8, top_k: int = 2):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                         num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg).eval()
+
+
+def own_routing(model, ids):
+    tracker = TrainerRouting(model)
+    with torch.no_grad(), tracker.hooked():
+        logits = model(input_ids=ids).logits
+    return tracker.take(*ids.shape), logits
+
+
+def engine_like(own: np.ndarray, rng: np.random.Generator, share: float, experts: int) -> np.ndarray:
+    """The trainer's routing with ``share`` of the positions' first slot moved to another expert (an engine whose
+    routers flipped there)."""
+    out = own.copy()
+    b, s, layers, k = own.shape
+    flip = rng.random((b, s, layers)) < share
+    for i, j, layer in zip(*np.nonzero(flip), strict=True):
+        free = [e for e in range(experts) if e not in out[i, j, layer]]
+        out[i, j, layer, 0] = rng.choice(free)
+    return out
+
+
+def test_replay_forces_the_given_experts_with_the_routers_weights_and_gradients():
+    model = tiny_moe()
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(1, 40, (3, 7)))
+    own, logits = own_routing(model, ids)
+    given = engine_like(own, rng, 0.3, 8)
+    given[0, :2] = -1  # columns the engine did not run keep the router's own choice
+    replay = RouterReplay(model)
+    with replay.replayed(torch.from_numpy(given).long()) as tracker:
+        out = model(input_ids=ids).logits
+    used = tracker.take(*ids.shape)
+    np.testing.assert_array_equal(used[0, :2], own[0, :2])
+    np.testing.assert_array_equal(used[given >= 0].reshape(-1), given[given >= 0].reshape(-1))
+    flipped = (given[..., 0] != own[..., 0]) & (given[..., 0] >= 0)
+    assert flipped.any() and replay.replaced == pytest.approx(flipped.sum() / ((given >= 0).all(-1).sum() * 2))
+    assert not torch.allclose(out, logits)  # other experts, another output
+    out[..., 3].sum().backward()
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
+    with replay.replayed(torch.from_numpy(own).long()):  # replaying its own choices changes nothing
+        same = model(input_ids=ids).logits
+    torch.testing.assert_close(same, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_routing_lays_rows_out_like_left_padded_prompts():
+    rows = [np.full((4, 2, 2), 1, np.int16), np.full((2, 2, 2), 2, np.int16)]  # prompts of 3 and 1 tokens
+    out = padded_routing(rows, [3, 1], prompt_len=3, width=5)
+    assert out.shape == (2, 5, 2, 2)
+    assert (out[0, :4] == 1).all() and (out[0, 4] == -1).all()
+    assert (out[1, :2] == -1).all() and (out[1, 2:4] == 2).all() and (out[1, 4] == -1).all()
+
+
+def replayed_log(tmp_path, run_id: str, corrupt: bool, replayed: bool = True) -> None:
+    """A replayed step as the trainer logs it: the engine's experts, and the experts the replayed forward used,
+    from a buffer that is the engine's (or, ``corrupt``, the engine's one position off)."""
+    from trustscope.logger import TokenLogger
+
+    model = tiny_moe()
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(1, 40, (4, 12)))
+    own, _ = own_routing(model, ids)
+    engine = engine_like(own, rng, 0.2, 8)
+    buffer = np.roll(engine, 1, axis=1) if corrupt else engine
+    with torch.no_grad(), RouterReplay(model).replayed(torch.from_numpy(buffer).long()) as tracker:
+        lp = model(input_ids=ids).logits.log_softmax(-1)
+    used = tracker.take(*ids.shape)
+    p = 4  # columns 3 .. 10 predict the response tokens 4 .. 11
+    tok = ids[:, p:]
+    pi = lp[:, p - 1: -1].gather(-1, tok[..., None])[..., 0]
+    with TokenLogger(tmp_path, run_id, routing_shape=(2, 2, 8), routing_replay=replayed) as logger:
+        logger.log_step(0, tokens={"token_id": tok, "mu_logprob": pi, "pi_logprob": pi,
+                                   "engine_experts": engine[:, p - 1: -1], "trainer_experts": used[:, p - 1: -1]},
+                        samples={"prompt_id": np.arange(4), "advantage": np.zeros(4, np.float32)})
+
+
+def test_doctor_fails_a_replayed_run_whose_replay_buffer_is_corrupted(tmp_path):
+    from trustscope import doctor as D
+    from trustscope.db import connect
+
+    replayed_log(tmp_path, "clean", corrupt=False)
+    replayed_log(tmp_path, "corrupted", corrupt=True)
+    replayed_log(tmp_path, "undeclared", corrupt=True, replayed=False)
+    with connect(tmp_path, cache=False) as db:
+        found = {run: {f.check: f for f in fs}["routing_replay"] for run, fs in D.diagnose(db).items()}
+        recount = db.sql("select run_id, count_if(routing_agreement < 1) as n, 1 - avg(routing_agreement) as share "
+                         "from tokens group by run_id").to_pandas().set_index("run_id")
+    assert found["clean"].verdict == "ok" and found["clean"].evidence["n_disagree"] == 0
+    bad = found["corrupted"]
+    assert bad.verdict == "fail" and bad.evidence["n_disagree"] == recount.loc["corrupted", "n"] > 0
+    assert bad.evidence["choice_disagreement"] == pytest.approx(recount.loc["corrupted", "share"])
+    assert f"{bad.evidence['n_disagree']} of 32 routed tokens" in bad.summary
+    assert len(bad.examples) == 3 and all(e["routing_agreement"] < 1 for e in bad.examples)
+    assert {"step", "sample_id", "pos", "engine_experts", "trainer_experts"} <= set(bad.examples[0])
+    assert found["undeclared"].verdict == "skipped" and "not declared replayed" in found["undeclared"].summary
+
+
+def test_replay_declared_for_a_dense_model_is_refused(tmp_path):
+    from trustscope.logger import TokenLogger
+
+    with pytest.raises(ValueError, match="routing_replay=True needs routing_shape"):
+        TokenLogger(tmp_path, "dense", routing_replay=True)
+
+
+def test_agreement_of_the_replayed_forward_is_full():
+    model = tiny_moe()
+    rng = np.random.default_rng(2)
+    ids = torch.from_numpy(rng.integers(1, 40, (2, 5)))
+    engine = engine_like(own_routing(model, ids)[0], rng, 0.5, 8)
+    with torch.no_grad(), RouterReplay(model).replayed(torch.from_numpy(engine).long()) as tracker:
+        model(input_ids=ids)
+    used = tracker.take(*ids.shape).reshape(-1, 2, 2)
+    assert agreement(engine.reshape(-1, 2, 2), used)[0].min() == 1.0
