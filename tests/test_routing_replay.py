@@ -32,7 +32,7 @@ def engine_like(own: np.ndarray, rng: np.random.Generator, share: float, experts
     """The trainer's routing with ``share`` of the positions' first slot moved to another expert (an engine whose
     routers flipped there)."""
     out = own.copy()
-    b, s, layers, k = own.shape
+    b, s, layers, _ = own.shape
     flip = rng.random((b, s, layers)) < share
     for i, j, layer in zip(*np.nonzero(flip), strict=True):
         free = [e for e in range(experts) if e not in out[i, j, layer]]

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
+
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.moe")
 
 from trustscope.routing import RouterReplay, moe_shape, padded_routing
 from trustscope.train.config import ConfigError, TrainConfig

@@ -1,6 +1,6 @@
 -- the page "where the mismatch lives" and the report, for mixture-of-experts runs: what each rule blocks among the
 -- tokens with A != 0 whose routing fully agrees (agreement 'full') and those where some (layer, slot) choice differs
--- ('some disagree'), per run over the steps [$first_step, $last_step] (null: every step), on the token rows that
+-- ('disagreement'), per run over the steps [$first_step, $last_step] (null: every step), on the token rows that
 -- carry routing_agreement. $run_ids: the runs, or null for all.
 with routed as (
     select run_id, step, rank, sample_id, pos, routing_agreement
@@ -28,7 +28,7 @@ final as (
     select
         run_id,
         substr(rule_column, 8) as rule,
-        case when routing_agreement = 1 then 'full agreement' else 'some disagree' end as agreement,
+        case when routing_agreement = 1 then 'full agreement' else 'disagreement' end as agreement,
         count_if(blocked) as n_blocked,
         count(*) as n_nonzero_advantage,
         count_if(blocked) / count(*) as blocked_frac
@@ -36,4 +36,4 @@ final as (
     group by all
 )
 
-select * from final order by run_id, rule, agreement
+select * from final order by run_id, rule, agreement desc

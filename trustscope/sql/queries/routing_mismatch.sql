@@ -53,7 +53,7 @@ final as (
         s.split,
         s.bucket,
         case
-            when s.split = 'agreement' then (case when s.bucket = 0 then 'full agreement' else 'some disagree' end)
+            when s.split = 'agreement' then (case when s.bucket = 0 then 'full agreement' else 'disagreement' end)
             when s.split = 'first_layer' then (case when s.bucket < 0 then 'none' else 'layer ' || s.bucket end)
             else position_bucket_label(s.bucket)
         end as label,
