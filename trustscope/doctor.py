@@ -539,9 +539,9 @@ def judge_routing_replay(m: Mapping[str, Any], replayed: Any) -> Judgement:
     if replayed is not None and not isinstance(replayed, bool):
         raise ValueError(f"run.json routing_replay={replayed!r} must be true or false")
     routed = (m or {}).get("n_routed") or 0
-    evidence = {**_pick(m or {}, "n_tokens", "n_routed", "n_disagree", "n_steps_disagree")}
+    evidence = _pick(m, "n_tokens", "n_routed")
     if routed:
-        evidence["choice_disagreement"] = m["choice_disagreement"]
+        evidence.update(_pick(m, "n_disagree", "n_steps_disagree"), choice_disagreement=m["choice_disagreement"])
         evidence["token_disagreement"] = m["n_disagree"] / routed
     if not replayed:
         return Judgement("skipped", "the run is not declared replayed (run.json routing_replay)"
