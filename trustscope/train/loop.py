@@ -664,7 +664,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         if ranks.main:  # the one engine: it samples every step's whole batch
             engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
                                                        seed=cfg.seed, **cfg.engine_options,
-                                                       **moe.engine_kwargs(routing)))
+                                                       **moe.engine_kwargs(routing, cfg)))
             if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
                 engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
             stream = rollout_stream(engine, task, cfg, start.step, start.pending)

@@ -43,9 +43,9 @@ def routing_shape(cfg: TrainConfig, model: torch.nn.Module) -> tuple[int, int, i
     return shape
 
 
-def engine_kwargs(shape: tuple[int, int, int] | None) -> dict[str, Any]:
-    """The engine's keyword arguments for routing capture (none for a dense model)."""
-    return {"routing": True} if shape is not None else {}
+def engine_kwargs(shape: tuple[int, int, int] | None, cfg: TrainConfig) -> dict[str, Any]:
+    """The engine's keyword arguments for routing capture (none for a dense model): required when replaying."""
+    return {} if shape is None else {"routing": "required" if cfg.routing_replay else True}
 
 
 @dataclass
