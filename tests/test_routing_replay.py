@@ -131,3 +131,59 @@ def test_agreement_of_the_replayed_forward_is_full():
         model(input_ids=ids)
     used = tracker.take(*ids.shape).reshape(-1, 2, 2)
     assert agreement(engine.reshape(-1, 2, 2), used)[0].min() == 1.0
+
+
+def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
+    """The routing_mismatch and routing_blocked queries (the page's section, the report's lines) against numpy on
+    the same tokens: |log pi/mu| by agreement, by first differing layer and by position, blocks by agreement."""
+    from trustscope import report
+    from trustscope.columns import position_bucket
+    from trustscope.db import connect
+    from trustscope.logger import TokenLogger
+
+    rng = np.random.default_rng(5)
+    b, t, layers, k = 6, 9, 3, 2
+    engine = np.stack([rng.permutation(8)[:k] for _ in range(b * t * layers)]).reshape(b, t, layers, k)
+    trainer = engine.copy()
+    flip = rng.random((b, t, layers)) < 0.15
+    trainer[..., 0][flip] = (engine[..., 0][flip] + 1 + rng.integers(0, 6, flip.sum())) % 8
+    trainer[..., 0] = np.where((trainer[..., 0] == trainer[..., 1]) & flip, (trainer[..., 1] + 1) % 8,
+                               trainer[..., 0])
+    mu = -rng.random((b, t)).astype(np.float32) - 0.05
+    pi = mu + rng.normal(0, 0.3, (b, t)).astype(np.float32) * (1 + 3 * flip.any(-1))
+    pi = np.minimum(pi, 0.0)
+    adv = np.repeat(rng.choice([-1.0, 1.0], b)[:, None], t, 1).astype(np.float32)
+    with TokenLogger(tmp_path, "moe", routing_shape=(layers, k, 8), loss_rule="ppo_clip") as logger:
+        logger.log_step(0, tokens={"token_id": rng.integers(0, 20, (b, t)), "mu_logprob": mu, "pi_logprob": pi,
+                                   "advantage": adv, "engine_experts": engine, "trainer_experts": trainer},
+                        samples={"prompt_id": np.arange(b)})
+    hit = (engine[..., :, None] == trainer[..., None, :]).any(-1).all(-1)  # (B, T, L): layer agrees
+    full = hit.all(-1).reshape(-1)
+    first = np.where(full, -1, np.argmin(hit, -1).reshape(-1))
+    d = np.abs(pi.astype(np.float64) - mu.astype(np.float64)).reshape(-1)
+    pos = np.tile(np.arange(t), b)
+    with connect(tmp_path, cache=False) as db:
+        mismatch, blocked = report.by_routing(db, ["moe"])
+        rows = db.sql("select sample_id, pos, blocks_ppo_clip from rule_blocks order by sample_id, pos").to_pandas()
+    assert not full.all() and full.any()
+    agree = mismatch[mismatch["split"] == "agreement"].set_index("bucket")
+    assert agree.loc[0, "n_tokens"] == full.sum() and agree.loc[1, "n_disagree"] == (~full).sum()
+    assert agree.loc[0, "mean_abs"] == pytest.approx(d[full].mean(), rel=1e-5)
+    assert agree.loc[1, "abs_share"] == pytest.approx(d[~full].sum() / d.sum(), rel=1e-5)
+    layer_rows = mismatch[mismatch["split"] == "first_layer"].set_index("bucket")
+    for layer in np.unique(first):
+        assert layer_rows.loc[layer, "n_tokens"] == (first == layer).sum()
+        assert layer_rows.loc[layer, "mean_abs"] == pytest.approx(d[first == layer].mean(), rel=1e-5)
+    buckets = position_bucket(pos)
+    pos_rows = mismatch[mismatch["split"] == "position"].set_index("bucket")
+    for bucket in np.unique(buckets):
+        sel = buckets == bucket
+        assert pos_rows.loc[bucket, "n_disagree"] == (~full[sel]).sum()
+    blocks = rows["blocks_ppo_clip"].to_numpy()
+    clip = blocked[blocked["rule"] == "ppo_clip"].set_index("agreement")
+    assert clip.loc["disagreement", "n_blocked"] == blocks[~full].sum()
+    assert clip.loc["full agreement", "n_nonzero_advantage"] == full.sum()
+    lines = report.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"})
+    assert lines[0].startswith(f"moe: {(~full).sum()} of {full.size} routed tokens")
+    assert any(line.strip().startswith("ppo_clip blocks") for line in lines)
+    assert "Run dense logs no routed experts" in lines[-1]
