@@ -163,7 +163,7 @@ def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     d = np.abs(pi.astype(np.float64) - mu.astype(np.float64)).reshape(-1)
     pos = np.tile(np.arange(t), b)
     with connect(tmp_path, cache=False) as db:
-        mismatch, blocked = report.by_routing(db, ["moe"])
+        mismatch, blocked, exact = report.by_routing(db, ["moe"])
         rows = db.sql("select sample_id, pos, blocks_ppo_clip from rule_blocks order by sample_id, pos").to_pandas()
     assert not full.all() and full.any()
     agree = mismatch[mismatch["split"] == "agreement"].set_index("bucket")
@@ -183,7 +183,13 @@ def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     clip = blocked[blocked["rule"] == "ppo_clip"].set_index("agreement")
     assert clip.loc["disagreement", "n_blocked"] == blocks[~full].sum()
     assert clip.loc["full agreement", "n_nonzero_advantage"] == full.sum()
-    lines = report.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"})
-    assert lines[0].startswith(f"moe: {(~full).sum()} of {full.size} routed tokens")
+    per_layer = (engine[..., :, None] == trainer[..., None, :]).any(
+        -1).mean(-1).reshape(-1, layers)  # (N, L): share of a layer's slots that agree
+    whole = exact[exact["dimension"] == "all"]
+    assert whole["n_tokens"].iloc[0] == full.size and whole["agreement"].iloc[0] == pytest.approx(per_layer.mean())
+    np.testing.assert_allclose(exact[exact["dimension"] == "layer"]["agreement"], per_layer.mean(0), rtol=1e-6)
+    lines = report.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"}, exact)
+    assert lines[0].startswith(f"moe: {per_layer.mean():.2%} of (layer, slot) expert choices agree")
+    assert lines[1].startswith(f"moe: {(~full).sum()} of {full.size} routed tokens")
     assert any(line.strip().startswith("ppo_clip blocks") for line in lines)
     assert "Run dense logs no routed experts" in lines[-1]

@@ -646,14 +646,16 @@ def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: li
 
 
 def by_routing(db: LogDB, run_ids: list[str] | None = None, first_step: int | None = None,
-               last_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+               last_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """How much of the mismatch routing explains, on mixture-of-experts runs' token rows carrying both sides'
     experts: the ``routing_mismatch`` rows (per run, split ``agreement`` / ``first_layer`` / ``position`` and
     bucket: tokens, disagreeing tokens, mean |log pi/mu| overall, with full agreement and with a disagreement, the
-    share of the run's total) and the ``routing_blocked`` rows (per run, rule and agreement: n_blocked of the
-    A != 0 tokens)."""
+    share of the run's total), the ``routing_blocked`` rows (per run, rule and agreement: n_blocked of the
+    A != 0 tokens) and the ``routing_agreement`` rows (per run, ``all`` / ``layer`` / ``position`` and bucket:
+    the summaries' exact agreement over every token)."""
     params = {"run_ids": run_ids, "first_step": first_step, "last_step": last_step}
-    return db.query("routing_mismatch", **params), db.query("routing_blocked", **params)
+    return (db.query("routing_mismatch", **params), db.query("routing_blocked", **params),
+            db.query("routing_agreement", **params))
 
 
 def routing_absent_sentence(runs: list[str]) -> str:
@@ -666,8 +668,9 @@ def routing_absent_sentence(runs: list[str]) -> str:
 
 
 def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
-                  applied: dict[str, str | None]) -> list[str]:
-    """The report's routing lines per run: the tokens with a disagreement and their share of |log pi/mu|, the mean
+                  applied: dict[str, str | None], exact: pd.DataFrame | None = None) -> list[str]:
+    """The report's routing lines per run: the summaries' exact agreement overall and per layer (``exact``, the
+    ``routing_agreement`` rows), the tokens with a disagreement and their share of |log pi/mu|, the mean
     |log pi/mu| with full agreement against the rest, by first disagreeing layer, by position, and what the run's
     own rule blocks by agreement; one sentence for the runs without routing."""
     lines = []
@@ -675,6 +678,13 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
         rows = mismatch[mismatch["run_id"] == run]
         if rows.empty:
             continue
+        mine = exact[exact["run_id"] == run] if exact is not None else pd.DataFrame()
+        if len(mine):
+            whole = mine[mine["dimension"] == "all"]
+            layers = mine[mine["dimension"] == "layer"]
+            lines.append(f"{run}: {whole['agreement'].iloc[0]:.2%} of (layer, slot) expert choices agree over "
+                         f"{int(whole['n_tokens'].iloc[0]):,} tokens (exact, every token); by layer "
+                         + ", ".join(f"{r.label}: {r.agreement:.2%}" for r in layers.itertuples()))
         agree = rows[rows["split"] == "agreement"].set_index("bucket")
         n = int(agree["n_tokens"].sum())
         bad = agree.loc[1] if 1 in agree.index else None
@@ -789,11 +799,11 @@ def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
 
 def _routing_part(db: LogDB, reports: list[RunReport]) -> Group:
     run_ids = [r.run_id for r in reports]
-    mismatch, blocked = by_routing(db, run_ids)
+    mismatch, blocked, exact = by_routing(db, run_ids)
     if mismatch.empty:
         return Group(Text("Where the mismatch lives, by routing: no run logs routed experts on both sides (a "
                           "mixture-of-experts run's engine_experts and trainer_experts).", style="italic"))
-    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports})
+    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact)
     return Group(Text("Where the mismatch lives: by routing agreement (the token rows kept)", style="bold"),
                  *(Text(line) for line in lines))
 

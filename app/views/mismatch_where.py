@@ -22,16 +22,25 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
     """By routing agreement: the tokens whose every (layer, slot) expert choice agrees between the engine and the
     trainer against the rest, by first disagreeing layer and by position, and the rules' blocked fractions."""
     st.header("By routing agreement")
-    routing, routed_blocked = data.by_routing(tuple(picked))
+    routing, routed_blocked, exact = data.by_routing(tuple(picked))
     absent = [r for r in picked if r not in set(routing["run_id"])]
     if absent:
         st.info(report.routing_absent_sentence(absent), icon=":material/info:")
     if routing.empty:
         return
     st.caption("Mixture-of-experts runs: a token agrees when every expert the engine routed it to (each MoE layer's "
-               "top-k) is also the trainer's choice in that layer. |log pi/mu| over the token rows that carry both "
-               "sides' experts (the rows token_fraction kept; the summaries' exact agreement is on the Runs page). A "
-               "run trained with routing replay should show no disagreement at all (doctor check routing_replay).")
+               "top-k) is also the trainer's choice in that layer. A run trained with routing replay should show no "
+               "disagreement at all (doctor check routing_replay).")
+    shares = exact[exact["dimension"].isin(["all", "layer"])].pivot_table(index="run_id", columns="label",
+                                                                          values="agreement", aggfunc="first")
+    counts = exact[exact["dimension"] == "all"].set_index("run_id")["n_tokens"]
+    shares.insert(0, "tokens", counts.reindex(shares.index))
+    st.caption("Share of the engine's (layer, slot) expert choices the trainer also made, exact over every token "
+               "handed to the logger (the summaries), overall and per MoE layer.")
+    st.dataframe(shares.reset_index(), hide_index=True, key="routing_exact", column_config={
+        "tokens": st.column_config.NumberColumn("tokens", format="localized"),
+        **{c: st.column_config.NumberColumn(c, format="percent") for c in shares.columns if c != "tokens"}})
+    st.caption("|log pi/mu| over the token rows that carry both sides' experts (the rows token_fraction kept).")
     agree = routing[routing["split"] == "agreement"].copy()
     totals = agree.groupby("run_id")["n_tokens"].transform("sum")
     agree["tokens"] = [widgets.count_of(n, t) for n, t in zip(agree["n_tokens"], totals, strict=True)]
