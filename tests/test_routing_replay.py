@@ -190,6 +190,6 @@ def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     np.testing.assert_allclose(exact[exact["dimension"] == "layer"]["agreement"], per_layer.mean(0), rtol=1e-6)
     lines = report.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"}, exact)
     assert lines[0].startswith(f"moe: {per_layer.mean():.2%} of (layer, slot) expert choices agree")
-    assert lines[1].startswith(f"moe: {(~full).sum()} of {full.size} routed tokens")
+    assert lines[1].startswith(f"  token rows: {(~full).sum()} of {full.size} routed tokens")
     assert any(line.strip().startswith("ppo_clip blocks") for line in lines)
     assert "Run dense logs no routed experts" in lines[-1]

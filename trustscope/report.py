@@ -683,13 +683,14 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
             whole = mine[mine["dimension"] == "all"]
             layers = mine[mine["dimension"] == "layer"]
             lines.append(f"{run}: {whole['agreement'].iloc[0]:.2%} of (layer, slot) expert choices agree over "
-                         f"{int(whole['n_tokens'].iloc[0]):,} tokens (exact, every token); by layer "
-                         + ", ".join(f"{r.label}: {r.agreement:.2%}" for r in layers.itertuples()))
+                         f"{int(whole['n_tokens'].iloc[0]):,} tokens (exact, every token); by layer: "
+                         + ", ".join(f"{int(r.bucket)}: {r.agreement:.2%}" for r in layers.itertuples()))
         agree = rows[rows["split"] == "agreement"].set_index("bucket")
         n = int(agree["n_tokens"].sum())
         bad = agree.loc[1] if 1 in agree.index else None
         full = agree.loc[0] if 0 in agree.index else None
-        lines.append(f"{run}: {0 if bad is None else int(bad.n_tokens):,} of {n:,} routed tokens "
+        lead = "  token rows: " if len(mine) else f"{run}: "
+        lines.append(f"{lead}{0 if bad is None else int(bad.n_tokens):,} of {n:,} routed tokens "
                      f"({0 if bad is None else bad.n_tokens / n:.1%}) disagree in some layer and hold "
                      f"{0 if bad is None else bad.abs_share:.1%} of the total |log pi/mu|; mean |log pi/mu| "
                      f"{_fmt(None if full is None else full.mean_abs)} with full agreement, "
@@ -804,7 +805,7 @@ def _routing_part(db: LogDB, reports: list[RunReport]) -> Group:
         return Group(Text("Where the mismatch lives, by routing: no run logs routed experts on both sides (a "
                           "mixture-of-experts run's engine_experts and trainer_experts).", style="italic"))
     lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact)
-    return Group(Text("Where the mismatch lives: by routing agreement (the token rows kept)", style="bold"),
+    return Group(Text("Where the mismatch lives: by routing agreement", style="bold"),
                  *(Text(line) for line in lines))
 
 
