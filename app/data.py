@@ -616,6 +616,15 @@ def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
 
 
 @cached
+def by_routing(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """How much of the mismatch routing explains (:func:`trustscope.report.by_routing`): the ``routing_mismatch``
+    rows (run_id, split, bucket, label, n_tokens, n_disagree, mean_abs, mean_abs_full, mean_abs_disagree,
+    abs_share), the ``routing_blocked`` rows (run_id, rule, agreement, n_blocked, n_nonzero_advantage,
+    blocked_frac) and the ``routing_agreement`` rows (run_id, dimension, bucket, label, n_tokens, agreement)."""
+    return report.by_routing(ours, list(run_ids))
+
+
+@cached
 def by_dimension(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Where the mismatch lives, exact over every step (:func:`trustscope.report.by_dimension`): the
     ``mismatch_by_dimension`` rows (run_id, dimension, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac,

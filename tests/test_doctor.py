@@ -63,16 +63,19 @@ TURNS = np.repeat(np.arange(3), T // 3).astype(np.int32)  # (T,) three model tur
 def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
               ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
               steps: int = STEPS, multi_turn: bool = False, max_staleness: int | None = None,
-              equal_rewards: bool = False, **step_options) -> Path:
+              equal_rewards: bool = False, replayed: bool = False, **step_options) -> Path:
     """A log of ``steps`` steps per rank; ``breaks(step_columns[, step=step])`` edits each step's columns in place.
     ``multi_turn``: each response has three turns, half the responses were sampled a version behind
-    (``policy_version``), and the engine's token ids are logged; ``equal_rewards``: every group's rewards equal."""
+    (``policy_version``), and the engine's token ids are logged; ``equal_rewards``: every group's rewards equal;
+    ``replayed``: a mixture-of-experts run declared replayed, both sides' experts logged and equal."""
     rng = np.random.default_rng(seed)
     rewards = np.random.default_rng(seed + 1000)
     sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
     loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
                            loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False,
-                           max_staleness=max_staleness) for r in range(ranks)]
+                           max_staleness=max_staleness,
+                           **({"routing_shape": (2, 2, 4), "routing_replay": True} if replayed else {}))
+               for r in range(ranks)]
     for step in range(steps):
         for r, logger in enumerate(loggers):
             cols = make_step(rng, **step_options)
@@ -80,6 +83,10 @@ def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu
                 cols["turn"] = np.tile(TURNS, (B, 1))
                 cols["policy_version"] = np.where(np.arange(B) % 2, step, max(step - 1, 0))
                 cols["engine_token_id"] = cols["token_id"].copy()
+            if replayed:
+                cols["engine_experts"] = np.stack([rng.permutation(4)[:2] for _ in range(B * T * 2)]).reshape(
+                    B, T, 2, 2)
+                cols["trainer_experts"] = cols["engine_experts"][..., ::-1].copy()  # order within a layer is free
             if breaks is not None:
                 breaks(cols, **({"step": step} if "step" in inspect.signature(breaks).parameters else {}))
             sample_id = np.arange(B) + (r * B if sample_offsets else 0)
@@ -178,10 +185,15 @@ def _retokenized(cols):
     cols["token_id"][:2, start] = (cols["engine_token_id"][:2, start] + 1) % V
 
 
+def _replay_buffer_one_position_off(cols):
+    """The trainer replayed the engine's experts one position late: what a misaligned replay buffer does."""
+    cols["trainer_experts"] = np.roll(cols["engine_experts"], 1, axis=1)
+
+
 NO_TOPK = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs")
 
 VARIANTS: dict[str, dict] = {
-    "clean": {"temperature": 0.7, "ranks": 2, "multi_turn": True, "max_staleness": 1},
+    "clean": {"temperature": 0.7, "ranks": 2, "multi_turn": True, "max_staleness": 1, "replayed": True},
     "clean_t1": {},
     "no_topk": {"drop": NO_TOPK},
     "pi_late": {"breaks": _pi_one_position_late},
@@ -213,6 +225,7 @@ VARIANTS: dict[str, dict] = {
     "stale": {"multi_turn": True, "max_staleness": 1, "breaks": _sampled_under_version_zero, "steps": 3},
     "retokenized": {"multi_turn": True, "breaks": _retokenized},
     "equal_rewards": {"equal_rewards": True},
+    "replay_corrupted": {"replayed": True, "breaks": _replay_buffer_one_position_off},
 }
 """One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
 
@@ -243,7 +256,8 @@ def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
     assert got["processed_logprobs"].verdict == "skipped"
     assert "temperature 1" in got["processed_logprobs"].summary
     assert got["rank_collisions"].verdict == "skipped"
-    unlogged = {"turn_alignment": "no turns", "staleness_bound": "no policy_version", "token_drift": "no engine_token_id"}
+    unlogged = {"turn_alignment": "no turns", "staleness_bound": "no policy_version", "token_drift": "no engine_token_id",
+                "routing_replay": "not declared replayed"}
     for name, reason in unlogged.items():  # what a single-turn, synchronous run does not log
         assert got[name].verdict == "skipped" and reason in got[name].summary, name
     assert all(f.verdict == "ok" for name, f in got.items()
@@ -487,7 +501,7 @@ def test_cli_help_lists_every_check():
 
 def test_cli_exit_codes(tmp_path):
     clean, broken = tmp_path / "clean", tmp_path / "broken"
-    write_log(clean, temperature=0.7, ranks=2, multi_turn=True, max_staleness=1)
+    write_log(clean, temperature=0.7, ranks=2, multi_turn=True, max_staleness=1, replayed=True)
     write_log(broken, breaks=_pi_one_position_late)
     runner = CliRunner()
     ok = runner.invoke(app, ["doctor", str(clean)])
@@ -568,3 +582,12 @@ def test_sample_logs_pass():
     root = Path(__file__).resolve().parent.parent / "sample_logs"
     found = D.doctor_logdir(root)
     assert found and D.failed(found) == 0, {r: [f for f in fs if f.verdict == "fail"] for r, fs in found.items()}
+
+
+def test_replayed_run_with_a_misaligned_replay_buffer_fails(doctored):
+    got = doctored["replay_corrupted"]["routing_replay"]
+    assert got.verdict == "fail" and got.evidence["n_routed"] == got.evidence["n_tokens"]
+    assert 0 < got.evidence["n_disagree"] <= got.evidence["n_routed"] and 0 < got.evidence["choice_disagreement"] < 1
+    assert len(got.examples) == 3 and all(e["routing_agreement"] < 1 for e in got.examples)
+    assert "misaligned" in got.cause
+    assert doctored["clean"]["routing_replay"].evidence["n_disagree"] == 0

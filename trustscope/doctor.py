@@ -529,6 +529,38 @@ def judge_token_drift(m: Mapping[str, Any]) -> Judgement:
                      "in (tokens in, tokens out).")
 
 
+@register_check("routing_replay", sql="routing_replay.sql",
+                about="routing left disagreeing in a run declared replayed", manifest_field="routing_replay")
+def judge_routing_replay(m: Mapping[str, Any], replayed: Any) -> Judgement:
+    """Routing replay's health: a run declared replayed (run.json ``routing_replay``, ``TokenLogger(routing_replay=
+    True)``, ``trustscope train --routing-replay``) routes every token through the engine's experts, so the experts
+    the trainer's forward used (``trainer_experts``) equal the engine's (``engine_experts``) on every (layer, slot):
+    any disagreement left means the replay buffer was misaligned, stale or corrupted, or replay was not applied."""
+    if replayed is not None and not isinstance(replayed, bool):
+        raise ValueError(f"run.json routing_replay={replayed!r} must be true or false")
+    routed = (m or {}).get("n_routed") or 0
+    evidence = _pick(m, "n_tokens", "n_routed")
+    if routed:
+        evidence.update(_pick(m, "n_disagree", "n_steps_disagree"), choice_disagreement=m["choice_disagreement"])
+        evidence["token_disagreement"] = m["n_disagree"] / routed
+    if not replayed:
+        return Judgement("skipped", "the run is not declared replayed (run.json routing_replay)"
+                         + (f"; {m['n_disagree']} of {routed} routed tokens disagree in some layer" if routed else ""),
+                         evidence)
+    if not routed:
+        return Judgement("warn", "the run is declared replayed but logs no routed experts on both sides: replay "
+                         "health unknown", evidence, cause="log engine_experts and trainer_experts (the integrated "
+                         "trainer does with the vllm engine) so the replay can be checked")
+    summary = (f"{m['n_disagree']} of {routed} routed tokens ({m['n_disagree'] / routed:.2%}) disagree in some layer "
+               f"under replay; {m['choice_disagreement']:.3%} of (layer, slot) choices differ")
+    if not m["n_disagree"]:
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, list(m.get("examples") or []),
+                     "the trainer's forward did not use the experts the engine routed to: the replay buffer is "
+                     "misaligned with the tokens (a prompt/response offset, left padding, a reordered batch), stale "
+                     "(another step's rollouts) or corrupted, or the replay hook is not installed on every MoE layer.")
+
+
 # ------------------------------------------------------------------------------------------------ measuring
 
 

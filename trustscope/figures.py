@@ -665,6 +665,24 @@ def mismatch_by_dimension(df: pd.DataFrame, dimension: str) -> go.Figure:
     return _finish(fig, 360, top=60)
 
 
+def mismatch_by_routing(df: pd.DataFrame) -> go.Figure:
+    """Mean |log pi/mu| by the first MoE layer where the engine's and the trainer's experts differ ('none': full
+    agreement), one bar group per run in its colour; the token counts and the share of the run's total |log pi/mu|
+    on hover. Reads the ``routing_mismatch`` query's rows of split ``first_layer``."""
+    _check_columns(df, ["run_id", "bucket", "label", "n_tokens", "mean_abs", "abs_share"], "mismatch_by_routing")
+    fig = go.Figure()
+    for i, run in enumerate(_ordered(df["run_id"])):
+        one = df[df["run_id"] == run].sort_values("bucket")
+        fig.add_trace(go.Bar(
+            x=one["label"].astype(str), y=one["mean_abs"], name=str(run), marker={"color": series_colour(i)},
+            customdata=one[["n_tokens", "abs_share"]].to_numpy(),
+            hovertemplate=f"{run}<br>first disagreeing layer: %{{x}}<br>mean |log pi/mu| %{{y:.4f}} over "
+                          "%{customdata[0]:,.0f} tokens<br>%{customdata[1]:.1%} of the run's total<extra></extra>"))
+    fig.update_layout(barmode="group", xaxis_title="first MoE layer where the experts differ",
+                      yaxis_title="mean |log pi/mu|")
+    return _finish(fig, 360, top=40)
+
+
 def blocked_by_dimension(df: pd.DataFrame, dimension: str, max_cols: int = 3) -> go.Figure:
     """Each rule's blocked fraction of the A != 0 tokens by one summary dimension's bucket: one panel per rule
     (titled with its name), one line per run in the run's colour.

@@ -645,6 +645,76 @@ def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: li
     return Group(*parts)
 
 
+def by_routing(db: LogDB, run_ids: list[str] | None = None, first_step: int | None = None,
+               last_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """How much of the mismatch routing explains, on mixture-of-experts runs' token rows carrying both sides'
+    experts: the ``routing_mismatch`` rows (per run, split ``agreement`` / ``first_layer`` / ``position`` and
+    bucket: tokens, disagreeing tokens, mean |log pi/mu| overall, with full agreement and with a disagreement, the
+    share of the run's total), the ``routing_blocked`` rows (per run, rule and agreement: n_blocked of the
+    A != 0 tokens) and the ``routing_agreement`` rows (per run, ``all`` / ``layer`` / ``position`` and bucket:
+    the summaries' exact agreement over every token)."""
+    params = {"run_ids": run_ids, "first_step": first_step, "last_step": last_step}
+    return (db.query("routing_mismatch", **params), db.query("routing_blocked", **params),
+            db.query("routing_agreement", **params))
+
+
+def routing_absent_sentence(runs: list[str]) -> str:
+    """One sentence saying that ``runs`` log no routing, and why that usually is."""
+    if not runs:
+        return ""
+    who = f"Run {runs[0]} logs" if len(runs) == 1 else "Runs " + ", ".join(runs) + " log"
+    return (f"{who} no routed experts on both sides (a dense model, an engine without routing capture, or tokens "
+            f"logged without engine_experts and trainer_experts): nothing to split by routing.")
+
+
+def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
+                  applied: dict[str, str | None], exact: pd.DataFrame | None = None) -> list[str]:
+    """The report's routing lines per run: the summaries' exact agreement overall and per layer (``exact``, the
+    ``routing_agreement`` rows), the tokens with a disagreement and their share of |log pi/mu|, the mean
+    |log pi/mu| with full agreement against the rest, by first disagreeing layer, by position, and what the run's
+    own rule blocks by agreement; one sentence for the runs without routing."""
+    lines = []
+    for run in run_ids:
+        rows = mismatch[mismatch["run_id"] == run]
+        if rows.empty:
+            continue
+        mine = exact[exact["run_id"] == run] if exact is not None else pd.DataFrame()
+        if len(mine):
+            whole = mine[mine["dimension"] == "all"]
+            layers = mine[mine["dimension"] == "layer"]
+            lines.append(f"{run}: {whole['agreement'].iloc[0]:.2%} of (layer, slot) expert choices agree over "
+                         f"{int(whole['n_tokens'].iloc[0]):,} tokens (exact, every token); by layer: "
+                         + ", ".join(f"{int(r.bucket)}: {r.agreement:.2%}" for r in layers.itertuples()))
+        agree = rows[rows["split"] == "agreement"].set_index("bucket")
+        n = int(agree["n_tokens"].sum())
+        bad = agree.loc[1] if 1 in agree.index else None
+        full = agree.loc[0] if 0 in agree.index else None
+        lead = "  token rows: " if len(mine) else f"{run}: "
+        lines.append(f"{lead}{0 if bad is None else int(bad.n_tokens):,} of {n:,} routed tokens "
+                     f"({0 if bad is None else bad.n_tokens / n:.1%}) disagree in some layer and hold "
+                     f"{0 if bad is None else bad.abs_share:.1%} of the total |log pi/mu|; mean |log pi/mu| "
+                     f"{_fmt(None if full is None else full.mean_abs)} with full agreement, "
+                     f"{_fmt(None if bad is None else bad.mean_abs)} with a disagreement")
+        layers = rows[(rows["split"] == "first_layer") & (rows["bucket"] >= 0)]
+        if len(layers):
+            lines.append("  by first disagreeing layer: " + "; ".join(
+                f"{r.label}: {int(r.n_tokens):,} tokens, mean {_fmt(r.mean_abs)} ({r.abs_share:.1%} of |log pi/mu|)"
+                for r in layers.itertuples()))
+        pos = rows[rows["split"] == "position"]
+        lines.append("  by position: " + "; ".join(
+            f"{r.label}: {int(r.n_disagree):,} of {int(r.n_tokens):,} disagree, mean {_fmt(r.mean_abs_full)} agreeing "
+            f"vs {_fmt(r.mean_abs_disagree)}" for r in pos.itertuples()))
+        own = blocked[(blocked["run_id"] == run) & (blocked["rule"] == applied.get(run))]
+        if len(own):
+            lines.append(f"  {applied.get(run)} blocks " + "; ".join(
+                f"{int(r.n_blocked):,} of {int(r.n_nonzero_advantage):,} ({_fmt(r.blocked_frac, '.2%')}) with "
+                f"{r.agreement}" for r in own.itertuples()))
+    absent = [r for r in run_ids if r not in set(mismatch["run_id"])]
+    if absent and len(absent) < len(run_ids):
+        lines.append(routing_absent_sentence(absent))
+    return lines
+
+
 def equal_budget_parts(r: RunReport) -> list:
     """The run's equal-budget section: each rule with a scalar threshold moved to block the reference's share
     (:meth:`LogDB.equal_budget`), beside what it blocks at the parameters evaluated (a rule over half of the
@@ -716,6 +786,7 @@ def print_report(db: LogDB, console: Console | None = None, broken: dict[str, li
     console.print(render(reports, broken))
     if reports:
         console.print(_dimension_part(db, reports))
+        console.print(_routing_part(db, reports))
     return reports
 
 
@@ -725,6 +796,17 @@ def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
         return Group(Text("Where the mismatch lives: no run has summary dimensions (position, turn, staleness); "
                           "they are logged since summaries table version 2.", style="italic"))
     return render_dimensions(mismatch, blocked, [r.run_id for r in reports], {r.run_id: r.loss_rule for r in reports})
+
+
+def _routing_part(db: LogDB, reports: list[RunReport]) -> Group:
+    run_ids = [r.run_id for r in reports]
+    mismatch, blocked, exact = by_routing(db, run_ids)
+    if mismatch.empty:
+        return Group(Text("Where the mismatch lives, by routing: no run logs routed experts on both sides (a "
+                          "mixture-of-experts run's engine_experts and trainer_experts).", style="italic"))
+    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact)
+    return Group(Text("Where the mismatch lives: by routing agreement", style="bold"),
+                 *(Text(line) for line in lines))
 
 
 # ------------------------------------------------------------------------------------------------ html

@@ -185,3 +185,157 @@ def check_routing_shape(shape: Any) -> tuple[int, int, int]:
     if layers < 1 or experts < 2 or not 1 <= top_k <= experts or experts > np.iinfo(np.int16).max:
         raise ValueError(f"routing_shape {shape!r}: need layers >= 1, 2 <= experts <= 32767, 1 <= top-k <= experts")
     return layers, top_k, experts
+
+
+class VLLMBatchRouting:
+    """The experts vLLM routed every token of a batched ``generate`` to, per request, through the same capture
+    point as :class:`VLLMRouting` (in-process engines only), without generating requests one at a time.
+
+    At each forward pass the first MoE layer's capture also notes the batch's layout from the model runner: which
+    request each row belongs to (``query_start_loc``), the position of its first row (``num_computed_tokens``)
+    and the token ids fed (``input_ids``). :meth:`take` then gives each generated sample the ``(P + T - 1, L, k)``
+    expert ids of the positions its prompt and response went through (the last sampled token is never fed),
+    matched to the request by its token sequence. Needs prefix caching off, so every position is computed."""
+
+    def __init__(self, llm: Any, shape: tuple[int, int, int]) -> None:
+        import torch
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        self.layers, self.top_k, self.num_experts = shape
+        self._forwards: list[dict[str, Any]] = []
+        found: list[int] = []
+
+        def bind(worker: Any) -> int:
+            runner = worker.model_runner
+            routers = []
+            for module in runner.model.modules():
+                router = getattr(module, "router", None)
+                if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
+                    if getattr(module, "is_monolithic", False):
+                        raise RuntimeError("VLLMBatchRouting: a monolithic MoE kernel has no router capture point")
+                    routers.append((int(module.layer_id), router))
+            routers.sort(key=lambda lr: lr[0])
+            first = routers[0][0] if routers else None
+
+            def record(ids: torch.Tensor, layer: int) -> None:
+                if layer == first:
+                    n = int(runner.input_batch.num_reqs)
+                    qsl = runner.query_start_loc.np[: n + 1].copy()
+                    self._forwards.append({
+                        "req_ids": list(runner.input_batch.req_ids[:n]), "qsl": qsl,
+                        "computed": runner.input_batch.num_computed_tokens_cpu[:n].copy(),
+                        "tokens": runner.input_ids.cpu[: int(qsl[-1])].numpy().copy(), "rows": {}})
+                if self._forwards:
+                    self._forwards[-1]["rows"][layer] = ids.detach()[: len(self._forwards[-1]["tokens"])].to(
+                        "cpu", torch.int16).numpy().copy()
+
+            for layer, router in routers:
+                router.set_capture_fn(lambda ids, layer=layer: record(ids, layer))
+                found.append(layer)
+            return len(found)
+
+        llm.collective_rpc(bind)
+        if len(found) != self.layers:
+            raise RuntimeError(f"VLLMBatchRouting: bound {len(found)} MoE routers, the model has {self.layers} MoE "
+                               f"layers")
+        self._order = sorted(found)
+
+    def reset(self) -> None:
+        self._forwards = []
+
+    def take(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
+        """Per sample, ``(P + T - 1, L, k)`` int16 expert ids of sequence positions ``0 .. P + T - 2``."""
+        per_req: dict[str, dict[int, tuple[int, np.ndarray]]] = {}  # request -> position -> (token, (L, k))
+        for fwd in self._forwards:
+            if len(fwd["rows"]) != self.layers:
+                raise RuntimeError(f"VLLMBatchRouting: a forward pass routed {len(fwd['rows'])} of {self.layers} "
+                                   f"MoE layers")
+            rows = np.stack([fwd["rows"][layer] for layer in self._order], 1)  # (rows, L, k)
+            qsl = fwd["qsl"]
+            for r, req in enumerate(fwd["req_ids"]):
+                slots = per_req.setdefault(req, {})
+                for j in range(int(qsl[r]), int(qsl[r + 1])):
+                    slots[int(fwd["computed"][r]) + j - int(qsl[r])] = (int(fwd["tokens"][j]), rows[j])
+        self.reset()
+        by_tokens: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for slots in per_req.values():
+            n = len(slots)
+            if sorted(slots) != list(range(n)):
+                raise RuntimeError("VLLMBatchRouting: a request's positions were not all computed (is prefix "
+                                   "caching off?)")
+            by_tokens.setdefault(tuple(slots[i][0] for i in range(n)), []).append(
+                np.stack([slots[i][1] for i in range(n)]))
+        out = []
+        for prompt, response in zip(prompt_ids, response_ids, strict=True):
+            seq = tuple(prompt) + tuple(response[:-1])
+            found = by_tokens.get(seq)
+            if not found:
+                raise RuntimeError(f"VLLMBatchRouting: no routed request matches a {len(prompt)}-token prompt with a "
+                                   f"{len(response)}-token response")
+            out.append(found.pop(0) if len(found) > 1 else found[0])
+        return out
+
+
+def padded_routing(rows: list[np.ndarray], prompt_lens: list[int], prompt_len: int, width: int) -> np.ndarray:
+    """Per-sample ``(P_i + T_i - 1, L, k)`` routings laid out like the trainer's inputs (prompts left-padded to
+    ``prompt_len``, width P + T): ``(B, width, L, k)`` int16, -1 where a column holds no routed position."""
+    layers, top_k = rows[0].shape[1:] if rows else (1, 1)
+    out = np.full((len(rows), width, layers, top_k), -1, dtype=np.int16)
+    for i, (r, n_p) in enumerate(zip(rows, prompt_lens, strict=True)):
+        start = prompt_len - n_p
+        out[i, start: start + len(r)] = r
+    return out
+
+
+class RouterReplay:
+    """Routing replay (R3) on a transformers MoE model: while :meth:`replayed` is active, each router's forward
+    keeps its logits but its top-k experts are the ones given (the engine's), and the routing weights are the
+    router's own softmax at those experts (renormalised over the k when the model normalises its top-k), so the
+    router still gets gradients. Positions given -1 keep the router's own choice. The trainer's own choices
+    (before replay) are recorded too, as :class:`TrainerRouting` would."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tracker = TrainerRouting(model)
+        self.norm_topk = bool(getattr(model.config, "norm_topk_prob", True))
+        self._counts = [0, 0]  # (choices replaced, choices given) in the last replayed forward
+
+    @property
+    def replaced(self) -> float:
+        """The share of the router's own (position, layer, slot) choices that the last replayed forward replaced
+        by the given experts."""
+        return self._counts[0] / self._counts[1] if self._counts[1] else 0.0
+
+    @contextlib.contextmanager
+    def replayed(self, experts: torch.Tensor | None) -> Iterator[TrainerRouting]:
+        """``experts``: ``(B, S, L, k)`` long ids for the forward's ``(B, S)`` inputs, or None to record only."""
+        import torch
+
+        tr = self.tracker
+        self._counts = [0, 0]
+
+        def hook(i: int):
+            def replace(module: torch.nn.Module, args: Any, output: Any) -> Any:
+                own = _router_indices(output, tr.top_k)
+                tr._rows[i] = own.detach().to("cpu", torch.int16)
+                if experts is None:
+                    return None
+                logits = output[0] if isinstance(output, tuple) else output
+                given = experts[:, :, i].reshape(-1, tr.top_k).to(own.device)  # (rows, k)
+                chosen = torch.where(given >= 0, given, own)
+                tr._rows[i] = chosen.detach().to("cpu", torch.int16)  # the experts this forward used
+                ran = (given >= 0).all(-1)
+                kept = (own[..., :, None] == chosen[..., None, :]).any(-1)  # (rows, k)
+                self._counts[0] += int((~kept[ran]).sum())
+                self._counts[1] += int(ran.sum()) * tr.top_k
+                probs = logits.float().softmax(-1).gather(-1, chosen)
+                if self.norm_topk:
+                    probs = probs / probs.sum(-1, keepdim=True)
+                return logits, probs.to(logits.dtype), chosen
+            return replace
+
+        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(tr.modules)]
+        try:
+            yield tr
+        finally:
+            for h in handles:
+                h.remove()

@@ -1,4 +1,5 @@
-"""Where the mismatch lives: |pi - mu|, ESS and each rule's blocked fraction by staleness, turn and position."""
+"""Where the mismatch lives: |pi - mu|, ESS and each rule's blocked fraction by staleness, turn and position; on
+mixture-of-experts runs, |log pi/mu| and each rule's blocked fraction by routing agreement."""
 
 import streamlit as st
 
@@ -15,6 +16,57 @@ others = [r for r in (remembered if remembered is not None else ids) if r in ids
 chosen = st.multiselect("Side by side", [r for r in ids if r != first], default=others[:3], key="mismatch_runs")
 st.session_state["_mismatch_runs"] = chosen
 picked = [first, *chosen]
+
+
+def routing_section(picked: list[str], rules: list[str]) -> None:
+    """By routing agreement: the tokens whose every (layer, slot) expert choice agrees between the engine and the
+    trainer against the rest, by first disagreeing layer and by position, and the rules' blocked fractions."""
+    st.header("By routing agreement")
+    routing, routed_blocked, exact = data.by_routing(tuple(picked))
+    absent = [r for r in picked if r not in set(routing["run_id"])]
+    if absent:
+        st.info(report.routing_absent_sentence(absent), icon=":material/info:")
+    if routing.empty:
+        return
+    st.caption("Mixture-of-experts runs: a token agrees when every expert the engine routed it to (each MoE layer's "
+               "top-k) is also the trainer's choice in that layer. A run trained with routing replay should show no "
+               "disagreement at all (doctor check routing_replay).")
+    shares = exact[exact["dimension"].isin(["all", "layer"])].pivot_table(index="run_id", columns="label",
+                                                                          values="agreement", aggfunc="first")
+    counts = exact[exact["dimension"] == "all"].set_index("run_id")["n_tokens"]
+    shares.insert(0, "tokens", counts.reindex(shares.index))
+    st.caption("Share of the engine's (layer, slot) expert choices the trainer also made, exact over every token "
+               "handed to the logger (the summaries), overall and per MoE layer.")
+    st.dataframe(shares.reset_index(), hide_index=True, key="routing_exact", column_config={
+        "tokens": st.column_config.NumberColumn("tokens", format="localized"),
+        **{c: st.column_config.NumberColumn(c, format="percent") for c in shares.columns if c != "tokens"}})
+    st.caption("|log pi/mu| over the token rows that carry both sides' experts (the rows token_fraction kept).")
+    agree = routing[routing["split"] == "agreement"].copy()
+    totals = agree.groupby("run_id")["n_tokens"].transform("sum")
+    agree["tokens"] = [widgets.count_of(n, t) for n, t in zip(agree["n_tokens"], totals, strict=True)]
+    st.dataframe(agree[["run_id", "label", "tokens", "mean_abs", "abs_share"]].rename(columns={"label": "routing"}),
+                 hide_index=True, key="routing_agreement", column_config={
+                     "mean_abs": st.column_config.NumberColumn("mean |log pi/mu|", format="%.4f"),
+                     "abs_share": st.column_config.NumberColumn("share of total |log pi/mu|", format="percent")})
+    widgets.chart(data.figure(figures.mismatch_by_routing, routing[routing["split"] == "first_layer"]),
+                  "routing_first_layer", "No routed token here.")
+    pos = routing[routing["split"] == "position"].copy()
+    pos["disagree"] = [widgets.count_of(d, n) for d, n in zip(pos["n_disagree"], pos["n_tokens"], strict=True)]
+    st.dataframe(pos[["run_id", "label", "disagree", "mean_abs_full", "mean_abs_disagree"]].rename(
+        columns={"label": "position"}), hide_index=True, key="routing_position", column_config={
+            "mean_abs_full": st.column_config.NumberColumn("mean |log pi/mu|, full agreement", format="%.4f"),
+            "mean_abs_disagree": st.column_config.NumberColumn("mean |log pi/mu|, disagreement", format="%.4f")})
+    shown = routed_blocked[routed_blocked["rule"].isin(rules)].copy()
+    if shown.empty:
+        st.caption("No rule picked above blocks a routed token with A != 0.")
+        return
+    shown["blocked"] = [widgets.count_of(b, n) for b, n in zip(shown["n_blocked"], shown["n_nonzero_advantage"],
+                                                                strict=True)]
+    wide = shown.pivot_table(index="rule", columns=["run_id", "agreement"], values="blocked", aggfunc="first")
+    wide.columns = [f"{run}: {agreement}" for run, agreement in wide.columns]
+    st.caption("Each rule's blocked share of the routed tokens with A != 0, by agreement.")
+    st.dataframe(wide.reset_index(), hide_index=True, key="routing_blocked")
+
 mismatch, blocked = data.by_dimension(tuple(picked))
 st.caption("Exact over every token the trainer handed to the logger, every step taken together (the summaries' "
            "dimension rows: whatever token_fraction kept). ESS is the importance weights' effective sample size "
@@ -53,3 +105,4 @@ for tab, dim in zip(tabs, DIMENSIONS, strict=True):
                          "n_tokens": st.column_config.NumberColumn("tokens", format="localized"),
                          "mismatch_mean": st.column_config.NumberColumn("mean |pi - mu|", format="%.4f"),
                          "ess_frac": st.column_config.NumberColumn("ESS / tokens", format="percent")})
+routing_section(picked, rules)

@@ -82,6 +82,7 @@ class Rollout:
     finish_reasons: list[str]  # "stop": ended with the EOS token (its last token); "length": max_tokens
     texts: list[str]  # decoded response, special tokens (EOS) skipped
     sampling: dict[str, Any] = field(default_factory=dict)  # what the sampler used, see Engine.sampling_info
+    routed_experts: list[Any] | None = None  # MoE, engine routing on: (P_i + T_i - 1, L, k) int16 ids per sample
 
     def __post_init__(self) -> None:
         b = len(self.response_ids)

@@ -18,6 +18,11 @@ Weight sync: ``update_weights(model)`` hands the trainer's state dict to a worke
 tied embeddings the checkpoint has no ``lm_head.weight`` and vLLM's CPU prepacked copy would stay stale. The
 prefix cache is reset after each sync. In-process the tensors pass by reference; across processes they travel as
 safetensors bytes.
+
+Routing (``routing=True``, a mixture-of-experts model): every ``generate`` also returns each sample's routed
+experts (``Rollout.routed_experts``) from vLLM's router capture point with the batch layout of every forward pass
+(:class:`trustscope.routing.VLLMBatchRouting`), with prefix caching off; in-process only (out of process it warns
+and captures nothing, or fails with ``routing="required"``, which routing replay asks for).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import gc
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -155,6 +161,7 @@ class VLLMEngine(Engine):
         num_threads: int | None = 1,
         gpu_memory_utilization: float = 0.3,
         llm_kwargs: dict[str, Any] | None = None,
+        routing: bool | str = False,
     ) -> None:
         super().__init__(model_dir, dtype, seed)
         from vllm.platforms import current_platform
@@ -182,6 +189,8 @@ class VLLMEngine(Engine):
         else:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization}
         kwargs |= llm_kwargs or {}
+        if routing:  # every position goes through the routers: no prompt is taken from the prefix cache
+            kwargs["enable_prefix_caching"] = False
         self.llm_kwargs = {k: v for k, v in kwargs.items() if k != "model"}
 
         from transformers import AutoTokenizer
@@ -194,6 +203,7 @@ class VLLMEngine(Engine):
             self.llm = LLM(**kwargs)
         _OPEN_ENGINES.add(id(self))
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.routing = self._routing_capture(required=routing == "required") if routing else None
 
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
                 seed: int) -> Rollout:
@@ -207,6 +217,8 @@ class VLLMEngine(Engine):
                            logprobs=topk, detokenize=False, flat_logprobs=True)
             for s in request_seeds(seed, len(prompts))
         ]
+        if self.routing is not None:
+            self.routing.reset()
         with _rng_preserved(), _torch_threads(self.num_threads):
             outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
 
@@ -233,6 +245,7 @@ class VLLMEngine(Engine):
             response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
             finish_reasons=finish, texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             sampling=self.sampling_info() | {"seed": seed},
+            routed_experts=None if self.routing is None else self.routing.take(prompt_ids, response_ids),
         )
 
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
@@ -288,6 +301,26 @@ class VLLMEngine(Engine):
                 lo, tokens = i, 0
             tokens += len(ids)
         return [*ranges, (lo, len(prompt_ids))]
+
+    def _routing_capture(self, required: bool) -> Any:
+        """The batched routing capture (:class:`trustscope.routing.VLLMBatchRouting`) of an MoE model; ValueError
+        for a dense one. Out of process (the capture point lives in the worker) None with a warning, or
+        RuntimeError when ``required`` (routing replay cannot run without it)."""
+        from transformers import AutoConfig
+
+        from trustscope.routing import VLLMBatchRouting, moe_shape
+
+        shape = moe_shape(AutoConfig.from_pretrained(self.model_dir))
+        if shape is None:
+            raise ValueError(f"routing=True: {self.model_dir} is a dense model (its config names no experts)")
+        if not self.in_process:
+            if required:
+                raise RuntimeError("routing replay needs the engine's experts, read in-process: set "
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            warnings.warn("vLLM runs out of process (VLLM_ENABLE_V1_MULTIPROCESSING=1): routed experts are not "
+                          "captured, the tokens are logged without them", RuntimeWarning, stacklevel=3)
+            return None
+        return VLLMBatchRouting(self.llm, shape)
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s weights into vLLM (see the module docstring), then reset the prefix cache."""

@@ -86,6 +86,7 @@ class TokenLogger:
         extra_columns: Mapping[str, str] | None = None,
         max_staleness: int | None = None,
         routing_shape: tuple[int, int, int] | None = None,
+        routing_replay: bool = False,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -131,6 +132,9 @@ class TokenLogger:
             from trustscope.routing import check_routing_shape
 
             routing_shape = check_routing_shape(routing_shape)
+        if routing_replay and routing_shape is None:
+            raise ValueError("routing_replay=True needs routing_shape=(MoE layers, top-k, experts): replay is "
+                             "declared for a mixture-of-experts model")
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -177,6 +181,7 @@ class TokenLogger:
                         "config": jsonable(config), "model": jsonable(model), "sampling": jsonable(sampling),
                         "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness,
                         **({"routing_shape": list(routing_shape)} if routing_shape else {}),
+                        **({"routing_replay": True} if routing_replay else {}),
                         **({"loss_params": jsonable(dict(loss_params))} if loss_params is not None else {})}
             logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
                             "log_topk": log_topk,

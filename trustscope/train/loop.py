@@ -75,6 +75,7 @@ from trustscope.engines import DTYPES, Rollout, make_engine
 from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.trackers import RunReporting, parse_report_to
+from trustscope.train import moe
 from trustscope.train.config import TrainConfig, check_world, staleness_bound
 from trustscope.train.tasks import Problem, Task, get_task
 
@@ -393,7 +394,8 @@ def shard_batch(batch: StepRollouts, rank: int, world: int) -> StepRollouts:
                       prompt_index=[i - g0 for i in ro.prompt_index[s0:s1]], prompt_ids=ro.prompt_ids[s0:s1],
                       response_ids=ro.response_ids[s0:s1], mu_logprobs=ro.mu_logprobs[s0:s1],
                       mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
-                      finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling)
+                      finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling,
+                      routed_experts=None if ro.routed_experts is None else ro.routed_experts[s0:s1])
     return StepRollouts(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
                  first_group=batch.first_group + g0,
                  versions=None if batch.versions is None else batch.versions[s0:s1], stats=batch.stats)
@@ -625,10 +627,11 @@ class StepInputs:
     mu_topk_lp: torch.Tensor  # (B, T, K)
     topk_ids: torch.Tensor  # (B, T, K)
     old_lp: torch.Tensor | None  # (B, T) pi_old, when recomputed
+    routing: moe.StepRouting | None = None  # MoE: both sides' experts, the replay (train/moe.py)
 
 
 def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
-                device: torch.device) -> StepInputs:
+                device: torch.device, replay: Any = None) -> StepInputs:
     """Pad the batch into tensors, compute group advantages, recompute pi_old when ``cfg.recompute_old``."""
     ro = batch.rollout.to_tensors(pad_id)
     mask = ro.mask.to(device)  # (B, T)
@@ -637,10 +640,11 @@ def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, p
                   position_ids=ro.position_ids.to(device))  # (B, P + T) each
     x = StepInputs(mask=mask, adv_seq=adv_seq, adv=adv_seq[:, None].expand_as(mask).float(), inputs=inputs,
                    response_ids=ro.response_ids.to(device), mu_lp=ro.mu_logprob.to(device),
-                   mu_topk_lp=ro.mu_topk_logprobs.to(device), topk_ids=ro.mu_topk_ids.to(device), old_lp=None)
+                   mu_topk_lp=ro.mu_topk_logprobs.to(device), topk_ids=ro.mu_topk_ids.to(device), old_lp=None,
+                   routing=moe.step_routing(batch.rollout, ro.prompt_len, ro.input_ids.shape[1], replay, cfg))
     if cfg.recompute_old:
-        with torch.no_grad():
-            rows = torch.arange(mask.shape[0], device=device)
+        rows = torch.arange(mask.shape[0], device=device)
+        with torch.no_grad(), moe.routed(x.routing, rows):
             x.old_lp = policy_forward(model, inputs, x.response_ids, None, rows, cfg.temperature).logprob
     return x
 
@@ -684,7 +688,8 @@ def update_policy(model: torch.nn.Module, optimizer: Any, rule: Any, cfg: TrainC
     totals = ranks.sum(weights)
     for idx, weight, total in zip(plan, weights.tolist(), totals.tolist(), strict=True):
         rows = idx if len(idx) else torch.zeros(1, dtype=torch.long, device=x.mask.device)
-        cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, rows, cfg.temperature)
+        with moe.routed(x.routing, rows, len(idx)):
+            cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, rows, cfg.temperature)
         pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=x.mu_lp[rows], advantages=x.adv[rows],
                          mask=x.mask[rows], old_logprob=None if x.old_lp is None else x.old_lp[rows],
                          mu_topk_logprobs=x.mu_topk_lp[rows], pi_topk_logprobs=cap.topk_logprobs)
@@ -770,7 +775,8 @@ def log_step(logger: Any, step: int, batch: StepRollouts, x: StepInputs, up: Upd
         tokens={"token_id": x.response_ids, "mu_logprob": x.mu_lp, "pi_logprob": up.pi_lp, "advantage": x.adv,
                 "entropy": up.entropy, "mu_topk_ids": x.topk_ids, "mu_topk_logprobs": x.mu_topk_lp,
                 "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept, "policy_version": token_versions(batch, x.mask),
-                **({} if x.old_lp is None else {"old_logprob": x.old_lp})},
+                **({} if x.old_lp is None else {"old_logprob": x.old_lp}),
+                **({} if x.routing is None else x.routing.tokens())},
         mask=x.mask,
         samples={"sample_id": first_sample + np.arange(b),
                  "prompt_id": batch.first_group + np.asarray(batch.rollout.prompt_index),
@@ -814,6 +820,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
     start = restore(cfg, model_dir, main=ranks.main)
     ranks.barrier()  # every rank has checked for an existing run before any rank's logger creates it
     tokenizer, model, optimizer, scheduler = build_policy(cfg, start, device)
+    routing = moe.routing_shape(cfg, model)  # MoE with vLLM: both sides' experts logged, replayed on request
+    replay = moe.replay_hooks(model, routing)
     trained = model if ranks.world == 1 else torch.nn.parallel.DistributedDataParallel(model)
     keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights
     engine_copy = start.engine_state if start.engine_state is not None else (
@@ -827,13 +835,14 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         engine = stream = partial = None
         if ranks.main:  # the one engine: it samples every step's whole batch
             engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
-                                                       seed=cfg.seed, **cfg.engine_options))
+                                                       seed=cfg.seed, **cfg.engine_options,
+                                                       **moe.engine_kwargs(routing, cfg)))
             if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
                 engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
             partial = PartialRollouts(engine, task, cfg, start.async_state) if cfg.async_chunk_tokens else None
             stream = (partial.stream(start.step) if partial is not None
                       else rollout_stream(engine, task, cfg, start.step, start.pending))
-        logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks))
+        logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks, routing))
         reporting = None
         if ranks.main and (cfg.report_to or cfg.webhook):  # closed before the logger (the last step reported)
             reporting = running.enter_context(RunReporting(logger, parse_report_to(cfg.report_to), cfg.webhook,
@@ -845,7 +854,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             batch = next(stream) if stream is not None else None  # the whole step, on rank 0
             mine = ranks.share(batch)
             t_rollout = time.perf_counter() - t0
-            x = step_inputs(mine, cfg, model, pad_id, device)
+            x = step_inputs(mine, cfg, model, pad_id, device, replay)
 
             t1 = time.perf_counter()
             up = update_policy(trained, optimizer, rule, cfg, step, x, ranks)
@@ -871,7 +880,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             # ---- log, checkpoint ---------------------------------------------------------------------------
             totals = step_totals(x, up, ranks)
             if batch is not None:
-                scalars = {**step_scalars(batch, totals, up, step, scheduler.get_last_lr()[0], times), **evals}
+                scalars = {**step_scalars(batch, totals, up, step, scheduler.get_last_lr()[0], times), **evals,
+                           **moe.step_scalars(x.routing)}
             log_step(logger, step, mine, x, up, scalars if ranks.main else None)
             if reporting is not None:
                 reporting.step(step, scalars)
@@ -900,7 +910,7 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer: Any, model: torch.nn.Module,
-                 ranks: Ranks) -> Any:
+                 ranks: Ranks, routing: tuple[int, int, int] | None = None) -> Any:
     """This rank's TokenLogger (or the no-op logger), with the config, model and sampler in the manifest (rank 0
     has the engine; the other ranks' manifests keep only their status)."""
     if not cfg.log_tokens:
@@ -919,7 +929,8 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
                                   "vocab_size": len(tokenizer)},
                        vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, rank=ranks.rank, resume=cfg.resume,
                        token_fraction=cfg.log_token_fraction, log_topk=cfg.log_topk,
-                       topk_precision=cfg.log_topk_precision, max_staleness=staleness_bound(cfg))
+                       topk_precision=cfg.log_topk_precision, max_staleness=staleness_bound(cfg),
+                       **({"routing_shape": routing, "routing_replay": cfg.routing_replay} if routing else {}))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -44,6 +44,11 @@ class ToyMoeConfig(toy.ToyConfig):
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
+    router_init_std: float | None = None
+    """Standard deviation of the routers' initial weights (None: the model's ``initializer_range``)."""
+    freeze_router: bool = False
+    """Keep the routers at their initial weights during the warm start: the experts learn around a router that
+    was never sharpened, so its top-k choices sit near ties (RL then trains the routers like any weight)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,18 +59,28 @@ class ToyMoeConfig(toy.ToyConfig):
                              f"{self.num_experts_per_tok}")
         if self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if self.router_init_std is not None and not self.router_init_std > 0:
+            raise ValueError(f"router_init_std must be > 0 (or None), got {self.router_init_std}")
 
     def key(self) -> str:
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("num_threads", "device")}
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("num_threads", "device")
+                  and not (k in _ROUTER_FIELDS and v == _ROUTER_FIELDS[k])}  # presets before them keep their key
         blob = (json.dumps(fields, sort_keys=True) + toy.TOY_VERSION + Path(toy.__file__).read_text()
                 + Path(__file__).read_text())
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+_ROUTER_FIELDS = {"router_init_std": None, "freeze_router": False}
+
 MOE_PRESETS: dict[str, ToyMoeConfig] = {
     "toy-moe": ToyMoeConfig(task="add1", target_accuracy=0.4, max_steps=2000),
+    "toy-moe-flip": ToyMoeConfig(task="add1", target_accuracy=0.4, max_steps=2000, num_hidden_layers=4,
+                                 num_experts=16, router_init_std=0.2, freeze_router=True),
 }
-"""Named MoE toy worlds: ``toy-moe``, two layers of four experts (top-2) on one-digit addition."""
+"""Named MoE toy worlds: ``toy-moe``, two layers of four experts (top-2) on one-digit addition, whose trained
+routers are decisive (bf16 rollouts flip none of their choices); ``toy-moe-flip``, four layers of sixteen experts
+(top-2) whose routers were left at a random initialisation (std 0.2) through the warm start, so their top-2 sit
+near ties and bf16 rollouts flip about 1% of the (layer, slot) choices, 5-8% of tokens in some layer."""
 
 
 def new_toy_moe_model(config: ToyMoeConfig, tokenizer) -> torch.nn.Module:
@@ -83,7 +98,12 @@ def new_toy_moe_model(config: ToyMoeConfig, tokenizer) -> torch.nn.Module:
         rope_theta=10000.0, output_router_logits=False,
     )
     torch.manual_seed(config.seed)
-    return Qwen3MoeForCausalLM(cfg).float()
+    model = Qwen3MoeForCausalLM(cfg).float()
+    if config.router_init_std is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, config.router_init_std)
+    return model
 
 
 def build_toy_moe_model(config: ToyMoeConfig | None = None, *, cache_dir: str | Path | None = None,
@@ -103,10 +123,15 @@ def build_toy_moe_model(config: ToyMoeConfig | None = None, *, cache_dir: str | 
         model = new_toy_moe_model(config, tokenizer).to(config.device)
         threads = torch.get_num_threads()
         torch.set_num_threads(config.num_threads)
+        gates = [layer.mlp.gate.weight for layer in model.model.layers] if config.freeze_router else []
+        for w in gates:
+            w.requires_grad_(False)
         try:
             record = toy.warm_start(model, tokenizer, config)
         finally:
             torch.set_num_threads(threads)
+            for w in gates:
+                w.requires_grad_(True)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         meta = {"config": dataclasses.asdict(config), "key": config.key(), "architecture": "Qwen3MoeForCausalLM",

@@ -1,0 +1,31 @@
+-- the page "where the mismatch lives" and the report, for mixture-of-experts runs: routing agreement exact over every
+-- token the trainer handed to the logger (the summaries' moments, whatever token_fraction kept), per run over the
+-- steps [$first_step, $last_step] (null: every step): overall (dimension null), per MoE layer and per position
+-- bucket: tokens and the mean share of the engine's (layer, slot) choices the trainer also made. $run_ids: the runs,
+-- or null for all.
+with rows as (
+    select run_id, dimension, bucket, count, mean
+    from summaries
+    where metric = 'routing_agreement' and count > 0
+        and ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
+        and ($first_step::bigint is null or step >= $first_step::bigint)
+        and ($last_step::bigint is null or step <= $last_step::bigint)
+),
+
+final as (
+    select
+        run_id,
+        coalesce(dimension, 'all') as dimension,
+        bucket,
+        case
+            when dimension = 'layer' then 'layer ' || bucket::bigint
+            when dimension = 'position' then position_bucket_label(bucket::bigint)
+            else 'all'
+        end as label,
+        sum(count)::bigint as n_tokens,
+        sum(mean * count) / sum(count) as agreement
+    from rows
+    group by all
+)
+
+select * from final order by run_id, dimension, bucket
