@@ -123,7 +123,7 @@ def shift_from_turn_one(run_dir, out_dir):
     """A copy of a run whose pi is one position late from turn 1 on (a separator dropped at the first tool
     boundary): pi at each token of turns >= 1 is the trainer's log-prob of the token before it."""
     shutil.copytree(run_dir, out_dir)
-    for path in sorted(out_dir.glob("**/tokens/*.parquet")):
+    for path in sorted(out_dir.glob("tokens/**/*.parquet")):
         table = pq.read_table(path)
         df = table.to_pandas()
         df = df.sort_values(["step", "sample_id", "pos"])
