@@ -13,7 +13,7 @@ import torch
 
 from trustscope.columns import turns_from_mask
 from trustscope.engines.base import LOGPROB_FLOOR, Rollout
-from trustscope.train.config import ConfigError, TrainConfig
+from trustscope.train.config import TrainConfig
 from trustscope.train.multiturn import tool_rollout, turn_summary
 from trustscope.train.tasks import calculator_reply, get_task, model_spans, tool_answer_reward
 from trustscope.train.toy import toy_tokenizer
@@ -110,9 +110,23 @@ def test_a_reply_past_the_budget_ends_the_trajectory():
     assert ro.texts == ["(7*8)=56,(56"] and ro.finish_reasons == ["length"] and len(engine.calls) == 2
 
 
-def test_a_multi_turn_task_needs_the_vllm_engine():
-    with pytest.raises(ConfigError, match=r"engine='hf'.*multi-turn.*set engine=vllm"):
-        TrainConfig(task="multool", model="toy-tool", engine="hf", run_id="x")
+def test_hf_generate_ids_stops_on_a_stop_id_and_scores_as_teacher_forcing(toy_model_dir):
+    from trustscope.engines import make_engine
+
+    engine = make_engine("hf", toy_model_dir, seed=0)
+    tok = engine.tokenizer
+    digits = tok("0123456789", add_special_tokens=False)["input_ids"]
+    prompts = [tok(p)["input_ids"] for p in ("3+4=", "9+9=", "5+6=")]
+    ro = engine.generate_ids(prompts, max_tokens=[4, 4, 1], stop_token_ids=digits, topk=5, seed=3)
+    assert ro.prompt_ids == prompts  # tokens in: the prompts' ids, as given
+    for ids, finish in zip(ro.response_ids, ro.finish_reasons, strict=True):
+        ends = [t for t, tok_id in enumerate(ids) if tok_id in [*digits, tok.eos_token_id]]
+        assert (finish == "stop") == bool(ends) and (not ends or ends == [len(ids) - 1])  # the stop id kept last
+    assert len(ro.response_ids[2]) == 1
+    lp, _, tensors = engine.score(ro)
+    assert torch.allclose(lp[tensors.mask], tensors.mu_logprob[tensors.mask], atol=1e-5)
+    with pytest.raises(ValueError, match="max_tokens has 1 entries"):
+        engine.generate_ids(prompts, max_tokens=[4])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -291,7 +291,7 @@ class Engine(ABC):
                     temperature: float, top_p: float, topk: int, seed: int) -> Rollout:
         """The engine's own sampling from token ids (see :meth:`generate_ids`)."""
         raise NotImplementedError(f"the {self.name!r} engine samples from text prompts only; multi-turn rollouts "
-                                  f"(a task with a tool) need engine='vllm'")
+                                  f"(a task with a tool) need an engine that samples from token ids (vllm, hf)")
 
     @abstractmethod
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,

@@ -122,6 +122,54 @@ class HFEngine(Engine):
         )
 
     @torch.no_grad()
+    def _sample_ids(self, prompt_ids: list[list[int]], max_tokens: list[int], stop_token_ids: list[int],
+                    temperature: float, top_p: float, topk: int, seed: int) -> Rollout:
+        """Sample from token-id prompts (left-padded, nothing tokenized); see :meth:`Engine.generate_ids`. One
+        ``generate`` runs every row to the longest budget with the stop ids as end tokens; each row is then cut at
+        its first end token (kept) or its own ``max_tokens``. A sampled token never depends on later ones, so a row
+        cut short is the row a call of its own length would have sampled from the same stream."""
+        b, p = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((b, p), pad, dtype=torch.long)  # (B, P), left-padded
+        attention = torch.zeros((b, p), dtype=torch.long)  # (B, P)
+        for i, ids in enumerate(prompt_ids):
+            input_ids[i, p - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention[i, p - len(ids):] = 1
+        ends = [*self.eos_ids, *(i for i in stop_token_ids if i not in self.eos_ids)]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self._threads(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), do_sample=True,
+                temperature=float(temperature), top_p=float(top_p), top_k=0, max_new_tokens=max(max_tokens),
+                output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=ends,
+            )
+        gen = out.sequences[:, p:]  # (B, T)
+        steps = [scores.float().log_softmax(-1) for scores in out.scores]  # T x (B, V) of the sampled distribution
+        sampled_lp = torch.stack([lp.gather(-1, gen[:, t, None])[:, 0] for t, lp in enumerate(steps)], 1)  # (B, T)
+        top = [lp.topk(topk, dim=-1) for lp in steps]
+        topk_ids, topk_lps = finalize_topk(torch.stack([t.indices for t in top], 1),
+                                           torch.stack([t.values for t in top], 1), gen, sampled_lp)  # (B, T, K)
+        gen, sampled_lp, topk_ids, topk_lps = gen.cpu(), sampled_lp.cpu(), topk_ids.cpu(), topk_lps.cpu()
+        response_ids, mu, tk_ids, tk_lps, finish = [], [], [], [], []
+        for i in range(b):
+            row = gen[i, : max_tokens[i]].tolist()
+            stop = next((t for t, tok in enumerate(row) if tok in ends), None)
+            n = len(row) if stop is None else stop + 1
+            response_ids.append(row[:n])
+            mu.append(sampled_lp[i, :n].tolist())
+            tk_ids.append(topk_ids[i, :n].tolist())
+            tk_lps.append(topk_lps[i, :n].tolist())
+            finish.append("length" if stop is None else "stop")
+        return Rollout(
+            prompts=self.tokenizer.batch_decode(prompt_ids), n=1, topk=topk, prompt_index=list(range(b)),
+            prompt_ids=[list(ids) for ids in prompt_ids], response_ids=response_ids, mu_logprobs=mu,
+            mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps, finish_reasons=finish,
+            texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+            sampling=self.sampling_info() | {"seed": seed},
+        )
+
+    @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights into the engine's copy (cast to the engine's dtype)."""
         self.model.load_state_dict(model.state_dict())

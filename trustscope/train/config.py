@@ -190,13 +190,6 @@ def _fail(name: str, value: Any, what: str) -> ConfigError:
     return ConfigError(f"{name}={value!r}: {what}")
 
 
-def _check_multi_turn(c: TrainConfig) -> None:
-    """A task with a tool (multi-turn) samples from token ids, which the vLLM engine does."""
-    if get_task(c.task).tool is not None and c.engine != "vllm":
-        raise _fail("engine", c.engine, f"task {c.task!r} is multi-turn (a tool answers the model's calls), and "
-                    f"its turns are sampled from token ids, which only the vllm engine does here; set engine=vllm")
-
-
 def _validate(c: TrainConfig) -> None:
     """Check every field once; raise ConfigError naming the field and what to set instead."""
 
@@ -227,7 +220,6 @@ def _validate(c: TrainConfig) -> None:
         get_task(c.task)
     except ValueError as e:
         raise _fail("task", c.task, f"set task to a registered task or a dotted path 'pkg.mod:obj'; {e}") from None
-    _check_multi_turn(c)
     if not 0 < c.log_token_fraction <= 1:
         raise _fail("log_token_fraction", c.log_token_fraction, "set log_token_fraction in (0, 1]")
     choice("log_topk_precision", ("float32", "float16"))
