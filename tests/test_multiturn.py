@@ -101,6 +101,17 @@ def test_tool_rollout_splices_the_replies_as_ids_and_masks_them():
                                 "multiturn/env_token_frac": pytest.approx((2 * 8 + 2 * 6) / (2 * 22 + 2 * 18))}
 
 
+def test_a_rank_share_keeps_each_tokens_turn_and_engine_id():
+    from trustscope.train.loop import StepRollouts, shard_batch
+
+    tok = toy_tokenizer()
+    problems = [p for p in TASK.problems if p.prompt in ("7*8+5=", "0*3+9=")]
+    ro = tool_rollout(ReferenceEngine(tok, {p.prompt: p.answer for p in problems}), TASK, problems, n=2,
+                      max_tokens=32, temperature=1.0, top_p=1.0, topk=3, seed=0)
+    share = shard_batch(StepRollouts(0, problems, ro, torch.zeros(4)), rank=1, world=2).rollout
+    assert share.sampled == ro.sampled[2:] and share.turns == ro.turns[2:] and share.engine_ids == ro.engine_ids[2:]
+
+
 def test_a_reply_past_the_budget_ends_the_trajectory():
     tok = toy_tokenizer()
     problems = [p for p in TASK.problems if p.prompt == "7*8+5="]
