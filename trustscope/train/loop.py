@@ -302,7 +302,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfi
     rewards: list[float] = []
     if task.tool is not None:  # multi-turn: greedy turns with the tool's replies spliced in
         rewards = evaluate_tool(model, tokenizer, task, problems, cfg.max_tokens, device)
-        problems = []
+        problems = []  # scored: the single-turn loop below has nothing left to do
     for i in range(0, len(problems), 64):
         chunk = problems[i : i + 64]
         enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left").to(device)
