@@ -11,7 +11,9 @@ import pytest
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
-from trustscope.integrations.trl import _Hooks, _segments, engine_rows  # noqa: E402
+import torch  # noqa: E402
+
+from trustscope.integrations.trl import _ENGINE_IDS, _TOPK_IDS, Attachment, _Hooks, _segments, engine_rows  # noqa: E402
 from trustscope.train.toy import toy_tokenizer  # noqa: E402
 
 K = 3
@@ -108,3 +110,33 @@ def test_tool_loop_top_k_lands_on_each_turns_tokens(monkeypatch, max_completion_
                 assert ids[i][pos] == -1 and all(math.isnan(x) for x in tk_lps[i][pos])
                 assert logprobs[i][pos] == 0.0  # TRL pads the tool's result with 0.0: the mask must drop it
     assert [s for s, _ in _segments(tool_mask[0])][:2] == [0, 9]  # turn 1 starts after "(3*4)=12,"
+
+
+def test_the_batch_carries_each_turns_engine_ids_and_topk_as_trl_pads_it(monkeypatch):
+    """``tag_rollout``'s engine part on the batch TRL builds from the tool loop's lists (prompts left-padded,
+    completions and tool mask right-padded, as ``_generate_and_score_completions`` pads them)."""
+    from trl.trainer.utils import pad
+
+    tok = toy_tokenizer()
+    monkeypatch.setattr(trl_grpo, "parse_response", parse)
+    t, hooks = fake_trainer(tok, 40)
+    prompt_ids = [tok("3*4+1=")["input_ids"]] * 2 + [tok("12*2+5=")["input_ids"]] * 2
+    t._sync_tool_dicts, t._async_tool_dicts = [{"calc": calc}] * 4, [{}] * 4
+    completion_ids, logprobs = t._generate_single_turn(prompt_ids, None, {}, 2)
+    completions = [[parse(tok, ids)] for ids in completion_ids]
+    tool_mask, _, completion_ids, _, _, _, _ = trl_grpo.GRPOTrainer._tool_call_loop(
+        t, [[{}] for _ in prompt_ids], prompt_ids, completion_ids, completions, logprobs, None, {})
+    tensors = [torch.tensor(x) for x in completion_ids]
+    out = {"prompt_ids": pad([torch.tensor(p) for p in prompt_ids], padding_value=0, padding_side="left"),
+           "prompt_mask": pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], padding_value=0,
+                              padding_side="left"),
+           "completion_ids": pad(tensors, padding_value=0, padding_side="right"),
+           "completion_mask": pad([torch.ones_like(x) for x in tensors], padding_value=0, padding_side="right"),
+           "tool_mask": pad([torch.tensor(m) for m in tool_mask], padding_value=1, padding_side="right")}
+    attachment = Attachment.__new__(Attachment)
+    attachment.topk = K
+    topk = attachment._tag_engine_ids(out, hooks._engine_calls)
+    model = (out["tool_mask"] * out["completion_mask"]).bool()
+    assert torch.equal(out[_ENGINE_IDS][model], out["completion_ids"][model])
+    assert (out[_ENGINE_IDS][~model] == -1).all()
+    assert topk is not None and len(topk[0]) == 4 and _TOPK_IDS not in out  # tag_rollout pads them in
