@@ -186,3 +186,25 @@ def test_a_tool_run_logs_turns_and_engine_ids_and_passes_the_turn_checks(tmp_pat
     shifted = shift_from_turn_one(cfg.run_dir, tmp_path / "shifted" / "tool")
     found = {f.check: f for f in diagnose(connect(shifted.parent))["tool"]}
     assert found["turn_alignment"].verdict == "fail" and "starts at a turn boundary" in found["turn_alignment"].cause
+
+
+def test_a_run_whose_rules_never_block_still_has_its_zeros_by_turn(tmp_path):
+    """The page and the report read "0 of N" for a run where no rule blocked a token (one update a step: pi is
+    mu up to the engine's numerics), not a missing row (which drew "-" and gave the run another colour in the blocked panels)."""
+    from trustscope import report
+    from trustscope.db import connect
+    from trustscope.logger import TokenLogger
+
+    rng = np.random.default_rng(0)
+    with TokenLogger(tmp_path, "quiet", vocab=[f"t{i}" for i in range(8)], loss_rule="dppo_binary_tv") as logger:
+        for step in range(2):
+            lp = np.log(rng.uniform(0.2, 0.9, size=(4, 6))).astype(np.float32)
+            logger.log_step(step, tokens={"token_id": rng.integers(0, 8, size=(4, 6)), "mu_logprob": lp,
+                                          "pi_logprob": lp + np.float32(1e-4), "advantage": np.repeat([[1.0], [-1.0]] * 2, 6, axis=1),
+                                          "turn": np.repeat([[0, 0, 0, 1, 1, 1]], 4, axis=0)},
+                            mask=np.ones((4, 6), dtype=bool),
+                            samples={"sample_id": np.arange(4), "prompt_id": np.arange(4) // 2})
+    _, blocked = report.by_dimension(connect(tmp_path))
+    turns = blocked[blocked.dimension == "turn"]
+    assert {"dppo_binary_tv", "ppo_clip"} <= set(turns.rule)
+    assert (turns.n_blocked == 0).all() and (turns.n_nonzero_advantage == 2 * 4 * 3).all()
