@@ -43,8 +43,7 @@ class ReferenceEngine:
         self.answers = answers  # prompt text -> reference trajectory
         self.calls: list[list[list[int]]] = []
 
-    def generate_ids(self, prompt_ids, max_tokens, stop_token_ids=(), temperature=1.0, top_p=1.0, topk=3,
-                     seed=None):
+    def extend(self, prompt_ids, max_tokens, temperature=1.0, top_p=1.0, topk=3, seed=None, stop_token_ids=()):
         self.calls.append([list(p) for p in prompt_ids])
         rows = []
         for ids, budget in zip(prompt_ids, max_tokens, strict=True):
@@ -121,14 +120,14 @@ def test_a_reply_past_the_budget_ends_the_trajectory():
     assert ro.texts == ["(7*8)=56,(56"] and ro.finish_reasons == ["length"] and len(engine.calls) == 2
 
 
-def test_hf_generate_ids_stops_on_a_stop_id_and_scores_as_teacher_forcing(toy_model_dir):
+def test_hf_extend_stops_on_a_stop_id_and_scores_as_teacher_forcing(toy_model_dir):
     from trustscope.engines import make_engine
 
     engine = make_engine("hf", toy_model_dir, seed=0)
     tok = engine.tokenizer
     digits = tok("0123456789", add_special_tokens=False)["input_ids"]
     prompts = [tok(p)["input_ids"] for p in ("3+4=", "9+9=", "5+6=")]
-    ro = engine.generate_ids(prompts, max_tokens=[4, 4, 1], stop_token_ids=digits, topk=5, seed=3)
+    ro = engine.extend(prompts, [4, 4, 1], topk=5, seed=3, stop_token_ids=digits)
     assert ro.prompt_ids == prompts  # tokens in: the prompts' ids, as given
     for ids, finish in zip(ro.response_ids, ro.finish_reasons, strict=True):
         ends = [t for t, tok_id in enumerate(ids) if tok_id in [*digits, tok.eos_token_id]]
@@ -136,8 +135,13 @@ def test_hf_generate_ids_stops_on_a_stop_id_and_scores_as_teacher_forcing(toy_mo
     assert len(ro.response_ids[2]) == 1
     lp, _, tensors = engine.score(ro)
     assert torch.allclose(lp[tensors.mask], tensors.mu_logprob[tensors.mask], atol=1e-5)
-    with pytest.raises(ValueError, match="max_tokens has 1 entries"):
-        engine.generate_ids(prompts, max_tokens=[4])
+
+
+def test_asynchronous_partial_rollouts_of_a_multi_turn_task_are_refused():
+    from trustscope.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"async_chunk_tokens=4: task 'multool' is multi-turn"):
+        TrainConfig(task="multool", model="toy-tool", async_chunk_tokens=4, run_id="x")
 
 
 # ---------------------------------------------------------------------------------------------------------------

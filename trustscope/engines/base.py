@@ -259,44 +259,52 @@ class Engine(ABC):
         self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
         return self._sample(list(prompts), n, max_tokens, temperature, top_p, topk, self.next_seed(seed))
 
-    def generate_ids(
-        self,
-        prompt_ids: list[list[int]],
-        max_tokens: list[int],
-        stop_token_ids: list[int] | tuple[int, ...] = (),
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        topk: int = 20,
-        seed: int | None = None,
-    ) -> Rollout:
-        """One response to each token-id prompt, tokens in and tokens out (nothing is tokenized from text): a
-        multi-turn rollout's next turn continues from the ids sampled so far and the environment's ids. Row i
-        stops at EOS, at any of ``stop_token_ids`` (kept as its last token; ``finish_reasons[i] == "stop"`` for
-        both) or after ``max_tokens[i]`` tokens. Seeds per row as :meth:`generate`'s per prompt."""
-        if not isinstance(prompt_ids, list | tuple) or not prompt_ids or not all(
-                isinstance(p, list | tuple) and p for p in prompt_ids):
-            raise ValueError("prompt_ids must be a non-empty list of non-empty token-id lists")
-        if len(max_tokens) != len(prompt_ids):
-            raise ValueError(f"max_tokens has {len(max_tokens)} entries, prompt_ids {len(prompt_ids)}: one per prompt")
-        bad = [m for m in max_tokens if not isinstance(m, int) or m < 1]
-        if bad:
-            raise ValueError(f"max_tokens must be integers >= 1, got {bad[0]!r}")
-        check_sampling_args(["ids"], 1, 1, temperature, top_p, topk, self.vocab_size)
-        warn_if_biased(temperature, top_p)
-        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
-        return self._sample_ids([list(p) for p in prompt_ids], list(max_tokens), list(stop_token_ids), temperature,
-                                top_p, topk, self.next_seed(seed))
-
-    def _sample_ids(self, prompt_ids: list[list[int]], max_tokens: list[int], stop_token_ids: list[int],
-                    temperature: float, top_p: float, topk: int, seed: int) -> Rollout:
-        """The engine's own sampling from token ids (see :meth:`generate_ids`)."""
-        raise NotImplementedError(f"the {self.name!r} engine samples from text prompts only; multi-turn rollouts "
-                                  f"(a task with a tool) need an engine that samples from token ids (vllm, hf)")
-
     @abstractmethod
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
                 seed: int) -> Rollout:
         """The engine's own sampling, on checked arguments and a resolved seed."""
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """The token ids of each prompt as the engine's tokenizer writes them (what ``generate`` would sample after)."""
+        return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+
+    def extend(
+        self,
+        prompt_ids: list[list[int]],
+        max_tokens: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        topk: int = 20,
+        seed: int | None = None,
+        stop_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> Rollout:
+        """Continue each token-id sequence ``prompt_ids[i]`` by at most ``max_tokens[i]`` new tokens (one sample each).
+
+        A partial rollout's next chunk: the sequence so far (prompt then the response's sampled ids) goes in as ids,
+        never re-tokenized text, and the new tokens come back with mu's logprobs and top-K under the weights the
+        engine holds now. ``finish_reasons[i]`` is ``"stop"`` when the chunk ended on EOS, else ``"length"``.
+        ``stop_token_ids`` end a sequence as EOS does, kept as its last token (``"stop"`` too): a multi-turn
+        rollout's model turn ends on the token that closes a tool call (:mod:`trustscope.train.multiturn`).
+        """
+        if not prompt_ids or len(max_tokens) != len(prompt_ids):
+            raise ValueError(f"extend: {len(prompt_ids)} sequences and {len(max_tokens)} max_tokens; give one "
+                             f"max_tokens per sequence, at least one sequence")
+        for i, (ids, m) in enumerate(zip(prompt_ids, max_tokens, strict=True)):
+            if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"extend: sequence {i} must be a non-empty list of token ids in [0, {self.vocab_size})")
+            if not isinstance(m, int) or m < 1:
+                raise ValueError(f"extend: max_tokens[{i}] must be an integer >= 1, got {m!r}")
+        check_sampling_args(["ids"], 1, 1, temperature, top_p, topk, self.vocab_size)
+        warn_if_biased(temperature, top_p)
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
+        return self._extend([list(ids) for ids in prompt_ids], list(max_tokens), temperature, top_p, topk,
+                            self.next_seed(seed), stop_token_ids=list(stop_token_ids))
+
+    def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
+        """The engine's own continuation of token-id sequences (see :meth:`extend`)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot continue token-id sequences (partial rollouts); "
+                                  f"use engine vllm or hf")
 
     @abstractmethod
     def update_weights(self, model: torch.nn.Module) -> None:

@@ -122,20 +122,18 @@ class HFEngine(Engine):
         )
 
     @torch.no_grad()
-    def _sample_ids(self, prompt_ids: list[list[int]], max_tokens: list[int], stop_token_ids: list[int],
-                    temperature: float, top_p: float, topk: int, seed: int) -> Rollout:
-        """Sample from token-id prompts (left-padded, nothing tokenized); see :meth:`Engine.generate_ids`. One
-        ``generate`` runs every row to the longest budget with the stop ids as end tokens; each row is then cut at
-        its first end token (kept) or its own ``max_tokens``. A sampled token never depends on later ones, so a row
-        cut short is the row a call of its own length would have sampled from the same stream."""
+    def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
+        """Continue token-id sequences with ``model.generate`` (left-padded ids, no text); see :meth:`Engine.extend`.
+        Every row samples ``max(max_tokens)`` steps; row i keeps its first ``max_tokens[i]`` (up to its EOS)."""
         b, p = len(prompt_ids), max(len(ids) for ids in prompt_ids)
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((b, p), pad, dtype=torch.long)  # (B, P), left-padded
+        input_ids = torch.full((b, p), pad, dtype=torch.long)  # (B, P) left-padded
         attention = torch.zeros((b, p), dtype=torch.long)  # (B, P)
         for i, ids in enumerate(prompt_ids):
             input_ids[i, p - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention[i, p - len(ids):] = 1
-        ends = [*self.eos_ids, *(i for i in stop_token_ids if i not in self.eos_ids)]
+        ends = [*self.eos_ids, *(i for i in stop_token_ids or () if i not in self.eos_ids)]  # stop ids end a row too
         devices = [self.device] if self.device.type == "cuda" else []
         with self._threads(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
@@ -145,26 +143,27 @@ class HFEngine(Engine):
                 output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=ends,
             )
         gen = out.sequences[:, p:]  # (B, T)
-        steps = [scores.float().log_softmax(-1) for scores in out.scores]  # T x (B, V) of the sampled distribution
-        sampled_lp = torch.stack([lp.gather(-1, gen[:, t, None])[:, 0] for t, lp in enumerate(steps)], 1)  # (B, T)
-        top = [lp.topk(topk, dim=-1) for lp in steps]
-        topk_ids, topk_lps = finalize_topk(torch.stack([t.indices for t in top], 1),
-                                           torch.stack([t.values for t in top], 1), gen, sampled_lp)  # (B, T, K)
-        gen, sampled_lp, topk_ids, topk_lps = gen.cpu(), sampled_lp.cpu(), topk_ids.cpu(), topk_lps.cpu()
-        response_ids, mu, tk_ids, tk_lps, finish = [], [], [], [], []
+        scores = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1)  # (B, T, V) sampled distribution
+        sampled_lp = scores.gather(-1, gen[..., None])[..., 0]  # (B, T)
+        lps, ids = scores.topk(topk, dim=-1)  # (B, T, K)
+        ids, lps = finalize_topk(ids, lps, gen, sampled_lp)
+        is_eos = torch.isin(gen, torch.tensor(ends, device=gen.device)).cpu()  # (B, T)
+        gen, sampled_lp, ids, lps = gen.cpu(), sampled_lp.cpu(), ids.cpu(), lps.cpu()
+        response_ids, finish, mu, tk_ids, tk_lps = [], [], [], [], []
         for i in range(b):
-            row = gen[i, : max_tokens[i]].tolist()
-            stop = next((t for t, tok in enumerate(row) if tok in ends), None)
-            n = len(row) if stop is None else stop + 1
-            response_ids.append(row[:n])
-            mu.append(sampled_lp[i, :n].tolist())
-            tk_ids.append(topk_ids[i, :n].tolist())
-            tk_lps.append(topk_lps[i, :n].tolist())
-            finish.append("length" if stop is None else "stop")
+            t = min(max_tokens[i], gen.shape[1])
+            stops = is_eos[i, :t].nonzero()
+            stopped = len(stops) > 0
+            t = int(stops[0]) + 1 if stopped else t
+            response_ids.append(gen[i, :t].tolist())
+            finish.append("stop" if stopped else "length")
+            mu.append(sampled_lp[i, :t].tolist())
+            tk_ids.append(ids[i, :t].tolist())
+            tk_lps.append(lps[i, :t].tolist())
         return Rollout(
             prompts=self.tokenizer.batch_decode(prompt_ids), n=1, topk=topk, prompt_index=list(range(b)),
-            prompt_ids=[list(ids) for ids in prompt_ids], response_ids=response_ids, mu_logprobs=mu,
-            mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps, finish_reasons=finish,
+            prompt_ids=prompt_ids, response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids,
+            mu_topk_logprobs=tk_lps, finish_reasons=finish,
             texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
             sampling=self.sampling_info() | {"seed": seed},
         )

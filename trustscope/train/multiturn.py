@@ -5,8 +5,8 @@ One trajectory, as :func:`tool_rollout` builds it::
 
     prompt ids | turn 0: sampled ids ... call_end | tool: reply ids | turn 1: sampled ids ... | ... | EOS
 
-Turn ``k + 1`` is sampled from ``prompt ids + every id so far`` (:meth:`~trustscope.engines.base.Engine.
-generate_ids`): the history is never decoded and tokenized again, so the ids the trainer scores are the ids the
+Turn ``k + 1`` is sampled from ``prompt ids + every id so far`` (:meth:`~trustscope.engines.base.Engine.extend`,
+with the call's end as a stop id): the history is never decoded and tokenized again, so the ids the trainer scores are the ids the
 engine sampled. The environment's reply is tokenized on its own (``add_special_tokens=False``) and spliced in; its
 tokens are in the trainer's input but not in the loss or the log (``Rollout.sampled`` False there: no log-prob
 from the engine, none padded in). Each sampled token carries its turn (0 for the first model turn, 1 after the
@@ -103,7 +103,7 @@ def next_turn(traj: Trajectory, turn_ids: list[int], turn: int, task: Task, toke
 def tool_rollout(engine: Any, task: Task, problems: list[Problem], *, n: int, max_tokens: int, temperature: float,
                  top_p: float, topk: int, seed: int) -> Rollout:
     """``n`` multi-turn trajectories per problem (grouped by problem, as :meth:`Engine.generate`'s samples are):
-    up to ``task.tool.max_calls + 1`` rounds of :meth:`~trustscope.engines.base.Engine.generate_ids` over the
+    up to ``task.tool.max_calls + 1`` rounds of :meth:`~trustscope.engines.base.Engine.extend` over the
     trajectories still going, the tool's replies spliced in between. Returns a :class:`Rollout` whose
     ``sampled``, ``turns`` and ``engine_ids`` say, per token, who wrote it, its turn and the engine's id."""
     if task.tool is None:
@@ -119,10 +119,9 @@ def tool_rollout(engine: Any, task: Task, problems: list[Problem], *, n: int, ma
     for turn in range(task.tool.max_calls + 1):
         if not active:
             break
-        out = engine.generate_ids([trajs[i].prompt_ids + trajs[i].ids for i in active],
-                                  max_tokens=[max_tokens - len(trajs[i].ids) for i in active],
-                                  stop_token_ids=[stop_id] if turn < task.tool.max_calls else [],
-                                  temperature=temperature, top_p=top_p, topk=topk, seed=seeds[turn])
+        out = engine.extend([trajs[i].prompt_ids + trajs[i].ids for i in active],
+                            [max_tokens - len(trajs[i].ids) for i in active], temperature=temperature, top_p=top_p,
+                            topk=topk, seed=seeds[turn], stop_token_ids=[stop_id] if turn < task.tool.max_calls else [])
         sampling = out.sampling
         still = []
         for j, i in enumerate(active):
