@@ -142,9 +142,9 @@ class Rollout:
                               position_ids, p, turn=turn, engine_ids=engine_ids)
 
     def _turn_tensors(self, t: int) -> tuple[Tensor | None, Tensor | None]:
-        """A multi-turn rollout's ``(B, T)`` turn and engine-id tensors (None, None for one model turn); the
-        response mask (built by :meth:`to_tensors`) is ANDed here with ``sampled``, so the environment's tokens
-        stay in the trainer's input but out of the loss and the log."""
+        """A multi-turn rollout's ``(B, T)`` turn and engine-id tensors (None, None for one model turn). Beside
+        them, :meth:`to_tensors` sets the response mask False where ``sampled`` is, so the environment's tokens stay
+        in the trainer's input but out of the loss and the log."""
         if self.sampled is None and self.turns is None and self.engine_ids is None:
             return None, None
         b = len(self)
