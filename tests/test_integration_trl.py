@@ -363,8 +363,10 @@ def test_vllm_path_mu_is_the_engines_with_its_topk(toy_model_dir, tmp_path):
     region = {h["step"] - 1: h["clip_ratio/region_mean"] for h in history if "clip_ratio/region_mean" in h}
     logged = dict(read(run, "select step, 1 - avg(kept::double) from tokens group by step"))
     assert logged == pytest.approx(region, abs=1e-6)
-    rows = read(run, "select token_id, mu_logprob, mu_topk_ids, mu_topk_logprobs, pi_topk_logprobs from tokens")
-    for token, mu, ids, mu_k, pi_k in rows:
+    rows = read(run, "select token_id, mu_logprob, mu_topk_ids, mu_topk_logprobs, pi_topk_logprobs, engine_token_id "
+                     "from tokens")
+    assert all(row[5] == row[0] for row in rows)  # the engine's own ids, as TRL trained on them
+    for token, mu, ids, mu_k, pi_k, _ in rows:
         assert len(ids) == len(set(ids)) == 4 and token in ids
         assert mu_k[ids.index(token)] == pytest.approx(mu, abs=1e-6)
         assert mu_k == sorted(mu_k, reverse=True) or ids.index(token) == 3  # forced in as the K-th entry

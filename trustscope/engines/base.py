@@ -47,11 +47,13 @@ class RolloutTensors:
     mu_logprob: Tensor  # (B, T) float32, 0 beyond each response
     mu_topk_ids: Tensor  # (B, T, K) long, pad_id beyond each response
     mu_topk_logprobs: Tensor  # (B, T, K) float32, LOGPROB_FLOOR beyond each response
-    mask: Tensor  # (B, T) bool, True on response tokens (the EOS token included)
+    mask: Tensor  # (B, T) bool, True on response tokens the engine sampled (the EOS token included)
     input_ids: Tensor  # (B, P + T) long, prompt left-padded then response right-padded
     attention_mask: Tensor  # (B, P + T) long, 1 on real tokens
     position_ids: Tensor  # (B, P + T) long, counted from each prompt's first real token
     prompt_len: int  # P
+    turn: Tensor | None = None  # (B, T) int32, the model turn of each token (multi-turn rollouts), 0 beyond
+    engine_ids: Tensor | None = None  # (B, T) long, the id the engine returned at each sampled token, -1 elsewhere
 
     @property
     def response_lengths(self) -> Tensor:
@@ -83,6 +85,10 @@ class Rollout:
     texts: list[str]  # decoded response, special tokens (EOS) skipped
     sampling: dict[str, Any] = field(default_factory=dict)  # what the sampler used, see Engine.sampling_info
     routed_experts: list[Any] | None = None  # MoE, engine routing on: (P_i + T_i - 1, L, k) int16 ids per sample
+    # multi-turn rollouts (trustscope.train.multiturn); None for one model turn:
+    sampled: list[list[bool]] | None = None  # per token: False on the environment's tokens spliced in
+    turns: list[list[int]] | None = None  # per token: the model turn (0, 1, ...)
+    engine_ids: list[list[int]] | None = None  # per token: the id the engine returned, -1 on the environment's
 
     def __post_init__(self) -> None:
         b = len(self.response_ids)
@@ -90,9 +96,14 @@ class Rollout:
                      "finish_reasons", "texts"):
             if len(getattr(self, name)) != b:
                 raise ValueError(f"Rollout.{name} has {len(getattr(self, name))} entries, expected {b}")
+        per_token = [name for name in ("sampled", "turns", "engine_ids") if getattr(self, name) is not None]
+        for name in per_token:
+            if len(getattr(self, name)) != b:
+                raise ValueError(f"Rollout.{name} has {len(getattr(self, name))} entries, expected {b}")
         for i in range(b):
             t = len(self.response_ids[i])
-            if len(self.mu_logprobs[i]) != t or len(self.mu_topk_ids[i]) != t or len(self.mu_topk_logprobs[i]) != t:
+            if len(self.mu_logprobs[i]) != t or len(self.mu_topk_ids[i]) != t or len(self.mu_topk_logprobs[i]) != t \
+                    or any(len(getattr(self, name)[i]) != t for name in per_token):
                 raise ValueError(f"Rollout sample {i}: per-token lists disagree with {t} response tokens")
 
     def __len__(self) -> int:
@@ -115,6 +126,7 @@ class Rollout:
         mask = torch.zeros((b, t), dtype=torch.bool)  # (B, T)
         input_ids = torch.full((b, p + t), pad_id, dtype=torch.long)  # (B, P + T)
         attention_mask = torch.zeros((b, p + t), dtype=torch.long)  # (B, P + T)
+        turn, engine_ids = self._turn_tensors(t)
         for i in range(b):
             n_t, n_p = len(self.response_ids[i]), len(self.prompt_ids[i])
             if n_t:
@@ -122,13 +134,30 @@ class Rollout:
                 mu_logprob[i, :n_t] = torch.tensor(self.mu_logprobs[i], dtype=torch.float32)
                 topk_ids[i, :n_t] = torch.tensor(self.mu_topk_ids[i], dtype=torch.long)
                 topk_lps[i, :n_t] = torch.tensor(self.mu_topk_logprobs[i], dtype=torch.float32)
-                mask[i, :n_t] = True
+                mask[i, :n_t] = True if self.sampled is None else torch.tensor(self.sampled[i], dtype=torch.bool)
             input_ids[i, p - n_p : p] = torch.tensor(self.prompt_ids[i], dtype=torch.long)
             input_ids[i, p : p + t] = response_ids[i]
             attention_mask[i, p - n_p : p + n_t] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # (B, P + T)
         return RolloutTensors(response_ids, mu_logprob, topk_ids, topk_lps, mask, input_ids, attention_mask,
-                              position_ids, p)
+                              position_ids, p, turn=turn, engine_ids=engine_ids)
+
+    def _turn_tensors(self, t: int) -> tuple[Tensor | None, Tensor | None]:
+        """A multi-turn rollout's ``(B, T)`` turn and engine-id tensors (None, None for one model turn). Beside
+        them, :meth:`to_tensors` sets the response mask False where ``sampled`` is, so the environment's tokens stay
+        in the trainer's input but out of the loss and the log."""
+        if self.sampled is None and self.turns is None and self.engine_ids is None:
+            return None, None
+        b = len(self)
+        turn = torch.zeros((b, t), dtype=torch.int32)  # (B, T)
+        engine_ids = torch.full((b, t), -1, dtype=torch.long)  # (B, T)
+        for i in range(b):
+            n_t = len(self.response_ids[i])
+            if self.turns is not None and n_t:
+                turn[i, :n_t] = torch.tensor(self.turns[i], dtype=torch.int32)
+            if self.engine_ids is not None and n_t:
+                engine_ids[i, :n_t] = torch.tensor(self.engine_ids[i], dtype=torch.long)
+        return turn, engine_ids
 
 
 def finalize_topk(
@@ -248,12 +277,15 @@ class Engine(ABC):
         top_p: float = 1.0,
         topk: int = 20,
         seed: int | None = None,
+        stop_token_ids: list[int] | tuple[int, ...] = (),
     ) -> Rollout:
         """Continue each token-id sequence ``prompt_ids[i]`` by at most ``max_tokens[i]`` new tokens (one sample each).
 
         A partial rollout's next chunk: the sequence so far (prompt then the response's sampled ids) goes in as ids,
         never re-tokenized text, and the new tokens come back with mu's logprobs and top-K under the weights the
         engine holds now. ``finish_reasons[i]`` is ``"stop"`` when the chunk ended on EOS, else ``"length"``.
+        ``stop_token_ids`` end a sequence as EOS does, kept as its last token (``"stop"`` too): a multi-turn
+        rollout's model turn ends on the token that closes a tool call (:mod:`trustscope.train.multiturn`).
         """
         if not prompt_ids or len(max_tokens) != len(prompt_ids):
             raise ValueError(f"extend: {len(prompt_ids)} sequences and {len(max_tokens)} max_tokens; give one "
@@ -267,10 +299,10 @@ class Engine(ABC):
         warn_if_biased(temperature, top_p)
         self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
         return self._extend([list(ids) for ids in prompt_ids], list(max_tokens), temperature, top_p, topk,
-                            self.next_seed(seed))
+                            self.next_seed(seed), stop_token_ids=list(stop_token_ids))
 
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
         """The engine's own continuation of token-id sequences (see :meth:`extend`)."""
         raise NotImplementedError(f"engine {self.name!r} cannot continue token-id sequences (partial rollouts); "
                                   f"use engine vllm or hf")

@@ -123,7 +123,7 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
         """Continue token-id sequences with ``model.generate`` (left-padded ids, no text); see :meth:`Engine.extend`.
         Every row samples ``max(max_tokens)`` steps; row i keeps its first ``max_tokens[i]`` (up to its EOS)."""
         b, p = len(prompt_ids), max(len(ids) for ids in prompt_ids)
@@ -133,20 +133,21 @@ class HFEngine(Engine):
         for i, ids in enumerate(prompt_ids):
             input_ids[i, p - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention[i, p - len(ids):] = 1
+        ends = [*self.eos_ids, *(i for i in stop_token_ids or () if i not in self.eos_ids)]  # stop ids end a row too
         devices = [self.device] if self.device.type == "cuda" else []
         with self._threads(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), do_sample=True,
                 temperature=float(temperature), top_p=float(top_p), top_k=0, max_new_tokens=max(max_tokens),
-                output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=self.eos_ids,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=ends,
             )
         gen = out.sequences[:, p:]  # (B, T)
         scores = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1)  # (B, T, V) sampled distribution
         sampled_lp = scores.gather(-1, gen[..., None])[..., 0]  # (B, T)
         lps, ids = scores.topk(topk, dim=-1)  # (B, T, K)
         ids, lps = finalize_topk(ids, lps, gen, sampled_lp)
-        is_eos = torch.isin(gen, torch.tensor(self.eos_ids, device=gen.device)).cpu()  # (B, T)
+        is_eos = torch.isin(gen, torch.tensor(ends, device=gen.device)).cpu()  # (B, T)
         gen, sampled_lp, ids, lps = gen.cpu(), sampled_lp.cpu(), ids.cpu(), lps.cpu()
         response_ids, finish, mu, tk_ids, tk_lps = [], [], [], [], []
         for i in range(b):

@@ -249,7 +249,7 @@ class VLLMEngine(Engine):
         )
 
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
         """Continue token-id sequences with vLLM (``TokensPrompt``: no text, no re-tokenization); see
         :meth:`Engine.extend`. The prefix is prefilled with the weights the engine holds now (the cache is reset at
         every sync), so a chunk's tokens are sampled wholly under one version."""
@@ -259,7 +259,8 @@ class VLLMEngine(Engine):
         if topk > self.max_logprobs:
             raise ValueError(f"topk={topk} exceeds max_logprobs={self.max_logprobs}; start the engine with more")
         params = [SamplingParams(n=1, max_tokens=m, temperature=temperature, top_p=top_p, top_k=0, seed=s,
-                                 logprobs=topk, detokenize=False, flat_logprobs=True)
+                                 logprobs=topk, detokenize=False, flat_logprobs=True,
+                                 stop_token_ids=list(stop_token_ids or ()))
                   for m, s in zip(max_tokens, request_seeds(seed, len(prompt_ids)), strict=True)]
         outputs = []
         with _rng_preserved(), _torch_threads(self.num_threads):

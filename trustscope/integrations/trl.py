@@ -61,6 +61,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from trustscope.extras import missing, release_position
@@ -115,6 +116,7 @@ _CONFIG_FIELDS = ("delta", "num_iterations", "steps_per_generation", "gradient_a
 
 # Keys attach adds to TRL's batch dict; TRL shuffles and splits them with the rest (they are (B, ...) tensors).
 _SAMPLE_ID, _PROMPT_ID, _REWARD = "trustscope_sample_id", "trustscope_prompt_id", "trustscope_reward"
+_ENGINE_IDS = "trustscope_engine_ids"
 _TOPK_IDS, _TOPK_LOGPROBS, _MU_RECOMPUTE = "trustscope_mu_topk_ids", "trustscope_mu_topk_logprobs", "trustscope_mu"
 
 
@@ -287,6 +289,73 @@ def split_engine_logprobs(
     return trl_view, topk_ids, topk_lps
 
 
+@dataclass
+class EngineCall:
+    """One ``vllm_generation.generate`` call of a rollout: its id prompts, the engine's completions and, with
+    top-K, mu's top-K per completion token (ragged, as :func:`split_engine_logprobs` returns them)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    topk_ids: list[list[list[int]]] | None = None
+    topk_lps: list[list[list[float]]] | None = None
+
+
+def _segments(tool_mask: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, length)`` of each run of 1s (the model's turns) in a completion's tool mask."""
+    out, start = [], None
+    for t, m in enumerate([*tool_mask, 0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            out.append((start, t - start))
+            start = None
+    return out
+
+
+def engine_rows(calls: list[EngineCall], prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]],
+                tool_masks: list[tuple[int, ...]] | None, k: int
+                ) -> tuple[list[list[int]], tuple[list, list] | None]:
+    """Per completion of a rollout, the id the engine returned at each position (-1 on a tool's result and where
+    no call produced it) and, when every call has them, mu's top-K there (ids 0 and NaN log-probs elsewhere).
+
+    TRL 1.16's tool loop (``GRPOTrainer._tool_call_loop``) calls the engine once for the whole batch (row i:
+    completion i) and then once per round for the completions still calling tools, each row's prompt the
+    completion's prompt + its ids so far + the tool's result (concatenated ids), its output spliced in after the
+    result, cut to ``max_completion_length``. So the model turn of completion i starting at position s came from the
+    later call whose prompt is ``prompts[i] + completions[i][:s]``; of several such rows (two completions with the
+    same history), the one whose output matches the completion's ids.
+    """
+    first, index = calls[0], {}
+    for call in calls[1:]:
+        for r, p in enumerate(call.prompts):
+            index.setdefault(tuple(p), []).append((call, r))
+    with_topk = all(c.topk_ids is not None for c in calls)
+    ids_out, tk_ids_out, tk_lps_out = [], [], []
+    for i, comp in enumerate(completions):
+        comp = list(comp)
+        n = len(comp)
+        ids, tk_ids, tk_lps = [-1] * n, [[0] * k for _ in range(n)], [[math.nan] * k for _ in range(n)]
+        for s, length in _segments(tool_masks[i] if tool_masks is not None else [1] * n):
+            if s == 0 and i < len(first.prompts) and tuple(first.prompts[i]) == tuple(prompts[i]):
+                found = (first, i)
+            else:
+                rows = index.get(tuple(prompts[i]) + tuple(comp[:s]), [])
+                found = next((cr for cr in rows if list(cr[0].completions[cr[1]][:length]) == comp[s:s + length]),
+                             rows[0] if rows else None)
+            if found is None:
+                continue
+            call, r = found
+            got = list(call.completions[r][:length])
+            ids[s:s + len(got)] = got
+            if with_topk:
+                tk_ids[s:s + len(got)] = call.topk_ids[r][:len(got)]
+                tk_lps[s:s + len(got)] = call.topk_lps[r][:len(got)]
+        ids_out.append(ids)
+        tk_ids_out.append(tk_ids)
+        tk_lps_out.append(tk_lps)
+    return ids_out, ((tk_ids_out, tk_lps_out) if with_topk else None)
+
+
 def _rows(ids: Tensor, mask: Tensor) -> list[tuple[int, ...]]:
     """The ids of each row where ``mask`` is set: ``(B, L)`` -> B tuples (one transfer, no per-row tensors)."""
     ids_np, mask_np = ids.cpu().numpy(), mask.bool().cpu().numpy()
@@ -360,7 +429,7 @@ class _Hooks:
         self.a = attachment
         self.installed: list[tuple[Any, str]] = []
         self._rewards: Tensor | None = None
-        self._engine_topk: tuple[list, list] | None = None
+        self._engine_calls: list[EngineCall] = []  # the rollout's engine calls (several with tool calls)
         self._capturing = False
         self._hidden: list[tuple[Tensor, torch.dtype]] | None = None  # collected while the loss forward runs
         self.forward: tuple[Tensor, Tensor | None, tuple[Tensor, torch.dtype] | None] | None = None
@@ -373,7 +442,7 @@ class _Hooks:
         self._wrap(trainer, "compute_loss", self.compute_loss)
         if self.a.reporter is not None:
             self._wrap(trainer, "log", self.log)
-        if trainer.use_vllm and self.a.topk:
+        if trainer.use_vllm:  # the engine's ids (and, with topk, its top-K) of every call of a rollout
             self._wrap(trainer.vllm_generation, "generate", self.vllm_generate)
         if self.a.topk:
             backbone = _backbone(trainer.accelerator.unwrap_model(trainer.model))
@@ -416,19 +485,23 @@ class _Hooks:
         return rewards
 
     def vllm_generate(self, original: Callable, *args: Any, **kwargs: Any) -> tuple:
+        """Each engine call of a rollout (TRL's tool loop makes one a round): keep its prompts, ids and top-K,
+        and hand TRL the sampled token's log-prob first (with top-K)."""
         prompt_ids, completion_ids, logprobs, logprob_ids = original(*args, **kwargs)
-        if logprobs is None or logprob_ids is None:
-            self._engine_topk = None
+        prompts = kwargs["prompts"] if "prompts" in kwargs else args[0]
+        if not self.a.topk or logprobs is None or logprob_ids is None:
+            self._engine_calls.append(EngineCall(list(prompts), list(completion_ids)))
             return prompt_ids, completion_ids, logprobs, logprob_ids
         view, ids, lps = split_engine_logprobs(completion_ids, logprobs, logprob_ids, self.a.topk)
-        self._engine_topk = (ids, lps)
+        self._engine_calls.append(EngineCall(list(prompts), list(completion_ids), ids, lps))
         return prompt_ids, completion_ids, view, logprob_ids
 
     def generate_and_score(self, original: Callable, inputs: Any) -> dict[str, Any]:
-        self._rewards, self._engine_topk = None, None
+        self._rewards, self._engine_calls = None, []
         out = original(inputs)
         if self.a.active and self.a.trainer.model.training:
-            self.a.tag_rollout(out, self._rewards, self._engine_topk)
+            self.a.tag_rollout(out, self._rewards, self._engine_calls)
+        self._engine_calls = []
         return out
 
     # --------------------------------------------------------------------------------------------------- loss side
@@ -529,9 +602,9 @@ class Attachment:
     # ------------------------------------------------------------------------------------------------ rollout side
 
     def tag_rollout(self, out: dict[str, Any], rewards_global: Tensor | None,
-                    engine_topk: tuple[list, list] | None) -> None:
-        """Add sample ids, prompt groups, weighted rewards and mu's top-K to TRL's batch (rows stay aligned when
-        TRL shuffles and splits it)."""
+                    engine_calls: list[EngineCall] | None = None) -> None:
+        """Add sample ids, prompt groups, weighted rewards, the engine's ids and mu's top-K to TRL's batch (rows
+        stay aligned when TRL shuffles and splits it)."""
         t = self.trainer
         ids = out["completion_ids"]  # (B, T)
         B, T = ids.shape
@@ -547,6 +620,7 @@ class Attachment:
             reward = (local * w).nansum(dim=1)  # (B,) TRL's weighted reward
             reward[torch.isnan(local).all(dim=1)] = torch.nan  # unscorable: TRL logs NaN too
             out[_REWARD] = reward.to(ids.device)
+        engine_topk = self._tag_engine_ids(out, engine_calls) if engine_calls else None
         if not self.topk:
             return
         if engine_topk is not None:
@@ -554,6 +628,21 @@ class Attachment:
             out[_TOPK_LOGPROBS] = _pad_rows(engine_topk[1], T, self.topk, math.nan, torch.float32, ids.device)
         elif self.topk_forward:
             self._rollout_forward(out)
+
+    def _tag_engine_ids(self, out: dict[str, Any], calls: list[EngineCall]) -> tuple[list, list] | None:
+        """The engine's id at each completion position (``(B, T)``, -1 where none) into the batch, from the
+        rollout's engine calls (:func:`engine_rows`: with tool calls, each model turn from the call that sampled
+        it); returns mu's top-K per completion when the calls have it."""
+        completions = _rows(out["completion_ids"], out["completion_mask"])
+        tool = _rows(out["tool_mask"], out["completion_mask"]) if "tool_mask" in out else None
+        ids, topk = engine_rows(calls, _rows(out["prompt_ids"], out["prompt_mask"]), completions, tool, self.topk)
+        B, T = out["completion_ids"].shape
+        table = torch.full((B, T), -1, dtype=torch.long)
+        for i, row in enumerate(ids):
+            if row:
+                table[i, : len(row)] = torch.tensor(row[:T], dtype=torch.long)
+        out[_ENGINE_IDS] = table.to(out["completion_ids"].device)
+        return topk
 
     @torch.no_grad()
     def _rollout_forward(self, out: dict[str, Any]) -> None:
@@ -629,6 +718,13 @@ class Attachment:
             tokens["mu_topk_ids"] = mu_ids
             tokens["mu_topk_logprobs"] = torch.nan_to_num(mu_lps)
             tokens["pi_topk_logprobs"] = self._pi_topk(inputs, mu_ids, pi, hidden)
+        if _ENGINE_IDS in inputs:  # the vLLM path: the ids the engine returned, each turn from its own call
+            engine_ids = inputs[_ENGINE_IDS]
+            if bool(((engine_ids < 0) & mask).any()):
+                self._warn_once("engine-ids", "some completion tokens have no engine id (a model turn no engine call "
+                                "returned): engine_token_id is left out of those batches")
+            else:
+                tokens["engine_token_id"] = engine_ids
         self._unscored += int((loss_mask.bool() & ~mask).sum())
         self.logger.log_step(t.state.global_step, tokens=tokens, mask=mask,
                              samples=self._samples(inputs))
@@ -815,9 +911,6 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
                              f"with vLLM's default); use topk <= {most}")
     if topk:
         _backbone(trainer.accelerator.unwrap_model(trainer.model))  # pi's top-K reads its hidden states
-    if topk and trainer.use_vllm and trainer.tools:
-        raise ValueError("topk with tool calls on the vLLM path is not supported: the tool loop generates again "
-                         "and extends the log-prob lists; use topk=0")
     mu_source = logger_options.pop("mu_source", "engine" if engine_logprobs else "trainer_recompute")
     if mu_source == "trainer_recompute":
         warnings.warn("trustscope: TRL keeps no rollout log-probs without vLLM (use_vllm=False), so mu is the "

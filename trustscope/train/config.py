@@ -48,7 +48,8 @@ class TrainConfig:
     model: str = "toy"
     """The policy: a toy world by name, built locally on first use and cached (``toy``: the tiny Qwen2 of
     one-digit addition; ``toy-v2``: the sample logs' deeper one; ``toy-gpu``; ``toy-moe``: a Qwen3-MoE of four experts
-    a layer, top-2), warm-started on ``task``; or a
+    a layer, top-2; ``toy-tool``: the multi-turn world, for a task with a tool such as ``multool``), warm-started on
+    ``task``; or a
     Hugging Face model directory / hub name."""
     task: str = "add1"
     """Task and reward: a name registered in ``trustscope.train.tasks`` or a dotted import path ``pkg.mod:obj``."""
@@ -285,6 +286,9 @@ def _validate(c: TrainConfig) -> None:
         raise _fail("routing_replay", c.routing_replay, "routing replay needs each response's experts from one "
                     "engine call, and asynchronous partial rollouts continue responses over several: set "
                     "async_chunk_tokens=0 or routing_replay=false")
+    if c.routing_replay and _is_multi_turn(c.task):
+        raise _fail("routing_replay", c.routing_replay, f"task {c.task!r} is multi-turn: its model turns come from "
+                    "several engine calls, whose experts are not captured; set routing_replay=false")
 
     try:
         rule = get_loss(c.loss)
@@ -297,6 +301,13 @@ def _validate(c: TrainConfig) -> None:
     if "old_logprob" in rule.needs and not c.recompute_old:
         raise _fail("recompute_old", c.recompute_old,
                     f"loss {c.loss!r} is anchored on pi_old: set recompute_old=true")
+
+
+def _is_multi_turn(task: str) -> bool:
+    try:
+        return get_task(task).tool is not None
+    except ValueError:  # an unknown task is refused on its own
+        return False
 
 
 def _validate_async(c: TrainConfig) -> None:
@@ -314,6 +325,10 @@ def _validate_async(c: TrainConfig) -> None:
             raise _fail("max_staleness", c.max_staleness, "max_staleness bounds asynchronous partial rollouts: set "
                         "async_chunk_tokens > 0 too (policy_lag's staleness is policy_lag + sync_every - 1 already)")
         return
+    if get_task(c.task).tool is not None:
+        raise _fail("async_chunk_tokens", c.async_chunk_tokens, f"task {c.task!r} is multi-turn (a tool answers the "
+                    f"model's calls), and asynchronous partial rollouts continue single-turn responses: set "
+                    f"async_chunk_tokens=0, or a single-turn task")
     if c.policy_lag:
         raise _fail("policy_lag", c.policy_lag, "asynchronous partial rollouts (async_chunk_tokens > 0) set their own "
                     "staleness: set policy_lag=0, and async_batches / max_staleness for how stale rollouts may be")

@@ -77,6 +77,7 @@ from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.trackers import RunReporting, parse_report_to
 from trustscope.train import moe
 from trustscope.train.config import TrainConfig, check_world, staleness_bound
+from trustscope.train.multiturn import evaluate_tool, tool_rollout, turn_summary
 from trustscope.train.tasks import Problem, Task, get_task
 
 CHECKPOINTS = "checkpoints"
@@ -133,9 +134,14 @@ def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int)
     """Sample the rollouts of step ``step`` while the trainer is at step ``now``: ``prompts_per_step`` problems,
     ``group_size`` responses each. The engine holds the weights of the last sync, step ``now - now % sync_every``."""
     problems = task.sample(random.Random(step_seed(cfg.seed, step, 1)), cfg.prompts_per_step, "train")
-    rollout = engine.generate([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                              temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
-                              seed=step_seed(cfg.seed, step, 2))
+    if task.tool is not None:  # multi-turn: the model calls the task's tool, the environment answers
+        rollout = tool_rollout(engine, task, problems, n=cfg.group_size, max_tokens=cfg.max_tokens,
+                               temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
+                               seed=step_seed(cfg.seed, step, 2))
+    else:
+        rollout = engine.generate([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
+                                  seed=step_seed(cfg.seed, step, 2))
     per_sample = [problems[i] for i in rollout.prompt_index]
     rewards = task.score(per_sample, rollout.texts, rollout.finish_reasons)
     return StepRollouts(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
@@ -395,7 +401,9 @@ def shard_batch(batch: StepRollouts, rank: int, world: int) -> StepRollouts:
                       response_ids=ro.response_ids[s0:s1], mu_logprobs=ro.mu_logprobs[s0:s1],
                       mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
                       finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling,
-                      routed_experts=None if ro.routed_experts is None else ro.routed_experts[s0:s1])
+                      routed_experts=None if ro.routed_experts is None else ro.routed_experts[s0:s1],
+                      **{name: getattr(ro, name)[s0:s1] for name in ("sampled", "turns", "engine_ids")
+                         if getattr(ro, name) is not None})
     return StepRollouts(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
                  first_group=batch.first_group + g0,
                  versions=None if batch.versions is None else batch.versions[s0:s1], stats=batch.stats)
@@ -452,6 +460,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfi
     was_training = model.training
     model.eval()
     rewards: list[float] = []
+    if task.tool is not None:  # multi-turn: greedy turns with the tool's replies spliced in
+        rewards = evaluate_tool(model, tokenizer, task, problems, cfg.max_tokens, device)
+        problems = []  # scored: the single-turn loop below has nothing left to do
     for i in range(0, len(problems), 64):
         chunk = problems[i : i + 64]
         enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, padding_side="left").to(device)
@@ -545,9 +556,13 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
 
     if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
         return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
+    from trustscope.train.toy_tool import TOOL_PRESETS, build_toy_tool_model
+
+    if cfg.model in TOOL_PRESETS:  # toy-tool: the multi-turn toy world
+        return build_toy_tool_model(dataclasses.replace(TOOL_PRESETS[cfg.model], task=cfg.task))
     if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
         raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
-                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS])}, or to a Hugging Face model directory or hub name")
+                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS, *TOOL_PRESETS])}, or to a Hugging Face model directory or hub name")
     return cfg.model
 
 
@@ -628,6 +643,8 @@ class StepInputs:
     topk_ids: torch.Tensor  # (B, T, K)
     old_lp: torch.Tensor | None  # (B, T) pi_old, when recomputed
     routing: moe.StepRouting | None = None  # MoE: both sides' experts, the replay (train/moe.py)
+    turn: torch.Tensor | None = None  # (B, T) int32, multi-turn rollouts: each token's model turn
+    engine_ids: torch.Tensor | None = None  # (B, T) long, multi-turn rollouts: the id the engine returned
 
 
 def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, pad_id: int,
@@ -641,7 +658,8 @@ def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, p
     x = StepInputs(mask=mask, adv_seq=adv_seq, adv=adv_seq[:, None].expand_as(mask).float(), inputs=inputs,
                    response_ids=ro.response_ids.to(device), mu_lp=ro.mu_logprob.to(device),
                    mu_topk_lp=ro.mu_topk_logprobs.to(device), topk_ids=ro.mu_topk_ids.to(device), old_lp=None,
-                   routing=moe.step_routing(batch.rollout, ro.prompt_len, ro.input_ids.shape[1], replay, cfg))
+                   routing=moe.step_routing(batch.rollout, ro.prompt_len, ro.input_ids.shape[1], replay, cfg),
+                   turn=ro.turn, engine_ids=ro.engine_ids)
     if cfg.recompute_old:
         rows = torch.arange(mask.shape[0], device=device)
         with torch.no_grad(), moe.routed(x.routing, rows):
@@ -758,6 +776,7 @@ def step_scalars(batch: StepRollouts, totals: dict[str, float], up: Update, step
         "throughput/tokens_per_s": n_tokens / times["step"],
         **up.metrics,
         **batch.stats,
+        **turn_summary(batch.rollout),
     }
     if "old_mismatch" in totals:
         scalars["mismatch/old_abs_mean"] = totals["old_mismatch"] / max(1, n_tokens)
@@ -775,7 +794,7 @@ def log_step(logger: Any, step: int, batch: StepRollouts, x: StepInputs, up: Upd
         tokens={"token_id": x.response_ids, "mu_logprob": x.mu_lp, "pi_logprob": up.pi_lp, "advantage": x.adv,
                 "entropy": up.entropy, "mu_topk_ids": x.topk_ids, "mu_topk_logprobs": x.mu_topk_lp,
                 "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept, "policy_version": token_versions(batch, x.mask),
-                **({} if x.old_lp is None else {"old_logprob": x.old_lp}),
+                **({} if x.old_lp is None else {"old_logprob": x.old_lp}), **turn_tokens(x),
                 **({} if x.routing is None else x.routing.tokens())},
         mask=x.mask,
         samples={"sample_id": first_sample + np.arange(b),
@@ -794,6 +813,13 @@ def token_versions(batch: StepRollouts, mask: torch.Tensor) -> np.ndarray:
     for i, versions in enumerate(batch.versions or []):
         out[i, : len(versions)] = versions
     return out
+
+
+def turn_tokens(x: StepInputs) -> dict[str, torch.Tensor]:
+    """A multi-turn step's per-token ``turn`` and ``engine_token_id`` columns (nothing for one model turn)."""
+    if x.turn is None:
+        return {}
+    return {"turn": x.turn, "engine_token_id": x.engine_ids}
 
 
 def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:

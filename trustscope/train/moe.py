@@ -30,6 +30,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brin
 
 from trustscope.routing import RouterReplay, moe_shape, padded_routing
 from trustscope.train.config import ConfigError, TrainConfig
+from trustscope.train.tasks import get_task
 
 
 def routing_shape(cfg: TrainConfig, model: torch.nn.Module) -> tuple[int, int, int] | None:
@@ -41,9 +42,10 @@ def routing_shape(cfg: TrainConfig, model: torch.nn.Module) -> tuple[int, int, i
                           f"set routing_replay=false or train a mixture-of-experts model (e.g. model=toy-moe-flip)")
     if shape is None or cfg.engine != "vllm" or not (cfg.log_routing or cfg.routing_replay):
         return None
-    if cfg.async_chunk_tokens:  # a response's experts would come from several engine calls: not captured
-        warnings.warn("asynchronous partial rollouts: routed experts are not captured, the tokens are logged "
-                      "without them", RuntimeWarning, stacklevel=2)
+    if cfg.async_chunk_tokens or get_task(cfg.task).tool is not None:
+        # a response's experts would come from several engine calls (chunks, model turns): not captured
+        warnings.warn("asynchronous partial rollouts and multi-turn tasks: routed experts are not captured, the "
+                      "tokens are logged without them", RuntimeWarning, stacklevel=2)
         return None
     return shape
 

@@ -22,6 +22,17 @@ The column-addition tasks (``addcol*``) have responses of tens of tokens: the su
 first, each column ``x+y=s`` with ``+1`` when a carry comes in and `` c1`` when one goes out, then ``=`` and the
 sum. ``"47+38="`` -> ``"7+8=15 c1,4+3+1=8,=85"``. A problem's ``answer`` is that canonical worked solution (what
 the toy's warm start imitates); the reward, :func:`column_addition_reward`, parses the response and checks it.
+
+A multi-turn task has a ``tool`` (:class:`ToolUse`): the model's turn ends when it closes a call, the environment's
+answer is spliced in as tokens the model did not sample, and the model goes on in its next turn (the trainer's
+:mod:`trustscope.train.multiturn`). Built in::
+
+    multool  a*b+c=  a, b, c in 0..9, worked with a calculator (1,000 problems)
+
+``"7*8+5="`` -> the model calls ``(7*8)``, the calculator answers ``=56,``, the model calls ``(56+5)``, the
+calculator answers ``=61,``, the model answers ``61`` + EOS: the response is ``"(7*8)=56,(56+5)=61,61"``, of which
+the model sampled 13 tokens over three turns (EOS included) and the environment inserted 8. The reward,
+:func:`tool_answer_reward`, reads the text after the last tool answer.
 """
 
 from __future__ import annotations
@@ -118,6 +129,76 @@ def worked_column_addition(a: int, b: int) -> str:
     return ",".join(steps) + f",={a + b}"
 
 
+_CALL = re.compile(r"\((-?[0-9]{1,4})([+*-])(-?[0-9]{1,4})\)")
+
+
+def calculator_reply(turn: str) -> str:
+    """The calculator's answer to a model turn ending in a call ``(x+y)``, ``(x-y)`` or ``(x*y)`` (integers of up
+    to four digits): ``"=<value>,"``; ``"=?,"`` when the turn ends in anything else (a malformed call still costs
+    the model its turn, as a tool error does)."""
+    start = turn.rfind("(")
+    m = _CALL.fullmatch(turn[start:]) if start >= 0 else None
+    if m is None:
+        return "=?,"
+    x, op, y = int(m[1]), m[2], int(m[3])
+    return f"={x + y if op == '+' else x - y if op == '-' else x * y},"
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a multi-turn task's environment takes part: a model turn that ends with ``call_end`` (a single
+    character, one token of the toy tokenizer) is a tool call; ``reply(turn_text)`` is what the environment
+    answers, spliced in as tokens (its ids from the tokenizer, never the history re-tokenized), after which the
+    model's next turn starts. At most ``max_calls`` calls are answered; a turn ending otherwise (EOS, or the token
+    budget) ends the response."""
+
+    reply: Callable[[str], str] = calculator_reply
+    call_end: str = ")"
+    max_calls: int = 2
+
+    def __post_init__(self) -> None:
+        if len(self.call_end) != 1:
+            raise ValueError(f"ToolUse.call_end must be one character, got {self.call_end!r}")
+        if self.max_calls < 1:
+            raise ValueError(f"ToolUse.max_calls must be >= 1, got {self.max_calls}")
+
+
+def tool_answer_reward(response: str, answer: str, finish_reason: str = "stop") -> float:
+    """1.0 when the text after the last tool answer (the last ``,``) of ``response`` is exactly the integer that
+    ends ``answer`` (the reference trajectory) and the response ended with EOS; 0.0 otherwise. The calls
+    themselves are not graded: a trajectory that reaches the right number another way scores too."""
+    return exact_number_reward(response.rsplit(",", 1)[-1], answer.rsplit(",", 1)[-1], finish_reason)
+
+
+def worked_with_calculator(a: int, b: int, c: int) -> str:
+    """The reference trajectory of ``a*b+c`` with the calculator: ``(7, 8, 5)`` -> ``"(7*8)=56,(56+5)=61,61"``
+    (the model's turns and the calculator's answers, as :func:`calculator_reply` writes them)."""
+    first = f"({a}*{b})"
+    second = f"({a * b}+{c})"
+    return first + calculator_reply(first) + second + calculator_reply(second) + str(a * b + c)
+
+
+def model_spans(task: Task, answer: str) -> list[bool]:
+    """Per character of a reference trajectory ``answer``: True where the model writes it, False where the
+    environment does (each tool answer, from the end of a call up to where the model's next turn starts); all
+    True for a task without a tool."""
+    if task.tool is None:
+        return [True] * len(answer)
+    out, pos, calls = [], 0, 0
+    while pos < len(answer):
+        end = answer.find(task.tool.call_end, pos)
+        if end < 0 or calls == task.tool.max_calls:
+            out += [True] * (len(answer) - pos)
+            break
+        out += [True] * (end + 1 - pos)
+        reply = task.tool.reply(answer[pos : end + 1])
+        if not answer.startswith(reply, end + 1):
+            raise ValueError(f"task {task.name!r}: reference {answer!r} has no tool answer {reply!r} at {end + 1}")
+        out += [False] * len(reply)
+        pos, calls = end + 1 + len(reply), calls + 1
+    return out
+
+
 @dataclass(frozen=True)
 class Problem:
     """One prompt with its reference answer; ``task`` names the task it came from (for per-task accuracy)."""
@@ -143,6 +224,8 @@ class Task:
     make_problems: Callable[[], list[Problem]] | None = None
     eval_size: int = 0
     components: tuple[Task, ...] = ()
+    tool: ToolUse | None = None
+    """A multi-turn task's environment (:class:`ToolUse`); None: one model turn."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -285,4 +368,10 @@ ADDCOL2 = register_task(
 ADDCOL3 = register_task(
     Task("addcol3", "a+b= with a, b in 100..999, worked column by column (20,000 of them)",
          reward=column_addition_reward, make_problems=_column_addition("addcol3", 3, 20_000), eval_size=500)
+)
+MULTOOL = register_task(
+    Task("multool", "a*b+c= with a, b, c in 0..9, worked in three turns with a calculator tool",
+         reward=tool_answer_reward, eval_size=100, tool=ToolUse(),
+         make_problems=lambda: [Problem(f"{a}*{b}+{c}=", worked_with_calculator(a, b, c), "multool")
+                                for a in range(10) for b in range(10) for c in range(10)])
 )
