@@ -1,8 +1,7 @@
 """The toy world at a real vocabulary: a dense toy world (``toy-v2``) widened to V = 151,936, Qwen's vocabulary size.
 
 The widened model keeps every trained row of its base (the 78 tokens of the character tokenizer) and adds a long
-tail of 151,858 tokens the sampler can reach: their rows (tied input embeddings and LM head, as in the base) are
-random around a direction the trained hidden states point away from, set so that the tail holds a set mean
+tail of 151,858 tokens the sampler can reach: their LM-head rows (the widened head is untied) are random around a direction the trained hidden states point away from, set so that the tail holds a set mean
 probability mass per answer position (``tail_mass``, default 0.5%) on the task's held-out problems, spread over
 its tokens with logits of standard deviation 2 (see :func:`widen`). Each tail token is a pseudo-subword of three or four
 letters; the character tokenizer never produces one when encoding (it splits text into characters), so a tail
@@ -26,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -164,13 +162,16 @@ def calibrate_depth(lse_base: torch.Tensor, lse_spread: torch.Tensor, along: tor
 
 
 def widen(model: torch.nn.Module, tokenizer, config: WideToyConfig) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The base ``model`` with its vocabulary widened to ``config.vocab_size``: its rows kept, the tail's rows
-    ``depth * d + z``, where ``d`` is the direction every answer position's hidden state points away from (the
-    least-squares ``h . d = -1`` over the eval split), ``z`` random rows giving the tail's logits at a position a
+    """The base ``model`` with its vocabulary widened to ``config.vocab_size`` and its head untied: the base's rows
+    kept in both; a tail token's input row is that of the letter its text starts with (the model reads it as that
+    letter and goes on as it would, rather than from a random vector); its head row is ``depth * d + z``, where
+    ``d`` is the direction every answer position's hidden state points away from (the least-squares ``h . d = -1`` over the eval split), ``z`` random rows giving the tail's logits at a position a
     spread of ``TAIL_SPREAD`` (their standard deviation), and ``depth`` the value that puts the tail's mean mass
     at ``config.tail_mass``. Returns the widened model and the calibration record."""
     if not model.config.tie_word_embeddings:
         raise ValueError("widen needs a base with tied embeddings (the toy worlds' default)")
+    if toy.CHARSET[-len(LETTERS) * 2 :] != LETTERS + LETTERS.upper():
+        raise ValueError("widen expects the character set to end with the letters a-z, A-Z")
     held_out = get_task(config.task).split("eval", config.base_config().seed)
     hidden = answer_hidden(model, tokenizer, held_out)  # (N, H)
     base_rows = model.get_input_embeddings().weight.detach().clone()  # (V0, H)
@@ -185,14 +186,19 @@ def widen(model: torch.nn.Module, tokenizer, config: WideToyConfig) -> tuple[tor
         along = hidden @ direction  # (N,)
     depth = calibrate_depth(lse_base, lse_spread, along, config.tail_mass)
     mass = tail_mass(lse_base, lse_spread, along, depth)
-    model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
+    first = v0 - len(LETTERS) * 2  # the id of "a"
+    letters = [first + LETTERS.index(text[0]) for text in tail_texts(config.vocab_size - v0)]
+    wide_config = model.config.__class__(**{**model.config.to_dict(), "vocab_size": config.vocab_size,
+                                            "tie_word_embeddings": False})
+    torch.manual_seed(config.seed)
+    wide = type(model)(wide_config).float()
+    state = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
     with torch.no_grad():
-        weight = model.get_input_embeddings().weight
-        weight[:v0] = base_rows
-        weight[v0:] = spread + depth * direction
-    model.tie_weights()
-    model.config.vocab_size = config.vocab_size
-    return model, {"depth": depth, "spread": TAIL_SPREAD, "mean_mass": float(mass.mean()),
+        state["model.embed_tokens.weight"] = torch.cat([base_rows, base_rows[letters]])
+        state["lm_head.weight"] = torch.cat([base_rows, spread + depth * direction])
+    wide.load_state_dict(state)
+    wide.eval()
+    return wide, {"depth": depth, "spread": TAIL_SPREAD, "mean_mass": float(mass.mean()),
                    "median_mass": float(mass.median()), "max_mass": float(mass.max()), "positions": len(mass)}
 
 
