@@ -5,21 +5,24 @@
 
 One step is ``--responses`` x ``--length`` tokens (default 512 x 4,096 = 2,097,152, about a rank's share of a
 100M-token step on 48 ranks), built like ``bench/bench_logger.py``'s data (top-K ids Zipf-distributed over a
-152k vocabulary, sorted top-K log-probs, pi within about 1e-3 of mu). Cases, each in a fresh process, ``--steps``
-steps each (every step's arrays built anew, as a trainer's are):
+152k vocabulary, sorted top-K log-probs, pi within about 1e-3 of mu). Cases, each in a fresh process:
 
-- ``baseline``: build the step's arrays, log nothing (what every other case also pays);
+- ``baseline-k0`` / ``baseline-k20``: build the step's arrays (without / with mu's top-20) and log nothing: the
+  time and the peak memory every logging case of that K also pays;
 - ``k0-f1`` / ``k0-f0.01``: log the scalar columns (ids, mu / pi_old / pi, advantage, entropy, the mask) at
-  ``token_fraction`` 1 and 0.01 (summaries always over every token);
+  ``token_fraction`` 1 and 0.01 (the summaries always over every token);
 - ``k20-f1`` / ``k20-f0.01``: the same with mu's top-20 (ids, mu's and pi's log-probs, top-K TV and KL).
 
-Each step calls ``log_step`` then ``commit_step`` (a step ends committed; the writer stores it while the next step
-is built). Reported per case: the wall time the calling thread spends inside ``log_step`` + ``commit_step`` per step
-(median, and the largest, which includes waiting when the writer is behind and the row budget is full), the same as a
-share of the step's array build (the baseline's work); the CPU seconds per step of the logger's own threads
-(:class:`logger_cpu.LoggerCPU`: the caller, the writer thread, the encoders); how long ``close`` waits for the writer
-to drain after the last step; bytes on disk per logged token row and per step; peak RSS and what it adds over the
-baseline (``ru_maxrss`` of the case's own process). ``--json`` writes every measurement.
+A logging case builds the arrays once and logs them as ``--steps`` steps: ``log_step``, then ``commit_step`` (what
+the training thread calls at a step's end), then ``flush``, which stands for the rest of a training step: it waits
+until the writer has stored and committed the step, so each call starts with an idle writer and the time the
+writer needs a step is read apart from the calls. Reported per case: the wall time the calling thread spends
+inside ``log_step`` + ``commit_step`` (median and largest over the steps) and as a share of building the step's
+arrays (the baseline of the same K); the writer's wall per step (commit to stored: a training step shorter than
+this would make the next ``log_step`` wait for room); the CPU seconds per step of the logger's own threads
+(:class:`logger_cpu.LoggerCPU`: the caller, the writer thread, the encoders); bytes on disk per logged token row
+and per step (every table); peak RSS and what it adds over the baseline of the same K (``ru_maxrss`` of the
+case's own process). ``--json`` writes every measurement.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = {"baseline": None, "k0-f1": (0, 1.0), "k0-f0.01": (0, 0.01), "k20-f1": (20, 1.0), "k20-f0.01": (20, 0.01)}
+CASES = {"baseline-k0": (0, None), "k0-f1": (0, 1.0), "k0-f0.01": (0, 0.01),
+         "baseline-k20": (20, None), "k20-f1": (20, 1.0), "k20-f0.01": (20, 0.01)}
 TOPK_COLUMNS = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs", "topk_tv", "topk_kl")
 
 
@@ -74,58 +78,46 @@ def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict
     import torch
 
     torch.set_num_threads(1)
-    spec = CASES[case]
-    k = 20 if spec is None else spec[0]
-    builds, waits, log_calls, commits = [], [], [], []
+    k, fraction = CASES[case]
     samples = {"sample_id": np.arange(responses), "prompt_id": np.arange(responses) // 16}
     mask = np.ones((responses, length), dtype=bool)
-    result: dict = {"case": case, "tokens_per_step": responses * length, "steps": steps}
-    if spec is None:
-        for step in range(steps):
-            t0 = time.perf_counter()
-            data = build_step(step, responses, length, k)
-            builds.append(time.perf_counter() - t0)
-            del data
-    else:
+    t0 = time.perf_counter()
+    data = build_step(0, responses, length, k)
+    result: dict = {"case": case, "k": k, "token_fraction": fraction, "tokens_per_step": responses * length,
+                    "steps": steps, "build_s": time.perf_counter() - t0,
+                    "array_bytes": sum(a.nbytes for a in data.values()) + mask.nbytes}
+    if fraction is not None:
         from logger_cpu import LoggerCPU
 
         from trustscope.logger import TokenLogger
 
+        log_calls, commits, drains = [], [], []
         with LoggerCPU() as cpu:
-            logger = TokenLogger(out, "scale", loss_rule="dppo_binary_tv", token_fraction=spec[1],
-                                 log_topk=k > 0)
+            logger = TokenLogger(out, "scale", loss_rule="dppo_binary_tv", token_fraction=fraction, log_topk=k > 0)
             for step in range(steps):
-                t0 = time.perf_counter()
-                data = build_step(step, responses, length, k)
                 t1 = time.perf_counter()
                 logger.log_step(step, tokens=data, mask=mask, samples=samples)
                 t2 = time.perf_counter()
                 logger.commit_step()
                 t3 = time.perf_counter()
-                builds.append(t1 - t0)
+                logger.flush()  # the rest of the step: wait until the writer has stored it
                 log_calls.append(t2 - t1)
                 commits.append(t3 - t2)
-                waits.append(t3 - t1)
-                del data
-            t4 = time.perf_counter()
+                drains.append(time.perf_counter() - t3)
             logger.close()
-            result["close_drain_s"] = time.perf_counter() - t4
         roles = cpu.seconds()
-        result["logger_cpu_s_per_step"] = {name: s / steps for name, s in roles.items()}
         tokens_dir = out / "scale" / "tokens"
         logged = token_rows(tokens_dir)
-        result["logged_rows"] = logged
-        result["token_bytes"] = dir_bytes(tokens_dir) if tokens_dir.exists() else 0
-        result["run_bytes"] = dir_bytes(out / "scale")
+        waits = [a + b for a, b in zip(log_calls, commits, strict=True)]
+        result.update({
+            "logger_cpu_s_per_step": {name: s / steps for name, s in roles.items()},
+            "log_step_s": log_calls, "commit_step_s": commits, "writer_wall_s": drains, "wait_s": waits,
+            "wait_median_s": statistics.median(waits), "wait_max_s": max(waits),
+            "writer_wall_median_s": statistics.median(drains),
+            "logged_rows": logged, "token_bytes": dir_bytes(tokens_dir) if tokens_dir.exists() else 0,
+            "run_bytes": dir_bytes(out / "scale")})
         result["bytes_per_logged_row"] = result["token_bytes"] / max(logged, 1)
         result["run_bytes_per_step"] = result["run_bytes"] / steps
-        result["wait_s"] = waits
-        result["log_step_s"] = log_calls
-        result["commit_step_s"] = commits
-        result["wait_median_s"] = statistics.median(waits)
-        result["wait_max_s"] = max(waits)
-    result["build_s"] = builds
-    result["build_median_s"] = statistics.median(builds)
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
 
@@ -156,23 +148,24 @@ def main() -> None:
             sys.exit(f"case {case} failed:\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"  {case}: done", file=sys.stderr)
-    base = next((r for r in results if r["case"] == "baseline"), None)
     n = results[0]["tokens_per_step"]
     print(f"{n:,} tokens a step ({args.responses} x {args.length}), {args.steps} steps a case, fresh processes; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'case':<10} {'build s':>8} {'wait s (med/max)':>17} {'% of build':>10} {'caller CPU':>10} "
-          f"{'writer CPU':>10} {'encoders':>9} {'drain s':>8} {'B/row':>7} {'MB/step':>8} {'RSS GiB':>8} {'added':>6}")
+    print(f"{'case':<12} {'build s':>8} {'wait s med/max':>15} {'% build':>8} {'writer s':>9} {'caller':>7} "
+          f"{'writer':>7} {'encoders':>9} {'B/row':>7} {'MB/step':>8} {'RSS GiB':>8} {'added':>6}")
+    bases = {r["k"]: r for r in results if r["token_fraction"] is None}
     for r in results:
-        if r["case"] == "baseline":
-            print(f"{'baseline':<10} {r['build_median_s']:8.2f} {'':>17} {'':>10} {'':>10} {'':>10} {'':>9} {'':>8} "
-                  f"{'':>7} {'':>8} {r['peak_rss_gib']:8.2f}")
+        if r["token_fraction"] is None:
+            print(f"{r['case']:<12} {r['build_s']:8.2f} {'':>15} {'':>8} {'':>9} {'':>7} {'':>7} {'':>9} {'':>7} "
+                  f"{'':>8} {r['peak_rss_gib']:8.2f}")
             continue
         cpu = r["logger_cpu_s_per_step"]
-        share = r["wait_median_s"] / r["build_median_s"]
+        base = bases.get(r["k"])
         added = "" if base is None else f"{r['peak_rss_gib'] - base['peak_rss_gib']:+6.2f}"
-        print(f"{r['case']:<10} {r['build_median_s']:8.2f} {r['wait_median_s']:8.3f}/{r['wait_max_s']:<8.3f} "
-              f"{share:10.1%} {cpu['caller']:10.2f} {cpu['writer thread']:10.2f} {cpu['encoders']:9.2f} "
-              f"{r['close_drain_s']:8.2f} {r['bytes_per_logged_row']:7.1f} {r['run_bytes_per_step'] / 1e6:8.1f} "
+        share = "" if base is None else f"{r['wait_median_s'] / base['build_s']:8.1%}"
+        print(f"{r['case']:<12} {r['build_s']:8.2f} {r['wait_median_s']:7.3f}/{r['wait_max_s']:<7.3f} {share:>8} "
+              f"{r['writer_wall_median_s']:9.2f} {cpu['caller']:7.2f} {cpu['writer thread']:7.2f} "
+              f"{cpu['encoders']:9.2f} {r['bytes_per_logged_row']:7.1f} {r['run_bytes_per_step'] / 1e6:8.1f} "
               f"{r['peak_rss_gib']:8.2f} {added}")
     if args.json:
         args.json.write_text(json.dumps({"responses": args.responses, "length": args.length, "steps": args.steps,
