@@ -17,7 +17,8 @@ their vocabulary: ``toy-v2`` (V = 78) and ``toy-v2-152k`` (``toy-v2`` widened to
 The setting is the demo's (``trustscope.demo.DEMO_SETTING``: 8 prompts x 8 responses of at most 32 tokens, bf16
 rollouts, lag 1, four mini-batches, one torch thread) for ``--steps`` steps, evaluation off. Reported per run: the
 process's wall from start to exit (engine start-up, model load, the steps, the logger's close) and its peak RSS
-(``ru_maxrss``; the engine runs in this process); the median step wall from step to step and its parts from the
+(``ru_maxrss``; the engine runs in this process) and CPU time (all its threads, the engine's included); the
+median step wall and step CPU time from step to step, and the wall's parts from the
 trainer's own clocks (rollout, update, weight sync; "other" is the rest: the logger call and the step scalars).
 Then the split: what V = 151,936 adds with the hooks off (the model's part) and what the hooks add at each V
 (trustscope's part), as ratios and seconds. Timings on a shared machine are noisy: compare ratios within one command.
@@ -66,10 +67,12 @@ def child(world: str, hooks: str, steps: int, topk: int, logdir: Path) -> dict:
     from trustscope.train.loop import train
 
     stamps: list[float] = []
+    cpu: list[float] = []
     parts: list[dict[str, float]] = []
 
     def on_step(step: int, scalars: dict[str, float]) -> None:
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         parts.append({k[5:-2]: float(v) for k, v in scalars.items() if k.startswith("time/") and k.endswith("_s")})
 
     cfg = config(world, hooks, steps, topk, logdir)
@@ -80,8 +83,9 @@ def child(world: str, hooks: str, steps: int, topk: int, logdir: Path) -> dict:
     later = parts[1:]  # the steps that have a step-to-step wall
     med = {name: statistics.median(p[name] for p in later) for name in ("rollout", "train", "sync", "step")}
     step_wall = statistics.median(walls)
+    step_cpu = statistics.median(b - a for a, b in itertools.pairwise(cpu))
     return {"world": world, "hooks": hooks, "model": WORLDS[world], "topk": cfg.topk, "log_tokens": cfg.log_tokens,
-            "process_s": end - start, "imports_s": t0 - start, "until_first_step_s": stamps[0] - t0,
+            "process_s": end - start, "process_cpu_s": time.process_time(), "step_cpu_s": step_cpu, "imports_s": t0 - start, "until_first_step_s": stamps[0] - t0,
             "after_last_step_s": end - stamps[-1], "step_walls_s": walls, "step_wall_s": step_wall,
             "parts_s": {**med, "other": step_wall - med["step"]},
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -128,11 +132,12 @@ def main() -> None:
             print(f"  V={world} {hooks}: {wall:.0f} s", file=sys.stderr)
     print(f"{args.steps} steps of the demo's setting, K = {args.topk}, fresh processes; load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'V':>7} {'hooks':<5} {'process s':>9} {'step s':>7} {'rollout':>8} {'update':>7} {'sync':>6} "
+    print(f"{'V':>7} {'hooks':<5} {'process s':>9} {'CPU s':>7} {'step s':>7} {'step CPU':>8} {'rollout':>8} {'update':>7} {'sync':>6} "
           f"{'other':>6} {'RSS GiB':>8} {'log MB':>7}")
     for r in results:
         q = r["parts_s"]
-        print(f"{int(r['world']):>7,} {r['hooks']:<5} {r['process_wall_s']:9.1f} {r['step_wall_s']:7.2f} "
+        print(f"{int(r['world']):>7,} {r['hooks']:<5} {r['process_wall_s']:9.1f} {r['process_cpu_s']:7.1f} "
+              f"{r['step_wall_s']:7.2f} {r['step_cpu_s']:8.2f} "
               f"{q['rollout']:8.2f} {q['train']:7.2f} {q['sync']:6.2f} {q['other']:6.2f} {r['peak_rss_gib']:8.2f} "
               f"{r['run_bytes'] / 1e6:7.1f}")
     by = {(r["world"], r["hooks"]): r for r in results}
@@ -142,7 +147,8 @@ def main() -> None:
             x, y = by[a], by[b]
             print(f"{what:<44} process x{y['process_wall_s'] / x['process_wall_s']:.2f} "
                   f"({y['process_wall_s'] - x['process_wall_s']:+.1f} s), step x{y['step_wall_s'] / x['step_wall_s']:.2f} "
-                  f"({y['step_wall_s'] - x['step_wall_s']:+.2f} s), RSS {y['peak_rss_gib'] - x['peak_rss_gib']:+.2f} GiB")
+                  f"({y['step_wall_s'] - x['step_wall_s']:+.2f} s), step CPU x{y['step_cpu_s'] / x['step_cpu_s']:.2f} "
+                  f"({y['step_cpu_s'] - x['step_cpu_s']:+.2f} s), RSS {y['peak_rss_gib'] - x['peak_rss_gib']:+.2f} GiB")
 
     split(("78", "on"), ("151936", "on"), "V = 151,936 against 78, hooks on")
     split(("78", "off"), ("151936", "off"), "the model's part: V, hooks off")
