@@ -16,10 +16,10 @@ their vocabulary: ``toy-v2`` (V = 78) and ``toy-v2-152k`` (``toy-v2`` widened to
 
 The setting is the demo's (``trustscope.demo.DEMO_SETTING``: 8 prompts x 8 responses of at most 32 tokens, bf16
 rollouts, lag 1, four mini-batches, one torch thread) for ``--steps`` steps, evaluation off. Reported per run: the
-process's wall from start to exit (engine start-up, model load, the steps, the logger's close) and its peak RSS
-(``ru_maxrss``; the engine runs in this process) and CPU time (all its threads, the engine's included); the
-median step wall and step CPU time from step to step, and the wall's parts from the
-trainer's own clocks (rollout, update, weight sync; "other" is the rest: the logger call and the step scalars).
+process's wall from start to exit (engine start-up, model load, the steps, the logger's close), its peak RSS
+(``ru_maxrss``; the engine runs in this process; on a GPU also ``max_memory_allocated``) and its CPU time (all its
+threads, the engine's included); the median step wall and step CPU time from step to step, and the wall's parts
+from the trainer's own clocks (rollout, update, weight sync; "other" is the rest: the logger call and the step scalars).
 Then the split: what V = 151,936 adds with the hooks off (the model's part) and what the hooks add at each V
 (trustscope's part), as ratios and seconds. Timings on a shared machine are noisy: compare ratios within one command.
 """
@@ -64,6 +64,8 @@ def config(world: str, hooks: str, steps: int, topk: int, logdir: Path):
 
 def child(world: str, hooks: str, steps: int, topk: int, logdir: Path) -> dict:
     start = time.perf_counter()
+    import torch
+
     from trustscope.train.loop import train
 
     stamps: list[float] = []
@@ -89,6 +91,7 @@ def child(world: str, hooks: str, steps: int, topk: int, logdir: Path) -> dict:
             "after_last_step_s": end - stamps[-1], "step_walls_s": walls, "step_wall_s": step_wall,
             "parts_s": {**med, "other": step_wall - med["step"]},
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "run_bytes": sum(f.stat().st_size for f in (logdir / cfg.run_id).rglob("*") if f.is_file())
             if (logdir / cfg.run_id).exists() else 0}
 
