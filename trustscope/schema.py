@@ -409,13 +409,19 @@ def read_commits(manifests: Iterable[bytes]) -> Commits:
             records.append((rank, record["flushes"][0], record["flushes"][1], files))
         if found:
             ranges[rank] = tuple(sorted(found))
-        for entry in manifest.get("publishing") or ():
-            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str):
-                name = parse_data_file(entry[1].rpartition("/")[2])
-                if name is not None and name.flush is not None:
-                    landing.setdefault((rank, name.flush), set()).add(entry[1])
+        for final in publishing_files(manifest):
+            name = parse_data_file(final.rpartition("/")[2])
+            if name is not None and name.flush is not None:
+                landing.setdefault((rank, name.flush), set()).add(final)
     return Commits(marks, ranges, frozenset(listed), tuple(records),
                    {k: frozenset(v) for k, v in landing.items()})
+
+
+def publishing_files(manifest: dict) -> list[str]:
+    """The final names (relative to the run) of the files of a committed flush still being renamed into place,
+    from a parsed rank manifest's ``publishing`` entries (``[temporary, final, rows]``; malformed ones ignored)."""
+    return [entry[1] for entry in manifest.get("publishing") or ()
+            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)]
 
 
 def compaction_records(manifest: dict) -> list[dict]:

@@ -235,6 +235,45 @@ class Engine(ABC):
                 seed: int) -> Rollout:
         """The engine's own sampling, on checked arguments and a resolved seed."""
 
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """The token ids of each prompt as the engine's tokenizer writes them (what ``generate`` would sample after)."""
+        return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+
+    def extend(
+        self,
+        prompt_ids: list[list[int]],
+        max_tokens: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        topk: int = 20,
+        seed: int | None = None,
+    ) -> Rollout:
+        """Continue each token-id sequence ``prompt_ids[i]`` by at most ``max_tokens[i]`` new tokens (one sample each).
+
+        A partial rollout's next chunk: the sequence so far (prompt then the response's sampled ids) goes in as ids,
+        never re-tokenized text, and the new tokens come back with mu's logprobs and top-K under the weights the
+        engine holds now. ``finish_reasons[i]`` is ``"stop"`` when the chunk ended on EOS, else ``"length"``.
+        """
+        if not prompt_ids or len(max_tokens) != len(prompt_ids):
+            raise ValueError(f"extend: {len(prompt_ids)} sequences and {len(max_tokens)} max_tokens; give one "
+                             f"max_tokens per sequence, at least one sequence")
+        for i, (ids, m) in enumerate(zip(prompt_ids, max_tokens, strict=True)):
+            if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"extend: sequence {i} must be a non-empty list of token ids in [0, {self.vocab_size})")
+            if not isinstance(m, int) or m < 1:
+                raise ValueError(f"extend: max_tokens[{i}] must be an integer >= 1, got {m!r}")
+        check_sampling_args(["ids"], 1, 1, temperature, top_p, topk, self.vocab_size)
+        warn_if_biased(temperature, top_p)
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
+        return self._extend([list(ids) for ids in prompt_ids], list(max_tokens), temperature, top_p, topk,
+                            self.next_seed(seed))
+
+    def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+                topk: int, seed: int) -> Rollout:
+        """The engine's own continuation of token-id sequences (see :meth:`extend`)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot continue token-id sequences (partial rollouts); "
+                                  f"use engine vllm or hf")
+
     @abstractmethod
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load the weights of ``model`` (a Hugging Face causal LM of the same architecture) into the engine."""

@@ -122,6 +122,52 @@ class HFEngine(Engine):
         )
 
     @torch.no_grad()
+    def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+                topk: int, seed: int) -> Rollout:
+        """Continue token-id sequences with ``model.generate`` (left-padded ids, no text); see :meth:`Engine.extend`.
+        Every row samples ``max(max_tokens)`` steps; row i keeps its first ``max_tokens[i]`` (up to its EOS)."""
+        b, p = len(prompt_ids), max(len(ids) for ids in prompt_ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((b, p), pad, dtype=torch.long)  # (B, P) left-padded
+        attention = torch.zeros((b, p), dtype=torch.long)  # (B, P)
+        for i, ids in enumerate(prompt_ids):
+            input_ids[i, p - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention[i, p - len(ids):] = 1
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self._threads(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), do_sample=True,
+                temperature=float(temperature), top_p=float(top_p), top_k=0, max_new_tokens=max(max_tokens),
+                output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=self.eos_ids,
+            )
+        gen = out.sequences[:, p:]  # (B, T)
+        scores = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1)  # (B, T, V) sampled distribution
+        sampled_lp = scores.gather(-1, gen[..., None])[..., 0]  # (B, T)
+        lps, ids = scores.topk(topk, dim=-1)  # (B, T, K)
+        ids, lps = finalize_topk(ids, lps, gen, sampled_lp)
+        is_eos = torch.isin(gen, torch.tensor(self.eos_ids, device=gen.device)).cpu()  # (B, T)
+        gen, sampled_lp, ids, lps = gen.cpu(), sampled_lp.cpu(), ids.cpu(), lps.cpu()
+        response_ids, finish, mu, tk_ids, tk_lps = [], [], [], [], []
+        for i in range(b):
+            t = min(max_tokens[i], gen.shape[1])
+            stops = is_eos[i, :t].nonzero()
+            stopped = len(stops) > 0
+            t = int(stops[0]) + 1 if stopped else t
+            response_ids.append(gen[i, :t].tolist())
+            finish.append("stop" if stopped else "length")
+            mu.append(sampled_lp[i, :t].tolist())
+            tk_ids.append(ids[i, :t].tolist())
+            tk_lps.append(lps[i, :t].tolist())
+        return Rollout(
+            prompts=self.tokenizer.batch_decode(prompt_ids), n=1, topk=topk, prompt_index=list(range(b)),
+            prompt_ids=prompt_ids, response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids,
+            mu_topk_logprobs=tk_lps, finish_reasons=finish,
+            texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+            sampling=self.sampling_info() | {"seed": seed},
+        )
+
+    @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights into the engine's copy (cast to the engine's dtype)."""
         self.model.load_state_dict(model.state_dict())

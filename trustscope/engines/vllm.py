@@ -235,6 +235,60 @@ class VLLMEngine(Engine):
             sampling=self.sampling_info() | {"seed": seed},
         )
 
+    def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
+                topk: int, seed: int) -> Rollout:
+        """Continue token-id sequences with vLLM (``TokensPrompt``: no text, no re-tokenization); see
+        :meth:`Engine.extend`. The prefix is prefilled with the weights the engine holds now (the cache is reset at
+        every sync), so a chunk's tokens are sampled wholly under one version."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if topk > self.max_logprobs:
+            raise ValueError(f"topk={topk} exceeds max_logprobs={self.max_logprobs}; start the engine with more")
+        params = [SamplingParams(n=1, max_tokens=m, temperature=temperature, top_p=top_p, top_k=0, seed=s,
+                                 logprobs=topk, detokenize=False, flat_logprobs=True)
+                  for m, s in zip(max_tokens, request_seeds(seed, len(prompt_ids)), strict=True)]
+        outputs = []
+        with _rng_preserved(), _torch_threads(self.num_threads):
+            for lo, hi in self._whole_prefills(prompt_ids):
+                outputs += self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids[lo:hi]],
+                                             params[lo:hi], use_tqdm=False)
+        response_ids, finish, mu, tk_ids, tk_lps = [], [], [], [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            entry_ids = torch.tensor(c.logprobs.token_ids, dtype=torch.long).view(len(ids), topk + 1)  # (T, 1 + K)
+            entry_lps = torch.tensor(c.logprobs.logprobs, dtype=torch.float32).view(len(ids), topk + 1)  # (T, 1 + K)
+            if not torch.equal(entry_ids[:, 0], torch.tensor(ids, dtype=torch.long)):
+                raise RuntimeError("vLLM logprobs do not start with the sampled token; unexpected vLLM layout")
+            ids_k, lps_k = finalize_topk(entry_ids[:, 1:], entry_lps[:, 1:], entry_ids[:, 0], entry_lps[:, 0])
+            response_ids.append(ids)
+            finish.append("stop" if c.finish_reason == "stop" else "length")
+            mu.append(entry_lps[:, 0].tolist())
+            tk_ids.append(ids_k.tolist())
+            tk_lps.append(lps_k.tolist())
+        b = len(prompt_ids)
+        return Rollout(
+            prompts=self.tokenizer.batch_decode(prompt_ids), n=1, topk=topk, prompt_index=list(range(b)),
+            prompt_ids=prompt_ids, response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids,
+            mu_topk_logprobs=tk_lps, finish_reasons=finish,
+            texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
+            sampling=self.sampling_info() | {"seed": seed},
+        )
+
+    def _whole_prefills(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+        """Consecutive ranges of sequences whose prefills fit one scheduler step together (``max_num_batched_tokens``,
+        ``max_num_seqs``). A prefill split over steps discards a sampled token, and vLLM's CPU runner then fails on a
+        seeded request ("CPU Generator does not use offset"), so long continuations go in several calls."""
+        sc = self.llm.llm_engine.vllm_config.scheduler_config
+        ranges, lo, tokens = [], 0, 0
+        for i, ids in enumerate(prompt_ids):
+            if i > lo and (tokens + len(ids) > sc.max_num_batched_tokens or i - lo >= sc.max_num_seqs):
+                ranges.append((lo, i))
+                lo, tokens = i, 0
+            tokens += len(ids)
+        return [*ranges, (lo, len(prompt_ids))]
+
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s weights into vLLM (see the module docstring), then reset the prefix cache."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))

@@ -747,6 +747,7 @@ class VerlLogging:
         """Wait (up to :attr:`actor_wait_s`) until every actor rank of the run has committed ``step``; False
         (with a warning) if one has not. Local or shared log directories only (object storage: no wait)."""
         from trustscope.logger.runfiles import effective_status, read_json
+        from trustscope.schema import publishing_files
 
         run_dir = self.logger.run_dir
         if not isinstance(run_dir, os.PathLike):
@@ -762,8 +763,7 @@ class VerlLogging:
                     lagging.append(path.stem)
                     continue
                 last = manifest.get("last_step")
-                landing = [e[1] for e in manifest.get("publishing") or () if isinstance(e, list) and len(e) == 3
-                           and isinstance(e[1], str) and not (run_dir / e[1]).exists()]
+                landing = [f for f in publishing_files(manifest) if not (run_dir / f).exists()]
                 if effective_status(manifest) == "running" and (last is None or last < step or landing):
                     # ranks an earlier session left (closed or dead) are not waited on; a commit whose files are
                     # still being renamed into place is not readable yet

@@ -6,7 +6,8 @@ config is written into the run manifest (``run.json``) at start, via :meth:`Trai
 
 The defaults are the toy world's: a tiny model on a laptop CPU, DPPO with binary TV, the paper's loss
 aggregation (Dr. GRPO) and advantages not divided by the group std. The mismatch knobs are ``engine_dtype``
-(bf16 rollouts against an fp32 trainer), ``policy_lag`` / ``sync_every`` (stale rollouts) and ``recompute_old``.
+(bf16 rollouts against an fp32 trainer), ``policy_lag`` / ``sync_every`` (stale rollouts), ``recompute_old``, and
+``async_chunk_tokens`` / ``async_batches`` / ``max_staleness`` (asynchronous partial rollouts).
 """
 
 from __future__ import annotations
@@ -82,6 +83,19 @@ class TrainConfig:
     s - policy_lag. 0 is synchronous."""
     sync_every: int = 1
     """Push the trainer's weights into the engine every this many steps (1: after every step)."""
+    async_chunk_tokens: int = 0
+    """Asynchronous partial rollouts: 0 off. k > 0: the engine generates at most k new tokens of every response in
+    flight per call, and between two calls the trainer takes a step (and syncs the engine) once a step's worth of
+    groups has finished, so responses in flight continue from their sampled token ids under the new weights; each
+    token's ``policy_version`` is the version that sampled it (docs/train.md)."""
+    async_batches: int = 2
+    """With ``async_chunk_tokens``: how many steps' worth of groups may be started and not yet trained (in flight,
+    or finished and waiting). 1 samples one step ahead of nothing (on-policy but for the last chunk); more lets
+    sampling run further ahead of training, so staleness grows."""
+    max_staleness: int = -1
+    """With ``async_chunk_tokens``: a group holding a token sampled more than this many weight versions before the
+    step that would train it is dropped, never trained on, and a new group takes its place (counted in
+    ``async/dropped_groups``). -1: no bound. Recorded in the run manifest for ``trustscope doctor``."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the engine class, e.g. ``{"gpu_memory_utilization": 0.3}`` for vLLM on a GPU."""
 
@@ -213,6 +227,7 @@ def _validate(c: TrainConfig) -> None:
     for name in ("threads", "policy_lag", "warmup_steps", "eval_every", "eval_problems", "save_every",
                  "weight_decay", "grad_clip"):
         at_least(name, 0)
+    _validate_async(c)
     if not c.model:
         raise _fail("model", c.model, "set model to 'toy' or a Hugging Face model directory")
     try:
@@ -268,6 +283,38 @@ def _validate(c: TrainConfig) -> None:
     if "old_logprob" in rule.needs and not c.recompute_old:
         raise _fail("recompute_old", c.recompute_old,
                     f"loss {c.loss!r} is anchored on pi_old: set recompute_old=true")
+
+
+def _validate_async(c: TrainConfig) -> None:
+    """The asynchronous partial rollouts' settings (``async_chunk_tokens``, ``async_batches``, ``max_staleness``)."""
+    if c.async_chunk_tokens < 0:
+        raise _fail("async_chunk_tokens", c.async_chunk_tokens, "set async_chunk_tokens to 0 (off) or a number of "
+                    "new tokens per engine call >= 1")
+    if c.async_batches < 1:
+        raise _fail("async_batches", c.async_batches, "set async_batches >= 1 (steps' worth of groups in flight)")
+    if c.max_staleness < -1:
+        raise _fail("max_staleness", c.max_staleness, "set max_staleness to -1 (no bound) or a number of weight "
+                    "versions >= 0")
+    if not c.async_chunk_tokens:
+        if c.max_staleness >= 0:
+            raise _fail("max_staleness", c.max_staleness, "max_staleness bounds asynchronous partial rollouts: set "
+                        "async_chunk_tokens > 0 too (policy_lag's staleness is policy_lag + sync_every - 1 already)")
+        return
+    if c.policy_lag:
+        raise _fail("policy_lag", c.policy_lag, "asynchronous partial rollouts (async_chunk_tokens > 0) set their own "
+                    "staleness: set policy_lag=0, and async_batches / max_staleness for how stale rollouts may be")
+    if 0 <= c.max_staleness < c.sync_every - 1:
+        raise _fail("max_staleness", c.max_staleness, f"the engine lags the trainer by up to sync_every - 1 = "
+                    f"{c.sync_every - 1} versions, so every group would be dropped: set max_staleness >= "
+                    f"{c.sync_every - 1} or sync_every <= {c.max_staleness + 1}")
+
+
+def staleness_bound(c: TrainConfig) -> int | None:
+    """The most weight versions any trained token can lag its step: ``max_staleness`` for asynchronous partial
+    rollouts (None when unbounded), ``policy_lag + sync_every - 1`` otherwise (what the run manifest declares)."""
+    if c.async_chunk_tokens:
+        return None if c.max_staleness < 0 else c.max_staleness
+    return c.policy_lag + c.sync_every - 1
 
 
 def check_world(c: TrainConfig, world: int) -> None:

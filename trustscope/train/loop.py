@@ -27,7 +27,9 @@ the same ``prompts_per_step`` to float tolerance (see :func:`update_policy` and 
 
 Mismatch knobs: ``engine_dtype`` (bf16 rollouts against an fp32 trainer), ``policy_lag`` (step s trains on
 rollouts sampled with the weights of step s - lag, as in asynchronous RL), ``sync_every`` (the engine's weights
-are refreshed only every k steps) and ``recompute_old``.
+are refreshed only every k steps), ``recompute_old``, and asynchronous partial rollouts (``async_chunk_tokens``,
+``async_batches``, ``max_staleness``: responses continued across weight updates, :class:`PartialRollouts`). Every
+token is logged with the ``policy_version`` that sampled it.
 
 Where it departs from the paper's recipe (verl, DAPO data, 16 responses per prompt, lr 1e-6):
 - Scale: a tiny model and one-digit addition by default, so the defaults (lr 2e-4, 8 responses per prompt, 8
@@ -73,7 +75,7 @@ from trustscope.engines import DTYPES, Rollout, make_engine
 from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.trackers import RunReporting, parse_report_to
-from trustscope.train.config import TrainConfig, check_world
+from trustscope.train.config import TrainConfig, check_world, staleness_bound
 from trustscope.train.tasks import Problem, Task, get_task
 
 CHECKPOINTS = "checkpoints"
@@ -88,6 +90,8 @@ class StepRollouts:
     rollout: Rollout  # B = len(problems) * group_size samples, grouped by problem
     rewards: torch.Tensor  # (B,) float32
     first_group: int = 0  # the step-wide index of problems[0]: its samples start at first_group * group_size
+    versions: list[list[int]] | None = None  # per sample, per token: the weight version that sampled it
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler's own scalars (async/*)
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -146,6 +150,159 @@ def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int,
             pending.append(sample_batch(engine, task, cfg, step + len(pending), now=step))
         yield pending.popleft()
         step += 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# asynchronous partial rollouts
+
+
+@dataclass
+class Partial:
+    """One response being generated across engine calls: its ids so far, mu's logprob and top-K at each, and the
+    weight version that sampled each token. ``finish`` is None while in flight."""
+
+    prompt_ids: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mu: list[float] = dataclasses.field(default_factory=list)
+    topk_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    topk_lps: list[list[float]] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class AsyncState:
+    """The sampler's state between steps (and in a checkpoint): the groups started and not yet trained, in the
+    order they started, the weight version the engine holds, and counters."""
+
+    groups: list[tuple[int, Problem, list[Partial]]] = dataclasses.field(default_factory=list)  # (index, ., G)
+    version: int = 0  # the trainer step whose weights the engine holds
+    started: int = 0  # groups started so far (the next group's index)
+    calls: int = 0  # engine calls so far
+    dropped_groups: int = 0  # over the run
+    dropped_tokens: int = 0  # tokens sampled for dropped groups, over the run
+
+
+class PartialRollouts:
+    """Asynchronous partial rollouts, interleaved in one process (``async_chunk_tokens > 0``).
+
+    The engine keeps ``async_batches * prompts_per_step`` groups started and not yet trained. One engine call
+    extends every response in flight by at most ``async_chunk_tokens`` tokens, continuing from its sampled ids
+    (:meth:`Engine.extend`), each new token tagged with the version the engine holds. Between two calls the trainer
+    takes at most one step: once ``prompts_per_step`` groups have finished, the oldest of them are the step's batch;
+    the trainer updates and syncs the engine (``version``), and the responses still in flight continue under the new
+    weights, so one response spans versions. With ``max_staleness = k >= 0``, a group holding a token sampled more
+    than k versions before the step that would train it is dropped at once (it could never be trained) and a new
+    group takes its place: dropped, not regenerated from the same prompt.
+
+    What is interleaved rather than concurrent: sampling and training alternate in one process, the trainer's step
+    taking the time of one engine call; a real asynchronous trainer runs them at once and the number of versions a
+    response spans depends on their relative speeds.
+    """
+
+    def __init__(self, engine: Any, task: Task, cfg: TrainConfig, state: AsyncState | None = None) -> None:
+        self.engine, self.task, self.cfg = engine, task, cfg
+        self.state = state or AsyncState()
+
+    def _start_groups(self) -> None:
+        """Start new groups until ``async_batches`` steps' worth are started and not yet trained."""
+        st, cfg = self.state, self.cfg
+        while len(st.groups) < cfg.async_batches * cfg.prompts_per_step:
+            problem = self.task.sample(random.Random(step_seed(cfg.seed, st.started, 101)), 1, "train")[0]
+            prompt_ids = self.engine.encode([problem.prompt])[0]
+            st.groups.append((st.started, problem, [Partial(list(prompt_ids)) for _ in range(cfg.group_size)]))
+            st.started += 1
+
+    def _call(self) -> None:
+        """One engine call: every response in flight gains at most ``async_chunk_tokens`` tokens."""
+        st, cfg = self.state, self.cfg
+        live = [r for _, _, rs in st.groups for r in rs if r.finish is None]
+        st.calls += 1
+        if not live:
+            return
+        budgets = [min(cfg.async_chunk_tokens, cfg.max_tokens - len(r.ids)) for r in live]
+        out = self.engine.extend([r.prompt_ids + r.ids for r in live], budgets, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, topk=cfg.topk, seed=step_seed(cfg.seed, st.calls, 102))
+        for i, r in enumerate(live):
+            r.ids += out.response_ids[i]
+            r.mu += out.mu_logprobs[i]
+            r.topk_ids += out.mu_topk_ids[i]
+            r.topk_lps += out.mu_topk_logprobs[i]
+            r.versions += [st.version] * len(out.response_ids[i])
+            if out.finish_reasons[i] == "stop":
+                r.finish = "stop"
+            elif len(r.ids) >= cfg.max_tokens:
+                r.finish = "length"
+
+    def _drop_stale(self, step: int) -> int:
+        """Drop the groups that step ``step`` or any later one could not train under ``max_staleness``."""
+        st, k = self.state, self.cfg.max_staleness
+        if k < 0:
+            return 0
+        keep = []
+        for group in st.groups:
+            oldest = min((min(r.versions) for r in group[2] if r.versions), default=step)
+            if step - oldest > k:
+                st.dropped_groups += 1
+                st.dropped_tokens += sum(len(r.ids) for r in group[2])
+            else:
+                keep.append(group)
+        dropped = len(st.groups) - len(keep)
+        st.groups = keep
+        return dropped
+
+    def batch(self, step: int) -> StepRollouts:
+        """The batch of step ``step``: engine calls (at least one since the last batch) until ``prompts_per_step``
+        groups have finished; the oldest finished ones, in the order they started."""
+        cfg, st = self.cfg, self.state
+        calls0, dropped = st.calls, 0
+        while True:
+            dropped += self._drop_stale(step)
+            done = [g for g in st.groups if all(r.finish is not None for r in g[2])]
+            if st.calls > calls0 and len(done) >= cfg.prompts_per_step:
+                break
+            self._start_groups()
+            self._call()
+        chosen = done[: cfg.prompts_per_step]
+        taken = {g[0] for g in chosen}
+        st.groups = [g for g in st.groups if g[0] not in taken]
+        return self._assemble(step, chosen, dropped, st.calls - calls0)
+
+    def _assemble(self, step: int, chosen: list[tuple[int, Problem, list[Partial]]], dropped: int,
+                  calls: int) -> StepRollouts:
+        """A :class:`StepRollouts` of the chosen groups, with their per-token versions and the sampler's scalars."""
+        cfg = self.cfg
+        problems = [p for _, p, _ in chosen]
+        rs = [r for _, _, group in chosen for r in group]
+        texts = self.engine.tokenizer.batch_decode([r.ids for r in rs], skip_special_tokens=True)
+        rollout = Rollout(
+            prompts=[p.prompt for p in problems], n=cfg.group_size, topk=cfg.topk,
+            prompt_index=[i for i in range(len(problems)) for _ in range(cfg.group_size)],
+            prompt_ids=[r.prompt_ids for r in rs], response_ids=[r.ids for r in rs], mu_logprobs=[r.mu for r in rs],
+            mu_topk_ids=[r.topk_ids for r in rs], mu_topk_logprobs=[r.topk_lps for r in rs],
+            finish_reasons=[r.finish or "length" for r in rs], texts=texts, sampling=self.engine.sampling_info())
+        per_sample = [problems[i] for i in rollout.prompt_index]
+        rewards = torch.tensor(self.task.score(per_sample, texts, rollout.finish_reasons), dtype=torch.float32)
+        versions = [v for r in rs for v in r.versions]
+        stale = [step - v for v in versions]
+        stats = {
+            "async/staleness_mean": float(np.mean(stale)) if stale else 0.0,
+            "async/staleness_max": float(max(stale, default=0)),
+            "async/spanning_frac": float(np.mean([len(set(r.versions)) > 1 for r in rs])),
+            "async/engine_calls": float(calls),
+            "async/dropped_groups": float(dropped),
+            "async/dropped_groups_total": float(self.state.dropped_groups),
+            "async/dropped_tokens_total": float(self.state.dropped_tokens),
+            "async/in_flight_groups": float(len(self.state.groups)),
+        }
+        return StepRollouts(min(versions, default=self.state.version), problems, rollout, rewards,
+                            versions=[list(r.versions) for r in rs], stats=stats)
+
+    def stream(self, step: int) -> Iterator[StepRollouts]:
+        """Yield the batch of each step from ``step`` on (the trainer sets ``state.version`` when it syncs)."""
+        while True:
+            yield self.batch(step)
+            step += 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,7 +395,8 @@ def shard_batch(batch: StepRollouts, rank: int, world: int) -> StepRollouts:
                       mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
                       finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling)
     return StepRollouts(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
-                 first_group=batch.first_group + g0)
+                 first_group=batch.first_group + g0,
+                 versions=None if batch.versions is None else batch.versions[s0:s1], stats=batch.stats)
 
 
 def aggregate_weight(mode: str, mask: torch.Tensor, max_len: int) -> float:
@@ -310,7 +468,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfi
 
 
 def save_checkpoint(cfg: TrainConfig, step: int, model: torch.nn.Module, tokenizer: Any, optimizer: Any,
-                    scheduler: Any, pending: deque[StepRollouts], engine_state: dict[str, torch.Tensor] | None) -> Path:
+                    scheduler: Any, pending: deque[StepRollouts], engine_state: dict[str, torch.Tensor] | None,
+                    async_state: AsyncState | None = None) -> Path:
     """Write ``checkpoints/step_<step>/``: a loadable HF model dir plus the trainer state; keep the newest few."""
     root = cfg.run_dir / CHECKPOINTS
     final = root / f"step_{step:06d}"
@@ -319,7 +478,8 @@ def save_checkpoint(cfg: TrainConfig, step: int, model: torch.nn.Module, tokeniz
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "pending": list(pending), "engine_state": engine_state, "config": cfg.to_dict()}, tmp / "trainer_state.pt")
+                "pending": list(pending), "engine_state": engine_state, "config": cfg.to_dict(),
+                "async_state": async_state}, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(root.glob("step_*"))[: -cfg.keep_checkpoints]:
@@ -421,6 +581,7 @@ class Start:
     pending: deque[StepRollouts]  # rollouts sampled ahead (policy_lag > 0)
     engine_state: dict[str, torch.Tensor] | None  # a lagging engine's weights at the checkpoint
     trainer_state: dict[str, Any] | None  # the optimizer's and the scheduler's state at the checkpoint
+    async_state: AsyncState | None = None  # asynchronous partial rollouts' groups in flight at the checkpoint
 
 
 def restore(cfg: TrainConfig, model_dir: Path | str, main: bool = True) -> Start:
@@ -438,7 +599,8 @@ def restore(cfg: TrainConfig, model_dir: Path | str, main: bool = True) -> Start
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     if main:
         drop_log_after(cfg.run_dir, state["step"])
-    return Start(state["step"] + 1, ckpt, deque(state["pending"]), state["engine_state"], state)
+    return Start(state["step"] + 1, ckpt, deque(state["pending"]), state["engine_state"], state,
+                 state.get("async_state"))
 
 
 def build_policy(cfg: TrainConfig, start: Start, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
@@ -596,6 +758,7 @@ def step_scalars(batch: StepRollouts, totals: dict[str, float], up: Update, step
         **{f"time/{name}_s": seconds for name, seconds in times.items()},
         "throughput/tokens_per_s": n_tokens / times["step"],
         **up.metrics,
+        **batch.stats,
     }
     if "old_mismatch" in totals:
         scalars["mismatch/old_abs_mean"] = totals["old_mismatch"] / max(1, n_tokens)
@@ -612,7 +775,7 @@ def log_step(logger: Any, step: int, batch: StepRollouts, x: StepInputs, up: Upd
         step,
         tokens={"token_id": x.response_ids, "mu_logprob": x.mu_lp, "pi_logprob": up.pi_lp, "advantage": x.adv,
                 "entropy": up.entropy, "mu_topk_ids": x.topk_ids, "mu_topk_logprobs": x.mu_topk_lp,
-                "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept,
+                "pi_topk_logprobs": up.pi_topk_lp, "kept": up.kept, "policy_version": token_versions(batch, x.mask),
                 **({} if x.old_lp is None else {"old_logprob": x.old_lp})},
         mask=x.mask,
         samples={"sample_id": first_sample + np.arange(b),
@@ -622,6 +785,15 @@ def log_step(logger: Any, step: int, batch: StepRollouts, x: StepInputs, up: Upd
                  "finish_reason": batch.rollout.finish_reasons},
         scalars=scalars,
     )
+
+
+def token_versions(batch: StepRollouts, mask: torch.Tensor) -> np.ndarray:
+    """``(B, T)`` int64: the weight version that sampled each token (``batch.versions``, else the batch's one
+    ``weights_step``), ``weights_step`` on padding."""
+    out = np.full(tuple(mask.shape), batch.weights_step, dtype=np.int64)
+    for i, versions in enumerate(batch.versions or []):
+        out[i, : len(versions)] = versions
+    return out
 
 
 def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
@@ -658,13 +830,15 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
     with contextlib.ExitStack() as running:  # closes the logger (finished or crashed), the engine, the group
         if joined:
             running.callback(dist.destroy_process_group)
-        engine = stream = None
+        engine = stream = partial = None
         if ranks.main:  # the one engine: it samples every step's whole batch
             engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
                                                        seed=cfg.seed, **cfg.engine_options))
             if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
                 engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
-            stream = rollout_stream(engine, task, cfg, start.step, start.pending)
+            partial = PartialRollouts(engine, task, cfg, start.async_state) if cfg.async_chunk_tokens else None
+            stream = (partial.stream(start.step) if partial is not None
+                      else rollout_stream(engine, task, cfg, start.step, start.pending))
         logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks))
         reporting = None
         if ranks.main and (cfg.report_to or cfg.webhook):  # closed before the logger (the last step reported)
@@ -689,6 +863,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             if synced and engine is not None:
                 engine.update_weights(model)
                 engine_copy = _snapshot(model) if keep_engine_copy else None
+                if partial is not None:  # responses in flight continue under the new version
+                    partial.state.version = step + 1
             t_sync = time.perf_counter() - t2
             times = {"rollout": t_rollout, "train": t_train, "sync": t_sync, "step": time.perf_counter() - t0}
 
@@ -709,7 +885,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                 logger.flush()  # on every rank: each log file then ends at or before the checkpoint
                 if ranks.main:
                     save_checkpoint(cfg, step, model, tokenizer, optimizer, scheduler, start.pending,
-                                    None if synced else engine_copy)
+                                    None if synced else engine_copy, None if partial is None else partial.state)
             if on_step is not None and ranks.main:
                 on_step(step, scalars)
     return scalars
@@ -749,7 +925,7 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
                                   "vocab_size": len(tokenizer)},
                        vocab=tokenizer, loss_rule=get_loss(cfg.loss).name, rank=ranks.rank, resume=cfg.resume,
                        token_fraction=cfg.log_token_fraction, log_topk=cfg.log_topk,
-                       topk_precision=cfg.log_topk_precision)
+                       topk_precision=cfg.log_topk_precision, max_staleness=staleness_bound(cfg))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -769,7 +945,7 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
     hf_logging.disable_progress_bar()
     console = Console(stderr=True)
     console.print(f"[bold]trustscope train[/bold] run [cyan]{cfg.run_id}[/cyan] -> {cfg.run_dir}  "
-                  f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, lag {cfg.policy_lag})")
+                  f"(loss {cfg.loss}, engine {cfg.engine}/{cfg.engine_dtype}, {rollout_mode(cfg)})")
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                TimeElapsedColumn())
     every = max(1, cfg.steps // 20)  # steps between two progress lines when stderr is not a terminal
@@ -789,6 +965,14 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
         result = train(cfg, on_step=on_step)
     console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")
     return result
+
+
+def rollout_mode(cfg: TrainConfig) -> str:
+    """How the run samples, for the progress line: ``lag k``, or the asynchronous partial rollouts' settings."""
+    if not cfg.async_chunk_tokens:
+        return f"lag {cfg.policy_lag}"
+    bound = "unbounded" if cfg.max_staleness < 0 else f"max staleness {cfg.max_staleness}"
+    return f"async: {cfg.async_chunk_tokens}-token chunks, {cfg.async_batches} batches in flight, {bound}"
 
 
 def print_options() -> None:
