@@ -14,8 +14,9 @@
 # After the sweep (or alone, with --bench) the benchmarks of docs/performance.md ("Top-K at a real vocabulary") run
 # on the GPU at V = 151,936 and write one JSON, runs/gpu-bench/results.json: bench/bench_production_shapes.py
 # (TRL's fused log-prob pass in bf16, Qwen3-8B layer shapes x 2 layers, 4k/8k/16k-token responses, against top-K
-# from hidden states and the old full-logits pass) and bench/bench_engine_logprobs.py (plain vLLM rollout tokens/s
-# with logprobs = none, 0, 1, 5, 20).
+# from hidden states and the old full-logits pass), bench/bench_engine_logprobs.py (plain vLLM rollout tokens/s
+# with logprobs = none, 0, 1, 5, 20) and bench/bench_real_vocab_train.py (the trainer on toy-v2 and toy-v2-152k,
+# V = 78 and 151,936, trustscope's hooks off / top-20 / on, on the GPU with plain vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,6 +54,7 @@ bench() {
         --tokens 4096 8192 16384 --repeats 3 --warmup 1 --json "$out/production_shapes.json"
     "$PY" bench/bench_engine_logprobs.py --dtype bfloat16 --hidden 1024 --layers 2 --prompts 256 \
         --max-tokens 1024 --repeats 3 --json "$out/engine_logprobs.json"
+    "$PY" bench/bench_real_vocab_train.py --steps 5 --topk 20 --json "$out/real_vocab_train.json"
     "$PY" - "$out" <<'JSON'
 import json, platform, sys
 from pathlib import Path
@@ -62,7 +64,8 @@ import torch
 out = Path(sys.argv[1])
 results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": platform.node(),
            "production_shapes": json.loads((out / "production_shapes.json").read_text()),
-           "engine_logprobs": json.loads((out / "engine_logprobs.json").read_text())}
+           "engine_logprobs": json.loads((out / "engine_logprobs.json").read_text()),
+           "real_vocab_train": json.loads((out / "real_vocab_train.json").read_text())}
 (out / "results.json").write_text(json.dumps(results, indent=1))
 print("gpu_sanity.sh: benchmark results in", out / "results.json")
 JSON

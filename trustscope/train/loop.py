@@ -537,7 +537,8 @@ TOY_NAME = re.compile(r"toy([-_.][\w.-]*)?")
 
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
-    :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
+    :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`;
+    ``toy-v2-152k``, :data:`trustscope.train.toy_wide.WIDE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
     copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
     from trustscope.train.config import ConfigError
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
@@ -557,12 +558,16 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
     if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
         return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
     from trustscope.train.toy_tool import TOOL_PRESETS, build_toy_tool_model
+    from trustscope.train.toy_wide import WIDE_PRESETS, build_wide_toy_model
 
     if cfg.model in TOOL_PRESETS:  # toy-tool: the multi-turn toy world
         return build_toy_tool_model(dataclasses.replace(TOOL_PRESETS[cfg.model], task=cfg.task))
+    if cfg.model in WIDE_PRESETS:  # toy-v2-152k: a toy world at a real vocabulary
+        return build_wide_toy_model(dataclasses.replace(WIDE_PRESETS[cfg.model], task=cfg.task))
     if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
         raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
-                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS, *TOOL_PRESETS])}, or to a Hugging Face model directory or hub name")
+                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS, *TOOL_PRESETS, *WIDE_PRESETS])}, or to a "
+                          "Hugging Face model directory or hub name")
     return cfg.model
 
 
