@@ -191,15 +191,11 @@ class ImportedRun:
     """What a format's ``combine`` adds up over the steps (its own record; None for the default)."""
 
 
-def json_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, Any]]:
-    """``(line number, parsed object)`` for each line of a JSONL file; a truncated or unparsable line is an error.
+def raw_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` for each line of a JSONL file; a truncated last line is an error.
 
     ``partial_tail``: a file another process is still appending to; its last line without a newline is not
-    written yet and is left out instead of refused.
-
-    Parsed by orjson (about 9x faster than ``json`` on token-export lines); a line orjson refuses is parsed again
-    by Python's ``json``, which also accepts the bare ``NaN`` / ``Infinity`` that ``json.dumps`` writes by default.
-    """
+    written yet and is left out instead of refused."""
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
@@ -207,11 +203,25 @@ def json_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, An
                     return
                 raise ImportFormatError(f"{path}:{number}: last line has no newline: the file is truncated "
                                         f"(the writer ends every record with one)")
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                obj = _loads_python(raw, f"{path}:{number}")
-            yield number, obj
+            yield number, raw
+
+
+def loads(raw: bytes, where: str) -> Any:
+    """One JSON line parsed; an unparsable line is an error naming ``where``.
+
+    Parsed by orjson (about 9x faster than ``json`` on token-export lines); a line orjson refuses is parsed again
+    by Python's ``json``, which also accepts the bare ``NaN`` / ``Infinity`` that ``json.dumps`` writes by default.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _loads_python(raw, where)
+
+
+def json_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed object)`` for each line of a JSONL file (:func:`raw_lines`, :func:`loads`)."""
+    for number, raw in raw_lines(path, partial_tail):
+        yield number, loads(raw, f"{path}:{number}")
 
 
 def _loads_python(raw: bytes, where: str) -> Any:
@@ -228,6 +238,8 @@ def floats(values: Any, where: str, name: str) -> np.ndarray:
     """A JSON list of numbers (null = unscored) as float32 ``(T,)``, nulls as NaN."""
     if not isinstance(values, list):
         raise ImportFormatError(f"{where}: {name!r} must be a list, got {type(values).__name__}")
+    if values and values[0] is None and values.count(None) == len(values):  # a stream the writer left unset
+        return np.full(len(values), np.nan, dtype=np.float32)
     try:
         return np.array(values, dtype=np.float32)  # None -> NaN
     except (TypeError, ValueError):

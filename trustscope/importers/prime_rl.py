@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from trustscope.importers.base import (
@@ -74,7 +75,9 @@ from trustscope.importers.base import (
     ints,
     json_lines,
     keep_unknown,
+    loads,
     merge_unknown,
+    raw_lines,
     register_importer,
 )
 
@@ -330,13 +333,52 @@ def _rl_channel(losses: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     return mask, adv
 
 
+_READ_LISTS = {"token_ids": list[int], "loss_mask": list[bool | None], "is_masked": list[bool | None],
+               **{name: list[float | None] for name in ("advantages", "inference_logprobs", "trainer_logprobs",
+                                                        "entropy", "rewards", "rl_weights")}}
+"""The per-token lists trustscope reads (``losses`` too), as the fast decoder types them (a record holding
+anything else there is parsed whole, and refused as a whole parse refuses it)."""
+_UNREAD_LISTS = frozenset(TOKEN_LISTS) - set(_READ_LISTS) | {"ce_weights", "ref_kl_weights"}
+"""Per-token lists no column is made of: skipped unparsed by the fast decoder, their lengths not checked."""
+_DECODERS: dict[frozenset[str], Any] = {}
+
+
+def _decoder(keys: frozenset[str]) -> Any:
+    """A decoder of records with exactly the fields ``keys``: the per-token lists trustscope reads typed, the
+    lists it does not read skipped (left as ``msgspec.Raw``), everything else as JSON values. A record with other
+    fields or types fails it. About half the work of parsing every list of a record into Python objects."""
+    if keys not in _DECODERS:
+        fields = [(k, _READ_LISTS.get(k, msgspec.Raw if k in _UNREAD_LISTS else Any)) for k in sorted(keys)]
+        _DECODERS[keys] = msgspec.json.Decoder(msgspec.defstruct("Record", fields, forbid_unknown_fields=True))
+    return _DECODERS[keys]
+
+
+def _records(path: Path) -> Any:
+    """``(line, record)`` of each line of an export file, a record a dict of its fields: by the fast decoder of
+    the key set the line before had (:func:`_decoder`), else parsed whole
+    (:func:`~trustscope.importers.base.loads`), which names the line when it is not JSON."""
+    decoder = None
+    for line, raw in raw_lines(path):
+        if decoder is not None:
+            try:
+                struct = decoder.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            else:
+                yield line, {k: getattr(struct, k) for k in struct.__struct_fields__}
+                continue
+        record = loads(raw, f"{path}:{line}")
+        decoder = _decoder(frozenset(record)) if isinstance(record, dict) else None
+        yield line, record
+
+
 def _sequence(record: dict, layout: str, step: int, rank: int, where: str, run: ImportedRun,
               extra: Collection[str]) -> Sequence | None:
     """One record's sequence (None: nothing the rl loss trains); its fields ``extra`` (unknown to its layout)
     kept on it and noted in ``run`` (:func:`~trustscope.importers.base.keep_unknown`)."""
     n = len(record["token_ids"]) if isinstance(record["token_ids"], list) else -1
     for name in TOKEN_LISTS + _LAYOUT_LISTS[layout]:
-        if name not in record and name not in REQUIRED:  # a field this version does not write: absent
+        if name in _UNREAD_LISTS or (name not in record and name not in REQUIRED):  # not read, or not written
             continue
         value = record[name]
         if not isinstance(value, list) or len(value) != n:
@@ -460,6 +502,21 @@ MIXED_LAYOUTS = "exports of two prime-rl versions are mixed"
 MIXED_TRACES = "trace streams of two verifiers versions are mixed"
 
 
+def _take(record: Any, step: int, rank: int, where: str, run: ImportedRun,
+          layouts: SameThroughout[str]) -> tuple[str, Sequence | None]:
+    """The layout and the sequence of one record of ``step_<step>/rank_<rank>.jsonl``, checked."""
+    layout, extra = _layout(record, where)
+    layouts.check(layout, where)
+    if record["schema_version"] != SCHEMA_VERSION:
+        raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
+                                f"reads {SCHEMA_VERSION}")
+    record_step = record.get("export_step", record["step"])
+    if record_step != step or record["rank"] != rank:
+        raise ImportFormatError(f"{where}: record says step {record_step!r} rank {record['rank']!r}, "
+                                f"the file is step_{step}/rank_{rank}.jsonl")
+    return layout, _sequence(record, layout, step, rank, where, run, extra)
+
+
 @register_importer("prime-rl", reads="token_exports/step_<N>/rank_<R>.jsonl (the trainer's token export), "
                                      "or the run directory holding it", steps=list_steps, combine=combine)
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
@@ -473,20 +530,11 @@ def read(src: Path, *, version: str | None = None, steps: Collection[int] | None
     for step, rank, path in files:
         if path.stat().st_size == 0:
             raise ImportFormatError(f"{path}: empty file (the writer creates it with its first record)")
-        for line, record in json_lines(path):
+        for line, record in _records(path):
             where = f"{path}:{line}"
-            layout, extra = _layout(record, where)
-            layouts.check(layout, where)
+            layout, seq = _take(record, step, rank, where, run, layouts)
             if stats is None:
                 stats = Stats(layout, where, version=version)
-            if record["schema_version"] != SCHEMA_VERSION:
-                raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
-                                        f"reads {SCHEMA_VERSION}")
-            record_step = record.get("export_step", record["step"])
-            if record_step != step or record["rank"] != rank:
-                raise ImportFormatError(f"{where}: record says step {record_step!r} rank {record['rank']!r}, "
-                                        f"the file is step_{step}/rank_{rank}.jsonl")
-            seq = _sequence(record, layout, step, rank, where, run, extra)
             if seq is None:
                 stats.skipped_sft += 1
                 continue
