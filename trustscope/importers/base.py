@@ -1,12 +1,17 @@
 """Shared base of the importers: the registry (:func:`register_importer`, the :class:`Importer` protocol), and
 parsed sequences -> one trustscope run, written all or nothing.
 
-Every importer reads its framework's files completely into :class:`ImportedRun` (one :class:`Sequence` per
-response, scalars per step) and raises :class:`ImportFormatError` naming the file and line (or tensor key) at the
-first thing that does not match the writer's format. Only then does :func:`write_run` write, through
-:class:`~trustscope.logger.TokenLogger`'s public API, into a hidden temporary directory inside the log directory,
-and rename the finished run directory into place. A failure at any point removes the temporary directory, so the
+Every importer reads its framework's files (all, or the steps asked for) into :class:`ImportedRun` (one
+:class:`Sequence` per response, scalars per step) and raises :class:`ImportFormatError` naming the file and line
+(or tensor key) at the first thing that does not match the writer's format. :func:`write_steps` writes the parts
+of a source (its steps read one by one on worker processes, :func:`read_steps`, for a format that lists its
+steps; else the whole source, :func:`write_run`) through :class:`~trustscope.logger.TokenLogger`'s public API,
+each part checked before any of its rows is logged, into a hidden temporary directory inside the log directory,
+and renames the finished run directory into place. A failure at any point removes the temporary directory, so the
 target log directory never holds a partial import.
+
+Fields a writer's known layout does not have are kept on each sequence (:func:`keep_unknown`) and become the
+run's own columns (``extra_columns``) where a column takes them; :func:`name_unknown` names them once.
 
 Unscored tokens (a NaN or null log-prob, entropy or advantage on a trained position: the frameworks write those
 where the engine or trainer returned nothing finite) are left out of the token table and counted in ``run.json``
@@ -517,7 +522,10 @@ def _read_step(fmt: str, src: Path, version: str | None, step: int, options: Map
     """One step of ``src``, on a worker process (its own warnings are the combined run's, named once there)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ImportWarning)
-        return IMPORTERS[fmt].read(src, version=version, steps={step}, **options)
+        run = IMPORTERS[fmt].read(src, version=version, steps={step}, **options)
+    for seq in run.sequences:  # joined to the other streams already: not sent back
+        seq.full_ids = None
+    return run
 
 
 def default_workers() -> int:
@@ -602,7 +610,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
         raise FileExistsError(f"{target} already exists; choose another --run-id or remove it")
     logdir.mkdir(parents=True, exist_ok=True)
     tmp_root = logdir / f".import-{run_id}-{secrets.token_hex(4)}"
-    header = first
+    header = dataclasses.replace(first, sequences=[], scalars={})  # the run's description, without its rows
     declared = dict(first.extra_types)
     loggers: dict[int, TokenLogger] = {}
     sequences = unscored_tokens = 0
@@ -628,11 +636,14 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
     try:
         logger(0)  # rank 0 first: it writes run.json
         part: ImportedRun | None = first
+        del first  # each part's rows go once they are logged
+        checked = True  # the first part's values are, above
         while part is not None:
-            if part is not first:
+            if not checked:
                 for seq in part.sequences:
                     check_values(seq, vocab_size)
                 header = combine(header, part)
+            checked = False
             by_step: dict[int, list[Sequence]] = {}
             for seq in part.sequences:
                 by_step.setdefault(seq.step, []).append(seq)

@@ -22,8 +22,10 @@ Layouts read (all ``schema_version`` 1; the version number never changed, the fi
   steps from 0. Rows where the ``rl`` channel trains the token.
 
 A file mixing layouts is refused naming the file and line. Fields a layout does not have (a newer or forked
-prime-rl) are read past and named once in an ``ImportWarning``; a record without a field trustscope reads
-(:data:`REQUIRED`, or the field that tells the layouts apart) is refused naming the file and line.
+prime-rl) are kept as the run's own columns where a column takes them, or left out, and named once
+(:func:`~trustscope.importers.base.keep_unknown`); a record without a field trustscope reads (:data:`REQUIRED`, or
+the field that tells the layouts apart) is refused naming the file and line. The per-token lists no column is made
+of are skipped unparsed by the fast decoder (:func:`_decoder`) and their lengths are not checked.
 
 Mapping: ``token_id`` = ``token_ids`` from the first ``loss_mask`` position to the last (``pos`` 0 = the first
 trained token; multi-turn environment tokens in between keep their positions but are not rows); ``mu_logprob`` =
