@@ -359,6 +359,24 @@ def test_fields_trustscope_does_not_know_are_kept_as_columns_and_named_once(tmp_
     assert (tokens["turn"] != 1).any()  # the built-in column keeps its own values
 
 
+def test_steps_read_on_worker_processes_write_the_run_one_process_writes(tmp_path):
+    """Read step by step on two worker processes or in the importing process: the same rows, samples, steps
+    and description of the whole source in run.json."""
+    write_export(tmp_path / "run", steps=3, traces=True)
+    one = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="one", workers=1)
+    two = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="two", workers=2)
+    assert validate_logdir(tmp_path / "logs") == []
+    assert _tokens(one).drop(columns="run_id").reset_index(drop=True).equals(
+        _tokens(two).drop(columns="run_id").reset_index(drop=True))
+    for table in ("samples", "steps"):
+        a, b = (pq.read_table(d / table).to_pandas().drop(columns="run_id") for d in (one, two))
+        assert len(a) > 0 and a.sort_values(list(a.columns[:3])).reset_index(drop=True).equals(
+            b.sort_values(list(b.columns[:3])).reset_index(drop=True))
+    m1, m2 = (json.loads((d / "run.json").read_text()) for d in (one, two))
+    assert m1["config"] == m2["config"] and m1["config"]["import"]["sequences"] == 3 * 2 * 8
+    assert "48 of 48 sequences matched" in m1["config"]["import"]["columns"]["samples"]
+
+
 def test_truncated_file_names_file_and_line(tmp_path):
     write_export(tmp_path / "out", steps=2)
     path = tmp_path / "out/token_exports/step_1/rank_1.jsonl"

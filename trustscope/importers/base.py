@@ -520,6 +520,8 @@ def name_unknown(run: ImportedRun, declared: Mapping[str, str] | None = None) ->
 
 def _read_step(fmt: str, src: Path, version: str | None, step: int, options: Mapping[str, Any]) -> ImportedRun:
     """One step of ``src``, on a worker process (its own warnings are the combined run's, named once there)."""
+    import trustscope.importers  # noqa: F401  (a spawned worker registers the formats here)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ImportWarning)
         run = IMPORTERS[fmt].read(src, version=version, steps={step}, **options)
