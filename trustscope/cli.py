@@ -464,7 +464,7 @@ def import_(
                                               "every token, as TokenLogger(token_fraction=...) does."),
     workers: int | None = typer.Option(None, min=1, help="Processes that parse the steps while this one writes "
                                                          "(formats read step by step: prime-rl, nemo-rl; default: "
-                                                         "the cores available, at most 4; 1: none)."),
+                                                         "the idle cores, at most 4; 1: none)."),
 ) -> None:
     """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file).
     With --follow, a running job's dump is followed step by step. Fields the dump has and trustscope does not

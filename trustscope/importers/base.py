@@ -531,12 +531,19 @@ def _read_step(fmt: str, src: Path, version: str | None, step: int, options: Map
 
 
 def default_workers() -> int:
-    """Worker processes that parse steps while the importing process writes: the cores available, at most 4."""
+    """Worker processes that parse steps while the importing process writes: the cores this process may use that
+    other work leaves idle (the cores minus the 1-minute load average), at most 4; 1 (read in the importing
+    process) when none is. On busy cores a worker only adds its start and each step's transfer (measured in
+    ``docs/performance.md``, "Importers")."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not available here
+        load = 0.0
+    return max(1, min(4, int(cores - load)))
 
 
 def read_steps(fmt: str, src: Path, *, version: str | None = None, workers: int | None = None,
