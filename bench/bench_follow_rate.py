@@ -11,7 +11,7 @@ trainer does: each rank's file written into ``token_exports/step_<N>/`` (the rec
 ``STABLE`` touched. The follower is the command a user runs, in its own process with the defaults (``--poll 2
 --settle 2``): ``trustscope import --follow prime-rl SRC LOGDIR --stop-after-idle ...``. Reported per step: the
 lag from ``STABLE`` to the follower's line saying the step is committed, and whether that came before the next
-step's ``STABLE``; then the follower's peak resident memory (its process tree, sampled every 20 ms from ``/proc``)
+step's ``STABLE``; then the follower's peak resident memory (its proportional set size, sampled every 20 ms from ``/proc``)
 and CPU time.
 """
 

@@ -13,8 +13,8 @@ Every import runs in a fresh process (``python -c``, the code under test first o
 export once with that code and once with this one (and once per ``--workers`` value given), in turn. Reported per
 import: token rows/s of ``import_run`` in the process (after its imports), the process's wall time and CPU time
 (user + system, its workers included), and the peak resident memory of the process tree (the importing process
-and its worker processes together, sampled every 20 ms from ``/proc``); then medians over the rounds and each
-variant's rows/s as a ratio of the baseline's.
+and its worker processes together: their proportional set sizes, sampled every 20 ms from ``/proc``); then
+medians over the rounds and each variant's rows/s as a ratio of the baseline's.
 """
 
 from __future__ import annotations
@@ -71,13 +71,14 @@ def write_big_export(out: Path, tokens: int, seed: int = 0, steps: int = STEPS) 
 
 
 def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants, now (0 for a process that is gone)."""
+    """Resident bytes of ``pid`` and its descendants, now (0 for a process that is gone): their proportional set
+    sizes (``Pss``), so pages a forked child shares with its parent count once."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            total += int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:"))) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration, ValueError):
