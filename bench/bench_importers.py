@@ -12,10 +12,10 @@ Every import runs in a fresh process (``python -c``, the code under test first o
 ``--baseline DIR`` (a directory holding another ``trustscope`` package, e.g. main's) each round imports the same
 export once with that code and once with this one (and once per ``--workers`` value given), in turn. Reported per
 import: token rows/s of ``import_run`` in the process (after its imports), the process's wall time and CPU time
-(user + system, its workers included), and memory: the importing process's resident high-water mark and its
-largest child's (``getrusage``: a worker process, or a short-lived helper such as ``ldconfig``), and the process
-tree's proportional set size sampled every 20 ms from ``/proc`` (a lower bound: short peaks fall between
-samples); then medians over the rounds and each variant's rows/s as a ratio of the baseline's.
+(user + system, its workers included), and memory: the importing process's peak resident size (``VmHWM``, its
+own: ``getrusage``'s survives ``exec`` and would count this script's), and, workers included, the process tree's
+proportional set size sampled every 20 ms from ``/proc`` (a lower bound: short peaks fall between samples); then
+medians over the rounds and each variant's rows/s as a ratio of the baseline's.
 """
 
 from __future__ import annotations
@@ -49,10 +49,9 @@ run_dir = import_run("prime-rl", sys.argv[1], sys.argv[2], run_id="r", **json.lo
 t2 = time.perf_counter()
 manifests = [run_dir / "run.json", *sorted((run_dir / "ranks").glob("rank*.json"))]
 rows = sum(json.loads(p.read_text())["rows"]["tokens"] for p in manifests)
-import resource
-hwm = {"hwm_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-       "worker_hwm_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
-print(json.dumps({"rows": rows, "import_s": t2 - t1, "startup_s": t1 - t0, **hwm}))
+status = open("/proc/self/status").read().splitlines()  # VmHWM: this process's own peak (getrusage's is not:
+hwm = int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024  # it survives exec)
+print(json.dumps({"rows": rows, "import_s": t2 - t1, "startup_s": t1 - t0, "hwm_mb": hwm}))
 """
 
 
@@ -154,8 +153,8 @@ def main() -> None:
                 results[name].append(r)
                 print(f"round {i} {name:22s} {r['rows']:,} rows  import {r['import_s']:.2f} s "
                       f"({r['rows'] / r['import_s']:,.0f} rows/s)  process wall {r['wall_s']:.2f} s  "
-                      f"cpu {r['cpu_s']:.2f} s  memory: high-water {r['hwm_mb']:.0f} MB (largest child "
-                      f"{r['worker_hwm_mb']:.0f} MB), sampled tree {r['peak_mb']:.0f} MB", flush=True)
+                      f"cpu {r['cpu_s']:.2f} s  peak RSS {r['hwm_mb']:.0f} MB (workers included, sampled: "
+                      f"{r['peak_mb']:.0f} MB)", flush=True)
         print(f"\nmedians of {args.repeat} round(s) (load average now {os.getloadavg()[0]:.1f}):")
         base = None
         for name, _, _ in variants:
@@ -164,10 +163,9 @@ def main() -> None:
             wall = statistics.median(r["wall_s"] for r in rs)
             base = rate if base is None else base
             print(f"  {name:22s} {rate:>12,.0f} rows/s (x{rate / base:.2f})  process wall {wall:.2f} s  cpu "
-                  f"{statistics.median(r['cpu_s'] for r in rs):.2f} s  high-water "
-                  f"{statistics.median(r['hwm_mb'] for r in rs):.0f} MB (largest child "
-                  f"{statistics.median(r['worker_hwm_mb'] for r in rs):.0f} MB)  sampled tree "
-                  f"{statistics.median(r['peak_mb'] for r in rs):.0f} MB")
+                  f"{statistics.median(r['cpu_s'] for r in rs):.2f} s  peak RSS "
+                  f"{statistics.median(r['hwm_mb'] for r in rs):.0f} MB (workers included, sampled: "
+                  f"{statistics.median(r['peak_mb'] for r in rs):.0f} MB)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
