@@ -305,7 +305,10 @@ def extra_value(value: Any, n: int) -> tuple[str | None, Any]:
         if kinds <= {bool}:
             return "bool", np.array(value, dtype=bool)
         if kinds <= {int}:
-            return "int64", np.array(value, dtype=np.int64)
+            try:
+                return "int64", np.array(value, dtype=np.int64)
+            except OverflowError:
+                return None, "integers beyond int64"
         if kinds <= {int, float, type(None)}:
             return "float64", np.array(value, dtype=np.float64)
         if kinds <= {str, type(None)}:
@@ -315,6 +318,8 @@ def extra_value(value: Any, n: int) -> tuple[str | None, Any]:
         return None, "a list of " + "/".join(sorted(k.__name__ for k in kinds)) + " values"
     if value is None:
         return None, None
+    if type(value) is int and not -2**63 <= value < 2**63:
+        return None, "an integer beyond int64"
     for kind, types in (("bool", bool), ("int64", int), ("float64", float), ("string", str)):
         if type(value) is types:
             return kind, value
