@@ -56,6 +56,21 @@ def test_bad_input_exits_1_naming_file_and_line(tmp_path):
     assert not (tmp_path / "logs").exists() or list((tmp_path / "logs").iterdir()) == []
 
 
+def test_fields_trustscope_does_not_know_are_named_once_on_stderr(tmp_path):
+    write_export(tmp_path / "src", steps=2)
+    for path in (tmp_path / "src/token_exports").glob("step_*/rank_*.jsonl"):
+        path.write_text("".join(json.dumps({**json.loads(line), "judge": "ok"}) + "\n"
+                                for line in path.read_text().splitlines()))
+    result = runner.invoke(app, ["import", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"), "--run-id",
+                                 "r", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("fields trustscope does not know") == 1
+    assert "kept as the run's own columns: judge (string)" in result.stderr
+    result = runner.invoke(app, ["import", "--follow", "prime-rl", str(tmp_path / "src"), str(tmp_path / "logs"),
+                                 "--workers", "2"])
+    assert result.exit_code == 2 and "--workers is an option of a one-shot import" in result.stderr
+
+
 def test_unknown_format_and_existing_run(tmp_path):
     result = runner.invoke(app, ["import", "openrlhf", str(tmp_path), str(tmp_path / "logs")])
     assert result.exit_code == 2 and "known: nemo-rl, prime-rl, slime, miles" in result.stderr

@@ -121,6 +121,33 @@ class PrimeRLJob:
             exp.mark_stable(step)
 
 
+def test_fields_trustscope_does_not_know_are_columns_of_a_followed_run_and_of_its_restart(tmp_path):
+    src = tmp_path / "outputs/run"
+    job = PrimeRLJob(src)
+
+    def write_step(step: int) -> None:
+        for rank in (0, 1):
+            job.write(step, rank)
+        for path in (src / f"token_exports/step_{step}").glob("rank_*.jsonl"):
+            path.write_text("".join(json.dumps({**r, "teacher_logprobs": r["trainer_logprobs"]}) + "\n"
+                                    for r in map(json.loads, path.read_text().splitlines())))
+        job.finish(step)
+
+    write_step(0)
+    with pytest.warns(ImportWarning, match=r"kept as the run's own columns: teacher_logprobs \(float64\)"):
+        follow_run("prime-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0, **FAST)
+    write_step(1)
+    result = follow_run("prime-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0, **FAST)
+    assert result.imported == [1] and validate_logdir(tmp_path / "logs") == []
+    manifest = json.loads((tmp_path / "logs/live/run.json").read_text())
+    assert manifest["logging"]["extra_columns"] == {"teacher_logprobs": "float64"}
+    with connect(tmp_path / "logs") as db:
+        got = db.sql("select step, count(*) filter (where abs(teacher_logprobs - pi_logprob) < 1e-6), count(*) "
+                     "from tokens group by step order by step").table.to_pylist()
+    got = [tuple(row.values()) for row in got]
+    assert [(step, same == n > 0) for step, same, n in got] == [(0, True), (1, True)]
+
+
 def test_prime_rl_steps_arrive_once_in_order_while_the_job_writes(tmp_path):
     src, steps = tmp_path / "outputs/run", 3
     job = PrimeRLJob(src)

@@ -152,7 +152,6 @@ def _edit_line(path: Path, number: int, edit) -> None:
 
 @pytest.mark.parametrize("edit, match", [
     (lambda r: r.pop("prev_logprobs"), r"missing \['prev_logprobs'\]"),
-    (lambda r: r.update(token_level_logprobs=[]), r"unknown \['token_level_logprobs'\]"),
     (lambda r: r.update(advantages=[r["advantages"][0][:-1]]), r"'advantages' has length"),
     (lambda r: r.update(rewards=r["rewards"] * 2), r"'rewards' must be a batch of one"),
     (lambda r: r.update(input_lengths=[10_000]), r"input_lengths 10000 outside"),
@@ -161,6 +160,23 @@ def test_wrong_line_names_file_and_line(tmp_path, edit, match):
     write_log_dir(tmp_path / "nemo")
     _edit_line(tmp_path / "nemo/train_data_step1.jsonl", 4, edit)
     _fails(tmp_path / "nemo", tmp_path / "logs", rf"train_data_step1\.jsonl:4: .*{match}")
+
+
+def test_keys_nemo_rl_does_not_write_are_kept_as_columns(tmp_path):
+    """A key of a newer or forked writer (a batch of one, like every key): a per-token list becomes a column cut
+    to the rows, a number is broadcast over its response; what no column takes is named and left out."""
+    write_log_dir(tmp_path / "nemo")
+    for path in (tmp_path / "nemo").glob("train_data_step*.jsonl"):
+        for n in range(1, len(path.read_text().splitlines()) + 1):
+            _edit_line(path, n, lambda r: r.update(teacher_logprobs=r["prev_logprobs"], judge_score=[0.5],
+                                                   token_level_logprobs=[]))
+    with pytest.warns(ImportWarning, match=r"kept as the run's own columns: judge_score \(float64\), "
+                                           r"teacher_logprobs \(float64\); left out: token_level_logprobs \(not a "
+                                           r"batch of one"):
+        run_dir = import_run("nemo-rl", tmp_path / "nemo", tmp_path / "logs", run_id="n")
+    tokens = pq.read_table(run_dir / "tokens").to_pandas()
+    assert len(tokens) > 0 and tokens["judge_score"].eq(0.5).all()
+    np.testing.assert_allclose(tokens["teacher_logprobs"], tokens["pi_logprob"], atol=1e-6)
 
 
 def test_mixed_configurations_are_refused(tmp_path):

@@ -332,17 +332,49 @@ def test_loss_channel_layout_of_a_named_run_imports_from_the_output_root(tmp_pat
     assert samples["reward"].notna().all() and sorted(set(samples["step"])) == [0, 1]
 
 
-def test_fields_trustscope_does_not_know_are_named_once_and_the_import_goes_on(tmp_path):
-    write_export(tmp_path / "out", steps=1)
-    for path in (tmp_path / "out/token_exports/step_0").glob("rank_*.jsonl"):
+def test_fields_trustscope_does_not_know_are_kept_as_columns_and_named_once(tmp_path):
+    """Per-token lists become typed columns of the run (cut to the rows like the known ones), per-sequence
+    scalars are broadcast over the sequence's rows; a field no column takes is named with why and left out."""
+    write_export(tmp_path / "out", steps=2)
+    for path in (tmp_path / "out/token_exports").glob("step_*/rank_*.jsonl"):
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        path.write_text("".join(json.dumps({**r, "teacher_logprobs": r["trainer_logprobs"], "turn": 1}) + "\n"
-                                for r in records))
-    with pytest.warns(ImportWarning, match=r"does not read, left out: \['teacher_logprobs', 'turn'\] \(first at "
-                                           r".*rank_0\.jsonl:1\)") as caught:
+        path.write_text("".join(json.dumps({**r, "teacher_logprobs": r["trainer_logprobs"], "turn": 1,
+                                            "difficulty": 0.25 * r["micro_sequence_idx"], "judge": "ok",
+                                            "meta": {"seed": 1}}) + "\n" for r in records))
+    with pytest.warns(ImportWarning, match=r"fields trustscope does not know \(first at .*step_0/rank_0\.jsonl:1\): "
+                                           r"kept as the run's own columns: difficulty \(float64\), judge \(string\), "
+                                           r"teacher_logprobs \(float64\); left out: meta \(a dict\); turn "
+                                           r"\(trustscope has a column of that name\)") as caught:
         run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="x")
     assert len([w for w in caught if issubclass(w.category, ImportWarning)]) == 1
-    assert validate_logdir(tmp_path / "logs") == [] and len(_tokens(run_dir)) > 0
+    assert validate_logdir(tmp_path / "logs") == []
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["logging"]["extra_columns"] == {"difficulty": "float64", "judge": "string",
+                                                    "teacher_logprobs": "float64"}
+    tokens = _tokens(run_dir)
+    assert len(tokens) > 0 and tokens["judge"].eq("ok").all()
+    np.testing.assert_allclose(tokens["teacher_logprobs"], tokens["pi_logprob"], atol=1e-6)
+    assert tokens.groupby(["step", "rank", "sample_id"])["difficulty"].nunique().eq(1).all()
+    assert set(tokens["difficulty"]) > {0.0}
+    assert (tokens["turn"] != 1).any()  # the built-in column keeps its own values
+
+
+def test_steps_read_on_worker_processes_write_the_run_one_process_writes(tmp_path):
+    """Read step by step on two worker processes or in the importing process: the same rows, samples, steps
+    and description of the whole source in run.json."""
+    write_export(tmp_path / "run", steps=3, traces=True)
+    one = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="one", workers=1)
+    two = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="two", workers=2)
+    assert validate_logdir(tmp_path / "logs") == []
+    assert _tokens(one).drop(columns="run_id").reset_index(drop=True).equals(
+        _tokens(two).drop(columns="run_id").reset_index(drop=True))
+    for table in ("samples", "steps"):
+        a, b = (pq.read_table(d / table).to_pandas().drop(columns="run_id") for d in (one, two))
+        assert len(a) > 0 and a.sort_values(list(a.columns[:3])).reset_index(drop=True).equals(
+            b.sort_values(list(b.columns[:3])).reset_index(drop=True))
+    m1, m2 = (json.loads((d / "run.json").read_text()) for d in (one, two))
+    assert m1["config"] == m2["config"] and m1["config"]["import"]["sequences"] == 3 * 2 * 8
+    assert "48 of 48 sequences matched" in m1["config"]["import"]["columns"]["samples"]
 
 
 def test_truncated_file_names_file_and_line(tmp_path):

@@ -124,6 +124,22 @@ def test_ragged_equals_padded(tmp_path):
     assert a.drop(["run_id"]).equals(b.drop(["run_id"]))
 
 
+def test_ragged_with_a_mask_equals_padded(tmp_path):
+    """A ragged call with a mask per response: the masked-out positions are no rows and ``pos`` keeps the index."""
+    tokens, mask, samples = make_step(1)
+    mask = mask.copy()
+    mask[:, 1] = False  # a gap inside every response
+    ends = [int(np.flatnonzero(row)[-1]) + 1 for row in mask]
+    ragged = {name: value if name == "advantage" else [value[i, : ends[i]] for i in range(B)]
+              for name, value in tokens.items()}
+    with TokenLogger(tmp_path, "padded") as lg:
+        lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
+    with TokenLogger(tmp_path, "ragged") as lg:
+        lg.log_step(0, tokens=ragged, mask=[mask[i, : ends[i]] for i in range(B)], samples=samples)
+    a, b = read(tmp_path / "padded", "tokens"), read(tmp_path / "ragged", "tokens")
+    assert a.drop(["run_id"]).equals(b.drop(["run_id"])) and 1 not in b["pos"].to_pylist()
+
+
 def test_torch_tensors_and_defaults(tmp_path):
     torch = pytest.importorskip("torch")
     tokens, mask, _ = make_step(2)
@@ -379,6 +395,14 @@ def test_ragged_lengths_that_disagree(tmp_path):
 
     _, err = logged_then(tmp_path, bad)
     assert "tokens['mu_logprob'][1] has shape (3,), but tokens['token_id'][1] has length 2" in str(err)
+
+    def bad_mask(lg, tokens, mask, samples):
+        ragged = {"token_id": [np.arange(3), np.arange(2)], "mu_logprob": [np.zeros(3), np.zeros(2)],
+                  "pi_logprob": [np.zeros(3), np.zeros(2)], "advantage": np.zeros(2), "prompt_id": np.zeros(2)}
+        lg.log_step(1, tokens=ragged, mask=[np.ones(3, bool), np.ones(3, bool)])
+
+    _, err = logged_then(tmp_path / "mask", bad_mask)
+    assert "mask[1] has shape (3,), but tokens['token_id'][1] has length 2" in str(err)
 
 
 def test_step_going_backwards(tmp_path):

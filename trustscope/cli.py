@@ -462,28 +462,26 @@ def import_(
                                          help="Write the token rows of only this share of sequences (the logger's "
                                               "hash of step and sample id), with the exact summaries table over "
                                               "every token, as TokenLogger(token_fraction=...) does."),
+    workers: int | None = typer.Option(None, min=1, help="Processes that parse the steps while this one writes "
+                                                         "(formats read step by step: prime-rl, nemo-rl; default: "
+                                                         "the idle cores, at most 4; 1: none)."),
 ) -> None:
     """Import another framework's per-token dump as a trustscope run; all or nothing (bad input names the file).
-    With --follow, a running job's dump is followed step by step."""
-    from trustscope.importers import ImportFormatError, ImportUsageError, follow_run, import_run
+    With --follow, a running job's dump is followed step by step. Fields the dump has and trustscope does not
+    know are kept as the run's own columns where a column takes them, and named once on stderr."""
+    import warnings
+
+    from trustscope.importers import ImportFormatError, ImportUsageError
+
+    def named(message: Any, *args: Any, **kwargs: Any) -> None:
+        typer.echo(f"trustscope import: {message}", err=True)
 
     try:
-        if follow:
-            def said(step: int, sequences: int, rows: int) -> None:
-                typer.echo(f"step {step}: {sequences} sequences, {rows} token rows")
-
-            typer.echo(f"following {src} ({format}) into {logdir}; Ctrl-C stops after the step being imported",
-                       err=True)
-            result = follow_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
-                                poll_s=poll, settle_s=settle, stop_after_idle_s=stop_after_idle, on_step=said,
-                                allow_pickle=allow_pickle, token_fraction=token_fraction)
-        else:
-            for name, value in (("--poll", poll != 2.0), ("--settle", settle != 2.0),
-                                ("--stop-after-idle", stop_after_idle is not None)):
-                if value:
-                    raise ImportUsageError(f"{name} is an option of --follow")
-            run_dir = import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
-                                 allow_pickle=allow_pickle, token_fraction=token_fraction)
+        with warnings.catch_warnings():  # the unknown fields' ImportWarning, shown once (Python hides them)
+            warnings.simplefilter("always", ImportWarning)
+            warnings.showwarning = named
+            run_dir, result = _import(follow, format, src, logdir, run_id, source_version, tokenizer, poll, settle,
+                                      stop_after_idle, allow_pickle, token_fraction, workers)
     except ImportUsageError as exc:  # an unknown format, or an option the format does not take
         typer.echo(f"trustscope import: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -499,6 +497,31 @@ def import_(
                        f"start takes them once they are)")
     else:
         typer.echo(f"imported {src} as {run_dir}")
+
+
+def _import(follow: bool, format: str, src: Path, logdir: Path, run_id: str | None, source_version: str | None,
+            tokenizer: Path | None, poll: float, settle: float, stop_after_idle: float | None, allow_pickle: bool,
+            token_fraction: float, workers: int | None) -> tuple[Path | None, Any]:
+    """``trustscope import``'s work: ``(run directory, None)`` of an import, ``(None, FollowResult)`` of a follow."""
+    from trustscope.importers import ImportUsageError, follow_run, import_run
+
+    if follow:
+        def said(step: int, sequences: int, rows: int) -> None:
+            typer.echo(f"step {step}: {sequences} sequences, {rows} token rows")
+
+        if workers is not None:
+            raise ImportUsageError("--workers is an option of a one-shot import (--follow reads one step at a time)")
+        typer.echo(f"following {src} ({format}) into {logdir}; Ctrl-C stops after the step being imported",
+                   err=True)
+        return None, follow_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                                poll_s=poll, settle_s=settle, stop_after_idle_s=stop_after_idle, on_step=said,
+                                allow_pickle=allow_pickle, token_fraction=token_fraction)
+    for name, value in (("--poll", poll != 2.0), ("--settle", settle != 2.0),
+                        ("--stop-after-idle", stop_after_idle is not None)):
+        if value:
+            raise ImportUsageError(f"{name} is an option of --follow")
+    return import_run(format, src, logdir, run_id=run_id, version=source_version, tokenizer=tokenizer,
+                      allow_pickle=allow_pickle, token_fraction=token_fraction, workers=workers), None
 
 
 class DoctorCommand(typer.core.TyperCommand):

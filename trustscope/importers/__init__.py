@@ -21,8 +21,12 @@ from trustscope.importers.base import (
     ImportFormat,
     ImportFormatError,
     ImportUsageError,
+    combine,
+    name_unknown,
+    read_steps,
     register_importer,
     write_run,
+    write_steps,
 )
 
 __all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "checked_options", "follow_run", "format_for",
@@ -54,7 +58,9 @@ def read_source(fmt: str, src: str | Path, *, version: str | None = None, **opti
     """Parse ``src`` as format ``fmt`` without writing anything. ``options`` are the format's own (see
     :data:`IMPORTERS`): one the format does not take is refused when it is set (not ``None`` or ``False``)."""
     given = checked_options(fmt, options)
-    return format_for(fmt).read(Path(src), version=version, **given)
+    run = format_for(fmt).read(Path(src), version=version, **given)
+    name_unknown(run)
+    return run
 
 
 def load_vocab(tokenizer: str | Path | None) -> Any:
@@ -71,17 +77,29 @@ def load_vocab(tokenizer: str | Path | None) -> Any:
 
 def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,
                version: str | None = None, tokenizer: str | Path | None = None, token_fraction: float = 1.0,
-               **options: Any) -> Path:
+               workers: int | None = None, **options: Any) -> Path:
     """Import ``src`` (format ``fmt``) as one run under ``logdir``; returns the run directory.
 
     ``tokenizer``: a local Hugging Face tokenizer directory (the run's own), loaded without network access, whose
     token texts become the run's vocab table. Nothing is written unless every file parses and checks; the run
     appears by one rename at the end. ``token_fraction`` < 1: the token rows of that share of sequences, with the
-    exact summaries over every token (:func:`~trustscope.importers.base.write_run`).
+    exact summaries over every token (:func:`~trustscope.importers.base.write_steps`).
+
+    A format that lists its steps (prime-rl, NeMo-RL) is read step by step on ``workers`` processes (default
+    :func:`~trustscope.importers.base.default_workers`; 1: in this process) while this one writes, a few steps in
+    memory at a time (:func:`~trustscope.importers.base.read_steps`); the others are read whole, then written.
     """
     vocab = load_vocab(tokenizer)
-    return write_run(read_source(fmt, src, version=version, **options), logdir, run_id, vocab=vocab,
-                     token_fraction=token_fraction)
+    importer = format_for(fmt)
+    given = checked_options(fmt, options)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ImportUsageError(f"workers must be an int >= 1, got {workers!r}")
+    if importer.steps is None:
+        return write_run(importer.read(Path(src), version=version, **given), logdir, run_id, vocab=vocab,
+                         token_fraction=token_fraction)
+    parts = read_steps(fmt, Path(src), version=version, workers=workers, options=given)
+    return write_steps(parts, logdir, run_id, vocab=vocab, token_fraction=token_fraction,
+                       combine=importer.combine or combine)
 
 
 def follow_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None = None,

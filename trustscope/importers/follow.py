@@ -33,6 +33,7 @@ disappears stops the follower the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -43,7 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from trustscope.importers import nemo_rl, prime_rl, slime
-from trustscope.importers.base import ImportedRun, ImportFormatError, check_values, log_step, unscored
+from trustscope.importers.base import (
+    ImportedRun,
+    ImportFormatError,
+    check_values,
+    log_step,
+    name_unknown,
+    unscored,
+)
 
 __all__ = ["FINISHED", "FollowResult", "SourceGone", "follow"]
 
@@ -177,9 +185,13 @@ class _Run:
         self.loggers: dict[int, Any] = {}
         self.last: dict[int, int | None] = {}
         self.format: str | None = None
+        self.extra: dict[str, str] | None = None
+        """The run's own columns (``extra_columns``): the unknown fields of the first step, kept for the run."""
+        self.named: set[str] = set()  # unknown fields already named
         manifest = self.dir / "run.json"
         if manifest.exists():
             info = json.loads(manifest.read_text())
+            self.extra = dict((info.get("logging") or {}).get("extra_columns") or {})
             follow = ((info.get("config") or {}).get("import") or {}).get("follow")
             if not isinstance(follow, dict) or follow.get("format") != fmt or follow.get("src") != self.key:
                 was = (f"a followed import of {follow.get('format')} {follow.get('src')}"
@@ -205,10 +217,12 @@ class _Run:
                           "src": str(self.src)}
         # every step is committed by an explicit flush, one log_step call per rank: no automatic flush splits
         # a step (the memory bound is never reached: one step is in memory at a time, parsed already)
+        if self.extra is None:
+            self.extra = dict(run.extra_types) if run is not None else {}
         logger = TokenLogger(self.logdir, self.run_id, config=config, loss_rule=loss_rule, vocab=self.vocab,
                              mu_source="imported", source=source, rank=rank, resume=True,
                              summaries=self.token_fraction < 1.0, token_fraction=self.token_fraction,
-                             max_buffered_rows=2**62, block_timeout_s=None)
+                             max_buffered_rows=2**62, block_timeout_s=None, extra_columns=self.extra)
         self.loggers[rank] = logger
         last = logger.manifest.get("last_step")
         self.last[rank] = last if isinstance(last, int) else None
@@ -237,11 +251,15 @@ class _Run:
         scalars = {**run.scalars.get(step, {}), UNSCORED_SCALAR: float(unscored(run.sequences))}
         need = [r for r in ranks if self.last[r] is None or self.last[r] < step]
         others = [r for r in need if r != 0]
-        log_step(self.loggers, step, run.sequences, scalars, ranks=others)
+        new = {n: w for n, w in run.unknown.items() if n not in self.named}
+        if new:  # each unknown field named once per follow session
+            name_unknown(dataclasses.replace(run, unknown=new), self.extra)
+            self.named.update(new)
+        log_step(self.loggers, step, run.sequences, scalars, ranks=others, extra_types=self.extra)
         for rank in others:
             self.loggers[rank].flush()
             self.last[rank] = step
-        log_step(self.loggers, step, run.sequences, scalars, ranks=[0])
+        log_step(self.loggers, step, run.sequences, scalars, ranks=[0], extra_types=self.extra)
         self.loggers[0].flush()  # the step's commit point
         self.last[0] = step
         written = [s for s in run.sequences if s.rank in need]

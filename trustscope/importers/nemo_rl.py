@@ -41,8 +41,10 @@ from trustscope.importers.base import (
     floats,
     ints,
     json_lines,
+    keep_unknown,
     register_importer,
 )
+from trustscope.importers.base import combine as base_combine
 
 REQUIRED = frozenset({"content", "rewards", "input_lengths", "token_ids", "token_loss_mask", "sample_loss_mask",
                       "advantages", "generation_logprobs", "prev_logprobs", "idx"})
@@ -94,11 +96,13 @@ def _index(record: dict, where: str) -> int:
     return idx
 
 
-def _sequence(record: Any, step: int, where: str) -> Sequence:
+def _sequence(record: Any, step: int, where: str, run: ImportedRun) -> Sequence:
+    """One line's sequence; its keys NeMo-RL's writer does not write are kept on it where a column takes them
+    and noted in ``run`` (:func:`~trustscope.importers.base.keep_unknown`)."""
     if not isinstance(record, dict):
         raise ImportFormatError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
     keys = set(record)
-    if not keys >= REQUIRED or keys - REQUIRED - OPTIONAL:
+    if not keys >= REQUIRED:
         raise ImportFormatError(f"{where}: keys do not match NeMo-RL's train data (missing "
                                 f"{sorted(REQUIRED - keys)}, unknown {sorted(keys - REQUIRED - OPTIONAL)})")
     cols = {name: _one(record, name, where) for name in PER_TOKEN}
@@ -127,7 +131,7 @@ def _sequence(record: Any, step: int, where: str) -> Sequence:
     content = _one(record, "content", where)
     messages = [str(c) for c in content] if isinstance(content, list) else [str(content)]
     prev = floats(cols["prev_logprobs"], where, "prev_logprobs")[span]
-    return Sequence(
+    seq = Sequence(
         step=step, rank=0, where=where, token_id=token_ids[span], sample_id=_index(record, where),
         mu_logprob=floats(cols["generation_logprobs"], where, "generation_logprobs")[span],
         pi_logprob=prev, old_logprob=prev,
@@ -137,21 +141,55 @@ def _sequence(record: Any, step: int, where: str) -> Sequence:
         prompt="\n".join(messages[:-1]) if len(messages) > 1 else None,
         response=messages[-1] if messages else None, reward=float(reward),
     )
+    for name in sorted(keys - REQUIRED - OPTIONAL):  # a newer or forked writer's keys, each a batch of one
+        value = record[name]
+        if isinstance(value, list) and len(value) == 1:
+            keep_unknown(run, seq, {name: value[0]}, [name], width, span, where)
+        else:
+            run.unknown.setdefault(name, where)
+            if name not in run.extra_types:
+                run.skipped.setdefault(name, "not a batch of one, as the writer writes every key")
+    return seq
 
 
-@register_importer("nemo-rl", reads="train_data_step<N>.jsonl (GRPO's per-step training data, in its log_dir)")
+def list_steps(src: Path) -> list[int]:
+    """The steps of ``src`` (one file, or the step files of a directory; none is refused as :func:`read` does)."""
+    return [step for step, _ in step_files(Path(src))]
+
+
+def _optional_keys() -> SameThroughout[frozenset[str]]:
+    return SameThroughout("files of differently configured or versioned runs are mixed",
+                          lambda keys: f"optional keys {sorted(keys)}")
+
+
+def combine(so_far: ImportedRun, step: ImportedRun) -> ImportedRun:
+    """Steps read one by one must have the same optional keys (a run configured one way throughout)."""
+    keys = _optional_keys()
+    for part in (so_far, step):
+        if part.stats is not None:
+            keys.check(*part.stats)
+    merged = base_combine(so_far, step)
+    merged.stats = keys.first
+    return merged
+
+
+@register_importer("nemo-rl", reads="train_data_step<N>.jsonl (GRPO's per-step training data, in its log_dir)",
+                   steps=list_steps, combine=combine)
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
     """Parse and check every step file (of ``steps`` when given); see the module docstring for the mapping."""
     src = Path(src)
     files = [(step, path) for step, path in step_files(src) if steps is None or step in steps]
-    sequences: list[Sequence] = []
-    optional_keys = SameThroughout("files of differently configured or versioned runs are mixed",
-                                   lambda keys: f"optional keys {sorted(keys)}")
+    run = ImportedRun(
+        framework="nemo-rl", version=version or "unknown (train_data_step<N>.jsonl, unchanged since NeMo-RL 0.2)",
+        format="nemo-rl grpo train_data_step<N>.jsonl", src=src, loss_rule="nemo-rl", notes=dict(NOTES),
+        files=len(files))
+    sequences = run.sequences
+    optional_keys = _optional_keys()
     for step, path in files:
         start = len(sequences)
         for line, record in json_lines(path):
             where = f"{path}:{line}"
-            seq = _sequence(record, step, where)
+            seq = _sequence(record, step, where, run)
             optional_keys.check(frozenset(record) & OPTIONAL, where)
             sequences.append(seq)
         if len(sequences) == start:
@@ -160,8 +198,5 @@ def read(src: Path, *, version: str | None = None, steps: Collection[int] | None
         if all(not s.pi_logprob[s.mask].any() for s in trained):
             raise ImportFormatError(f"{path}: prev_logprobs are 0 on every trained token: the run skipped them "
                                     f"(force_on_policy_ratio), so the file holds no trainer log-prob to import")
-    return ImportedRun(
-        framework="nemo-rl", version=version or "unknown (train_data_step<N>.jsonl, unchanged since NeMo-RL 0.2)",
-        format="nemo-rl grpo train_data_step<N>.jsonl", src=src, loss_rule="nemo-rl", notes=dict(NOTES),
-        sequences=sequences, files=len(files),
-    )
+    run.stats = optional_keys.first
+    return run

@@ -22,8 +22,10 @@ Layouts read (all ``schema_version`` 1; the version number never changed, the fi
   steps from 0. Rows where the ``rl`` channel trains the token.
 
 A file mixing layouts is refused naming the file and line. Fields a layout does not have (a newer or forked
-prime-rl) are read past and named once in an ``ImportWarning``; a record without a field trustscope reads
-(:data:`REQUIRED`, or the field that tells the layouts apart) is refused naming the file and line.
+prime-rl) are kept as the run's own columns where a column takes them, or left out, and named once
+(:func:`~trustscope.importers.base.keep_unknown`); a record without a field trustscope reads (:data:`REQUIRED`, or
+the field that tells the layouts apart) is refused naming the file and line. The per-token lists no column is made
+of are skipped unparsed by the fast decoder (:func:`_decoder`) and their lengths are not checked.
 
 Mapping: ``token_id`` = ``token_ids`` from the first ``loss_mask`` position to the last (``pos`` 0 = the first
 trained token; multi-turn environment tokens in between keep their positions but are not rows); ``mu_logprob`` =
@@ -56,13 +58,14 @@ are read:
 
 from __future__ import annotations
 
+import dataclasses
 import re
-import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from trustscope.importers.base import (
@@ -73,6 +76,10 @@ from trustscope.importers.base import (
     floats,
     ints,
     json_lines,
+    keep_unknown,
+    loads,
+    merge_unknown,
+    raw_lines,
     register_importer,
 )
 
@@ -231,7 +238,9 @@ def trace_index(run_dir: Path, steps: Collection[int] | None = None
     may still be appending, so each file ends at its last complete line), keyed by their token ids; the verifiers
     version that wrote them; the number of files read."""
     root = run_dir / "rollouts"
-    files = sorted(p for p in root.rglob("traces.jsonl") if (m := _TRACE_FILE.match(p.relative_to(root).as_posix()))
+    found = (root.rglob("traces.jsonl") if steps is None else  # a step's own directory, not the whole tree
+             (p for n in steps for p in (root / f"step_{n}" / "train").glob("*/traces.jsonl")))
+    files = sorted(p for p in found if (m := _TRACE_FILE.match(p.relative_to(root).as_posix()))
                    and (steps is None or int(m.group(1)) in steps))
     index: dict[tuple[int, ...], _Branch] = {}
     versions = SameThroughout("trace streams of two verifiers versions are mixed", "written by verifiers {}".format)
@@ -255,34 +264,43 @@ def trace_index(run_dir: Path, steps: Collection[int] | None = None
 def step_scalars(path: Path, steps: Collection[int] | None = None) -> dict[int, dict[str, float]]:
     """``{step: {name: value}}`` from prime-rl's ``metrics.jsonl`` (numbers only; later lines win); only of
     ``steps`` when given (the file is still being appended to: it ends at its last complete line)."""
-    out: dict[int, dict[str, float]] = {}
-    for line, row in json_lines(path, partial_tail=steps is not None):
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ImportFormatError(f"{path}:{line}: a metrics row needs an integer 'step'")
-        if steps is not None and row["step"] not in steps:
-            continue
-        values = {k: float(v) for k, v in row.items() if k not in ("step", "time")
-                  and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        out.setdefault(row["step"], {}).update(values)
-    return out
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, steps is not None)
+    if _METRICS.get("key") != key:  # one parse per version of the file, however many steps ask for theirs
+        out: dict[int, dict[str, float]] = {}
+        for line, row in json_lines(path, partial_tail=steps is not None):
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ImportFormatError(f"{path}:{line}: a metrics row needs an integer 'step'")
+            values = {k: float(v) for k, v in row.items() if k not in ("step", "time")
+                      and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            out.setdefault(row["step"], {}).update(values)
+        _METRICS.update(key=key, rows=out)
+    rows = _METRICS["rows"]
+    return {n: dict(v) for n, v in rows.items() if steps is None or n in steps}
 
 
-def _layout(record: Any, where: str) -> tuple[str, frozenset[str]]:
+_METRICS: dict[str, Any] = {}
+"""The last ``metrics.jsonl`` parsed (its path, size and mtime) and its rows: a source read step by step parses
+it once, not once a step."""
+
+
+def _layout(record: Any, where: str) -> tuple[str, tuple[str, ...]]:
     """The record's layout and its fields that layout does not have (an export of a newer or forked prime-rl:
-    read on, the fields named once in a warning). A record without a field trustscope reads is refused."""
+    read on, the fields kept as the run's own columns where a column takes them, and named once). A record
+    without a field trustscope reads is refused."""
     if not isinstance(record, dict):
         raise ImportFormatError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
     keys = set(record) - OPTIONAL
     for name, fields in LAYOUTS.items():
         if keys == fields:
-            return name, frozenset()
+            return name, ()
     marked = [n for n, marker in MARKERS.items() if marker in keys]
     best = min(marked or LAYOUTS, key=lambda n: len(keys ^ LAYOUTS[n]))
     missing, extra = sorted(LAYOUTS[best] - keys), sorted(keys - LAYOUTS[best])
     if not marked or REQUIRED - keys or len(marked) > 1:
         raise ImportFormatError(f"{where}: fields match no known token-export layout (closest: {best}; "
                                 f"missing {missing}, unknown {extra})")
-    return best, frozenset(extra)
+    return best, tuple(extra)
 
 
 def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
@@ -317,10 +335,52 @@ def _rl_channel(losses: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     return mask, adv
 
 
-def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Sequence | None:
+_READ_LISTS = {"token_ids": list[int], "loss_mask": list[bool | None], "is_masked": list[bool | None],
+               **{name: list[float | None] for name in ("advantages", "inference_logprobs", "trainer_logprobs",
+                                                        "entropy", "rewards", "rl_weights")}}
+"""The per-token lists trustscope reads (``losses`` too), as the fast decoder types them (a record holding
+anything else there is parsed whole, and refused as a whole parse refuses it)."""
+_UNREAD_LISTS = frozenset(TOKEN_LISTS) - set(_READ_LISTS) | {"ce_weights", "ref_kl_weights"}
+"""Per-token lists no column is made of: skipped unparsed by the fast decoder, their lengths not checked."""
+_DECODERS: dict[frozenset[str], Any] = {}
+
+
+def _decoder(keys: frozenset[str]) -> Any:
+    """A decoder of records with exactly the fields ``keys``: the per-token lists trustscope reads typed, the
+    lists it does not read skipped (left as ``msgspec.Raw``), everything else as JSON values. A record with other
+    fields or types fails it. About half the work of parsing every list of a record into Python objects."""
+    if keys not in _DECODERS:
+        fields = [(k, _READ_LISTS.get(k, msgspec.Raw if k in _UNREAD_LISTS else Any)) for k in sorted(keys)]
+        _DECODERS[keys] = msgspec.json.Decoder(msgspec.defstruct("Record", fields, forbid_unknown_fields=True))
+    return _DECODERS[keys]
+
+
+def _records(path: Path) -> Any:
+    """``(line, record)`` of each line of an export file, a record a dict of its fields: by the fast decoder of
+    the key set the line before had (:func:`_decoder`), else parsed whole
+    (:func:`~trustscope.importers.base.loads`), which names the line when it is not JSON."""
+    decoder = None
+    for line, raw in raw_lines(path):
+        if decoder is not None:
+            try:
+                struct = decoder.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass
+            else:
+                yield line, {k: getattr(struct, k) for k in struct.__struct_fields__}
+                continue
+        record = loads(raw, f"{path}:{line}")
+        decoder = _decoder(frozenset(record)) if isinstance(record, dict) else None
+        yield line, record
+
+
+def _sequence(record: dict, layout: str, step: int, rank: int, where: str, run: ImportedRun,
+              extra: Collection[str]) -> Sequence | None:
+    """One record's sequence (None: nothing the rl loss trains); its fields ``extra`` (unknown to its layout)
+    kept on it and noted in ``run`` (:func:`~trustscope.importers.base.keep_unknown`)."""
     n = len(record["token_ids"]) if isinstance(record["token_ids"], list) else -1
     for name in TOKEN_LISTS + _LAYOUT_LISTS[layout]:
-        if name not in record and name not in REQUIRED:  # a field this version does not write: absent
+        if name in _UNREAD_LISTS or (name not in record and name not in REQUIRED):  # not read, or not written
             continue
         value = record[name]
         if not isinstance(value, list) or len(value) != n:
@@ -352,7 +412,7 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
         rewards = floats(record["rewards"], where, "rewards")[loss_mask]
         finite = rewards[np.isfinite(rewards)]
         reward = float(finite[0]) if finite.size else None
-    return Sequence(
+    seq = Sequence(
         step=step, rank=rank, where=where,
         token_id=token_ids[span],
         mu_logprob=floats(record["inference_logprobs"], where, "inference_logprobs")[span],
@@ -365,80 +425,141 @@ def _sequence(record: dict, layout: str, step: int, rank: int, where: str) -> Se
         reward=reward,
         full_ids=token_ids,
     )
+    if extra:
+        keep_unknown(run, seq, record, extra, n, span, where)
+    return seq
+
+
+@dataclass
+class Stats:
+    """What a prime-rl source held, added up over its steps (:func:`combine`)."""
+
+    layout: str
+    where: str  # the first record of that layout
+    any_mask: bool = False
+    skipped_sft: int = 0
+    sequences: int = 0
+    matched: int | None = None  # sequences joined to a trace branch (None: no trace streams)
+    verifiers: tuple[str, str] | None = None  # the trace streams' verifiers version, and where first seen
+    version: str | None = None  # the version the caller gave
+    files: int = 0  # export and trace files read
+    metrics: bool = False  # metrics.jsonl gave scalars
+
+
+def _describe(run: ImportedRun, stats: Stats) -> ImportedRun:
+    """``run`` with the description of everything ``stats`` counted: format, version, notes, loss rule."""
+    notes = dict(NOTES)
+    fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {stats.layout} layout"
+    if stats.matched is not None:
+        notes["samples"] = (f"prompt, response, reward, finish_reason and group from rollouts/step_*/train/*/"
+                            f"traces.jsonl, joined by token ids: {stats.matched} of {stats.sequences} sequences "
+                            f"matched")
+        fmt += (f"; trace streams (trace version {TRACE_VERSION}, verifiers "
+                f"{stats.verifiers[0] if stats.verifiers else None})")
+    if run.unknown:
+        names = sorted(run.unknown)
+        kept = [n for n in names if n in run.extra_types]
+        notes["unread"] = (f"fields kept as the run's own columns: {', '.join(kept) or 'none'}; left out: "
+                           f"{', '.join(n for n in names if n not in kept) or 'none'}")
+        fmt += f" (and fields {names})"
+    if not stats.any_mask:
+        notes["kept"] = "all kept: the export carries no is_masked (the loss was not prime-rl's default)"
+    if stats.skipped_sft:
+        notes["skipped"] = f"{stats.skipped_sft} training_mode='sft' sequence(s) (no RL update)"
+    return dataclasses.replace(
+        run, format=fmt, notes=notes, stats=stats, files=stats.files + stats.metrics,
+        version=stats.version or f"unknown (token_export schema_version {SCHEMA_VERSION}, {stats.layout} layout)",
+        loss_rule="prime-rl:default" if stats.any_mask else "prime-rl")
+
+
+def combine(so_far: ImportedRun, step: ImportedRun) -> ImportedRun:
+    """The description of a source read step by step (:func:`~trustscope.importers.base.write_steps`): the
+    steps' layouts and trace versions must agree (refused naming both places, as in one read)."""
+    a, b = so_far.stats, step.stats
+    layouts = SameThroughout(MIXED_LAYOUTS, "{} layout".format)
+    layouts.check(a.layout, a.where)
+    layouts.check(b.layout, b.where)
+    verifiers = a.verifiers or b.verifiers
+    if a.verifiers and b.verifiers:
+        traces = SameThroughout(MIXED_TRACES, "written by verifiers {}".format)
+        traces.check(a.verifiers[0], a.verifiers[1])
+        traces.check(b.verifiers[0], b.verifiers[1])
+    matched = None if a.matched is None and b.matched is None else (a.matched or 0) + (b.matched or 0)
+    stats = Stats(a.layout, a.where, a.any_mask or b.any_mask, a.skipped_sft + b.skipped_sft,
+                  a.sequences + b.sequences, matched, verifiers, a.version, a.files + b.files,
+                  a.metrics or b.metrics)
+    merged = dataclasses.replace(so_far, sequences=[], scalars={},
+                                 unknown=dict(so_far.unknown), extra_types=dict(so_far.extra_types),
+                                 skipped=dict(so_far.skipped))
+    merge_unknown(merged, step)
+    return _describe(merged, stats)
+
+
+def list_steps(src: Path) -> list[int]:
+    """The steps of the export under ``src`` (refused as :func:`read` refuses: no files, an unfinished step)."""
+    return sorted({step for step, _, _ in export_files(run_dir_of(Path(src)))})
+
+
+MIXED_LAYOUTS = "exports of two prime-rl versions are mixed"
+MIXED_TRACES = "trace streams of two verifiers versions are mixed"
+
+
+def _take(record: Any, step: int, rank: int, where: str, run: ImportedRun,
+          layouts: SameThroughout[str]) -> tuple[str, Sequence | None]:
+    """The layout and the sequence of one record of ``step_<step>/rank_<rank>.jsonl``, checked."""
+    layout, extra = _layout(record, where)
+    layouts.check(layout, where)
+    if record["schema_version"] != SCHEMA_VERSION:
+        raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
+                                f"reads {SCHEMA_VERSION}")
+    record_step = record.get("export_step", record["step"])
+    if record_step != step or record["rank"] != rank:
+        raise ImportFormatError(f"{where}: record says step {record_step!r} rank {record['rank']!r}, "
+                                f"the file is step_{step}/rank_{rank}.jsonl")
+    return layout, _sequence(record, layout, step, rank, where, run, extra)
 
 
 @register_importer("prime-rl", reads="token_exports/step_<N>/rank_<R>.jsonl (the trainer's token export), "
-                                     "or the run directory holding it")
+                                     "or the run directory holding it", steps=list_steps, combine=combine)
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
     """Parse and check every export file under ``src`` (of ``steps`` when given); see the module docstring for
     the mapping."""
     src = run_dir_of(Path(src))
     files = export_files(src, steps)
-    sequences: list[Sequence] = []
-    layouts = SameThroughout("exports of two prime-rl versions are mixed", "{} layout".format)
-    skipped_sft = 0
-    any_mask = False
-    unknown: dict[str, str] = {}  # field -> where it was first seen
+    run = ImportedRun(framework="prime-rl", version="", format="", src=src, loss_rule="", notes={})
+    layouts = SameThroughout(MIXED_LAYOUTS, "{} layout".format)
+    stats: Stats | None = None
     for step, rank, path in files:
         if path.stat().st_size == 0:
             raise ImportFormatError(f"{path}: empty file (the writer creates it with its first record)")
-        for line, record in json_lines(path):
+        for line, record in _records(path):
             where = f"{path}:{line}"
-            layout, extra = _layout(record, where)
-            for name in extra:
-                unknown.setdefault(name, where)
-            layouts.check(layout, where)
-            if record["schema_version"] != SCHEMA_VERSION:
-                raise ImportFormatError(f"{where}: schema_version {record['schema_version']!r}, this importer "
-                                        f"reads {SCHEMA_VERSION}")
-            record_step = record.get("export_step", record["step"])
-            if record_step != step or record["rank"] != rank:
-                raise ImportFormatError(f"{where}: record says step {record_step!r} rank {record['rank']!r}, "
-                                        f"the file is step_{step}/rank_{rank}.jsonl")
-            seq = _sequence(record, layout, step, rank, where)
+            layout, seq = _take(record, step, rank, where, run, layouts)
+            if stats is None:
+                stats = Stats(layout, where, version=version)
             if seq is None:
-                skipped_sft += 1
+                stats.skipped_sft += 1
                 continue
-            any_mask |= seq.kept is not None
-            sequences.append(seq)
-    layout = layouts.value
-    assert layout is not None  # at least one non-empty file was read
-    notes = dict(NOTES)
-    fmt = f"prime-rl token_export schema_version {SCHEMA_VERSION}, {layout} layout"
-    n_files = len(files)
+            stats.any_mask |= seq.kept is not None
+            run.sequences.append(seq)
+    assert stats is not None  # at least one non-empty file was read
+    stats.sequences = len(run.sequences)
+    stats.files = len(files)
     traces, verifiers_version, n_trace_files = (trace_index(src, steps) if (src / "rollouts").is_dir()
                                                 else ({}, None, 0))
     if n_trace_files:
-        matched = 0
-        for seq in sequences:
+        stats.matched = 0
+        stats.verifiers = (str(verifiers_version), str(src / "rollouts"))
+        for seq in run.sequences:
             branch = traces.get(tuple(seq.full_ids.tolist()))
             if branch is None:
                 continue
-            matched += 1
+            stats.matched += 1
             seq.prompt, seq.response, seq.finish_reason = branch.prompt, branch.response, branch.finish_reason
             seq.reward = branch.reward if branch.reward is not None else seq.reward
             if branch.group is not None:
                 seq.prompt_key = ("group", branch.group)
-        notes["samples"] = (f"prompt, response, reward, finish_reason and group from rollouts/step_*/train/*/"
-                            f"traces.jsonl, joined by token ids: {matched} of {len(sequences)} sequences matched")
-        fmt += f"; trace streams (trace version {TRACE_VERSION}, verifiers {verifiers_version})"
-        n_files += n_trace_files
-    scalars = step_scalars(src / "metrics.jsonl", steps) if (src / "metrics.jsonl").is_file() else {}
-    if scalars:
-        n_files += 1
-    if unknown:
-        names = sorted(unknown)
-        warnings.warn(f"{src}: prime-rl export fields trustscope does not read, left out: {names} (first at "
-                      f"{unknown[names[0]]}); every field it reads is there", ImportWarning, stacklevel=2)
-        notes["unread"] = f"fields left out: {', '.join(names)}"
-        fmt += f" (and fields {names})"
-    if not any_mask:
-        notes["kept"] = "all kept: the export carries no is_masked (the loss was not prime-rl's default)"
-    if skipped_sft:
-        notes["skipped"] = f"{skipped_sft} training_mode='sft' sequence(s) (no RL update)"
-    return ImportedRun(
-        framework="prime-rl",
-        version=version or f"unknown (token_export schema_version {SCHEMA_VERSION}, {layout} layout)",
-        format=fmt, src=src, loss_rule="prime-rl:default" if any_mask else "prime-rl", notes=notes,
-        sequences=sequences, scalars=scalars, files=n_files,
-    )
+        stats.files += n_trace_files
+    run.scalars = step_scalars(src / "metrics.jsonl", steps) if (src / "metrics.jsonl").is_file() else {}
+    stats.metrics = bool(run.scalars)
+    return _describe(run, stats)

@@ -44,7 +44,8 @@ Arguments of :meth:`TokenLogger.log_step`:
 - ``tokens`` (dict): columns of the ``tokens`` table (:data:`trustscope.schema.TOKENS`) as torch tensors, numpy
   arrays or lists. Padded form: ``(B, T)`` per-token columns, ``(B, T, K)`` top-K columns, ``(B,)`` per-sequence
   columns (``sample_id``, ``prompt_id``, ``advantage`` broadcast over T), with ``mask`` ``(B, T)``. Ragged form
-  (``mask=None``): each per-token column is a list of B 1-D sequences of length ``T_i`` (top-K: ``(T_i, K)``).
+  (``mask=None``, or a list of B 1-D bool masks of length ``T_i``): each per-token column is a list of B 1-D
+  sequences of length ``T_i`` (top-K: ``(T_i, K)``).
   Required: ``token_id``, ``mu_logprob``, ``pi_logprob``, ``advantage`` (here or ``samples['advantage']``) and
   ``prompt_id`` (here or in ``samples``). ``sample_id`` may come from ``tokens`` or ``samples``; it must be unique
   within the step over all ranks (e.g. ``rank * B + i``). It defaults to ``rank * 2**32 + i``, ``i`` counting on
@@ -58,7 +59,8 @@ Arguments of :meth:`TokenLogger.log_step`:
   response; ``engine_token_id`` is the id the engine sampled where the trainer's input may differ. A run's own
   columns are declared once, ``TokenLogger(extra_columns={"env": "string"})``, and given like the built-in ones
   (:mod:`trustscope.columns` declares every column and its check).
-- ``mask``: ``(B, T)`` bool, True on real response tokens (padded form only). ``pos`` is the column index.
+- ``mask``: ``(B, T)`` bool, True on real response tokens (ragged form: one ``(T_i,)`` bool sequence a response,
+  or None for all). ``pos`` is the column index (the index in the response).
 - ``samples`` (dict): columns of the ``samples`` table, each of length B (row i describes tokens row i). May be
   given without ``tokens`` (then ``length`` is required); ``length`` defaults to the mask's row sums.
 - ``scalars`` (dict[str, float]): written to the ``steps`` table (NaN and inf are kept). May be the only argument.

@@ -185,8 +185,8 @@ def _flatten_tokens(
     """
     if "token_id" not in tokens:
         raise Rejected("tokens['token_id'] is required")
-    if mask is None and isinstance(tokens["token_id"], (list, tuple)):
-        return _flatten_ragged(tokens, either, text, lists)
+    if isinstance(tokens["token_id"], (list, tuple)) and (mask is None or isinstance(mask, (list, tuple))):
+        return _flatten_ragged(tokens, either, text, lists, mask)
     token_id = _to_numpy(tokens["token_id"], "tokens['token_id']")
     if token_id.ndim != 2:
         raise Rejected(f"tokens['token_id'] must be (B, T) with a mask, or ragged with mask=None; "
@@ -234,8 +234,11 @@ def _flatten_tokens(
 
 
 def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
-                    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS)
+                    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS),
+                    mask: list | tuple | None = None
                     ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """The ragged form; ``mask``, when given, one 1-D bool sequence per response of its length: only those
+    positions become rows, ``pos`` keeping the index (like the padded form's mask)."""
     seqs = tokens["token_id"]
     B = len(seqs)
     firsts = [_to_numpy(s, f"tokens['token_id'][{i}]") for i, s in enumerate(seqs)]
@@ -245,6 +248,9 @@ def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_P
     lengths = np.array([len(arr) for arr in firsts], dtype=np.int64)
     b = np.repeat(np.arange(B), lengths)
     t = (np.arange(len(b)) - np.repeat(np.cumsum(lengths) - lengths, lengths)).astype(np.int32)
+    keep = None if mask is None else _ragged_mask(mask, lengths)
+    if keep is not None:
+        b, t = b[keep], t[keep]
     cols: dict[str, np.ndarray] = {}
     for name, value in tokens.items():
         label = f"tokens[{name!r}]"
@@ -273,7 +279,27 @@ def _flatten_ragged(tokens: Mapping[str, Any], either: tuple[str, ...] = MAYBE_P
             k = ks.pop() if ks else 0
             parts = [p.reshape(-1, k) for p in parts]
         cols[name] = np.concatenate(parts) if parts else np.zeros(0)
-    return cols, b, t, lengths
+        if keep is not None:
+            cols[name] = cols[name][keep]
+    return cols, b, t, lengths if keep is None else np.bincount(b, minlength=B)
+
+
+def _ragged_mask(mask: list | tuple, lengths: np.ndarray) -> np.ndarray | None:
+    """The ragged form's mask as one flat bool array over every position (None: all True)."""
+    if len(mask) != len(lengths):
+        raise Rejected(f"mask has {len(mask)} sequence(s), tokens['token_id'] has {len(lengths)}: they must agree")
+    parts = []
+    for i, m in enumerate(mask):
+        arr = _to_numpy(m, f"mask[{i}]")
+        if arr.shape != (lengths[i],):
+            raise Rejected(f"mask[{i}] has shape {arr.shape}, but tokens['token_id'][{i}] has length {lengths[i]}")
+        if arr.dtype != np.bool_:
+            if not np.isin(arr, (0, 1)).all():
+                raise Rejected(f"mask must be boolean (or 0/1), got value {arr[~np.isin(arr, (0, 1))][0]}")
+            arr = arr.astype(bool)
+        parts.append(arr)
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+    return None if flat.all() else flat
 
 
 def _n_samples(samples: Mapping[str, Any] | None) -> int:
