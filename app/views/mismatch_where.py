@@ -52,10 +52,13 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
                   "routing_first_layer", "No routed token here.")
     pos = routing[routing["split"] == "position"].copy()
     pos["disagree"] = [widgets.count_of(d, n) for d, n in zip(pos["n_disagree"], pos["n_tokens"], strict=True)]
+    for column, count in (("mean_abs_full", pos["n_tokens"] - pos["n_disagree"]), ("mean_abs_disagree",
+                                                                                  pos["n_disagree"])):
+        pos[column] = ["no token" if not c or value != value else f"{value:.4f}"  # NaN: no token in the split
+                       for value, c in zip(pos[column], count, strict=True)]
     st.dataframe(pos[["run_id", "label", "disagree", "mean_abs_full", "mean_abs_disagree"]].rename(
-        columns={"label": "position"}), hide_index=True, key="routing_position", column_config={
-            "mean_abs_full": st.column_config.NumberColumn("mean |log pi/mu|, full agreement", format="%.4f"),
-            "mean_abs_disagree": st.column_config.NumberColumn("mean |log pi/mu|, disagreement", format="%.4f")})
+        columns={"label": "position", "mean_abs_full": "mean |log pi/mu|, full agreement",
+                 "mean_abs_disagree": "mean |log pi/mu|, disagreement"}), hide_index=True, key="routing_position")
     shown = routed_blocked[routed_blocked["rule"].isin(rules)].copy()
     if shown.empty:
         st.caption("No rule picked above blocks a routed token with A != 0.")
