@@ -124,17 +124,48 @@ class Detector:
     bias: float
     threshold: float
     window: int = 5
+    baseline: int | None = None
+    """None: the weights apply to the signals' own values (absolute). A number of steps: the detector is relative,
+    each signal entering as :func:`relative_signals` gives it, robust deviations of its last ``window`` steps' mean
+    above the run's first ``baseline`` steps; a step warns only after the baseline."""
 
     @property
     def signals(self) -> list[str]:
         return [name for name, _ in self.weights]
 
+    def inputs(self, one_run: pd.DataFrame) -> pd.DataFrame:
+        """The values the weights multiply, one row per step of one run (sorted by step)."""
+        if self.baseline is not None:
+            return relative_signals(one_run, self.signals, self.window, self.baseline)
+        return one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
+
     def score(self, one_run: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
         """The score of each step of one run's signals (sorted by step) and whether it warns."""
-        recent = one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
+        recent = self.inputs(one_run)
         score = self.bias + sum(weight * recent[name] for name, weight in self.weights)
-        full = np.arange(1, len(one_run) + 1) >= self.window
+        n = np.arange(1, len(one_run) + 1)
+        full = (n >= self.window) if self.baseline is None else (n > self.baseline) & (n >= self.window)
         return score.to_numpy(), full & (score >= self.threshold).to_numpy()
+
+
+RELATIVE_FLOOR = 0.05
+"""A relative signal's least deviation: this share of its baseline median's size (a signal that barely moves over
+the run's first steps would otherwise stand many deviations off on any wiggle); a share, so it scales with the run."""
+
+
+def relative_signals(one_run: pd.DataFrame, signals: list[str], window: int, baseline: int) -> pd.DataFrame:
+    """Each signal of one run (rows sorted by step) in the run's own terms: the mean of its last ``window`` steps
+    in robust deviations above its first ``baseline`` steps (:func:`robust_z`: their median; the deviation 1.4826 x
+    their median absolute deviation, floored by :data:`RELATIVE_FLOOR` of the median's size). The same setting then
+    reads the same on a model whose normal mismatch is ten times the toy's or a tenth."""
+    out = {}
+    for name in signals:
+        values = one_run[name].astype(float).reset_index(drop=True)
+        recent = values.rolling(window, min_periods=1).mean()
+        base = values.iloc[:baseline]
+        floor = RELATIVE_FLOOR * abs(float(base.median())) if base.notna().any() else math.nan
+        out[name] = robust_z(recent, base, max(floor, 1e-12)).to_numpy()
+    return pd.DataFrame(out, index=one_run.index)
 
 
 DETECTOR = Detector(weights=(("log_ratio_std", 22.489230799476395), ("bad_negative_rate", -655.7173181551187),
