@@ -173,6 +173,10 @@ DETECTOR = Detector(weights=(("log_ratio_std", 22.489230799476395), ("bad_negati
                     bias=6.823390282037188, threshold=1.1703118159948929)
 """The default early warning where a run's logs carry its signals (the published weights of docs/experiments.md)."""
 
+RELATIVE_DETECTOR: Detector | None = None
+"""The detector of the relative mode (``WarningLines(relative_z=...)``, ``report --warn-relative``): None, the
+relative lines alone."""
+
 
 # ------------------------------------------------------------------------------------------------ shared tables
 
@@ -300,8 +304,8 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
     updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
-    if lines.relative_z is not None:
-        detector = None  # its weights are absolute: not refitted in the run's own terms
+    if lines.relative_z is not None and detector is not None and detector.baseline is None:
+        detector = RELATIVE_DETECTOR  # absolute weights mean nothing in the run's own terms: the relative fit does
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db
@@ -349,15 +353,20 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
         parts.append(part)
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
     out["warning"] = out["warning"].astype(bool)
-    return out[WARNING_COLUMNS]
+    out = out[WARNING_COLUMNS]
+    out.attrs["detector"] = detector
+    return out
 
 
 DETECTOR_LABELS = {"log_ratio_std": "spread of log(pi/mu)", "bad_negative_rate": "bad-update rate",
-                   "ess_frac": "ESS of pi/mu"}
+                   "ess_frac": "ESS of pi/mu", "mismatch_mean": "mean |pi - mu|", "entropy_mean": "entropy",
+                   "grad_norm": "gradient norm", "seq_log_ratio_p99": "p99 of the responses' mean log-ratio"}
 
 
-def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dict[str, str]:
-    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent)."""
+def first_warnings(warnings: pd.DataFrame, detector: Detector | None = None) -> dict[str, str]:
+    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent).
+    ``detector``: the one that scored ``warnings`` (default: the one :func:`collapse_warnings` used)."""
+    detector = detector or warnings.attrs.get("detector") or DETECTOR
     out = {}
     for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
         row = part.sort_values("step").iloc[0]
@@ -365,7 +374,8 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dic
         if row["warn_score"]:
             names = ", ".join(DETECTOR_LABELS.get(n, n) for n in detector.signals)
             why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
-                       f"{detector.window} steps' {names}")
+                       f"{detector.window} steps' {names}"
+                       + (f", each against the run's first {detector.baseline} steps" if detector.baseline else ""))
         if row["warn_bad_rate"]:
             why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens"
                        + (f", {row['bad_rate_z']:.1f} robust deviations above its first steps"
