@@ -178,6 +178,12 @@ def main() -> None:
                   f"score >= {shipped.threshold:.3g}", "scored": scorable,
                   **ew.judge(flags_of(shipped, raw, held_ids), held_c)})
     held_paths = [p for p in held_runs if label(p) in held_ids]
+    shipped_lines = line_flags(held_paths, report.WarningLines())
+    union = flags_of(shipped, raw, held_ids).merge(shipped_lines[["run_id", "step", "warning"]],
+                                                   on=["run_id", "step"], how="outer", suffixes=("", "_lines"))
+    union["warning"] = union["warning"].fillna(False).astype(bool) | union["warning_lines"].fillna(False).astype(bool)
+    table.append({"warning": "**shipped default** (report.DETECTOR or the lines)", "setting": "as shipped",
+                  "scored": len(held_ids), **ew.judge(union, held_c)})
     for name, lines in [("shipped lines (bad rate 1%, 2x mismatch)", report.WarningLines()),
                         *((f"relative lines, {z:g} deviations", report.WarningLines(relative_z=z)) for z in args.z)]:
         table.append({"warning": name, "setting": f"window {lines.window}", "scored": len(held_ids),

@@ -63,7 +63,8 @@ class WarningLines:
     ``window`` steps (their median; the deviation 1.4826 x their median absolute deviation, floored by the
     counting noise of the rate, sqrt(max(median, 1 / baseline tokens) / recent tokens), and by 5% of the median
     mismatch). ``bad_rate`` and ``mismatch_growth`` are then not read, and the fitted detector, whose weights are
-    absolute, is left out (see :func:`collapse_warnings`)."""
+    absolute, gives way to :data:`RELATIVE_DETECTOR`, fitted on inputs in the run's own terms (see
+    :func:`collapse_warnings`)."""
 
     bad_rate: float = 0.01
     mismatch_growth: float = 2.0
