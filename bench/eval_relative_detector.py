@@ -35,9 +35,18 @@ SHIPPED = ("mismatch_mean", "entropy_mean", "grad_norm", "bad_negative_rate")
 
 
 def run_dirs(folders: list[Path]) -> list[Path]:
+    """The finished runs under ``folders`` (a run still training has no collapse to judge yet)."""
+    import json
+
     from trustscope import schema
 
-    return sorted({run for folder in folders for run in schema.run_dirs(folder)})
+    def finished(run: Path) -> bool:
+        try:
+            return json.loads((run / schema.MANIFEST).read_text()).get("status") == "finished"
+        except (OSError, ValueError):
+            return False
+
+    return sorted({run for folder in folders for run in schema.run_dirs(folder) if finished(run)})
 
 
 def label(run: Path) -> str:
