@@ -55,7 +55,8 @@ def test_relative_lines_are_refused_when_not_positive():
 def test_the_live_warning_reads_the_relative_lines(logdir):
     with connect(logdir, cache=False) as db:
         got = report.collapse_warnings(db, ["collapse-x10"], report.WarningLines(window=5, relative_z=6))
-    assert got["score"].isna().all()  # the detector's absolute weights are left out
+    assert got.attrs["detector"] is report.RELATIVE_DETECTOR  # the absolute weights give way to the relative fit
+    assert not got["warn_score"].iloc[:report.RELATIVE_DETECTOR.baseline].any()  # never within its baseline
     first = got[got["warning"]].iloc[0]
     warning = T.EarlyWarning(report.WarningLines(window=5, relative_z=6))
     text = warning.reason({f"{T.PREFIX}/warning/bad_rate_recent": first["bad_rate_recent"],
