@@ -206,3 +206,31 @@ def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
     assert last >= first + 0.1, f"the demo's reward went {first:.2f} -> {last:.2f} over its {DEMO_STEPS} steps"
     closing = capsys.readouterr().err
     assert f"reward {first:.2f} over the first 5 steps, {last:.2f} over the last 5" in closing
+
+
+def test_the_warm_world_is_toy_v2_with_another_warm_start_and_names_itself_when_it_falls_short(monkeypatch):
+    """``toy-v2-warm`` (the ``sanity-climb-warm`` sweep's world) is toy-v2's build with a higher warm-start target,
+    toy-v2 itself untouched (its shipped build keeps its key); a preset name passes through; a warm start that
+    falls short fails naming the world and its target."""
+    import dataclasses
+
+    import trustscope.train.toy as toy
+
+    exp = _experiments()
+    preset = exp.PRESETS["sanity-climb-warm"]
+    base, change = exp.WORLDS[preset.toy]
+    warm = dataclasses.replace(toy.TOY_PRESETS[base], **change)
+    assert base == "toy-v2" and warm.target_accuracy > toy.TOY_PRESETS["toy-v2"].target_accuracy
+    assert warm.key() != toy.TOY_PRESETS["toy-v2"].key() and preset.setting["task"] == warm.task
+    assert exp.world_model("toy-v2") == "toy-v2"
+    built = []
+    monkeypatch.setattr(toy, "build_toy_model", lambda config: built.append(config) or Path("/cache/toy/x"))
+    assert exp.world_model("toy-v2-warm") == "/cache/toy/x" and built == [warm]
+
+    def short(config):
+        raise RuntimeError("warm start on task 'addcol2' reached expected accuracy 0.410 after 4000 steps, short of "
+                           "target_accuracy=0.6")
+
+    monkeypatch.setattr(toy, "build_toy_model", short)
+    with pytest.raises(SystemExit, match=r"toy-v2-warm.*target_accuracy=0.6"):
+        exp.world_model("toy-v2-warm")

@@ -195,3 +195,34 @@ def test_a_run_too_large_to_cut_on_its_rows_is_said_so_and_its_summaries_still_a
     assert rows["value"].isna().all() and rows["note"].str.startswith("not cut").all()
     summ = eb[(eb["run_id"] == "summ") & eb["source"].fillna("").str.startswith("summaries")]
     assert len(summ) >= 10 and summ["value"].notna().all()
+
+
+def test_picks_by_turn_and_staleness_where_logged_recount_from_the_masks(tmp_path):
+    """At an equal budget, the picks by turn and staleness add up to each rule's blocked count and match a recount
+    by the rule's own mask at the solved threshold, group by group; a run that logged neither has no such rows."""
+    from async_logs import write_async_logdir
+
+    logdir = write_async_logdir(tmp_path / "logs")
+    rules = ["dppo_binary_tv", "ppo_clip"]
+    with connect(logdir, cache=False) as db:
+        eb = db.equal_budget("async-lag3", budget=0.1, rules=rules)
+        picks = db.budget_picks("async-lag3", eb)
+        plain = db.budget_picks("sync-single-turn", db.equal_budget("sync-single-turn", budget=0.1, rules=rules))
+    assert {"turn", "staleness"} <= set(picks["dimension"])
+    assert not {"turn", "staleness"} & set(plain["dimension"])
+    solved = eb.set_index("rule")
+    assert set(picks.loc[picks["dimension"] == "staleness", "value"]) == {"0", "1", "2", "3"}
+    for rule in rules:
+        params = json.loads(solved.loc[rule, "params"])
+        with connect(logdir, rule_params={rule: params}, cache=False) as db:
+            truth = db.sql(
+                f"select t.turn::varchar as turn, t.staleness::varchar as staleness, count(*) as n "
+                f"from rule_blocks r join tokens t using (run_id, step, rank, sample_id, pos) "
+                f"where r.run_id = 'async-lag3' and r.advantage <> 0 and r.blocks_{rule} "
+                f"group by all").to_pandas()
+        assert int(truth["n"].sum()) == int(solved.loc[rule, "n_blocked"]) > 0
+        mine = picks[picks["rule"] == rule]
+        for dimension in ("turn", "staleness"):
+            got = mine[mine["dimension"] == dimension].set_index("value")["n_blocked"].to_dict()
+            want = truth.groupby(dimension)["n"].sum().to_dict()
+            assert got == want, (rule, dimension)

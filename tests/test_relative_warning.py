@@ -55,7 +55,8 @@ def test_relative_lines_are_refused_when_not_positive():
 def test_the_live_warning_reads_the_relative_lines(logdir):
     with connect(logdir, cache=False) as db:
         got = report.collapse_warnings(db, ["collapse-x10"], report.WarningLines(window=5, relative_z=6))
-    assert got["score"].isna().all()  # the detector's absolute weights are left out
+    assert got.attrs["detector"] is report.RELATIVE_DETECTOR  # the absolute weights give way to the relative fit
+    assert not got["warn_score"].iloc[:report.RELATIVE_DETECTOR.baseline].any()  # never within its baseline
     first = got[got["warning"]].iloc[0]
     warning = T.EarlyWarning(report.WarningLines(window=5, relative_z=6))
     text = warning.reason({f"{T.PREFIX}/warning/bad_rate_recent": first["bad_rate_recent"],
@@ -63,3 +64,30 @@ def test_the_live_warning_reads_the_relative_lines(logdir):
                            f"{T.PREFIX}/warning/bad_rate_z": first["bad_rate_z"],
                            f"{T.PREFIX}/warning/mismatch_z": first["mismatch_z"]})
     assert "robust deviations above the run's first steps" in text
+
+
+def test_a_relative_detector_reads_a_run_the_same_at_any_scale_and_waits_for_its_baseline():
+    """Inputs in the run's own terms: a run whose signals are all ten times (or a tenth of) another's scores the
+    same, step by step, where the same weights on absolute inputs warn on one and not the other; no step of the
+    baseline warns."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(40)
+    drift = np.where(steps >= 25, (steps - 24) * 0.2, 0.0)  # quiet for 25 steps, then rising
+    run = pd.DataFrame({"step": steps, "mismatch_mean": 0.01 * (1 + 0.05 * rng.standard_normal(40) + drift),
+                        "entropy_mean": 0.1 * (1 + 0.05 * rng.standard_normal(40) + drift)})
+    relative = report.Detector(weights=(("mismatch_mean", 0.5), ("entropy_mean", 0.5)), bias=0.0, threshold=3.0,
+                               baseline=10)
+    score, warn = relative.score(run)
+    assert not warn[:10].any() and warn[30:].all() and not warn[10:25].any()
+    for scale in (0.1, 10.0):
+        scaled = run.assign(mismatch_mean=run.mismatch_mean * scale, entropy_mean=run.entropy_mean * scale)
+        other, other_warn = relative.score(scaled)
+        assert np.allclose(other, score) and (other_warn == warn).all()
+    absolute = report.Detector(weights=relative.weights, bias=0.0, threshold=0.05)
+    loud = absolute.score(run.assign(mismatch_mean=run.mismatch_mean * 10, entropy_mean=run.entropy_mean * 10))[1]
+    assert loud[absolute.window - 1:].all()  # every step from its first full window
+    assert not absolute.score(run.assign(mismatch_mean=run.mismatch_mean / 10,
+                                         entropy_mean=run.entropy_mean / 10))[1].any()

@@ -363,7 +363,7 @@ def report(
     warn_relative: float | None = typer.Option(None, "--warn-relative", help="Collapse warning against the run's "
                                                "own first --warn-window steps instead: the bad-update rate or mean "
                                                "|pi - mu| this many robust deviations (median, MAD) above them "
-                                               "(replaces the two lines above and the fitted detector)."),
+                                               "(replaces the two lines above, and the fitted detector by the one fitted in the run's own terms)."),
     ray: str | None = typer.Option(None, "--ray", help="Aggregate new files as Ray tasks on this cluster: auto, "
                                    "HOST:PORT or ray://HOST:PORT (trustscope installed on its nodes, the logs on "
                                    "storage they share)."),

@@ -63,7 +63,8 @@ class WarningLines:
     ``window`` steps (their median; the deviation 1.4826 x their median absolute deviation, floored by the
     counting noise of the rate, sqrt(max(median, 1 / baseline tokens) / recent tokens), and by 5% of the median
     mismatch). ``bad_rate`` and ``mismatch_growth`` are then not read, and the fitted detector, whose weights are
-    absolute, is left out (see :func:`collapse_warnings`)."""
+    absolute, gives way to :data:`RELATIVE_DETECTOR`, fitted on inputs in the run's own terms (see
+    :func:`collapse_warnings`)."""
 
     bad_rate: float = 0.01
     mismatch_growth: float = 2.0
@@ -124,23 +125,62 @@ class Detector:
     bias: float
     threshold: float
     window: int = 5
+    baseline: int | None = None
+    """None: the weights apply to the signals' own values (absolute). A number of steps: the detector is relative,
+    each signal entering as :func:`relative_signals` gives it, robust deviations of its last ``window`` steps' mean
+    above the run's first ``baseline`` steps; a step warns only after the baseline."""
 
     @property
     def signals(self) -> list[str]:
         return [name for name, _ in self.weights]
 
+    def inputs(self, one_run: pd.DataFrame) -> pd.DataFrame:
+        """The values the weights multiply, one row per step of one run (sorted by step)."""
+        if self.baseline is not None:
+            return relative_signals(one_run, self.signals, self.window, self.baseline)
+        return one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
+
     def score(self, one_run: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
         """The score of each step of one run's signals (sorted by step) and whether it warns."""
-        recent = one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
+        recent = self.inputs(one_run)
         score = self.bias + sum(weight * recent[name] for name, weight in self.weights)
-        full = np.arange(1, len(one_run) + 1) >= self.window
+        n = np.arange(1, len(one_run) + 1)
+        full = (n >= self.window) if self.baseline is None else (n > self.baseline) & (n >= self.window)
         return score.to_numpy(), full & (score >= self.threshold).to_numpy()
+
+
+RELATIVE_FLOOR = 0.05
+"""A relative signal's least deviation: this share of its baseline median's size (a signal that barely moves over
+the run's first steps would otherwise stand many deviations off on any wiggle); a share, so it scales with the run."""
+
+
+def relative_signals(one_run: pd.DataFrame, signals: list[str], window: int, baseline: int) -> pd.DataFrame:
+    """Each signal of one run (rows sorted by step) in the run's own terms: the mean of its last ``window`` steps
+    in robust deviations above its first ``baseline`` steps (:func:`robust_z`: their median; the deviation 1.4826 x
+    their median absolute deviation, floored by :data:`RELATIVE_FLOOR` of the median's size). The same setting then
+    reads the same on a model whose normal mismatch is ten times the toy's or a tenth."""
+    out = {}
+    for name in signals:
+        values = one_run[name].astype(float).reset_index(drop=True)
+        recent = values.rolling(window, min_periods=1).mean()
+        base = values.iloc[:baseline]
+        floor = RELATIVE_FLOOR * abs(float(base.median())) if base.notna().any() else math.nan
+        out[name] = robust_z(recent, base, max(floor, 1e-12)).to_numpy()
+    return pd.DataFrame(out, index=one_run.index)
 
 
 DETECTOR = Detector(weights=(("log_ratio_std", 22.489230799476395), ("bad_negative_rate", -655.7173181551187),
                              ("ess_frac", -16.687836347753525)),
                     bias=6.823390282037188, threshold=1.1703118159948929)
 """The default early warning where a run's logs carry its signals (the published weights of docs/experiments.md)."""
+
+RELATIVE_DETECTOR: Detector | None = Detector(
+    weights=(("entropy_mean", 1.4130389062859534), ("mismatch_mean", -0.07704572494664134)),
+    bias=-1.2404082056364087, threshold=0.10416236999831273, baseline=10)
+"""The detector of the relative mode (``WarningLines(relative_z=...)``, ``report --warn-relative``): the entropy
+and mean |pi - mu| of the last 5 steps, each in robust deviations above the run's first 10 steps, fitted on 21 toy
+runs of two worlds and nine settings (docs/experiments.md, "The detector in the run's own terms"). Opt-in: on
+held-out runs it was not at least as good as the shipped default everywhere."""
 
 
 # ------------------------------------------------------------------------------------------------ shared tables
@@ -269,8 +309,8 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
     updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
-    if lines.relative_z is not None:
-        detector = None  # its weights are absolute: not refitted in the run's own terms
+    if lines.relative_z is not None and detector is not None and detector.baseline is None:
+        detector = RELATIVE_DETECTOR  # absolute weights mean nothing in the run's own terms: the relative fit does
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db
@@ -318,15 +358,20 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
         parts.append(part)
     out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
     out["warning"] = out["warning"].astype(bool)
-    return out[WARNING_COLUMNS]
+    out = out[WARNING_COLUMNS]
+    out.attrs["detector"] = detector
+    return out
 
 
 DETECTOR_LABELS = {"log_ratio_std": "spread of log(pi/mu)", "bad_negative_rate": "bad-update rate",
-                   "ess_frac": "ESS of pi/mu"}
+                   "ess_frac": "ESS of pi/mu", "mismatch_mean": "mean |pi - mu|", "entropy_mean": "entropy",
+                   "grad_norm": "gradient norm", "seq_log_ratio_p99": "p99 of the responses' mean log-ratio"}
 
 
-def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dict[str, str]:
-    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent)."""
+def first_warnings(warnings: pd.DataFrame, detector: Detector | None = None) -> dict[str, str]:
+    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent).
+    ``detector``: the one that scored ``warnings`` (default: the one :func:`collapse_warnings` used)."""
+    detector = detector or warnings.attrs.get("detector") or DETECTOR
     out = {}
     for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
         row = part.sort_values("step").iloc[0]
@@ -334,7 +379,8 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector = DETECTOR) -> dic
         if row["warn_score"]:
             names = ", ".join(DETECTOR_LABELS.get(n, n) for n in detector.signals)
             why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
-                       f"{detector.window} steps' {names}")
+                       f"{detector.window} steps' {names}"
+                       + (f", each against the run's first {detector.baseline} steps" if detector.baseline else ""))
         if row["warn_bad_rate"]:
             why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens"
                        + (f", {row['bad_rate_z']:.1f} robust deviations above its first steps"

@@ -18,7 +18,7 @@ POSITION_LABELS = ["0", "1-3", "4-15", "16-63", "64-255", "256+"]
 
 EQUAL, AS_SET = "At an equal budget", "At their parameters (defaults)"
 DIMENSIONS = {"mu_bucket": "mu bucket", "advantage_sign": "advantage sign", "entropy_bucket": "entropy bucket",
-              "position": "position in the response"}
+              "position": "position in the response", "turn": "turn", "staleness": "staleness (versions behind)"}
 
 st.title("Counterfactual")
 runs = widgets.require_runs()
@@ -105,7 +105,8 @@ def equal_budget_page() -> None:
         rule_b = st.selectbox("Rule B", choices, index=choices.index(second), key=f"cf_eb_b_{run}",
                               format_func=lambda r: r + figures.APPLIED_MARK if r == applied else r)
     picks = data.budget_picks(run, budget)
-    dimension = st.segmented_control("Picks by", list(DIMENSIONS), default="mu_bucket", key="cf_dimension",
+    offered = [d for d in DIMENSIONS if d in set(picks["dimension"])] or list(DIMENSIONS)[:4]  # turn, staleness: where logged
+    dimension = st.segmented_control("Picks by", offered, default="mu_bucket", key="cf_dimension",
                                      format_func=DIMENSIONS.get) or "mu_bucket"
     rows_n = int(picks.loc[picks["rule"] == "(all tokens)"].groupby("dimension")["n_blocked"].sum().max())
     widgets.chart(data.figure(figures.budget_picks, picks, dimension, [rule_a] if rule_a == rule_b else

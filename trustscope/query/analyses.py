@@ -286,7 +286,8 @@ class NamedAnalyses:
     def budget_picks(self, run_id: str, budget: pd.DataFrame) -> pd.DataFrame:
         """Which tokens each rule blocks on ``run_id`` at the thresholds of ``budget`` (an :meth:`equal_budget`
         frame), from the logged rows: rule ('(all tokens)': every token with A != 0), dimension ('mu_bucket',
-        'advantage_sign', 'entropy_bucket', 'position'), value, n_blocked, share (of the rule's blocked tokens)."""
+        'advantage_sign', 'entropy_bucket', 'position', and 'turn' and 'staleness' where the run logged them),
+        value, n_blocked, share (of the rule's blocked tokens)."""
         from trustscope.query.budget import cuts_of
 
         cuts = cuts_of(budget, self, run_id)
