@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # production shape: the 152k world built and trained, in .ci/run's own step
 def test_widening_keeps_the_base_and_gives_the_tail_its_mass(tmp_path):
     config = toy_wide.WideToyConfig(vocab_size=3_000, tail_mass=0.01)
     path = toy_wide.build_wide_toy_model(config, cache_dir=tmp_path)
@@ -75,6 +76,7 @@ def test_the_trainer_knows_the_preset():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # production shape: the 152k world built and trained, in .ci/run's own step
 def test_real_vocabulary_world_trains_logs_and_every_reader_opens_it(tmp_path, monkeypatch):
     """``trustscope train --model toy-v2-152k`` through vLLM with top-20, then report, doctor, validate, sql and
     every dashboard page on the log."""
