@@ -91,9 +91,10 @@ def count(db, query: str) -> int:
     return db.sql(query).table["n"][0].as_py()
 
 
-def compact(target: Path | str, *args: str) -> None:
+def compact(target: Path | str, *args: str) -> str:
     result = CliRunner().invoke(app, ["compact", str(target), "--grace", "0", *args])
     assert result.exit_code == 0, result.output
+    return result.output
 
 
 def test_compacted_log_reads_the_same_rows_in_order_with_the_loggers_encodings(pristine, tmp_path):
@@ -357,10 +358,8 @@ def test_sigkill_at_random_moments_of_a_compaction(small, tmp_path, monkeypatch)
     for kill in range(KILLS):
         logdir = tmp_path / f"k{kill}"
         run = copy_of(small, logdir)
-        if kill % 2:
-            _fork_and_kill(logdir, "op", rng.randint(1, ops))
-        else:
-            _fork_and_kill(logdir, "time", rng.uniform(0, 1.2 * seconds))
+        mode, value = ("op", rng.randint(1, ops)) if kill % 2 else ("time", rng.uniform(0, 1.2 * seconds))
+        _fork_and_kill(logdir, mode, value)
         got = in_key_order(rows(run))
         for table in S.TABLES:
             assert got[table].equals(expected[table]), f"kill {kill}: {table} differs"
@@ -375,13 +374,15 @@ def test_sigkill_at_random_moments_of_a_compaction(small, tmp_path, monkeypatch)
             log_steps(logdir, KILL_STEPS, KILL_STEPS, resume=True)  # the logger reopens a half-compacted run
             assert S.validate_run(run) == []
             assert rows(run)["tokens"].num_rows == (KILL_STEPS + 1) * B * T
-        compact(logdir)
+        said = compact(logdir)
         for table in S.TABLES:
             data = in_key_order(rows(run))[table]
             assert data.slice(0, expected[table].num_rows).equals(expected[table]), f"kill {kill}: {table}"
-        left = sorted(p.name for p in run.rglob("*") if p.is_file() and p.relative_to(run).parts[0] in S.TABLES)
-        assert left and all(S.parse_data_file(n).compacted for n in left), left  # sources, leftovers removed
-        assert not (run / S.STAGING_DIR).exists() and not (run / S.SUPERSEDED_DIR).exists()
+        left = sorted(p.relative_to(run).as_posix() for p in run.rglob("*")
+                      if p.is_file() and p.relative_to(run).parts[0] in S.TABLES)
+        assert left and all(S.parse_data_file(n.rpartition("/")[2]).compacted for n in left), \
+            (f"kill {kill} ({mode} {value}): sources or leftovers kept", left, said)
+        assert not (run / S.STAGING_DIR).exists() and not (run / S.SUPERSEDED_DIR).exists(), (kill, mode, value, said)
         shutil.rmtree(logdir)
 
 
