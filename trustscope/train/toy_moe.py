@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brin
 
 from trustscope.paths import cache_root
 from trustscope.train import toy
+from trustscope.train.builds import staged_build
 
 
 @dataclass(frozen=True)
@@ -115,9 +114,7 @@ def build_toy_moe_model(config: ToyMoeConfig | None = None, *, cache_dir: str | 
     final = root / "toy" / f"moe-{config.task}-{config.key()}"
     if (final / toy.META_FILE).exists() and not force:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with staged_build(final, force=force) as tmp:
         start = time.perf_counter()
         tokenizer = toy.toy_tokenizer()
         model = new_toy_moe_model(config, tokenizer).to(config.device)
@@ -138,14 +135,4 @@ def build_toy_moe_model(config: ToyMoeConfig | None = None, *, cache_dir: str | 
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "build_seconds": round(time.perf_counter() - start, 2), "warm_start": record}
         (tmp / toy.META_FILE).write_text(json.dumps(meta, indent=2))
-        if force and final.exists():
-            shutil.rmtree(final)
-        try:
-            tmp.rename(final)
-        except OSError:  # another builder renamed its copy first: keep theirs
-            if not (final / toy.META_FILE).exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final

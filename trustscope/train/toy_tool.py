@@ -22,8 +22,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brin
 
 from trustscope.paths import cache_root
 from trustscope.train import toy
+from trustscope.train.builds import staged_build
 from trustscope.train.tasks import Problem, get_task, model_spans
 
 
@@ -133,9 +132,7 @@ def build_toy_tool_model(config: ToyToolConfig | None = None, *, cache_dir: str 
     final = root / "toy" / f"tool-{config.task}-{config.key()}"
     if (final / toy.META_FILE).exists() and not force:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with staged_build(final, force=force) as tmp:
         start = time.perf_counter()
         tokenizer = toy.toy_tokenizer()
         model = toy.new_toy_model(config, tokenizer).to(config.device)
@@ -151,14 +148,4 @@ def build_toy_tool_model(config: ToyToolConfig | None = None, *, cache_dir: str 
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "build_seconds": round(time.perf_counter() - start, 2), "warm_start": record}
         (tmp / toy.META_FILE).write_text(json.dumps(meta, indent=2))
-        if force and final.exists():
-            shutil.rmtree(final)
-        try:
-            tmp.rename(final)
-        except OSError:  # another builder renamed its copy first: keep theirs
-            if not (final / toy.META_FILE).exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final

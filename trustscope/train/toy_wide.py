@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brin
 
 from trustscope.paths import cache_root
 from trustscope.train import toy
+from trustscope.train.builds import staged_build
 from trustscope.train.tasks import get_task
 
 WIDE_VERSION = "1"
@@ -216,9 +215,7 @@ def build_wide_toy_model(config: WideToyConfig | None = None, *, cache_dir: str 
     base_config = config.base_config()
     seed_cache(base_config, cache_dir)  # the shipped toy-v2, when the cache lacks it
     base_dir = toy.build_toy_model(base_config, cache_dir=cache_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with staged_build(final, force=force) as tmp:
         start = time.perf_counter()
         model, base_tokenizer = toy.load_toy_model(base_dir)
         model, record = widen(model, base_tokenizer, config)
@@ -242,14 +239,4 @@ def build_wide_toy_model(config: WideToyConfig | None = None, *, cache_dir: str 
             "build_seconds": round(time.perf_counter() - start, 2),
         }
         (tmp / toy.META_FILE).write_text(json.dumps(meta, indent=2))
-        if force and final.exists():
-            shutil.rmtree(final)
-        try:
-            tmp.rename(final)
-        except OSError:  # another builder renamed its copy first: keep theirs
-            if not (final / toy.META_FILE).exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
