@@ -20,7 +20,7 @@ does not matter: the experts' outputs are summed).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +70,17 @@ def agreement(engine: np.ndarray, trainer: np.ndarray) -> tuple[np.ndarray, np.n
     return by_layer.mean(-1), by_layer
 
 
+@contextlib.contextmanager
+def forward_hooks(modules: Sequence[Any], hook: Callable[[int], Callable[..., Any]]) -> Iterator[None]:
+    """``hook(i)`` registered as the forward hook of the ``i``-th of ``modules`` for the block, removed after it."""
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _router_indices(output: Any, top_k: int) -> torch.Tensor:
     """``(rows, k)`` expert ids from a router module's output: ``(logits, weights, indices)`` or plain logits."""
 
@@ -114,12 +125,8 @@ class TrainerRouting:
                 self._rows[i] = _router_indices(output, self.top_k).detach().to("cpu", torch.int16)
             return record
 
-        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(self.modules)]
-        try:
+        with forward_hooks(self.modules, hook):
             yield self
-        finally:
-            for h in handles:
-                h.remove()
 
     def take(self, batch: int, seq: int) -> np.ndarray:
         import torch
@@ -333,9 +340,5 @@ class RouterReplay:
                 return logits, probs.to(logits.dtype), chosen
             return replace
 
-        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(tr.modules)]
-        try:
+        with forward_hooks(tr.modules, hook):
             yield tr
-        finally:
-            for h in handles:
-                h.remove()
