@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -384,6 +386,117 @@ def test_sigkill_at_random_moments_of_a_compaction(small, tmp_path, monkeypatch)
             (f"kill {kill} ({mode} {value}): sources or leftovers kept", left, said)
         assert not (run / S.STAGING_DIR).exists() and not (run / S.SUPERSEDED_DIR).exists(), (kill, mode, value, said)
         shutil.rmtree(logdir)
+
+
+def _killed_after_the_first_swap(logdir: Path, holder: tuple[int, int] | None = None) -> None:
+    """Compact ``logdir`` in a forked child SIGKILLed right after it swapped the first table's rank folder (tokens)
+    and before the others. ``holder``: a pipe; the child first forks a process that keeps a copy of every
+    descriptor, the rank's lock among them, until the pipe's write end closes (at most 60 s): what a child
+    process between its fork and its exec does."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            real = C.exchange
+
+            def exchange_then_die(a, b):
+                real(a, b)
+                if holder is not None and os.fork() == 0:
+                    os.close(holder[1])
+                    select.select([holder[0]], [], [], 60)
+                    os._exit(0)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            C.exchange = exchange_then_die
+            C.compact_logdir(logdir, grace_s=0)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+
+def _compacted_tables(run: Path) -> list[str]:
+    return [t for t in S.TABLES if any(S.parse_data_file(p.name).compacted for p in (run / t / "r0000").iterdir())]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_lock_that_a_killed_compactions_child_still_holds_is_waited_for(small, tmp_path):
+    """Killed between two tables' swaps while a process it forked still holds its lock (an flock belongs to every
+    copy of the descriptor; the killed process is gone): the next compact waits for the lock and finishes the
+    swap, instead of skipping the rank as written by another logger (three tables left uncompacted)."""
+    run = copy_of(small, tmp_path / "log")
+    r, w = os.pipe()
+    _killed_after_the_first_swap(tmp_path / "log", holder=(r, w))
+    os.close(r)
+    assert _compacted_tables(run) == ["tokens"] and len(S.read_manifest(run)[S.COMPACTED_KEY]) == 1
+    fd = os.open(run / ".r0000.lock", os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # held, by a process that is not the lock file's owner
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    threading.Timer(0.3, os.close, [w]).start()
+    said = compact(tmp_path / "log")
+    assert "skipped" not in said, said
+    assert "swapped in the compacted files of flushes [1, 10] in samples, steps, summaries" in said, said
+    assert _compacted_tables(run) == list(S.TABLES)
+    assert all(len(list((run / t / "r0000").iterdir())) == 1 for t in S.TABLES)
+    assert not (run / S.STAGING_DIR).exists() and S.validate_run(run) == []
+
+
+def test_a_lock_whose_owner_lives_is_not_waited_for(tmp_path):
+    """The wait is for owners that are gone only: a live owner's lock is refused at once."""
+    from trustscope.logger.errors import LogDirError
+    from trustscope.logger.runfiles import RunLock
+
+    held = RunLock(tmp_path, 0)
+    held.acquire("c", 0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LogDirError, match="being written by another logger"):
+            RunLock(tmp_path, 0).acquire("c", 0)
+        assert time.monotonic() - started < 1.0
+    finally:
+        held.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_swap_that_cannot_be_finished_keeps_the_flush_files_it_would_replace(small, tmp_path):
+    """Killed between two tables' swaps, and the next swap refused (a folder changed since it was staged): the
+    flush files of the tables not swapped are still what readers read, so compaction keeps them (it deleted
+    them, as superseded by a record whose files had not landed there); once the folder is as staged, it
+    finishes."""
+    run = copy_of(small, tmp_path / "log")
+    expected = in_key_order(rows(run))
+    _killed_after_the_first_swap(tmp_path / "log")
+    (run / "samples" / "r0000" / "notes.txt").write_text("put here by hand")
+    said = compact(tmp_path / "log")
+    assert "cannot finish the compaction of flushes [1, 10]" in said, said
+    got = in_key_order(rows(run))
+    for table in S.TABLES:
+        assert got[table].equals(expected[table]), table
+        glob = str(run / table / "**" / "*.parquet")
+        assert duckdb.sql(f"select count(*) from read_parquet('{glob}')").fetchall()[0][0] == \
+            expected[table].num_rows, table
+    (run / "samples" / "r0000" / "notes.txt").unlink()
+    said = compact(tmp_path / "log")
+    assert "swapped in the compacted files of flushes [1, 10] in samples, steps, summaries" in said, said
+    assert _compacted_tables(run) == list(S.TABLES) and S.validate_run(run) == []
+
+
+def test_a_swap_starts_no_process(tmp_path, monkeypatch):
+    """The swap finds libc's renameat2 among the loaded symbols: no child process (ctypes.util.find_library runs
+    ldconfig in one, which holds a copy of the rank's lock until it execs), once."""
+    from trustscope import storage
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a swap started a process")
+
+    storage._renameat2.cache_clear()
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_process)
+    monkeypatch.setattr(os, "fork", no_process)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x").touch()
+    storage.exchange(tmp_path / "a", tmp_path / "b")
+    assert os.listdir(tmp_path / "b") == ["x"] and os.listdir(tmp_path / "a") == []
 
 
 def _state(run_dir: Path) -> dict[str, tuple[int, int]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -380,16 +381,24 @@ _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno
 _exchange_ok: dict[int, bool] = {}
 
 
+@functools.cache
 def _renameat2() -> Any:
+    """libc's ``renameat2``, looked up once, from the symbols the process has loaded already. Never through
+    ``ctypes.util.find_library``: it runs ``ldconfig -p`` in a child process, which holds a copy of every open
+    file (a rank's lock among them) until it execs, so a process killed in that moment leaves its lock held by
+    a process that is not itself, for a while after it is gone; and it costs milliseconds a swap."""
     import ctypes
-    import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    return fn
+    for name in (None, "libc.so.6"):
+        try:
+            fn = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None)
+        except OSError:
+            continue
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None
 
 
 def exchange(a: str | os.PathLike, b: str | os.PathLike) -> None:

@@ -398,10 +398,15 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
     failed) once ``delete_after_s`` passed since its commit, and the rank's superseded folders as old. Failures are
     warnings (retried at the next compaction)."""
     listed = {rel for r in records for rel in r["files"]}
-    spans = [(r["flushes"][0], r["flushes"][1], float(r.get("at") or 0.0)) for r in records]
+    spans = [(r["flushes"][0], r["flushes"][1], float(r.get("at") or 0.0), r["files"]) for r in records]
 
-    def superseded_at(lo: int, hi: int) -> float | None:
-        return next((at for a, b, at in spans if a <= lo and hi <= b), None)
+    def superseded_at(lo: int, hi: int, folder: str | None = None, names: Any = ()) -> float | None:
+        """When a record covering ``lo..hi`` was committed; with ``folder``, only a record in effect there (its
+        files of ``folder`` all among ``names``), as readers decide (:meth:`trustscope.schema.Commits.select`):
+        a flush file whose compacted file has not landed in its folder (a swap not finished) is still read."""
+        return next((at for a, b, at, files in spans if a <= lo and hi <= b and (
+            folder is None or all(rel.rpartition("/")[2] in names for rel in files
+                                  if rel.rpartition("/")[0] == folder))), None)
 
     for table, names in listing.items():
         for name in list(names):
@@ -420,7 +425,7 @@ def _cleanup(store: RunStore, run_dir: Any, rank: int, records: list[dict], list
                 elif parsed.flush is not None and isinstance(mark, int) and parsed.flush > mark:
                     old = True
                 elif parsed.flush is not None:
-                    at = superseded_at(parsed.flush, parsed.flush)
+                    at = superseded_at(parsed.flush, parsed.flush, folders[table], names)
                     old = at is not None and now - at >= delete_after_s
                 else:
                     old = False

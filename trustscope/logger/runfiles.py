@@ -140,6 +140,10 @@ def read_json(path: Path, store: RunStore | None = None) -> dict:
 
 NO_LOCKS = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK})
 """flock errors of file systems that offer no locks (e.g. Lustre mounted ``noflock``): logging goes on, unlocked."""
+INHERITED_LOCK_WAIT_S = 10.0
+"""Seconds :meth:`RunLock.acquire` waits for a lock whose owner is gone (no process of its pid on this host) but
+that a process it forked still holds (a child between its fork and its exec, a data loader worker): the lock
+outlives its owner until that process ends."""
 
 
 class RunLock:
@@ -154,6 +158,10 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, run_id: str, rank: int) -> None:
+        """Take the lock, or raise LogDirError naming its owner. A lock whose owner is gone but that a process it
+        forked still holds (an flock belongs to every copy of the file descriptor) is waited for, up to
+        :data:`INHERITED_LOCK_WAIT_S`: a killed logger or compaction leaves it held only that long."""
+        deadline = None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -161,10 +169,18 @@ class RunLock:
             except BlockingIOError:
                 owner = self._owner(fd)
                 os.close(fd)
+                gone = _owner_gone(owner)
+                if gone:
+                    deadline = time.monotonic() + INHERITED_LOCK_WAIT_S if deadline is None else deadline
+                    if time.monotonic() < deadline:
+                        time.sleep(0.01)
+                        continue
                 raise LogDirError(f"run {run_id!r} rank {rank} is being written by another logger (pid "
                                   f"{owner.get('pid', '?')} on host {owner.get('hostname', '?')}, since "
                                   f"{owner.get('at', '?')}; lock {str(self.path)!r}); close it first, or log "
-                                  f"another rank or run_id") from None
+                                  f"another rank or run_id"
+                                  + (f" (pid {owner['pid']} is gone, but a process it started has held its lock "
+                                     f"for {INHERITED_LOCK_WAIT_S:g} s)" if gone else "")) from None
             except OSError as err:
                 if err.errno not in NO_LOCKS:
                     os.close(fd)
@@ -203,6 +219,20 @@ class RunLock:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _owner_gone(owner: dict) -> bool:
+    """Whether the lock owner a lock file names ran on this host and no process of its pid exists now."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid() or owner.get("hostname") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
 
 
 class NoLock:
