@@ -31,6 +31,9 @@ from trustscope.losses import LossRule, get_loss, list_losses
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
 VIEW_DIR = SQL_DIR / "views"
+TABLE_MACRO_DIR = SQL_DIR / "table_macros"
+"""Table macros over the views (``create macro <name>(...) as table``), each in ``<name>.sql``: the rows several
+queries start from, written once. DuckDB binds a table macro when it is made, so they load after the views."""
 QUERY_DIR = SQL_DIR / "queries"
 """Parameterised queries over the views (``$name`` parameters), run by :meth:`LogDB.query`."""
 DOCTOR_DIR = SQL_DIR / "doctor"
@@ -41,6 +44,7 @@ RULE_COLUMNS_MARKER = "/* rule columns */"
 """Where the generated ``blocks_<rule>`` columns go in ``views/rule_blocks.sql``."""
 
 VIEWS = tuple(sorted(p.stem for p in VIEW_DIR.glob("*.sql")))
+TABLE_MACROS = tuple(sorted(p.stem for p in TABLE_MACRO_DIR.glob("*.sql")))
 QUERIES = tuple(sorted(p.stem for p in QUERY_DIR.glob("*.sql")))
 
 CACHED_PARTIALS = {
@@ -60,8 +64,12 @@ def strip_comments(sql: str) -> str:
 
 
 def words(sql: str) -> set[str]:
-    """The lowercase names a SQL text mentions, comments left out."""
-    return set(re.findall(r"[a-z_]+", strip_comments(sql)))
+    """The lowercase names a SQL text mentions, comments left out, with the names each table macro it calls
+    mentions (so the views a query reads through a table macro count as read)."""
+    found = set(re.findall(r"[a-z_]+", strip_comments(sql)))
+    for name in sorted(found & set(TABLE_MACROS)):
+        found |= set(re.findall(r"[a-z_]+", strip_comments((TABLE_MACRO_DIR / f"{name}.sql").read_text())))
+    return found
 
 
 TOKEN_COLUMNS_MARKER = "/* built-in token columns */"
@@ -75,7 +83,8 @@ def view_text(view: str) -> str:
 
 
 SQL_FINGERPRINT = hashlib.sha256(
-    b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql")]))
+    b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql"),
+                                             *TABLE_MACRO_DIR.glob("*.sql")]))
     + builtin_token_columns_sql().encode()
 ).hexdigest()
 """Changes whenever a macro or view changes, so kept aggregates of an older definition are never reused."""
@@ -242,7 +251,8 @@ def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[st
     view loads, before the views reading its kept aggregate (default: an empty table of its columns under the
     kept aggregate's name)."""
     load_macros(con)
-    for view in load_order(views):
+    installed = load_order(views)
+    for view in installed:
         text = rule_blocks if view == "rule_blocks" else view_text(view)
         con.execute(f"create or replace view {view} as\n{text}")
         if view in CACHED_PARTIALS:
@@ -252,6 +262,10 @@ def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[st
                 columns = ", ".join(f"{quote_any(name)} {kind}" for name, kind, *_ in
                                     con.execute(f"describe {view}").fetchall())
                 con.execute(f"create or replace table {CACHED_PARTIALS[view]} ({columns})")
+    for name in TABLE_MACROS:  # the views they read are there (one that reads a view left out is left out)
+        text = (TABLE_MACRO_DIR / f"{name}.sql").read_text()
+        if words(text) & set(VIEWS) <= set(installed):
+            con.execute(text)
 
 
 def fingerprint(rule_blocks: str) -> str:

@@ -1,33 +1,8 @@
 -- mu against pi at the logged alignment and shifted one position either way inside each response, per run. a log
--- whose mu and pi are off by one fits far better shifted than as logged. $run_ids: the runs read, or null for all;
--- $first_step: the first step read, or null for all.
-with source as (
-    select
-        run_id, step, rank, sample_id, pos,
-        exp(mu_logprob::double) as mu_prob,
-        exp(pi_logprob::double) as pi_prob
-    from tokens
-    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
-        and ($first_step::bigint is null or step >= $first_step::bigint)
-),
-
-neighbours as (
-    select
-        *,
-        lead(pi_prob) over w as pi_next,
-        lead(pos) over w as pos_next,
-        lag(pi_prob) over w as pi_prev,
-        lag(pos) over w as pos_prev
-    from source
-    window w as (partition by run_id, step, rank, sample_id order by pos)
-),
-
-shifted as (
-    select
-        *,
-        case when pos_next = pos + 1 then pi_next end as pi_later,
-        case when pos_prev = pos - 1 then pi_prev end as pi_earlier
-    from neighbours
+-- whose mu and pi are off by one fits far better shifted than as logged (the table macro pi_shifted). $run_ids: the
+-- runs read, or null for all; $first_step: the first step read, or null for all.
+with shifted as (
+    select * from pi_shifted($run_ids, $first_step, false)
 ),
 
 final as (

@@ -1,36 +1,11 @@
 -- alignment judged per turn: mu against pi at the logged alignment and shifted one position either way inside each
 -- turn of each response (a shift that starts at a turn boundary, as when a separator is dropped at every
 -- assistant-to-tool boundary, hides in a whole-response average). one row per run with a list per turn (null turn:
--- tokens logged without one). $run_ids: the runs read, or null for all; $first_step: the first step read, or null.
-with source as (
-    select
-        run_id, step, rank, sample_id, pos, turn,
-        exp(mu_logprob::double) as mu_prob,
-        exp(pi_logprob::double) as pi_prob
-    from tokens
-    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
-        and ($first_step::bigint is null or step >= $first_step::bigint)
-),
-
-neighbours as (
-    select
-        *,
-        lead(pi_prob) over w as pi_next,
-        lead(pos) over w as pos_next,
-        lag(pi_prob) over w as pi_prev,
-        lag(pos) over w as pos_prev,
-        min(pos) over segment as turn_start
-    from source
-    window w as (partition by run_id, step, rank, sample_id, turn order by pos),
-        segment as (partition by run_id, step, rank, sample_id, turn)
-),
-
-shifted as (
-    select
-        *,
-        case when pos_next = pos + 1 then pi_next end as pi_later,
-        case when pos_prev = pos - 1 then pi_prev end as pi_earlier
-    from neighbours
+-- tokens logged without one; the table macro pi_shifted). $run_ids: the runs read, or null for all; $first_step:
+-- the first step read, or null.
+with shifted as (
+    select *, min(pos) over (partition by run_id, step, rank, sample_id, turn) as turn_start
+    from pi_shifted($run_ids, $first_step, true)
 ),
 
 per_turn as (

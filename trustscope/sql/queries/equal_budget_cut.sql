@@ -4,22 +4,11 @@
 -- between next_score and score. the row per rule whose count is nearest to round($share * n_tokens) (ties: the
 -- smaller count);
 -- a row with score null is the cut above every score (nothing blocked). n_tokens: the run's tokens with a <> 0,
--- n_blockable: those some scale blocks. the score columns are read in long form (rule names stay values).
-with scored as (
-    select columns('^score_.*$')
-    from rule_blocks
-    where run_id = $run_id and advantage <> 0
-),
-
-long as (
-    unpivot scored
-    on columns('^score_.*$')
-    into name rule_column value score
-),
-
-counted as (
+-- n_blockable: those some scale blocks. the score columns are read in long form (rule names stay values:
+-- the table macro rule_scores).
+with counted as (
     select rule_column, score, count(*)::bigint as n
-    from long
+    from rule_scores($run_id)
     where score > 0
     group by all
 ),

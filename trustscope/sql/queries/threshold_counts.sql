@@ -1,20 +1,8 @@
 -- how many tokens that carry gradient (a <> 0) of run $run_id each rule with a scalar threshold starts to block in
 -- each bin of scale (the bins of the logger's threshold_hist summaries: 8 a decade from 1e-6, [0, 1e-6) first,
 -- [1e6, inf) last), from the logged rows: the rule at scale u blocks the tokens of every bin above u (curves of
--- blocked share against threshold). the score columns are read in long form.
-with scored as (
-    select columns('^score_.*$')
-    from rule_blocks
-    where run_id = $run_id and advantage <> 0
-),
-
-long as (
-    unpivot scored
-    on columns('^score_.*$')
-    into name rule_column value score
-),
-
-binned as (
+-- blocked share against threshold). the score columns are read in long form (the table macro rule_scores).
+with binned as (
     select
         rule_column,
         case
@@ -22,7 +10,7 @@ binned as (
             when score >= 1e6 then 48
             else floor(log10(score) * 8)::integer
         end as bin
-    from long
+    from rule_scores($run_id)
     where score > 0
 ),
 
