@@ -1,8 +1,12 @@
 """Importer throughput: ``trustscope import prime-rl`` on a generated token export, against another trustscope's code.
 
-    git archive main trustscope | (mkdir -p /tmp/base && tar -x -C /tmp/base)      # today's code, once
+    git archive 99d4cb0 trustscope | (mkdir -p /tmp/base && tar -x -C /tmp/base)   # the importers before step-by-step
     .venv/bin/python bench/bench_importers.py --baseline /tmp/base                   # ~1.1M trained tokens, 3 rounds
+    .venv/bin/python bench/bench_importers.py --baseline /tmp/base --out /dev/shm --floor   # no disk; each stage alone
     .venv/bin/python bench/bench_importers.py --tokens 200000 --repeat 1             # a quick run, this code only
+
+``99d4cb0`` is the code the import throughput target is a multiple of (whole-source reads with orjson, padded
+``log_step`` calls); ``--also DIR ...`` adds other packages (e.g. another branch's) as variants of their own.
 
 The export is written by the test suite's ``PrimeRLExporter`` (``tests/test_importers_prime_rl.py``, the layout of
 prime-rl's ``TokenExporter``: packed micro-batches, one compact JSON line per sequence, weight-stream layout) over
@@ -15,7 +19,11 @@ import: token rows/s of ``import_run`` in the process (after its imports), the p
 (user + system, its workers included), and memory: the importing process's peak resident size (``VmHWM``, its
 own: ``getrusage``'s survives ``exec`` and would count this script's), and, workers included, the process tree's
 proportional set size sampled every 20 ms from ``/proc`` (a lower bound: short peaks fall between samples); then
-medians over the rounds and each variant's rows/s as a ratio of the baseline's.
+medians over the rounds and each variant's rows/s as a ratio of the baseline's, and the CPU a row inside
+``import_run`` (the process's and its reaped workers' user + system time). ``--floor`` then times each stage alone
+in fresh processes: the parse by DuckDB's C++ ``read_json`` (the lists a row is made of, to Arrow), by this code's
+decoder alone and by its whole read, and the Parquet encode of the imported token rows with the logger's options;
+the cheaper parse to arrays plus the encode, split perfectly over two cores, is the least wall time a row can take.
 """
 
 from __future__ import annotations
