@@ -432,6 +432,24 @@ def test_existing_run_is_not_touched(tmp_path):
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["p"]
 
 
+def test_import_syncs_each_file_once_before_the_run_appears(tmp_path, monkeypatch):
+    import trustscope.storage
+
+    synced: list[tuple[Path, bool]] = []  # (path, whether the run was in place then)
+    monkeypatch.setattr(trustscope.storage, "fsync_file",
+                        lambda path: synced.append((Path(path), (tmp_path / "logs" / "p").exists())))
+    write_export(tmp_path / "out", steps=2)
+    run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p")
+    assert synced[-1] == (tmp_path / "logs", True)  # the rename, after it
+    before = synced[:-1]
+    assert before and not any(in_place for _, in_place in before)
+    tmp_root = before[0][0].parents[len(before[0][0].relative_to(tmp_path / "logs").parts) - 2]
+    assert tmp_root.name.startswith(".import-p-")
+    got = sorted(str(path.relative_to(tmp_root / "p")) for path, _ in before)
+    want = sorted(str(path.relative_to(run_dir)) for path in [run_dir, *run_dir.rglob("*")])
+    assert got == want  # every file and folder of the run, once; none while the loggers wrote
+
+
 def test_trace_streams_and_metrics_fill_samples_and_steps(tmp_path):
     written = write_export(tmp_path / "run", traces=True)
     run_dir = import_run("prime-rl", tmp_path / "run", tmp_path / "logs", run_id="p")

@@ -610,6 +610,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
     id) and the exact ``summaries`` table over every token, as a trainer's logger does.
     """
     from trustscope.logger import TokenLogger  # the parse above needs none of the writer's libraries
+    from trustscope.storage import fsync_file
 
     vocab_size = None if vocab is None else len(vocab)
     first = next(parts, None)
@@ -644,7 +645,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
             loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=header.loss_rule, vocab=vocab,
                                         mu_source="imported", source=source, rank=rank, flush_seconds=3600.0,
                                         summaries=token_fraction < 1.0, token_fraction=token_fraction,
-                                        extra_columns=declared)
+                                        extra_columns=declared, fsync=False)  # synced once, before the rename
         return loggers[rank]
 
     try:
@@ -677,7 +678,9 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
             config["import"]["columns"]["nulls"] = (f"left out (NULL) of the steps where a scored token held a null: "
                                                     f"{', '.join(nulled)}")
         _describe(tmp_root / run_id, config, source, header.loss_rule)
+        sync_tree(tmp_root / run_id)
         (tmp_root / run_id).rename(target)
+        fsync_file(logdir)  # the rename
     except BaseException:
         for open_logger in loggers.values():
             with contextlib.suppress(Exception):  # the import's own error is the one to report
@@ -689,6 +692,19 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
             parts.close()  # type: ignore[attr-defined]
     name_unknown(header, declared)
     return target
+
+
+def sync_tree(root: Path) -> None:
+    """Put every file under ``root`` and every directory's entries on disk. An import's loggers write without
+    syncing each file (nothing is visible until the finished run is renamed into place, so a killed import leaves
+    no partial run whatever was synced); the run is synced once, before that rename, so the renamed run is as
+    durable as one whose every file was synced as it was written."""
+    from trustscope.storage import fsync_file
+
+    for folder, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync_file(Path(folder, name))
+        fsync_file(folder)
 
 
 def _describe(run_dir: Path, config: dict, source: dict, loss_rule: str) -> None:

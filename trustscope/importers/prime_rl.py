@@ -307,7 +307,7 @@ def _bools(values: Any, where: str, name: str) -> np.ndarray | None:
     """A JSON list of booleans as ``(T,)`` bool; None when the writer exported none (a list of nulls)."""
     if not isinstance(values, list):
         raise ImportFormatError(f"{where}: {name!r} must be a list, got {type(values).__name__}")
-    if values.count(None) == len(values):
+    if not values or (values[0] is None and values.count(None) == len(values)):
         return None
     arr = np.array(values)
     if arr.dtype != np.bool_ or arr.ndim != 1:
@@ -367,7 +367,7 @@ def _records(path: Path) -> Any:
             except (msgspec.ValidationError, msgspec.DecodeError):
                 pass
             else:
-                yield line, {k: getattr(struct, k) for k in struct.__struct_fields__}
+                yield line, msgspec.structs.asdict(struct)
                 continue
         record = loads(raw, f"{path}:{line}")
         decoder = _decoder(frozenset(record)) if isinstance(record, dict) else None
