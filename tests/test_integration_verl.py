@@ -1003,3 +1003,45 @@ def test_hook_refuses_a_world_it_cannot_map_before_logging(monkeypatch, tmp_path
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "logs" / "unmapped").exists()
+
+
+def test_rollout_routed_experts_are_logged_at_the_position_predicting_each_token(tmp_path):
+    """R3: verl's batch carries the engine's experts of every position fed (``routed_experts``, laid out like
+    ``input_ids`` from the first real prompt token on, zeros elsewhere, as verl's agent loop writes them); the hook
+    logs the row that predicts each response token as ``engine_experts``, one off shows."""
+    layers, top_k, experts = 2, 2, 8
+    batch, pi = make_batch(B=8, seed=5)
+    b = batch.batch
+    p = b["prompts"].shape[1]
+    routed = torch.zeros((*b["input_ids"].shape, layers, top_k), dtype=torch.int16)  # (B, P + T, L, k)
+    col = torch.arange(b["input_ids"].shape[1])
+    for i in range(len(routed)):
+        real = b["attention_mask"][i].bool()
+        ids = (col[:, None, None] + 3 * torch.arange(layers)[:, None] + torch.arange(top_k)) % experts
+        routed[i, real] = ids[real].to(torch.int16)  # the column's own experts, so a row off shows
+    b["routed_experts"] = routed
+    logdir, shape = tmp_path / "logs", (layers, top_k, experts)
+    driver = TokenLogger(logdir, "r3", rank=0, loss_rule="dppo_binary_tv", routing_shape=shape)
+    tv.log_driver_batch(driver, batch, step=1)
+    cfg = actor_config(tv.verl_loss_mode("dppo_binary_tv"))
+    hook = tv.ActorLogHook(lambda **kw: ppo_loss(config=cfg, **kw), logdir, "r3", loss_rule="dppo_binary_tv",
+                           logger_options={"routing_shape": shape})
+    run_actor(batch, pi, hook)
+    driver.close()
+    hook.close()
+    tokens = _read(logdir / "r3", "tokens")
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    got = np.stack(tokens["engine_experts"].to_list())
+    np.testing.assert_array_equal(got, routed.numpy()[sid, p - 1 + pos].reshape(len(tokens), -1))
+    assert not np.array_equal(got, routed.numpy()[sid, p + pos].reshape(len(tokens), -1))
+    assert tokens["trainer_experts"].isna().all() and tokens["routing_agreement"].isna().all()
+    assert json.loads((logdir / "r3" / "run.json").read_text())["routing_shape"] == [2, 2, 8]
+
+
+def test_r3_routing_shape_comes_from_the_models_config(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path / "moe")
+    assert tv.r3_routing_shape(tmp_path / "moe") == (3, 2, 8)
+    with pytest.warns(UserWarning, match="cannot be read .* routed experts are not logged"):
+        assert tv.r3_routing_shape(tmp_path / "absent") is None
