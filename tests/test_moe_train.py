@@ -136,3 +136,14 @@ def test_hf_engine_training_logs_both_sides_and_replays(tmp_path):
     for r in summ.itertuples():
         assert r.n == recount.loc[r.run_id, "count"] and r.agr == pytest.approx(recount.loc[r.run_id, "mean"])
     assert found["hf-replayed"].verdict == "ok" and found["hf"].verdict == "skipped"
+
+
+def test_parity_with_the_hf_engine_reads_routing_on_both_sides(random_moe_dir):
+    """``trustscope parity --engine hf`` on an MoE model: the engine copy's experts beside the trainer's, one row
+    per response token; at float32 every choice agrees."""
+    from trustscope.parity import run_parity, summary
+
+    result = run_parity(random_moe_dir, ["1+2=", "3+4="], engine="hf", n=2, max_tokens=5)
+    assert result.engine_experts.shape == (len(result.mu), 4, 2) == result.trainer_experts.shape
+    assert (result.routing_agreement == 1.0).all()
+    assert summary(result)["routing"]["agreement_mean"] == 1.0
