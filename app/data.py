@@ -625,6 +625,13 @@ def by_routing(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.
 
 
 @cached
+def routing_sides(ours: LogDB, run_ids: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Per mixture-of-experts run, the token rows with the engine's and with the trainer's routed experts
+    (:func:`trustscope.report.routing_sides`): what a run with one side alone shows."""
+    return report.routing_sides(ours, list(run_ids))
+
+
+@cached
 def by_dimension(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Where the mismatch lives, exact over every step (:func:`trustscope.report.by_dimension`): the
     ``mismatch_by_dimension`` rows (run_id, dimension, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac,

@@ -543,3 +543,18 @@ def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, logdir
     at = _open(monkeypatch, logdir, "mismatch_where")
     _ok(at, "Where the mismatch lives")
     assert not _charts(at) and "no summary dimensions (logged before them" in at.info[0].value
+
+
+def test_mismatch_where_page_says_a_run_logs_the_engines_experts_alone(monkeypatch, tmp_path):
+    """An import that carries the engine's routed experts only (no trainer side): the routing section says which
+    side and on how many rows, and draws nothing."""
+    from test_importers_slime import routed_dump
+
+    from trustscope.importers import import_run
+
+    routed_dump(tmp_path / "dump")
+    import_run("slime", tmp_path / "dump", tmp_path / "logs", run_id="engine-only")
+    at = _open(monkeypatch, tmp_path / "logs", "mismatch_where")
+    _ok(at, "Where the mismatch lives")
+    assert not _charts(at)
+    assert any("Run engine-only logs the engine's routed experts alone (115 token rows)" in i.value for i in at.info)

@@ -422,3 +422,29 @@ def test_a_step_of_another_writer_version_stops_the_follower(tmp_path):
                                                 r"step 1 is not imported, steps through 0 are committed"):
         follow_run("prime-rl", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.1, **FAST)
     assert set(rows_per_step(tmp_path / "logs")) == {(0, 0)}
+
+
+def test_a_followed_slime_dump_carries_its_routed_experts_and_a_restart_keeps_them(tmp_path):
+    """Routed experts of a followed dump are logged as a one-shot import logs them, the run's routing_shape
+    declared by the first step, and kept by a follower started again."""
+    from test_importers_slime import routed_dump
+
+    staged, src = tmp_path / "staged", tmp_path / "dump"
+    routed_dump(staged)
+    (src / "rollout_data").mkdir(parents=True)
+    (src / "train_data").mkdir()
+    for name in ("rollout_data/0.pt", "train_data/0.pt"):
+        os.replace(staged / name, src / name)
+    assert follow_run("slime", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.2, **FAST).imported == [0]
+    for name in ("rollout_data/1.pt", "train_data/1.pt"):
+        os.replace(staged / name, src / name)
+    assert follow_run("slime", src, tmp_path / "logs", run_id="live", stop_after_idle_s=0.2, **FAST).imported == [1]
+    import_run("slime", src, tmp_path / "one", run_id="one")
+    query = "select step, sample_id, pos, engine_experts from tokens order by step, sample_id, pos"
+    with connect(tmp_path / "logs", cache=False) as db:
+        live = db.sql(query).to_pandas()
+    with connect(tmp_path / "one", cache=False) as db:
+        once = db.sql(query).to_pandas()
+    assert len(live) == len(once) and live["engine_experts"].notna().all()
+    assert [list(e) for e in live["engine_experts"]] == [list(e) for e in once["engine_experts"]]
+    assert json.loads((tmp_path / "logs/live/run.json").read_text())["routing_shape"] == [3, 2, 32767]

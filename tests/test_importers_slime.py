@@ -277,7 +277,8 @@ def test_pickled_objects_need_allow_pickle(tmp_path):
     write_dump(tmp_path / "dump", steps=1, tp=1, pp=1)
     path = tmp_path / "dump/rollout_data/0.pt"
     pack = torch.load(path)
-    pack["samples"][0]["rollout_routed_experts"] = np.zeros((3, 2, 2), dtype=np.int32)
+    n = len(pack["samples"][0]["tokens"])
+    pack["samples"][0]["rollout_routed_experts"] = np.zeros((n - 1, 2, 2), dtype=np.int32)  # (positions fed, L, k)
     torch.save(pack, path)
     _fails("miles", tmp_path / "dump", tmp_path / "logs", r"0\.pt: holds objects beyond tensors .* allow_pickle")
     assert validate_logdir(import_run("miles", tmp_path / "dump", tmp_path / "logs", allow_pickle=True)) == []
@@ -310,3 +311,101 @@ def test_train_and_rollout_dumps_that_do_not_pair_are_refused(tmp_path):
     torch.save(pack, path)
     _fails("slime", tmp_path / "dump", tmp_path / "logs", r"0\.pt\[samples\]\[3\]: rollout_log_probs\[0\] = .* "
                                                          r"but .*rollout_data/0\.pt\[samples\]\[3\] has .* do not pair")
+
+
+def routed_dump(dump: Path, layers: int = 3, top_k: int = 2, experts: int = 8, seed: int = 0) -> dict[int, tuple]:
+    """A slime dump whose samples carry ``rollout_routed_experts`` as miles writes them: ``(len(tokens) - 1, L, k)``
+    int32, row i the experts of position i (here a function of the position, so a row off shows)."""
+    rng = np.random.default_rng(seed)
+    written = {}
+    for rid in range(2):
+        samples = make_samples(rng, rid)
+        for s in samples:
+            i = np.arange(len(s["tokens"]) - 1)[:, None, None]
+            s["rollout_routed_experts"] = torch.from_numpy(
+                ((i + np.arange(layers)[:, None] * 3 + np.arange(top_k)) % experts).astype(np.int32))
+        fields = trainer_fields(rng, samples)
+        write_rollout(dump, rid, samples, miles=False)
+        write_slime_train(dump, rid, samples, fields)
+        written[rid] = (samples, fields)
+    return written
+
+
+def test_routed_experts_become_engine_experts_at_the_predicting_position(tmp_path):
+    """Token t of a response gets row t - 1 of rollout_routed_experts (the position whose output predicts it); the
+    run declares routing_shape with the expert count unknown to the dump, and carries no trainer side."""
+    written = routed_dump(tmp_path / "dump")
+    run_dir = import_run("slime", tmp_path / "dump", tmp_path / "logs", run_id="r")
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["routing_shape"] == [3, 2, 32767]
+    assert "rollout_routed_experts" in manifest["config"]["import"]["columns"]["engine_experts"]
+    tokens = pq.read_table(run_dir / "tokens").to_pandas()
+    assert tokens["trainer_experts"].isna().all() and tokens["routing_agreement"].isna().all()
+    for rid, (samples, _) in written.items():
+        for s in samples:
+            got = tokens[(tokens.step == rid) & (tokens.sample_id == s["index"])].sort_values("pos")
+            prompt = len(s["tokens"]) - s["response_length"]
+            want = s["rollout_routed_experts"].numpy()[prompt - 1 + got.pos.to_numpy()]
+            assert np.array_equal(np.stack(got.engine_experts.to_list()), want.reshape(len(got), -1))
+    assert validate_logdir(tmp_path / "logs") == []
+    from trustscope import report
+    from trustscope.db import connect
+
+    with connect(tmp_path / "logs", cache=False) as db:
+        sides = report.routing_sides(db)
+    assert sides == {"r": (len(tokens), 0)}
+    assert f"Run r logs the engine's routed experts alone ({len(tokens):,} token rows)" in \
+        report.routing_absent_sentence(["r"], sides)
+
+
+def test_routed_experts_of_a_wrong_shape_or_id_are_refused_naming_the_field(tmp_path):
+    from trustscope.importers.base import write_run
+    from trustscope.importers.slime import read
+
+    written = routed_dump(tmp_path / "dump")
+    samples = written[0][0]
+    bad = samples[2]["rollout_routed_experts"][:-1]  # one row short: not one row per position fed
+    samples[2]["rollout_routed_experts"] = bad
+    write_rollout(tmp_path / "dump", 0, samples, miles=False)
+    n = len(samples[2]["tokens"])
+    _fails("slime", tmp_path / "dump", tmp_path / "logs", rf"\[samples\]\[2\]\['rollout_routed_experts'\] has shape "
+           rf"\({n - 2}, 3, 2\), expected \({n - 1}, MoE layers, top-k\)")
+
+    written = routed_dump(tmp_path / "dump2")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_experts": 6,
+                                                   "num_experts_per_tok": 2}))
+
+    class Vocab(list):
+        name_or_path = str(model)
+
+    run = read(tmp_path / "dump2")
+    with pytest.raises(ImportFormatError, match=r"engine_experts [67] at response position \d+, MoE layer \d, "
+                                                r"slot \d: expert ids are in \[0, 6\)"):
+        write_run(run, tmp_path / "logs", "r", vocab=Vocab(str(i) for i in range(V)))
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_experts": 8,
+                                                   "num_experts_per_tok": 2}))
+    with pytest.raises(ImportFormatError, match=r"routed experts of shape \(tokens, 3, 2\), but the model config "
+                                                r".* routes \(tokens, 4, 2\)"):
+        write_run(run, tmp_path / "logs", "r", vocab=Vocab(str(i) for i in range(V)))
+    assert not (tmp_path / "logs" / "r").exists()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_experts": 8,
+                                                   "num_experts_per_tok": 2}))
+    run_dir = write_run(run, tmp_path / "logs", "r", vocab=Vocab(str(i) for i in range(V)))
+    assert json.loads((run_dir / "run.json").read_text())["routing_shape"] == [3, 2, 8]
+
+
+def test_a_step_with_unrouted_scored_tokens_logs_no_experts(tmp_path):
+    """miles fills rows it has no routing for with -1: a step where a scored token has such a row is logged
+    without engine_experts (NULL), named in run.json, the other step keeps them."""
+    written = routed_dump(tmp_path / "dump")
+    samples = written[1][0]
+    prompt = len(samples[0]["tokens"]) - samples[0]["response_length"]
+    samples[0]["rollout_routed_experts"][prompt - 1] = -1
+    write_rollout(tmp_path / "dump", 1, samples, miles=False)
+    run_dir = import_run("slime", tmp_path / "dump", tmp_path / "logs", run_id="r")
+    tokens = pq.read_table(run_dir / "tokens").to_pandas()
+    assert tokens.loc[tokens.step == 0, "engine_experts"].notna().all()
+    assert tokens.loc[tokens.step == 1, "engine_experts"].isna().all()
+    assert "engine_experts" in json.loads((run_dir / "run.json").read_text())["config"]["import"]["columns"]["nulls"]

@@ -1003,3 +1003,74 @@ def test_hook_refuses_a_world_it_cannot_map_before_logging(monkeypatch, tmp_path
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "logs" / "unmapped").exists()
+
+
+def with_routed_experts(batch: DataProto, layers: int, top_k: int, experts: int) -> torch.Tensor:
+    """Put R3's ``routed_experts`` into ``batch`` as verl's agent loop lays them out: ``(B, P + T, L, k)`` int16,
+    each real position's own experts (a function of its column, so a row off shows), zeros elsewhere."""
+    b = batch.batch
+    routed = torch.zeros((*b["input_ids"].shape, layers, top_k), dtype=torch.int16)
+    col = torch.arange(b["input_ids"].shape[1])
+    ids = ((col[:, None, None] + 3 * torch.arange(layers)[:, None] + torch.arange(top_k)) % experts).to(torch.int16)
+    for i in range(len(routed)):
+        real = b["attention_mask"][i].bool()
+        routed[i, real] = ids[real]
+    b["routed_experts"] = routed
+    return routed
+
+
+def test_rollout_routed_experts_are_logged_at_the_position_predicting_each_token(tmp_path):
+    """R3: verl's batch carries the engine's experts of every position fed (``routed_experts``, laid out like
+    ``input_ids`` from the first real prompt token on, zeros elsewhere, as verl's agent loop writes them); the hook
+    logs the row that predicts each response token as ``engine_experts``, one off shows."""
+    layers, top_k, experts = 2, 2, 8
+    batch, pi = make_batch(B=8, seed=5)
+    routed = with_routed_experts(batch, layers, top_k, experts)
+    p = batch.batch["prompts"].shape[1]
+    logdir, shape = tmp_path / "logs", (layers, top_k, experts)
+    driver = TokenLogger(logdir, "r3", rank=0, loss_rule="dppo_binary_tv", routing_shape=shape)
+    tv.log_driver_batch(driver, batch, step=1)
+    cfg = actor_config(tv.verl_loss_mode("dppo_binary_tv"))
+    hook = tv.ActorLogHook(lambda **kw: ppo_loss(config=cfg, **kw), logdir, "r3", loss_rule="dppo_binary_tv",
+                           logger_options={"routing_shape": shape})
+    run_actor(batch, pi, hook)
+    driver.close()
+    hook.close()
+    tokens = _read(logdir / "r3", "tokens")
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    got = np.stack(tokens["engine_experts"].to_list())
+    np.testing.assert_array_equal(got, routed.numpy()[sid, p - 1 + pos].reshape(len(tokens), -1))
+    assert not np.array_equal(got, routed.numpy()[sid, p + pos].reshape(len(tokens), -1))
+    assert tokens["trainer_experts"].isna().all() and tokens["routing_agreement"].isna().all()
+    assert json.loads((logdir / "r3" / "run.json").read_text())["routing_shape"] == [2, 2, 8]
+
+
+def test_r3_routing_shape_comes_from_the_models_config(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path / "moe")
+    assert tv.r3_routing_shape(tmp_path / "moe") == (3, 2, 8)
+    with pytest.warns(UserWarning, match="cannot be read .* routed experts are not logged"):
+        assert tv.r3_routing_shape(tmp_path / "absent") is None
+
+
+def test_attach_logs_r3_routed_experts_through_verls_own_update(tmp_path):
+    """attach on a trainer with rollout routing replay: routing_shape from the model's config in run.json, and
+    the batch's routed experts through verl's own ``_update_actor`` conversion land at each response token."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path / "moe")
+    batch, pi = make_batch(B=8, seed=31)
+    routed = with_routed_experts(batch, 2, 2, 8)
+    p = batch.batch["prompts"].shape[1]
+    cfg = ppo_config(**{"actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
+                        "actor_rollout_ref.model.path": str(tmp_path / "moe")})
+    trainer = local_trainer(cfg, LocalActorGroup(pi))
+    with tv.attach(trainer, tmp_path / "logs", run_id="r3"):
+        trainer._update_actor(batch)
+    run = tmp_path / "logs" / "r3"
+    assert json.loads((run / "run.json").read_text())["routing_shape"] == [2, 2, 8]
+    tokens = _read(run, "tokens")
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_array_equal(np.stack(tokens["engine_experts"].to_list()),
+                                  routed.numpy()[sid, p - 1 + pos].reshape(len(tokens), -1))

@@ -274,13 +274,16 @@ def run_parity(
     kw: dict[str, Any] = {}
     if shape is not None and engine == "vllm":
         kw["llm_kwargs"] = {"enable_prefix_caching": False}  # every request's prompt goes through the routers
+    elif shape is not None:
+        kw["routing"] = True  # the transformers engine's router hooks during generate
     eng = make_engine(engine, model_dir, dtype=engine_dtype, seed=seed, **kw)
     try:
         capture = VLLMRouting(eng.llm, shape) if shape is not None and engine == "vllm" else None
         if capture is None:
             rollout = eng.generate(list(prompts), n=n, max_tokens=max_tokens, temperature=temperature, topk=1,
                                    seed=seed)
-            engine_rows = None
+            engine_rows = None if rollout.routed_experts is None else [  # from the last prompt position on
+                rows[len(ids) - 1:] for rows, ids in zip(rollout.routed_experts, rollout.prompt_ids, strict=True)]
         else:  # one request at a time: each forward pass holds that request's rows only
             parts, engine_rows = [], []
             seeds = iter(request_seeds(seed, len(prompts) * n))

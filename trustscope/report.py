@@ -704,17 +704,39 @@ def by_routing(db: LogDB, run_ids: list[str] | None = None, first_step: int | No
             db.query("routing_agreement", **params))
 
 
-def routing_absent_sentence(runs: list[str]) -> str:
-    """One sentence saying that ``runs`` log no routing, and why that usually is."""
-    if not runs:
-        return ""
-    who = f"Run {runs[0]} logs" if len(runs) == 1 else "Runs " + ", ".join(runs) + " log"
-    return (f"{who} no routed experts on both sides (a dense model, an engine without routing capture, or tokens "
-            f"logged without engine_experts and trainer_experts): nothing to split by routing.")
+def routing_sides(db: LogDB, run_ids: list[str] | None = None, first_step: int | None = None,
+                  last_step: int | None = None) -> dict[str, tuple[int, int]]:
+    """Per mixture-of-experts run (``routing_shape`` in run.json): ``(token rows with engine_experts, with
+    trainer_experts)`` (the ``routing_sides`` query)."""
+    rows = db.query("routing_sides", run_ids=run_ids, first_step=first_step, last_step=last_step)
+    return {r.run_id: (int(r.n_engine), int(r.n_trainer)) for r in rows.itertuples()}
+
+
+def routing_absent_sentence(runs: list[str], sides: dict[str, tuple[int, int]] | None = None) -> str:
+    """What ``runs`` (none with both sides' experts) show by routing: for a run that logs one side
+    (``sides``, :func:`routing_sides`), which and on how many token rows; for the rest, that they log none and why
+    that usually is."""
+    sides = sides or {}
+    one = [r for r in runs if any(sides.get(r, (0, 0)))]
+    none = [r for r in runs if r not in one]
+    out = []
+    for run in one:
+        engine, trainer = sides[run]
+        side, n = ("the engine's", engine) if engine else ("the trainer's", trainer)
+        out.append(f"Run {run} logs {side} routed experts alone ({n:,} token rows): agreement needs both the engine's "
+                   f"and the trainer router's own choices (an import of a framework's rollout experts, kept for "
+                   f"routing replay, carries the engine's only), so there is nothing to split by routing; the "
+                   f"experts are in the tokens table (engine_experts, trainer_experts) for SQL.")
+    if none:
+        who = f"Run {none[0]} logs" if len(none) == 1 else "Runs " + ", ".join(none) + " log"
+        out.append(f"{who} no routed experts on both sides (a dense model, an engine without routing capture, or "
+                   f"tokens logged without engine_experts and trainer_experts): nothing to split by routing.")
+    return " ".join(out)
 
 
 def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
-                  applied: dict[str, str | None], exact: pd.DataFrame | None = None) -> list[str]:
+                  applied: dict[str, str | None], exact: pd.DataFrame | None = None,
+                  sides: dict[str, tuple[int, int]] | None = None) -> list[str]:
     """The report's routing lines per run: the summaries' exact agreement overall and per layer (``exact``, the
     ``routing_agreement`` rows), the tokens with a disagreement and their share of |log pi/mu|, the mean
     |log pi/mu| with full agreement against the rest, by first disagreeing layer, by position, and what the run's
@@ -757,7 +779,7 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
                 f"{r.agreement}" for r in own.itertuples()))
     absent = [r for r in run_ids if r not in set(mismatch["run_id"])]
     if absent and len(absent) < len(run_ids):
-        lines.append(routing_absent_sentence(absent))
+        lines.append(routing_absent_sentence(absent, sides))
     return lines
 
 
@@ -847,10 +869,13 @@ def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
 def _routing_part(db: LogDB, reports: list[RunReport]) -> Group:
     run_ids = [r.run_id for r in reports]
     mismatch, blocked, exact = by_routing(db, run_ids)
+    sides = routing_sides(db, run_ids)
     if mismatch.empty:
+        one_side = routing_absent_sentence([r for r in run_ids if r in sides], sides) if sides else ""
         return Group(Text("Where the mismatch lives, by routing: no run logs routed experts on both sides (a "
-                          "mixture-of-experts run's engine_experts and trainer_experts).", style="italic"))
-    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact)
+                          "mixture-of-experts run's engine_experts and trainer_experts)." + (" " + one_side if
+                          one_side else ""), style="italic"))
+    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact, sides)
     return Group(Text("Where the mismatch lives: by routing agreement", style="bold"),
                  *(Text(line) for line in lines))
 

@@ -103,7 +103,9 @@ def _router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class TrainerRouting:
     """Forward hooks on a transformers MoE model's routers: after a forward pass on ``(B, S)`` inputs, :meth:`take`
-    returns the ``(B, S, L, k)`` expert ids of every position."""
+    returns the ``(B, S, L, k)`` expert ids of every position. With ``hooked(forwards=True)`` every forward pass
+    is kept, and :meth:`take_forwards` lays a ``generate``'s passes (the prefill, then one row per decode step) end
+    to end: the transformers engine's side (:class:`trustscope.engines.hf.HFEngine`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         shape = moe_shape(model.config)
@@ -115,18 +117,40 @@ class TrainerRouting:
             raise ValueError(f"TrainerRouting: found {len(self.modules)} router modules, the config has "
                              f"{self.layers} MoE layers")
         self._rows: list[torch.Tensor | None] = [None] * self.layers
+        self._forwards: list[list[torch.Tensor]] = [[] for _ in range(self.layers)]
 
     @contextlib.contextmanager
-    def hooked(self) -> Iterator[TrainerRouting]:
+    def hooked(self, forwards: bool = False) -> Iterator[TrainerRouting]:
+        """Record the routers' choices in the block: the last forward pass's for :meth:`take`, or (``forwards``)
+        every pass's, in order, for :meth:`take_forwards`."""
         import torch
+
+        self._forwards = [[] for _ in range(self.layers)]
 
         def hook(i: int):
             def record(module: torch.nn.Module, args: Any, output: Any) -> None:
-                self._rows[i] = _router_indices(output, self.top_k).detach().to("cpu", torch.int16)
+                rows = _router_indices(output, self.top_k).detach().to("cpu", torch.int16)
+                if forwards:
+                    self._forwards[i].append(rows)
+                else:
+                    self._rows[i] = rows
             return record
 
         with forward_hooks(self.modules, hook):
             yield self
+
+    def take_forwards(self, batch: int) -> np.ndarray:
+        """``(B, S_1 + S_2 + ..., L, k)``: the passes recorded by ``hooked(forwards=True)``, each on ``(B, S_f)``
+        inputs, concatenated along the positions in the order they ran."""
+        import torch
+
+        counts = {len(f) for f in self._forwards}
+        if counts != {len(self._forwards[0])} or not self._forwards[0]:
+            raise RuntimeError(f"TrainerRouting.take_forwards: the MoE layers recorded {sorted(counts)} forward "
+                               f"passes (none, or different numbers)")
+        per_layer = [torch.cat([r.reshape(batch, -1, self.top_k) for r in f], 1) for f in self._forwards]
+        self._forwards = [[] for _ in range(self.layers)]
+        return torch.stack(per_layer, 2).numpy()  # (B, S, L, k)
 
     def take(self, batch: int, seq: int) -> np.ndarray:
         import torch

@@ -25,7 +25,7 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
     routing, routed_blocked, exact = data.by_routing(tuple(picked))
     absent = [r for r in picked if r not in set(routing["run_id"])]
     if absent:
-        st.info(report.routing_absent_sentence(absent), icon=":material/info:")
+        st.info(report.routing_absent_sentence(absent, data.routing_sides(tuple(absent))), icon=":material/info:")
     if routing.empty:
         return
     st.caption("Mixture-of-experts runs: a token agrees when every expert the engine routed it to (each MoE layer's "
@@ -78,6 +78,7 @@ if mismatch.empty:
     st.info(report.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger "
             "have position buckets; weight versions and turns need `policy_version` and `turn` per token.",
             icon=":material/info:")
+    routing_section(picked, [r for r in [data.run_rule(first)] if r])  # token rows, whatever the summaries hold
     st.stop()
 rules = widgets.pick_rules(sorted(set(blocked["rule"])), data.run_rule(first), key="mismatch_rules")
 tabs = st.tabs([f"By {d.name}" for d in DIMENSIONS])

@@ -6,6 +6,13 @@ top-p), the same convention as the vLLM engine's ``processed_logprobs``. HF's de
 (``top_k=0``): a silent top-50 truncation would make mu differ from the trainer's full softmax.
 Rows of one call are sampled from torch's global generator inside ``torch.random.fork_rng``, seeded per call, so
 the trainer's RNG stream is untouched and a call is reproducible from its seed.
+
+Routing (``routing=True``, a mixture-of-experts model): forward hooks on the engine copy's own routers record the
+experts every pass of ``generate`` chose (the prompt's prefill, then one row per decode step;
+:meth:`trustscope.routing.TrainerRouting.take_forwards`), and each sample gets ``Rollout.routed_experts``: the
+``(P_i + T_i - 1, L, k)`` ids of the positions its prompt and response went through, as the vLLM engine returns
+them. They are the engine's side: the copy runs at the engine's dtype (``engine_dtype``), so against the trainer's
+fp32 routers a bf16 engine's choices can differ.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from trustscope.engines.base import (
@@ -29,7 +37,8 @@ class HFEngine(Engine):
 
     ``num_threads``: torch threads during CPU rollouts (default 1: on a busy 2-core machine two threads stall on
     OpenMP barriers, measured 10x slower; None leaves the process setting). ``device``: where the copy lives
-    (default: cuda when available, else cpu).
+    (default: cuda when available, else cpu). ``routing``: record each sample's routed experts (an MoE model;
+    ValueError for a dense one); ``"required"`` is accepted as the vLLM engine's value and means the same here.
     """
 
     name = "hf"
@@ -42,6 +51,7 @@ class HFEngine(Engine):
         *,
         num_threads: int | None = 1,
         device: str | None = None,
+        routing: bool | str = False,
     ) -> None:
         super().__init__(model_dir, dtype, seed)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,6 +65,33 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.eos_ids = self._eos_ids()
+        self.routing = self._routing_capture() if routing else None
+
+    def _routing_capture(self) -> Any:
+        """Router hooks on the engine's copy (:class:`trustscope.routing.TrainerRouting`); ValueError when dense."""
+        from trustscope.routing import TrainerRouting, moe_shape
+
+        if moe_shape(self.model.config) is None:
+            raise ValueError(f"routing=True: {self.model_dir} is a dense model (its config names no experts)")
+        return TrainerRouting(self.model)
+
+    def _routed(self) -> contextlib.AbstractContextManager[Any]:
+        """Around one ``generate``: record every forward pass's experts when routing is on."""
+        return contextlib.nullcontext() if self.routing is None else self.routing.hooked(forwards=True)
+
+    def _routed_experts(self, batch: int, prompt_len: int, steps: int, prompt_lens: list[int],
+                        lengths: list[int]) -> list[np.ndarray] | None:
+        """Per sample, the ``(P_i + T_i - 1, L, k)`` int16 experts of the positions it fed: the generate's passes
+        cover ``prompt_len + steps - 1`` columns of the left-padded batch (the last sampled token is never fed), and
+        sample i's are the columns ``prompt_len - P_i .. prompt_len + T_i - 2``."""
+        if self.routing is None:
+            return None
+        rows = self.routing.take_forwards(batch)  # (B, P + steps - 1, L, k)
+        if rows.shape[1] != prompt_len + steps - 1:
+            raise RuntimeError(f"HFEngine routing: generate's forward passes covered {rows.shape[1]} positions, "
+                               f"expected {prompt_len} prompt + {steps} sampled - 1")
+        return [rows[b, prompt_len - n_p: prompt_len + t - 1].copy()
+                for b, (n_p, t) in enumerate(zip(prompt_lens, lengths, strict=True))]
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -81,7 +118,7 @@ class HFEngine(Engine):
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
         p = enc["input_ids"].shape[1]
         devices = [self.device] if self.device.type == "cuda" else []
-        with self._threads(), torch.random.fork_rng(devices=devices):
+        with self._threads(), torch.random.fork_rng(devices=devices), self._routed():
             torch.manual_seed(seed)
             out = self.model.generate(
                 **enc, do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0,
@@ -112,13 +149,15 @@ class HFEngine(Engine):
             mu.append(sampled_lp[b, :t].tolist())
             tk_ids.append(topk_ids[b, :t].tolist())
             tk_lps.append(topk_lps[b, :t].tolist())
+        fed = [len(prompt_ids[b // n]) for b in range(gen.shape[0])]
+        routed = self._routed_experts(gen.shape[0], p, gen.shape[1], fed, [len(r) for r in response_ids])
         return Rollout(
             prompts=list(prompts), n=n, topk=topk, prompt_index=[b // n for b in range(gen.shape[0])],
             prompt_ids=[prompt_ids[b // n] for b in range(gen.shape[0])], response_ids=response_ids,
             mu_logprobs=mu, mu_topk_ids=tk_ids, mu_topk_logprobs=tk_lps,
             finish_reasons=["stop" if bool(e) else "length" for e in has_eos],
             texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
-            sampling=self.sampling_info() | {"seed": seed},
+            sampling=self.sampling_info() | {"seed": seed}, routed_experts=routed,
         )
 
     @torch.no_grad()
@@ -135,7 +174,7 @@ class HFEngine(Engine):
             attention[i, p - len(ids):] = 1
         ends = [*self.eos_ids, *(i for i in stop_token_ids or () if i not in self.eos_ids)]  # stop ids end a row too
         devices = [self.device] if self.device.type == "cuda" else []
-        with self._threads(), torch.random.fork_rng(devices=devices):
+        with self._threads(), torch.random.fork_rng(devices=devices), self._routed():
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), do_sample=True,
@@ -160,12 +199,14 @@ class HFEngine(Engine):
             mu.append(sampled_lp[i, :t].tolist())
             tk_ids.append(ids[i, :t].tolist())
             tk_lps.append(lps[i, :t].tolist())
+        routed = self._routed_experts(b, p, gen.shape[1], [len(ids) for ids in prompt_ids],
+                                      [len(r) for r in response_ids])
         return Rollout(
             prompts=self.tokenizer.batch_decode(prompt_ids), n=1, topk=topk, prompt_index=list(range(b)),
             prompt_ids=prompt_ids, response_ids=response_ids, mu_logprobs=mu, mu_topk_ids=tk_ids,
             mu_topk_logprobs=tk_lps, finish_reasons=finish,
             texts=self.tokenizer.batch_decode(response_ids, skip_special_tokens=True),
-            sampling=self.sampling_info() | {"seed": seed},
+            sampling=self.sampling_info() | {"seed": seed}, routed_experts=routed,
         )
 
     @torch.no_grad()

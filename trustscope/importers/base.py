@@ -16,6 +16,10 @@ run's own columns (``extra_columns``) where a column takes them; :func:`name_unk
 Unscored tokens (a NaN or null log-prob, entropy or advantage on a trained position: the frameworks write those
 where the engine or trainer returned nothing finite) are left out of the token table and counted in ``run.json``
 (``config.import.unscored_tokens``), the same way a trainer's own mask leaves tokens out.
+
+Routed experts (a mixture-of-experts run whose source keeps the engine's, :attr:`Sequence.engine_experts`) become
+the ``engine_experts`` column, the run declared with ``routing_shape`` (:func:`routing_shape`); the sources hold
+the engine's side only, so no ``trainer_experts`` and no agreement.
 """
 
 from __future__ import annotations
@@ -169,6 +173,8 @@ class Sequence:
     reward: float | None = None
     finish_reason: str | None = None
     full_ids: np.ndarray | None = None  # (L,) the source's whole token sequence, to join other streams by
+    engine_experts: np.ndarray | None = None  # (T, L, k) int: the engine's experts at the position predicting
+    # each token (the row of the position before it); -1 where the source recorded none
     extra: dict[str, Any] = field(default_factory=dict)  # fields trustscope does not know, kept: (T,) or a scalar
 
 
@@ -194,6 +200,8 @@ class ImportedRun:
     """Unknown fields left out -> why (a type no column takes)."""
     stats: Any = None
     """What a format's ``combine`` adds up over the steps (its own record; None for the default)."""
+    routing: tuple[int, int] | None = None
+    """``(MoE layers, top-k)`` of the sequences' ``engine_experts``, when the source holds routed experts."""
 
 
 def raw_lines(path: Path, partial_tail: bool = False) -> Iterator[tuple[int, bytes]]:
@@ -389,9 +397,10 @@ def _extra_parts(seqs: list[Sequence], name: str, kind: str, masks: list[np.ndar
 
 
 def _step_call(seqs: list[Sequence], sample_ids: list[int], prompt_ids: list[int],
-               extra_types: Mapping[str, str]) -> tuple[dict, list, dict, list[str]]:
+               extra_types: Mapping[str, str], routing: bool = False) -> tuple[dict, list, dict, list[str]]:
     """The ragged ``tokens``, ``mask`` and ``samples`` arguments of one ``log_step`` call (each per-token column
-    a list of the sequences' own arrays: nothing padded), and the extra columns left out of it (nulls)."""
+    a list of the sequences' own arrays: nothing padded), and the extra columns left out of it (nulls).
+    ``routing``: the call carries the sequences' ``engine_experts``."""
     masks = [_scored(s) for s in seqs]
     tokens: dict[str, Any] = {
         "token_id": [s.token_id for s in seqs],
@@ -408,6 +417,8 @@ def _step_call(seqs: list[Sequence], sample_ids: list[int], prompt_ids: list[int
     if any(s.kept is not None for s in seqs):
         tokens["kept"] = [s.kept if s.kept is not None else np.ones(len(s.token_id), dtype=bool) for s in seqs]
     nulled = []
+    if routing:
+        tokens["engine_experts"] = [s.engine_experts for s in seqs]
     for name, kind in extra_types.items():
         parts = _extra_parts(seqs, name, kind, masks)
         if parts is None:
@@ -441,16 +452,22 @@ def _ids(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
 
 def log_step(loggers: Mapping[int, Any], step: int, seqs: list[Sequence], scalars: Mapping[str, float] | None,
              ranks: Collection[int] | None = None, extra_types: Mapping[str, str] | None = None,
-             loss_rule: str | None = None) -> list[str]:
+             loss_rule: str | None = None, routing: bool = False) -> list[str]:
     """Log one step's sequences (each source rank through its own logger of ``loggers``) and scalars (rank 0's
     logger), one ``log_step`` call per rank, so no flush ever holds part of a rank's share of the step.
     ``ranks``: only these ranks' share (a followed run, whose ranks commit one after the other); None, all.
     ``extra_types``: the run's own columns (the loggers' ``extra_columns``) filled from ``Sequence.extra``.
+    ``routing``: the loggers declare ``routing_shape``; the step's ``engine_experts`` are logged when every
+    sequence has them on every scored token, else left out (NULL) and named among the columns left out.
     Returns the extra columns some call left out (a null number on a scored token)."""
     seqs = sorted(seqs, key=lambda s: s.rank)
     sample_ids, prompt_ids = _ids(seqs)  # over the whole step, whichever ranks are logged
     present = {s.rank for s in seqs}
     nulled: list[str] = []
+    if routing and not all(s.engine_experts is not None and (s.engine_experts[_scored(s)] >= 0).all()
+                           for s in seqs):
+        routing = False
+        nulled.append("engine_experts")
     for rank in sorted(present | ({0} if scalars else set())):
         if ranks is not None and rank not in ranks:
             continue
@@ -459,7 +476,7 @@ def log_step(loggers: Mapping[int, Any], step: int, seqs: list[Sequence], scalar
             idx = [i for i, s in enumerate(seqs) if s.rank == rank]
             kwargs["tokens"], kwargs["mask"], kwargs["samples"], left = _step_call(
                 [seqs[i] for i in idx], [sample_ids[i] for i in idx], [prompt_ids[i] for i in idx],
-                extra_types or {})
+                extra_types or {}, routing)
             nulled += [name for name in left if name not in nulled]
         loggers[rank].log_step(step, loss_rule=loss_rule, **kwargs)
     return nulled
@@ -584,6 +601,58 @@ def read_steps(fmt: str, src: Path, *, version: str | None = None, workers: int 
                 future.cancel()
 
 
+ANY_EXPERT = int(np.iinfo(np.int16).max)
+"""The expert count a run is declared with when neither the source nor the tokenizer's directory names it (the
+dumps keep expert ids, not the count): ids are then checked against the int16 column's range only."""
+
+
+def routing_shape(run: ImportedRun, vocab: Any = None) -> tuple[int, int, int] | None:
+    """The ``routing_shape`` ``(MoE layers, top-k, experts)`` of a source that holds routed experts (None when it
+    holds none): layers and top-k from its arrays; the expert count from the model config beside the tokenizer
+    (``--tokenizer``, a model directory), else :data:`ANY_EXPERT`. ImportFormatError when that config's layers or
+    top-k differ from the arrays', naming both shapes."""
+    if run.routing is None:
+        return None
+    from trustscope.routing import moe_shape
+
+    layers, top_k = run.routing
+    where = getattr(vocab, "name_or_path", None)
+    try:
+        model = json.loads((Path(where) / "config.json").read_text(), object_hook=_attrs) if where else None
+    except (OSError, ValueError):  # no model config beside the tokenizer
+        model = None
+    if not isinstance(model, _attrs) or model.num_hidden_layers is None:
+        return layers, top_k, ANY_EXPERT
+    config = moe_shape(model)
+    if config is None:
+        raise ImportFormatError(f"{run.src}: routed experts of shape (tokens, {layers}, {top_k}), but the model "
+                                f"config in {where} is a dense model (it names no experts)")
+    if config[:2] != (layers, top_k):
+        raise ImportFormatError(f"{run.src}: routed experts of shape (tokens, {layers}, {top_k}), but the model "
+                                f"config in {where} routes (tokens, {config[0]}, {config[1]}) (MoE layers, top-k)")
+    return config
+
+
+class _attrs(dict):
+    """A JSON object read as attributes (``config.num_experts``), missing ones None, for :func:`moe_shape`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self.get(name)
+
+
+def check_experts(seq: Sequence, shape: tuple[int, int, int]) -> None:
+    """Routed experts on scored positions against the run's ``routing_shape``: an id outside ``[0, experts)``
+    (-1, the writers' filler, excepted) is refused naming the sequence, the position and the value."""
+    arr = seq.engine_experts
+    if arr is None:
+        return
+    bad = seq.mask[:, None, None] & ((arr < -1) | (arr >= shape[2]))
+    if bad.any():
+        pos, layer, slot = (int(x) for x in np.argwhere(bad)[0])
+        raise ImportFormatError(f"{seq.where}: engine_experts {int(arr[pos, layer, slot])} at response position "
+                                f"{pos}, MoE layer {layer}, slot {slot}: expert ids are in [0, {shape[2]})")
+
+
 def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None,
               token_fraction: float = 1.0) -> Path:
     """Write ``run`` (a whole source, read) as ``<logdir>/<run_id>``: :func:`write_steps` of it alone."""
@@ -627,6 +696,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
     tmp_root = logdir / f".import-{run_id}-{secrets.token_hex(4)}"
     header = dataclasses.replace(first, sequences=[], scalars={})  # the run's description, without its rows
     declared = dict(first.extra_types)
+    routed = routing_shape(first, vocab)  # the first part's routed experts declare the run's routing_shape
     loggers: dict[int, TokenLogger] = {}
     sequences = unscored_tokens = 0
     nulled: list[str] = []
@@ -645,7 +715,8 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
             loggers[rank] = TokenLogger(tmp_root, run_id, config=config, loss_rule=header.loss_rule, vocab=vocab,
                                         mu_source="imported", source=source, rank=rank, flush_seconds=3600.0,
                                         summaries=token_fraction < 1.0, token_fraction=token_fraction,
-                                        extra_columns=declared, fsync=False)  # synced once, before the rename
+                                        extra_columns=declared, routing_shape=routed,
+                                        fsync=False)  # synced once, before the rename
         return loggers[rank]
 
     try:
@@ -659,6 +730,12 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
                     check_values(seq, vocab_size)
                 header = combine(header, part)
             checked = False
+            if routed is not None and part.routing not in (None, routed[:2]):
+                raise ImportFormatError(f"{part.src}: routed experts of (MoE layers, top-k) {part.routing}, the "
+                                        f"steps before {routed[:2]}: a run does not mix models")
+            if routed is not None:
+                for seq in part.sequences:
+                    check_experts(seq, routed)
             by_step: dict[int, list[Sequence]] = {}
             for seq in part.sequences:
                 by_step.setdefault(seq.step, []).append(seq)
@@ -666,7 +743,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
                 logger(rank)
             for step in sorted(set(by_step) | set(part.scalars)):
                 left = log_step(loggers, step, by_step.get(step, []), part.scalars.get(step),
-                                extra_types=declared, loss_rule=part.loss_rule)
+                                extra_types=declared, loss_rule=part.loss_rule, routing=routed is not None)
                 nulled += [name for name in left if name not in nulled]
             sequences += len(part.sequences)
             unscored_tokens += unscored(part.sequences)

@@ -47,9 +47,11 @@ from trustscope.importers import nemo_rl, prime_rl, slime
 from trustscope.importers.base import (
     ImportedRun,
     ImportFormatError,
+    check_experts,
     check_values,
     log_step,
     name_unknown,
+    routing_shape,
     unscored,
 )
 
@@ -188,10 +190,14 @@ class _Run:
         self.extra: dict[str, str] | None = None
         """The run's own columns (``extra_columns``): the unknown fields of the first step, kept for the run."""
         self.named: set[str] = set()  # unknown fields already named
+        self.routing: tuple[int, int, int] | bool | None = False
+        """The run's ``routing_shape`` (routed experts: the first step's, :func:`routing_shape`), None without;
+        False until the first step or run.json decides."""
         manifest = self.dir / "run.json"
         if manifest.exists():
             info = json.loads(manifest.read_text())
             self.extra = dict((info.get("logging") or {}).get("extra_columns") or {})
+            self.routing = tuple(info["routing_shape"]) if info.get("routing_shape") else None
             follow = ((info.get("config") or {}).get("import") or {}).get("follow")
             if not isinstance(follow, dict) or follow.get("format") != fmt or follow.get("src") != self.key:
                 was = (f"a followed import of {follow.get('format')} {follow.get('src')}"
@@ -219,10 +225,13 @@ class _Run:
         # a step (the memory bound is never reached: one step is in memory at a time, parsed already)
         if self.extra is None:
             self.extra = dict(run.extra_types) if run is not None else {}
+        if self.routing is False:
+            self.routing = routing_shape(run, self.vocab) if run is not None else None
         logger = TokenLogger(self.logdir, self.run_id, config=config, loss_rule=loss_rule, vocab=self.vocab,
                              mu_source="imported", source=source, rank=rank, resume=True,
                              summaries=self.token_fraction < 1.0, token_fraction=self.token_fraction,
-                             max_buffered_rows=2**62, block_timeout_s=None, extra_columns=self.extra)
+                             max_buffered_rows=2**62, block_timeout_s=None, extra_columns=self.extra,
+                             routing_shape=self.routing or None)
         self.loggers[rank] = logger
         last = logger.manifest.get("last_step")
         self.last[rank] = last if isinstance(last, int) else None
@@ -255,11 +264,19 @@ class _Run:
         if new:  # each unknown field named once per follow session
             name_unknown(dataclasses.replace(run, unknown=new), self.extra)
             self.named.update(new)
-        log_step(self.loggers, step, run.sequences, scalars, ranks=others, extra_types=self.extra)
+        if self.routing:
+            if run.routing not in (None, self.routing[:2]):
+                raise ImportFormatError(f"{self.src} step {step}: routed experts of (MoE layers, top-k) "
+                                        f"{run.routing}, the run's {self.routing[:2]}: a run does not mix models")
+            for seq in run.sequences:
+                check_experts(seq, self.routing)
+        log_step(self.loggers, step, run.sequences, scalars, ranks=others, extra_types=self.extra,
+                 routing=bool(self.routing))
         for rank in others:
             self.loggers[rank].flush()
             self.last[rank] = step
-        log_step(self.loggers, step, run.sequences, scalars, ranks=[0], extra_types=self.extra)
+        log_step(self.loggers, step, run.sequences, scalars, ranks=[0], extra_types=self.extra,
+                 routing=bool(self.routing))
         self.loggers[0].flush()  # the step's commit point
         self.last[0] = step
         written = [s for s in run.sequences if s.rank in need]

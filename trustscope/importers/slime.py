@@ -35,6 +35,13 @@ dumped; ``kept`` is false on every token of a ``remove_sample`` sample and true 
 itself is not dumped). Samples: ``sample_id`` = ``Sample.index``, ``prompt_id`` = ``group_index``, prompt and
 response text, reward (``Sample.reward`` when a number, else ``raw_reward``), ``finish_reason`` = ``status``.
 
+Routed experts (mixture-of-experts runs with ``--use-rollout-routing-replay``): the rollout dump's
+``rollout_routed_experts``, the SGLang engine's experts as the rollout decoded them from ``meta_info`` (miles
+``rollout/generate_utils``: int32 of shape ``(len(tokens) - 1, num_layers, moe_router_topk)``, row i the experts
+position i was routed to, whose output predicts token i + 1; -1 rows are miles' filler). The response's tokens are
+predicted by rows ``prompt - 1 .. len(tokens) - 2``, which become ``engine_experts``. The dump holds the engine's
+side only (the trainer replays it, recording none of its own), so there is no ``trainer_experts`` and no agreement.
+
 ``.pt`` files are loaded with ``torch.load(weights_only=True)``; a dump holding other objects (numpy arrays of
 routed experts, custom classes) needs ``allow_pickle=True``, for files you trust.
 """
@@ -76,6 +83,8 @@ NOTES = {
     "kept": "false on remove_sample samples; the PPO clip mask is not dumped",
     "rows": "response tokens with loss_mask 1",
 }
+ROUTING_NOTE = ("rollout_routed_experts (the engine's; row t - 1 of (len(tokens) - 1, layers, top-k) predicts "
+                "token t); the dump has no trainer side, so no trainer_experts or agreement")
 
 
 def load_pt(path: Path, allow_pickle: bool) -> Any:
@@ -340,6 +349,30 @@ def _train_rows_single(files: list[tuple[int, Path]], rid: int, rollout_samples:
     return rows, pack.get("raw_reward"), "train dump format_version 2 (single file)"
 
 
+def routed_experts(value: Any, total: int, resp: int, where: str) -> np.ndarray | None:
+    """``Sample.rollout_routed_experts`` (``(total - 1, L, k)``: one row per position fed) cut to the rows that
+    predict the ``resp`` response tokens, ``(resp, L, k)`` int16; None when the sample has none. ImportFormatError
+    naming the field, its shape and the one expected, for another shape or non-integer ids."""
+    if value is None:
+        return None
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    label = f"{where}['rollout_routed_experts']"
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise ImportFormatError(f"{label}: not an array of expert ids ({err})") from None
+    if arr.ndim != 3 or arr.shape[0] != total - 1 or total - resp < 1:
+        raise ImportFormatError(f"{label} has shape {arr.shape}, expected ({total - 1}, MoE layers, top-k): one row "
+                                f"per position fed, len(tokens) - 1 for {total} tokens with a {resp}-token response")
+    if arr.dtype.kind not in "iu":
+        raise ImportFormatError(f"{label} must hold integer expert ids, got dtype {arr.dtype}")
+    if arr.size and not -1 <= arr.min() <= arr.max() <= np.iinfo(np.int16).max:
+        bad = arr[(arr < -1) | (arr > np.iinfo(np.int16).max)][0]
+        raise ImportFormatError(f"{label}: expert id {int(bad)} (ids are >= 0, -1 the writers' filler)")
+    return arr[total - resp - 1: total - 1].astype(np.int16)
+
+
 def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw_reward: Any,
               rollout_where: str) -> Sequence:
     where = train["where"]
@@ -394,6 +427,7 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
         response=sample.get("response") if isinstance(sample.get("response"), str) else None,
         reward=_reward(sample, raw_reward, position),
         finish_reason=str(sample["status"]) if sample.get("status") is not None else None,
+        engine_experts=routed_experts(sample.get("rollout_routed_experts"), total, resp, rollout_where),
     )
 
 
@@ -457,7 +491,14 @@ def read(src: str | Path, *, version: str | None = None, framework: str = "slime
             position, sample, where = by_index[index]
             sequences.append(_sequence(rid, sample, position, train, raw_reward, where))
     layout = "; ".join(layouts)
+    routing = SameThroughout("routed experts of two models are mixed",
+                             lambda lk: f"routed experts of (MoE layers, top-k) {lk}")
+    for seq in sequences:
+        if seq.engine_experts is not None:
+            routing.check(seq.engine_experts.shape[1:], seq.where)
+    notes = dict(NOTES) | ({"engine_experts": ROUTING_NOTE} if routing.value is not None else {})
     return ImportedRun(
         framework=framework, version=version or f"unknown ({layout})", format=f"{framework} --dump-details, {layout}",
-        src=src, loss_rule=framework, notes=dict(NOTES), sequences=sequences, files=n_files,
+        src=src, loss_rule=framework, notes=notes, sequences=sequences, files=n_files,
+        routing=None if routing.value is None else tuple(int(x) for x in routing.value),
     )

@@ -56,6 +56,16 @@ How a run is written (one run directory, read as one run, passing ``trustscope v
   actor update the run is cut back, on every rank, to the step before ``trainer.global_steps`` (the checkpoint
   verl restored), so the steps a crash logged past the checkpoint are logged once (:meth:`VerlLogging.resume_at`).
 
+Mixture-of-experts runs with rollout routing replay (R3: ``actor_rollout_ref.rollout.enable_rollout_routing_replay``
+with ``router_replay.mode=R3``): the engine's routed experts travel in the batch as ``routed_experts``, one row per
+position fed over the whole sequence (verl's agent loop writes them from the left-padded prompt's first real token
+on, ``(B, prompt + response, MoE layers, top-k)`` int16, zeros where the engine recorded none), made unpadded like
+``input_ids`` before the update. Each actor logs the rows that predict its response tokens (verl's own
+``no_padding_2_padding``, the shift the log-probs get) as ``engine_experts``, the run declared with
+``routing_shape`` from the model's config (or ``attach(..., routing_shape=...)``). The trainer's side is not logged:
+under R3 the actor's routers run with the replayed experts (verl patches Megatron's and VeOmni's routers), so their
+own top-k is not computed.
+
 Asynchronous and multi-turn runs: each token's ``turn`` is read off the response mask (verl's agent loop masks
 the tool's and environment's tokens out: a new model turn starts after each gap, :func:`trustscope.columns.turns_from_mask`). On the
 V1 trainer each response's ``policy_version`` is the weight version it started under, from the trajectory's
@@ -616,6 +626,9 @@ class ActorLogHook:
         }
         if VERSION_KEY in cols:
             columns["policy_version"] = cols[VERSION_KEY]
+        routed = data.get("routed_experts", None) if self.logger_options.get("routing_shape") else None
+        if routed is not None and routed.is_nested:  # R3: the engine's experts of every position fed
+            columns["engine_experts"] = no_padding_2_padding(routed, data).to(torch.int16)  # (B, T, L, k)
         if self.log_old_logprob:
             columns["old_logprob"] = old
         entropy = model_output.get("entropy", None)
@@ -945,6 +958,27 @@ class _MetricsOutput:
         self.meta_info = {"metrics": metrics}
 
 
+def r3_routing_shape(model_path: Any) -> tuple[int, int, int] | None:
+    """The ``routing_shape`` (MoE layers, top-k, experts) of the model verl trains, from its config (a local
+    directory, or the Hugging Face cache), for a run whose rollouts return routed experts; None with a warning when
+    the config cannot be read or names no experts (the experts are then not logged)."""
+    from trustscope.routing import moe_shape
+
+    try:
+        from transformers import AutoConfig
+
+        shape = moe_shape(AutoConfig.from_pretrained(str(model_path), trust_remote_code=False))
+    except Exception as err:  # any loader error: the run goes on without the experts
+        warnings.warn(f"rollout routing replay is on, but the config of {model_path!r} cannot be read ({err}): the "
+                      f"routed experts are not logged; pass attach(..., routing_shape=(layers, top_k, experts))",
+                      stacklevel=3)
+        return None
+    if shape is None:
+        warnings.warn(f"rollout routing replay is on, but {model_path!r} is a dense model (its config names no "
+                      f"experts): the routed experts are not logged", stacklevel=3)
+    return shape
+
+
 def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *, metrics: bool = True,
            webhook: str | None = None, **logger_options: Any) -> VerlLogging:
     """Log verl ``RayPPOTrainer`` ``trainer`` to ``<logdir>/<run_id>/``; call after ``init_workers()``.
@@ -1014,6 +1048,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
                       f"still replay every trustscope rule)", stacklevel=2)
     resume = bool(logger_options.pop("resume", False))  # the driver resumes; the actors open theirs resumed
     options = {"strict": False, **logger_options}
+    if rollout_cfg.get("enable_rollout_routing_replay", False) and options.get("routing_shape") is None:
+        options["routing_shape"] = r3_routing_shape(cfg.actor_rollout_ref.model.get("path", None))
     summary = {
         "loss_mode": loss_mode,
         "loss_agg_mode": actor_cfg.get("loss_agg_mode", None),

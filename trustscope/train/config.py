@@ -100,13 +100,13 @@ class TrainConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the engine class, e.g. ``{"gpu_memory_utilization": 0.3}`` for vLLM on a GPU."""
     log_routing: bool = True
-    """Mixture-of-experts models with the ``vllm`` engine: log each token's experts on both sides (the engine's
-    from vLLM's router capture point, the trainer's from its routers) and their ``routing_agreement``. No effect
-    on a dense model or with ``hf``."""
+    """Mixture-of-experts models: log each token's experts on both sides (the engine's from vLLM's router capture
+    point, or with ``hf`` from the engine copy's router hooks during ``generate``; the trainer's from its routers)
+    and their ``routing_agreement``. No effect on a dense model."""
     routing_replay: bool = False
     """Routing replay (R3): the trainer's forward uses the experts the engine routed each position to (prompt and
-    response), with the routing weights from the trainer's router at those experts. Needs an MoE model and the
-    ``vllm`` engine; recorded in ``run.json`` (``routing_replay``), which ``trustscope doctor`` holds to it."""
+    response), with the routing weights from the trainer's router at those experts. Needs an MoE model (either
+    engine); recorded in ``run.json`` (``routing_replay``), which ``trustscope doctor`` holds to it."""
 
     # --- objective --------------------------------------------------------------------------------------------
     loss: str = "dppo_binary_tv"
@@ -280,8 +280,6 @@ def _validate(c: TrainConfig) -> None:
                     "directory)")
     if c.resume and not c.run_id:
         raise _fail("resume", c.resume, "set run_id to the run to continue")
-    if c.routing_replay and c.engine != "vllm":
-        raise _fail("routing_replay", c.routing_replay, "routing replay needs the engine's experts: set engine=vllm")
     if c.routing_replay and c.async_chunk_tokens:
         raise _fail("routing_replay", c.routing_replay, "routing replay needs each response's experts from one "
                     "engine call, and asynchronous partial rollouts continue responses over several: set "

@@ -851,7 +851,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
     start = restore(cfg, model_dir, main=ranks.main)
     ranks.barrier()  # every rank has checked for an existing run before any rank's logger creates it
     tokenizer, model, optimizer, scheduler = build_policy(cfg, start, device)
-    routing = moe.routing_shape(cfg, model)  # MoE with vLLM: both sides' experts logged, replayed on request
+    routing = moe.routing_shape(cfg, model)  # MoE: both sides' experts logged, replayed on request
     replay = moe.replay_hooks(model, routing)
     trained = model if ranks.world == 1 else torch.nn.parallel.DistributedDataParallel(model)
     keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights

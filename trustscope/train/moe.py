@@ -34,13 +34,13 @@ from trustscope.train.tasks import get_task
 
 
 def routing_shape(cfg: TrainConfig, model: torch.nn.Module) -> tuple[int, int, int] | None:
-    """``(MoE layers, top-k, experts)`` when this run logs or replays routing (an MoE model, the vLLM engine,
-    ``log_routing`` or ``routing_replay``), else None. ConfigError for replay on a dense model."""
+    """``(MoE layers, top-k, experts)`` when this run logs or replays routing (an MoE model, ``log_routing`` or
+    ``routing_replay``; either engine), else None. ConfigError for replay on a dense model."""
     shape = moe_shape(model.config)
     if cfg.routing_replay and shape is None:
         raise ConfigError(f"routing_replay=True: the model {cfg.model!r} is dense (its config names no experts); "
                           f"set routing_replay=false or train a mixture-of-experts model (e.g. model=toy-moe-flip)")
-    if shape is None or cfg.engine != "vllm" or not (cfg.log_routing or cfg.routing_replay):
+    if shape is None or not (cfg.log_routing or cfg.routing_replay):
         return None
     if cfg.async_chunk_tokens or get_task(cfg.task).tool is not None:
         # a response's experts would come from several engine calls (chunks, model turns): not captured
