@@ -2,6 +2,7 @@
 (docs/experiments.md, "The detector in the run's own terms").
 
     .venv/bin/python bench/eval_relative_detector.py --fit runs/cal --held runs/climb-v2w sample_logs [--baseline 10]
+        [--z 3 6] [--by-folder]
 
 Every run under the ``--fit`` folders is a fitting run, every run under ``--held`` a held-out one. Each signal of
 the ``early_signals`` view enters the relative detector as :func:`trustscope.report.relative_signals` gives it:
@@ -10,8 +11,10 @@ fitted as the absolute one was (``bench/eval_early_warning.py``: forward selecti
 fitting runs' log-loss, a logistic fit, the most permissive threshold with at most one false alarm per four
 fitting runs) and judged on the held-out runs beside: the shipped absolute detector (``report.DETECTOR``), an
 absolute detector refitted on the same fitting runs (so that "relative" and "fitted on other runs" are told
-apart), the shipped lines, and the relative lines (``--warn-relative``). Collapses, leads and false alarms are
-counted as in ``eval_early_warning.judge``.
+apart), the shipped relative detector (``report.RELATIVE_DETECTOR``), the shipped lines, the relative lines, and
+the warnings as ``trustscope report`` gives them (the default; ``--warn-relative Z``: the relative lines or the
+relative detector). Collapses, leads and false alarms are counted as in ``eval_early_warning.judge``; with
+``--by-folder``, for all the held-out runs and for each ``--held`` folder's alone.
 """
 
 from __future__ import annotations
