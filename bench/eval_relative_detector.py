@@ -2,6 +2,7 @@
 (docs/experiments.md, "The detector in the run's own terms").
 
     .venv/bin/python bench/eval_relative_detector.py --fit runs/cal --held runs/climb-v2w sample_logs [--baseline 10]
+        [--z 3 6] [--by-folder]
 
 Every run under the ``--fit`` folders is a fitting run, every run under ``--held`` a held-out one. Each signal of
 the ``early_signals`` view enters the relative detector as :func:`trustscope.report.relative_signals` gives it:
@@ -10,8 +11,10 @@ fitted as the absolute one was (``bench/eval_early_warning.py``: forward selecti
 fitting runs' log-loss, a logistic fit, the most permissive threshold with at most one false alarm per four
 fitting runs) and judged on the held-out runs beside: the shipped absolute detector (``report.DETECTOR``), an
 absolute detector refitted on the same fitting runs (so that "relative" and "fitted on other runs" are told
-apart), the shipped lines, and the relative lines (``--warn-relative``). Collapses, leads and false alarms are
-counted as in ``eval_early_warning.judge``.
+apart), the shipped relative detector (``report.RELATIVE_DETECTOR``), the shipped lines, the relative lines, and
+the warnings as ``trustscope report`` gives them (the default; ``--warn-relative Z``: the relative lines or the
+relative detector). Collapses, leads and false alarms are counted as in ``eval_early_warning.judge``; with
+``--by-folder``, for all the held-out runs and for each ``--held`` folder's alone.
 """
 
 from __future__ import annotations
@@ -145,12 +148,51 @@ def fit(raw, fit_ids, collapses, signals, relative: bool, baseline: int):
     return detector, path, ew.judge(flags_of(detector, raw, fit_ids), fit_c)
 
 
+def report_flags(runs: list[Path], lines):
+    """The collapse warning on each run exactly as ``trustscope report`` gives it with ``lines`` (the lines and the
+    detector :func:`trustscope.report.collapse_warnings` picks for them), run_id as :func:`label` names it."""
+    import pandas as pd
+
+    from trustscope import db, report
+
+    parts = []
+    for run in runs:
+        with db.connect(run, cache=False) as conn:
+            ids = conn.runs().run_id.tolist()
+            parts.append(report.collapse_warnings(conn, ids, lines).assign(run_id=label(run)))
+    return pd.concat(parts, ignore_index=True)
+
+
+def either(a, b):
+    """Per-step flags warning where ``a`` or ``b`` does."""
+    both = a[["run_id", "step", "warning"]].merge(b[["run_id", "step", "warning"]], on=["run_id", "step"],
+                                                  how="outer", suffixes=("", "_b"))
+    both["warning"] = both["warning"].fillna(False).astype(bool) | both["warning_b"].fillna(False).astype(bool)
+    return both[["run_id", "step", "warning"]]
+
+
+def group_of(run_id: str) -> str:
+    """The held-out group of a run: its folder (:func:`label`'s first part)."""
+    return run_id.split("/", 1)[0]
+
+
+def print_table(table: list[dict]) -> None:
+    print("| warning | setting | runs it can score | collapses | warned | median lead (steps) | warning episodes | "
+          "false alarms | runs with a false alarm |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in table:
+        lead = "-" if r["median_lead"] != r["median_lead"] else f"{r['median_lead']:.1f}"
+        print(f"| {r['warning']} | {r['setting']} | {r['scored']} | {r['collapses']} | {r['warned']} | {lead} | "
+              f"{r['episodes']} | {r['false_alarms']} | {r['runs_with_false_alarm']} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", type=Path, nargs="+", required=True)
     parser.add_argument("--held", type=Path, nargs="+", required=True)
     parser.add_argument("--baseline", type=int, default=10)
     parser.add_argument("--z", type=float, nargs="+", default=[3.0, 6.0], help="relative lines to judge")
+    parser.add_argument("--by-folder", action="store_true", help="also a table for each folder of held-out runs")
     args = parser.parse_args()
 
     from trustscope import report
@@ -169,8 +211,11 @@ def main() -> None:
             n = int((raw.run_id == r).sum())
             print(f"  {r}: {n} steps, collapse at {collapses[r]}, mean |pi - mu| "
                   f"{raw.loc[raw.run_id == r, 'mismatch_mean'].mean():.4f}")
-    held_c = {r: collapses[r] for r in held_ids}
-    table = []
+
+    def scorable(detector, ids) -> int:
+        return sum(all(raw.loc[raw.run_id == r, s].notna().any() for s in detector.signals) for r in ids)
+
+    rows = []  # (warning, setting, detector or None, per-step flags over every held-out run)
     fitted = {}
     for name, signals, relative in (("relative detector", RELATIVE, True),
                                     ("relative detector, shipped-run signals", SHIPPED, True),
@@ -178,33 +223,35 @@ def main() -> None:
         detector, path, on_fit = fit(raw, fit_ids, collapses, signals, relative, args.baseline)
         fitted[name] = detector
         print(f"\n{name}: path {[(s, round(v, 4)) for s, v in path]}\n  {detector}\n  on the fitting runs: {on_fit}")
-        scorable = sum(all(raw.loc[raw.run_id == r, s].notna().any() for s in detector.signals) for r in held_ids)
-        table.append({"warning": name, "setting": f"score >= {detector.threshold:.3g}", "scored": scorable,
-                      **ew.judge(flags_of(detector, raw, held_ids), held_c)})
-    shipped = report.DETECTOR
-    scorable = sum(all(raw.loc[raw.run_id == r, s].notna().any() for s in shipped.signals) for r in held_ids)
-    table.append({"warning": "shipped absolute detector (report.DETECTOR)", "setting":
-                  f"score >= {shipped.threshold:.3g}", "scored": scorable,
-                  **ew.judge(flags_of(shipped, raw, held_ids), held_c)})
+        rows.append((name, f"score >= {detector.threshold:.3g}", detector, flags_of(detector, raw, held_ids)))
+    for name, detector in (("shipped relative detector (report.RELATIVE_DETECTOR)", report.RELATIVE_DETECTOR),
+                           ("shipped absolute detector (report.DETECTOR)", report.DETECTOR)):
+        rows.append((name, f"score >= {detector.threshold:.3g}", detector, flags_of(detector, raw, held_ids)))
     held_paths = [p for p in held_runs if label(p) in held_ids]
     shipped_lines = line_flags(held_paths, report.WarningLines())
-    union = flags_of(shipped, raw, held_ids).merge(shipped_lines[["run_id", "step", "warning"]],
-                                                   on=["run_id", "step"], how="outer", suffixes=("", "_lines"))
-    union["warning"] = union["warning"].fillna(False).astype(bool) | union["warning_lines"].fillna(False).astype(bool)
-    table.append({"warning": "**shipped default** (report.DETECTOR or the lines)", "setting": "as shipped",
-                  "scored": len(held_ids), **ew.judge(union, held_c)})
-    for name, lines in [("shipped lines (bad rate 1%, 2x mismatch)", report.WarningLines()),
-                        *((f"relative lines, {z:g} deviations", report.WarningLines(relative_z=z)) for z in args.z)]:
-        table.append({"warning": name, "setting": f"window {lines.window}", "scored": len(held_ids),
-                      **ew.judge(line_flags(held_paths, lines), held_c)})
-    print(f"\nheld-out runs: {len(held_ids)}, {sum(c is not None for c in held_c.values())} collapse\n")
-    print("| warning | setting | runs it can score | collapses | warned | median lead (steps) | warning episodes | "
-          "false alarms | runs with a false alarm |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in table:
-        lead = "-" if r["median_lead"] != r["median_lead"] else f"{r['median_lead']:.1f}"
-        print(f"| {r['warning']} | {r['setting']} | {r['scored']} | {r['collapses']} | {r['warned']} | {lead} | "
-              f"{r['episodes']} | {r['false_alarms']} | {r['runs_with_false_alarm']} |")
+    rows.append(("**shipped default** (report.DETECTOR or the lines: `report`)", "as shipped", None,
+                 report_flags(held_paths, report.WarningLines())))
+    rows.append(("report.RELATIVE_DETECTOR or the shipped lines", "as shipped", None,
+                 either(flags_of(report.RELATIVE_DETECTOR, raw, held_ids), shipped_lines)))
+    rows.append(("shipped lines (bad rate 1%, 2x mismatch)", "window 10", None, shipped_lines))
+    for z in args.z:
+        lines = report.WarningLines(relative_z=z)
+        rows.append((f"relative lines, {z:g} deviations", f"window {lines.window}", None,
+                     line_flags(held_paths, lines)))
+        rows.append((f"relative mode (`report --warn-relative {z:g}`: the relative lines or RELATIVE_DETECTOR)",
+                     f"window {lines.window}", None, report_flags(held_paths, lines)))
+
+    groups = {"all held-out runs": held_ids}
+    if args.by_folder:
+        for r in held_ids:
+            groups.setdefault(group_of(r), []).append(r)
+    for group, ids in groups.items():
+        c = {r: collapses[r] for r in ids}
+        print(f"\n{group}: {len(ids)} runs, {sum(v is not None for v in c.values())} collapse "
+              f"(at steps {sorted(v for v in c.values() if v is not None)})\n")
+        print_table([{"warning": name, "setting": setting,
+                      "scored": len(ids) if detector is None else scorable(detector, ids),
+                      **ew.judge(flags[flags.run_id.isin(ids)], c)} for name, setting, detector, flags in rows])
     d = fitted["relative detector"]
     print(f"\nrelative detector, full precision: weights {d.weights!r}, bias {d.bias!r}, threshold {d.threshold!r}, "
           f"baseline {d.baseline}")

@@ -91,3 +91,38 @@ def test_a_relative_detector_reads_a_run_the_same_at_any_scale_and_waits_for_its
     assert loud[absolute.window - 1:].all()  # every step from its first full window
     assert not absolute.score(run.assign(mismatch_mean=run.mismatch_mean / 10,
                                          entropy_mean=run.entropy_mean / 10))[1].any()
+
+
+def test_the_live_relative_warning_scores_the_relative_detector_as_the_report_does():
+    """Step by step from a step's metrics, the entropy among them, the relative mode's live warning keeps the
+    detector's whole baseline (longer than the lines' window here) and scores :data:`report.RELATIVE_DETECTOR`
+    as the report does over every step of the run; its reason names that detector."""
+    import numpy as np
+    import pandas as pd
+
+    from trustscope.db import Overview
+    from trustscope.query.analyses import OVERVIEW_COLUMNS
+
+    rng = np.random.default_rng(3)
+    lines = report.WarningLines(window=4, relative_z=6)
+    warning, got, rows = T.EarlyWarning(lines), [], []
+    assert warning.detector is report.RELATIVE_DETECTOR
+    for step in range(40):
+        entropy = 0.5 * (1 + 0.03 * rng.standard_normal() + (0.08 * (step - 24) if step >= 25 else 0.0))
+        mismatch = 0.01 * (1 + 0.03 * rng.standard_normal())
+        metrics = {f"{T.PREFIX}/step": float(step), f"{T.PREFIX}/tokens/total": 500.0,
+                   f"{T.PREFIX}/bad_negative_count": 0.0, f"{T.PREFIX}/bad_negative_rate": 0.0,
+                   f"{T.PREFIX}/mismatch/abs_mean": mismatch, f"{T.PREFIX}/entropy/mean": entropy}
+        got.append(warning.update(metrics))
+        rows.append({"run_id": "run", "step": step, "n_tokens": 500.0, "n_bad_negative": 0.0, "reward_mean": 0.5,
+                     "bad_negative_rate": 0.0, "mismatch_mean": mismatch, "entropy_mean": entropy})
+    steps = pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*OVERVIEW_COLUMNS, "entropy_mean"])))
+    want = report.collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["run"], lines)
+    assert want.attrs["detector"] is report.RELATIVE_DETECTOR
+    np.testing.assert_allclose([g[f"{T.PREFIX}/warning/score"] for g in got][report.RELATIVE_DETECTOR.baseline:],
+                               want["score"].iloc[report.RELATIVE_DETECTOR.baseline:], rtol=1e-9)
+    assert [g[f"{T.PREFIX}/warning"] for g in got] == want["warning"].astype(float).tolist()
+    first = int(want["warn_score"].to_numpy().argmax())
+    assert want["warn_score"].any() and first > report.RELATIVE_DETECTOR.baseline  # the entropy rise, not before
+    assert "each against the run's first 10 steps" in warning.reason(got[first])
+    assert "entropy" in warning.reason(got[first])

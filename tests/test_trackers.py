@@ -23,6 +23,7 @@ from trustscope.report import WarningLines, collapse_warnings
 from trustscope.trackers import (
     EarlyWarning,
     LiveTrackerAlerts,
+    RunReporting,
     StepReporter,
     Trackers,
     TrackerWarning,
@@ -338,3 +339,19 @@ def test_trainer_report_to_tensorboard(tmp_path, toy_model_dir):
     assert [e.value for e in acc.Scalars(f"{P}/mismatch/abs_mean")] == pytest.approx(
         steps["mismatch_mean"].tolist(), rel=1e-6)
     assert not math.isnan(acc.Scalars("reward/mean")[0].value)
+
+
+def test_the_trainers_reporting_takes_the_warning_lines(tmp_path):
+    """``RunReporting(..., lines=...)`` (the trainer's ``warn_relative``) hands its lines to the live warning,
+    which then scores the relative detector; without them, the default lines and detector."""
+    from trustscope import report
+    from trustscope.train.config import ConfigError, TrainConfig
+
+    relative = RunReporting(None, [], None, tmp_path, "r", lines=WarningLines(relative_z=6))
+    assert relative.reporter.warning.lines.relative_z == 6
+    assert relative.reporter.warning.detector is report.RELATIVE_DETECTOR
+    plain = RunReporting(None, [], None, tmp_path, "r")
+    assert plain.reporter.warning.detector is report.DETECTOR and plain.reporter.warning.lines == WarningLines()
+    assert TrainConfig(run_id="x", warn_relative="6").warn_relative == 6.0
+    with pytest.raises(ConfigError, match="warn_relative=-1"):
+        TrainConfig(run_id="x", warn_relative=-1)

@@ -295,6 +295,15 @@ WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch
                    "warn_mismatch", "score", "warn_score", "warning", "bad_rate_z", "mismatch_z"]
 
 
+def detector_for(lines: WarningLines, detector: Detector | None = DETECTOR) -> Detector | None:
+    """The detector :func:`collapse_warnings` scores with beside ``lines``: ``detector``, but in the relative mode
+    (``lines.relative_z`` set) an absolute one gives way to :data:`RELATIVE_DETECTOR` (absolute weights mean
+    nothing in the run's own terms: the relative fit does)."""
+    if lines.relative_z is not None and detector is not None and detector.baseline is None:
+        return RELATIVE_DETECTOR
+    return detector
+
+
 def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
                       detector: Detector | None = DETECTOR, signals: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per run and step, the collapse early warning: run_id, step, reward_mean; the lines of
@@ -309,8 +318,7 @@ def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLi
     given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
     updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
     lines = lines or WarningLines()
-    if lines.relative_z is not None and detector is not None and detector.baseline is None:
-        detector = RELATIVE_DETECTOR  # absolute weights mean nothing in the run's own terms: the relative fit does
+    detector = detector_for(lines, detector)
     if not run_ids:
         return pd.DataFrame(columns=WARNING_COLUMNS)
     overview = db.overview(run_ids) if isinstance(db, LogDB) else db

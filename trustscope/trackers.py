@@ -161,20 +161,23 @@ def step_metrics(rows: Iterable[Mapping[str, Any]], step: int | None = None,
     return out
 
 
-DETECTOR_SIGNALS = ("log_ratio_std", "ess_frac", "bad_negative_rate")
-"""The step figures :data:`trustscope.report.DETECTOR` reads, as :func:`detector_signals` gives them."""
+DETECTOR_SIGNALS = ("log_ratio_std", "ess_frac", "bad_negative_rate", "entropy_mean")
+"""The step figures :data:`trustscope.report.DETECTOR` and :data:`trustscope.report.RELATIVE_DETECTOR` read beyond
+the overview's (mean |pi - mu|), as :func:`detector_signals` gives them."""
 
 
 def detector_signals(metrics: Mapping[str, float]) -> dict[str, float]:
-    """The fitted early warning's signals from a step's metrics, as the ``early_signals`` view computes them:
+    """The fitted early warnings' signals from a step's metrics, as the ``early_signals`` view computes them:
     the population std of log(pi/mu) and the ESS share (sum w)^2 / (n sum w^2) = mean^2 / (mean^2 + std^2) of
-    w = pi/mu; NaN where the step's summaries lack the importance-weight rows."""
+    w = pi/mu (NaN where the step's summaries lack the importance-weight rows), the bad-update rate, and the mean
+    entropy of pi (the ``entropy`` summary's mean; NaN where the trainer hands the logger no entropy)."""
     mean = metrics.get(f"{PREFIX}/is_weight/mean", math.nan)
     std = metrics.get(f"{PREFIX}/is_weight/std", math.nan)
     spread = mean * mean + std * std
     return {"log_ratio_std": metrics.get(f"{PREFIX}/log_ratio/std", math.nan),
             "ess_frac": mean * mean / spread if spread > 0 else math.nan,
-            "bad_negative_rate": metrics.get(f"{PREFIX}/bad_negative_rate", math.nan)}
+            "bad_negative_rate": metrics.get(f"{PREFIX}/bad_negative_rate", math.nan),
+            "entropy_mean": metrics.get(f"{PREFIX}/entropy/mean", math.nan)}
 
 
 class EarlyWarning:
@@ -182,14 +185,20 @@ class EarlyWarning:
     a run's logs (the same function, over the steps seen so far): adds ``trustscope/warning`` (0 or 1),
     ``trustscope/warning/bad_rate_recent`` and ``trustscope/warning/mismatch_growth`` to a step's metrics.
 
-    It keeps the run's first ``window`` steps (the baseline) and the last ``window``, so its memory and time stay
-    fixed however long the run. ``lines``: a :class:`trustscope.report.WarningLines` (default: its defaults).
+    It keeps the run's first steps (the lines' ``window``, or the detector's baseline where longer) and the last
+    ``window`` (or the detector's window), so its memory and time stay fixed however long the run. ``lines``: a
+    :class:`trustscope.report.WarningLines` (default: its defaults); with ``relative_z`` set, the detector is
+    :data:`trustscope.report.RELATIVE_DETECTOR`, on the step's entropy and mean |pi - mu| against the run's first
+    steps (score NaN, and the relative lines alone, where the trainer logs no entropy).
     """
 
     def __init__(self, lines: Any = None):
-        from trustscope.report import WarningLines
+        from trustscope.report import WarningLines, detector_for
 
         self.lines = lines or WarningLines()
+        self.detector = detector_for(self.lines)
+        self._n_first = max(self.lines.window, self.detector.baseline or 0)
+        self._n_recent = max(self.lines.window, self.detector.window)
         self._first: list[dict[str, float]] = []
         self._recent: list[dict[str, float]] = []
         self.fired_at: int | None = None
@@ -214,18 +223,19 @@ class EarlyWarning:
                "reward_mean": math.nan, **detector_signals(metrics)}
         if self._recent and self._recent[-1]["step"] == row["step"]:
             self._recent[-1] = row  # the same step again (a later call of it): its newer figures
-            if len(self._first) <= self.lines.window and self._first[-1]["step"] == row["step"]:
+            if len(self._first) <= self._n_first and self._first[-1]["step"] == row["step"]:
                 self._first[-1] = row
         else:
-            if len(self._first) < self.lines.window:
+            if len(self._first) < self._n_first:
                 self._first.append(row)
-            self._recent = [*self._recent, row][-self.lines.window:]
+            self._recent = [*self._recent, row][-self._n_recent:]
         # the baseline window, then the recent one: rolling sums of the last window and the position past the
         # baseline come out as over the whole run (the rows between them are not read by either)
         seen = self._first + [r for r in self._recent if r["step"] > self._first[-1]["step"]]
         steps = pd.DataFrame(seen).reindex(columns=list(dict.fromkeys([*OVERVIEW_COLUMNS, *DETECTOR_SIGNALS])))
         try:
-            last = collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["run"], self.lines).iloc[-1]
+            last = collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["run"], self.lines,
+                                     self.detector).iloc[-1]
         except (KeyError, ValueError, IndexError) as err:  # a warning that reads figures these rows lack
             warnings.warn(f"trustscope: the early warning could not be computed from the step summaries: {err!r}",
                           TrackerWarning, stacklevel=2)
@@ -243,15 +253,17 @@ class EarlyWarning:
 
     def reason(self, metrics: Mapping[str, float]) -> str:
         """One line saying why the warning fires, from :meth:`update`'s metrics."""
-        from trustscope.report import DETECTOR, DETECTOR_LABELS
+        from trustscope.report import DETECTOR_LABELS
 
+        detector = self.detector
         rate = metrics.get(f"{PREFIX}/warning/bad_rate_recent", math.nan)
         growth = metrics.get(f"{PREFIX}/warning/mismatch_growth", math.nan)
         score = metrics.get(f"{PREFIX}/warning/score", math.nan)
         why = []
-        if score >= DETECTOR.threshold:  # NaN (a run logged without the detector's signals) compares False
-            why.append(f"early-warning score {score:.2f} >= {DETECTOR.threshold:.2f} over the last "
-                       f"{DETECTOR.window} steps' {', '.join(DETECTOR_LABELS[n] for n in DETECTOR.signals)}")
+        if score >= detector.threshold:  # NaN (a run logged without the detector's signals) compares False
+            why.append(f"early-warning score {score:.2f} >= {detector.threshold:.2f} over the last "
+                       f"{detector.window} steps' {', '.join(DETECTOR_LABELS[n] for n in detector.signals)}"
+                       + (f", each against the run's first {detector.baseline} steps" if detector.baseline else ""))
         if self.lines.relative_z is not None:
             z = self.lines.relative_z
             for name, said in (("bad_rate_z", f"bad negative updates {rate:.2%} of the last {self.lines.window} "
@@ -299,16 +311,17 @@ class StepReporter:
 
     ``wait_s``: how long :meth:`metrics` may wait for the logger's writer thread to summarise the calls logged so
     far (0: never wait; the figures are then those of the latest step it has finished, which ``trustscope/step``
-    names). ``alerts``: an :class:`trustscope.alerts.Alerts` told when the warning fires.
+    names). ``alerts``: an :class:`trustscope.alerts.Alerts` told when the warning fires. ``lines``: the
+    warning's :class:`trustscope.report.WarningLines` (default: its defaults; ``relative_z`` for the relative mode).
     """
 
     def __init__(self, logger: Any, *, wait_s: float = 0.0, warning: bool = True, alerts: Any = None,
-                 run_id: str | None = None):
+                 run_id: str | None = None, lines: Any = None):
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s < math.inf:
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
         self.logger = logger
         self.wait_s = float(wait_s)
-        self.warning = EarlyWarning() if warning else None
+        self.warning = EarlyWarning(lines) if warning else None
         self.alerts = alerts
         self.run_id = run_id or getattr(logger, "run_id", None) or "run"
         self._reported: int | None = None
@@ -580,18 +593,18 @@ class RunReporting:
     and the trackers' alerts. Each step waits up to ``wait_s`` for the logger's writer thread to summarise it
     (milliseconds, unless the thread is busy writing a flush; past that the step reports the newest step it
     has summarised); :meth:`close` flushes the logger once and reports the last step. Rank 0 only (its logger's
-    tokens: with several ranks, its share)."""
+    tokens: with several ranks, its share). ``lines``: the early warning's :class:`trustscope.report.WarningLines`."""
 
     def __init__(self, logger: Any, report_to: Sequence[str], webhook: str | None, run_dir: str | os.PathLike,
                  run_id: str, config: Mapping[str, Any] | None = None, project: str = "trustscope",
-                 wait_s: float = 5.0):
+                 wait_s: float = 5.0, lines: Any = None):
         from trustscope.alerts import Alerts, check_webhook_url
 
         url = check_webhook_url(webhook) if webhook else None
         self.logger = logger
         self.trackers = Trackers(open_trackers(report_to, run_dir, run_id, config, project))
         self.alerts = Alerts(url, logger=logger, trackers=self.trackers) if url or self.trackers.trackers else None
-        self.reporter = StepReporter(logger, wait_s=wait_s, alerts=self.alerts, run_id=run_id)
+        self.reporter = StepReporter(logger, wait_s=wait_s, alerts=self.alerts, run_id=run_id, lines=lines)
         self._step: int | None = None
 
     def step(self, step: int, scalars: Mapping[str, float] | None = None) -> dict[str, float]:

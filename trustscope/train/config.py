@@ -175,6 +175,10 @@ class TrainConfig:
     extra installs them). Empty: none."""
     webhook: str = ""
     """A Slack-compatible webhook URL the collapse early warning is posted to (docs/trackers.md); empty: none."""
+    warn_relative: float = 0.0
+    """The early warning of ``report_to`` and ``webhook`` against the run's own first steps: its lines this many
+    robust deviations above them and the detector fitted in those terms (``trustscope report --warn-relative``,
+    docs/trackers.md). 0: the default, absolute warning."""
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -258,6 +262,9 @@ def _validate(c: TrainConfig) -> None:
             check_webhook_url(c.webhook)
         except ValueError as e:
             raise _fail("webhook", c.webhook, f"{e.args[0]}; set an https:// webhook URL or leave it empty") from None
+    if not (math.isfinite(c.warn_relative) and c.warn_relative >= 0):
+        raise _fail("warn_relative", c.warn_relative, "set warn_relative to a number of robust deviations > 0, or 0 "
+                    "for the absolute warning")
     if c.group_size < 2:
         raise _fail("group_size", c.group_size, "set group_size >= 2: a group baseline needs two responses")
     if c.batch_size % c.mini_batches:

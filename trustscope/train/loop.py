@@ -876,8 +876,11 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks, routing))
         reporting = None
         if ranks.main and (cfg.report_to or cfg.webhook):  # closed before the logger (the last step reported)
+            from trustscope.report import WarningLines
+
             reporting = running.enter_context(RunReporting(logger, parse_report_to(cfg.report_to), cfg.webhook,
-                                                           cfg.run_dir, cfg.run_id, cfg.to_dict()))
+                                                           cfg.run_dir, cfg.run_id, cfg.to_dict(),
+                                                           lines=WarningLines(relative_z=cfg.warn_relative or None)))
 
         # ---- steps ---------------------------------------------------------------------------------------------
         for step in range(start.step, cfg.steps):
