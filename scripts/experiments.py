@@ -23,6 +23,8 @@ Presets (docs/experiments.md says why each setting):
   Clip-Higher) on pre-stated measures, judged by ``scripts/findings.py --logdir runs/sanity-climb``.
 - ``sanity-climb-warm``: the climb test on ``toy-v2-warm`` (toy-v2 warm-started further, :data:`WORLDS`), where
   every rule reaches 0.9; DPPO, GRPO, Clip-Higher, PG-IS and CISPO x 8 seeds.
+- ``sanity-climb-collapse``: ``sanity-climb-warm`` with eight mini-batch updates a step, where the trust-region
+  rules reach 0.9 and PG-IS and CISPO collapse; the same rules x 8 seeds.
 - ``sanity-gpu``: the same at a larger scale for a GPU machine (``toy-gpu``: 20M parameters, three-digit column
   addition); run it with ``scripts/gpu_sanity.sh``.
 
@@ -176,6 +178,12 @@ to 0 at step 150, 16 prompts x 16 responses a step. Calibrated in docs/experimen
 start"): every run of DPPO binary TV/KL, GRPO and Clip-Higher (6-8 seeds) and of PG-IS (4) reaches a 10-step reward
 of 0.9 within 150 steps; none collapses (PG-IS dips deepest). 1-3 s a step on the shared 2-core machine."""
 
+SETTING_CLIMB_COLLAPSE = {**SETTING_CLIMB_WARM, "mini_batches": 8}
+"""``sanity-climb-warm`` with eight mini-batch updates a step instead of four: pi moves twice as far from mu within
+each step, which the trust-region rules bound and PG-IS and CISPO do not. Calibrated in docs/experiments.md ("The
+climb test on a warmer start"), seed 0: DPPO binary TV reaches a 10-step reward of 0.9 at step 101 (best 0.98)
+while PG-IS collapses at step 36 and CISPO at step 29."""
+
 RULES_HEADLINE = ("dppo_binary_tv", "grpo", "ppo_clip", "dppo_binary_kl", "pg_is", "cispo")
 """The headline's rules first (DPPO binary TV and KL against GRPO and Clip-Higher), then the two without a trust
 region, so that a sweep cut short has the headline's runs of each seed."""
@@ -219,6 +227,8 @@ PRESETS = {
                            seeds=tuple(range(8))),
     "sanity-climb-warm": Preset(SETTING_CLIMB_WARM, RULES_HEADLINE, "runs/sanity-climb-warm", toy="toy-v2-warm",
                                 seeds=tuple(range(8))),
+    "sanity-climb-collapse": Preset(SETTING_CLIMB_COLLAPSE, RULES_HEADLINE, "runs/sanity-climb-collapse",
+                                    toy="toy-v2-warm", seeds=tuple(range(8))),
     "sanity-gpu": Preset(SETTING_GPU, RULES_V2, "runs/sanity-gpu", toy="toy-gpu", probe_lags=(0, 2, 4, 8)),
 }
 
