@@ -23,6 +23,9 @@ Presets (docs/experiments.md says why each setting):
   Clip-Higher) on pre-stated measures, judged by ``scripts/findings.py --logdir runs/sanity-climb``.
 - ``sanity-climb-warm``: the climb test on ``toy-v2-warm`` (toy-v2 warm-started further, :data:`WORLDS`), where
   every rule reaches 0.9; DPPO, GRPO, Clip-Higher, PG-IS and CISPO x 8 seeds.
+- ``sanity-climb-collapse``: ``sanity-climb-warm`` with eight mini-batch updates a step, where the trust-region
+  rules reach 0.9 and PG-IS and CISPO collapse (some trust-region runs collapse on the way too); the same rules x 8
+  seeds.
 - ``sanity-gpu``: the same at a larger scale for a GPU machine (``toy-gpu``: 20M parameters, three-digit column
   addition); run it with ``scripts/gpu_sanity.sh``.
 
@@ -173,8 +176,20 @@ SETTING_CLIMB_WARM = {
 """The climb test on ``toy-v2-warm`` (:data:`WORLDS`): the shipped runs' mismatch knobs (bf16 rollouts, one step
 of lag, four mini-batch updates a step) and peak lr (2e-4), reached after 20 steps of warm-up and decayed linearly
 to 0 at step 150, 16 prompts x 16 responses a step. Calibrated in docs/experiments.md ("The climb test on a warmer
-start"): every run of DPPO binary TV/KL, GRPO and Clip-Higher (6-8 seeds) and of PG-IS (4) reaches a 10-step reward
-of 0.9 within 150 steps; none collapses (PG-IS dips deepest). 1-3 s a step on the shared 2-core machine."""
+start"): every run of DPPO binary TV/KL, GRPO and Clip-Higher (8 seeds each) and of PG-IS (4) reaches a 10-step
+reward of 0.9 within 150 steps (DPPO binary TV at steps 59-85, GRPO 62-86, Clip-Higher 21-80, DPPO binary KL 70-83,
+PG-IS 68-95); none collapses (PG-IS dips deepest). The headline at 8 seeds: no difference of DPPO against GRPO or
+Clip-Higher on the pre-stated measures has a 95% bootstrap interval excluding 0 in DPPO's favour; DPPO binary KL
+reaches 0.9 later than Clip-Higher (+14.8 steps, +4.3 to +28.3). 1-3 s a step on the shared 2-core machine."""
+
+SETTING_CLIMB_COLLAPSE = {**SETTING_CLIMB_WARM, "mini_batches": 8}
+"""``sanity-climb-warm`` with eight mini-batch updates a step instead of four: pi moves twice as far from mu within
+each step, which the trust-region rules bound and PG-IS and CISPO do not. Calibrated in docs/experiments.md ("The
+climb test on a warmer start"), 4-6 seeds a rule: every run of DPPO binary TV/KL, GRPO and Clip-Higher reaches a
+10-step reward of 0.9 (steps 89-119) and PG-IS and CISPO collapse in every seed (steps 26-46); but 9 of the 23
+trust-region runs collapse on the way too (GRPO 4 of 6, DPPO binary TV 3 of 6, Clip-Higher and DPPO binary KL 1
+each), and every run but one of PG-IS's recovers to 0.9 as the lr decays: a deep dip at the lr peak that the trust
+regions make rarer. 1-3 s a step on the shared 2-core machine."""
 
 RULES_HEADLINE = ("dppo_binary_tv", "grpo", "ppo_clip", "dppo_binary_kl", "pg_is", "cispo")
 """The headline's rules first (DPPO binary TV and KL against GRPO and Clip-Higher), then the two without a trust
@@ -219,6 +234,8 @@ PRESETS = {
                            seeds=tuple(range(8))),
     "sanity-climb-warm": Preset(SETTING_CLIMB_WARM, RULES_HEADLINE, "runs/sanity-climb-warm", toy="toy-v2-warm",
                                 seeds=tuple(range(8))),
+    "sanity-climb-collapse": Preset(SETTING_CLIMB_COLLAPSE, RULES_HEADLINE, "runs/sanity-climb-collapse",
+                                    toy="toy-v2-warm", seeds=tuple(range(8))),
     "sanity-gpu": Preset(SETTING_GPU, RULES_V2, "runs/sanity-gpu", toy="toy-gpu", probe_lags=(0, 2, 4, 8)),
 }
 
