@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -243,12 +244,18 @@ def test_list_options_shows_every_field():
 
 
 @pytest.mark.slow
-def test_demo_without_serving(tmp_path):
+def test_demo_without_serving(tmp_path, monkeypatch):
+    """The command end to end, two steps, on toy-v2 (it ships built: the demo's own world is a 2-4 minute warm
+    start on an empty cache, trained by tests/test_demo.py's heavy test)."""
+    from trustscope import demo
+
+    monkeypatch.setitem(demo.DEMO_SETTING, "model", "toy-v2")
     result = CliRunner().invoke(app, ["demo", "--no-serve", "--steps", "2", "--logdir", str(tmp_path)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     (run,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]  # beside the shipped runs' links
     assert validate_run(run) == []
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["config"]["loss"] == "dppo_binary_tv" and manifest["config"]["model"] == "toy-v2"
+    assert re.search(r"blocked \d+\.\d+%\s\(\d[\d,]*\sof\s\d[\d,]*\stokens\)", result.output), result.output
     assert manifest["model"]["path"].startswith("toy/addcol2-") and not manifest["sampling"]["model_dir"].startswith("/")
     assert "What to look at first:" in result.output and "  - Runs: " in result.output
