@@ -165,8 +165,8 @@ def demo(
                                  "directory, to compare the demo run with."),
 ) -> None:
     """Train a short DPPO run whose reward climbs in the warm toy world (toy-v2-warm) while the trust region blocks
-    tokens (bf16 rollouts, policy lag, four mini-batches), print what to look at first beside the shipped PG-IS run,
-    and serve the dashboard over it beside the shipped runs."""
+    tokens (bf16 rollouts, policy lag, eight mini-batches), print what to look at first and how it compares with the
+    shipped PG-IS run, and serve the dashboard over it beside the shipped runs."""
     from trustscope.demo import run_demo
     from trustscope.train.config import ConfigError
 
