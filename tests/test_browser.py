@@ -61,7 +61,7 @@ def _sample_logs(tmp_path_factory) -> Path:
 
 def _demo_logs(tmp_path_factory) -> Path:
     """A short real demo run (the demo's own settings: bf16 vLLM rollouts, lag 1, eight mini-batches, 16 x 16) on
-    toy-v2, which ships built (the demo's toy-v2-warm is a 2-4 minute warm start on an empty cache; what the pages
+    toy-v2, which ships built (the demo's toy-v2-warm is a 4-7 minute warm start on an empty cache; what the pages
     draw does not depend on the world)."""
     given = os.environ.get("TRUSTSCOPE_DEMO_LOGDIR")
     if given:

@@ -130,7 +130,7 @@ def test_demo_hands_its_options_on(monkeypatch, tmp_path):
     assert seen == [((tmp_path,), {"steps": 2, "serve": False, "port": 9000, "samples": True, "seed": 0})]
     result = runner.invoke(app, ["demo", "--no-serve", "--no-samples", "--logdir", str(tmp_path), "--seed", "3"])
     assert result.exit_code == 0, result.output
-    assert seen[-1] == ((tmp_path,), {"steps": 30, "serve": False, "port": 8501, "samples": False, "seed": 3})
+    assert seen[-1] == ((tmp_path,), {"steps": 24, "serve": False, "port": 8501, "samples": False, "seed": 3})
 
 
 def test_dashboard_hands_its_options_on_and_refuses_a_missing_logdir(monkeypatch, tmp_path):

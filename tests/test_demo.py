@@ -230,7 +230,7 @@ def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
 @pytest.mark.heavy
 def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
     """The whole demo run, as `trustscope demo` trains it (no dashboard), in its own world (built on an empty
-    cache: a warm start of 2-4 minutes, then 1-3 minutes of training): its reward over the last five steps is
+    cache: a warm start of 4-7 minutes, then 1-2 minutes of training): its reward over the last five steps is
     clearly above the first five, the console shows each step's blocked share and count, and the closing lines
     print both rewards."""
     from trustscope.db import connect

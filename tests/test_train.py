@@ -245,7 +245,7 @@ def test_list_options_shows_every_field():
 
 @pytest.mark.slow
 def test_demo_without_serving(tmp_path, monkeypatch):
-    """The command end to end, two steps, on toy-v2 (it ships built: the demo's own world is a 2-4 minute warm
+    """The command end to end, two steps, on toy-v2 (it ships built: the demo's own world is a 4-7 minute warm
     start on an empty cache, trained by tests/test_demo.py's heavy test)."""
     from trustscope import demo
 

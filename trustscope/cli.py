@@ -157,7 +157,7 @@ def dashboard(
 def demo(
     logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written (the shipped runs are "
                                 "linked beside it)."),
-    steps: int = typer.Option(30, help="Training steps of the demo run (the learning rate decays to 0 at the last)."),
+    steps: int = typer.Option(24, help="Training steps of the demo run (the learning rate decays to 0 at the last)."),
     seed: int = typer.Option(0, help="Seed of the demo run (sampling, problems, mini-batch order)."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard over the run afterwards."),
     port: int = typer.Option(8501, help="Dashboard port."),

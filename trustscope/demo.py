@@ -1,16 +1,16 @@
 """``trustscope demo``: a DPPO run whose reward climbs while the trust region works, end to end, from start to a
-served dashboard in about two minutes on a laptop CPU.
+served dashboard in one to two minutes on a laptop CPU once its world is built.
 
 Trains a short DPPO (binary TV) run with the logger on in ``toy-v2-warm`` (:mod:`trustscope.train.toy_warm`:
 toy world v2 warm-started until it solves about 74% of its problems at temperature 1), the world of the
 ``sanity-climb-warm`` sweep (docs/experiments.md), where every trust-region rule climbs to a 10-step reward of 0.9:
 bf16 vLLM rollouts against an fp32 trainer, one step of policy lag, several mini-batch updates a step, 16 prompts x
 16 responses, the learning rate warmed up and decayed linearly to 0 at the last step, so that the run's reward
-rises within its 30 steps (:data:`DEMO_SETTING` gives the figures). The console shows each step's reward and what
+rises within its 24 steps (:data:`DEMO_STEPS` gives the figures). The console shows each step's reward and what
 the trust region blocked (share and count of the tokens with A != 0). It then prints what to look at first, with
 the run's own numbers and a comparison with the shipped PG-IS run (toy world v2, no trust region), and serves the
 dashboard over a log directory holding the demo run beside links to the shipped runs. The world is built on the
-first run (a warm start of 2-4 minutes on two busy cores) and cached.
+first run (a warm start: 4-7 minutes on two busy cores) and cached.
 """
 
 from __future__ import annotations
@@ -53,12 +53,16 @@ and linear decay, but half its peak lr (1e-4, reached after 5 steps, 0 at the la
 updates a step instead of four. At the sweep's 2e-4 every rule's reward rises for 15-20 steps and dips when the lr
 peaks (10-step reward 0.79 -> 0.89 -> 0.79 by step 40, seed 0); at 1e-4 with four mini-batches it rises (0.79 ->
 0.90 over the first/last five of 30 steps) but the trust region blocks almost nothing (0-5 tokens a step); eight
-mini-batches move pi further from mu within a step, so it blocks 0.3-1.4% of the tokens with A != 0 a step while
-the lr is high, and the reward still rises (0.80 -> 0.92, seed 0). Every token is logged. One torch thread: on two
+mini-batches move pi further from mu within a step, so it blocks up to 1.0-1.4% of the tokens with A != 0 a step
+while the lr is high, and the reward still rises (:data:`DEMO_STEPS`). Every token is logged. One torch thread: on two
 busy cores the trainer's updates ran 15-30x slower with two (10 steps: 62-79 s against 2-4 s)."""
 
-DEMO_STEPS = 30
-"""Steps of the demo run: 1-3 s each on two busy CPU cores."""
+DEMO_STEPS = 24
+"""Steps of the demo run: 2-4 s each on two busy CPU cores, about as long as the toy-v2 demo's 40 steps of 8 x 8
+took (80-109 s wall against 74-128 s, same machine, same hour). Measured (``trustscope demo --no-serve --seed S``,
+seeds 0, 1, 2): reward 0.80 -> 0.93, 0.76 -> 0.90 and 0.75 -> 0.89 over the first and last five steps, the trust
+region blocking 0.4% of the tokens with A != 0 (up to 1.0-1.2% a step); at 30 steps 0.80 -> 0.92, 0.76 -> 0.92,
+0.75 -> 0.90, a third longer."""
 
 
 def demo_config(logdir: Path, steps: int = DEMO_STEPS, seed: int = 0) -> TrainConfig:
@@ -245,8 +249,8 @@ def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: in
     linked = link_sample_runs(logdir) if samples else []
     cfg = demo_config(logdir, steps, seed)
     if not toy_ready(cfg):
-        print(f"trustscope demo: building the {cfg.model} model (first run only: two to four minutes on 2 CPU "
-              "cores, cached for the next runs)", file=sys.stderr, flush=True)
+        print(f"trustscope demo: building the {cfg.model} model (first run only: four to seven minutes on 2 busy "
+              "CPU cores, cached for the next runs)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         resolve_model(cfg)
         print(f"trustscope demo: {cfg.model} built in {time.perf_counter() - t0:.0f} s", file=sys.stderr,

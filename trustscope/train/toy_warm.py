@@ -8,7 +8,7 @@ It is the world of the ``sanity-climb-warm`` sweep (``scripts/experiments.py``, 
 trust-region rule climbs to a 10-step reward of 0.9, and of ``trustscope demo``.
 
 The build is :func:`trustscope.train.toy.build_toy_model` on the preset with the fields of :data:`WARM_PRESETS`
-changed: built locally on first use (about 2-4 minutes on two busy CPU cores, nothing downloaded) and cached as
+changed: built locally on first use (4-7 minutes on two busy CPU cores, nothing downloaded) and cached as
 any toy build is, under ``$TRUSTSCOPE_CACHE/toy/<task>-<key>``. The presets themselves are untouched, so the
 shipped ``toy-v2`` build (:mod:`trustscope.train.toy_models`) and the sample logs keep their key.
 
