@@ -259,3 +259,14 @@ def test_demo_without_serving(tmp_path, monkeypatch):
     assert re.search(r"blocked \d+\.\d+%\s\(\d[\d,]*\sof\s\d[\d,]*\stokens\)", result.output), result.output
     assert manifest["model"]["path"].startswith("toy/addcol2-") and not manifest["sampling"]["model_dir"].startswith("/")
     assert "What to look at first:" in result.output and "  - Runs: " in result.output
+
+
+def test_the_progress_line_counts_the_blocked_tokens_of_the_whole_step():
+    """The rule's counts are per-update means: the step's line multiplies them by its updates (token updates when
+    each token is updated once an epoch, several times a step); a rule without counts adds nothing."""
+    from trustscope.train.loop import blocked_count
+
+    s = {"policy/n_blocked": 3.5, "policy/n_grad_tokens": 1220.25, "updates": 8}
+    assert blocked_count(s) == " (28 of 9,762 tokens)"
+    assert blocked_count(s, epochs=2) == " (28 of 9,762 token updates)"
+    assert blocked_count({"updates": 4}) == ""
