@@ -51,11 +51,12 @@ DEMO_SETTING: dict[str, Any] = dict(
 steps: its mismatch knobs (bf16 rollouts against the fp32 trainer, ``policy_lag`` 1), 16 prompts x 16 responses
 and linear decay, but half its peak lr (1e-4, reached after 5 steps, 0 at the last step) and eight mini-batch
 updates a step instead of four. At the sweep's 2e-4 every rule's reward rises for 15-20 steps and dips when the lr
-peaks (10-step reward 0.79 -> 0.89 -> 0.79 by step 40, seed 0); at 1e-4 with four mini-batches it rises (0.79 ->
-0.90 over the first/last five of 30 steps) but the trust region blocks almost nothing (0-5 tokens a step); eight
-mini-batches move pi further from mu within a step, so it blocks up to 1.0-1.4% of the tokens with A != 0 a step
-while the lr is high, and the reward still rises (:data:`DEMO_STEPS`). Every token is logged. One torch thread: on two
-busy cores the trainer's updates ran 15-30x slower with two (10 steps: 62-79 s against 2-4 s)."""
+peaks (10-step reward 0.79 -> 0.89 -> 0.79 by step 40, seed 0); at 1e-4 with four mini-batches (10 warm-up
+steps) it rises (0.79 -> 0.90 over the first/last five of 30 steps) but the trust region blocks almost nothing (0-5
+tokens a step); eight mini-batches move pi further from mu within a step, so it blocks up to 1.0-1.4% of the tokens
+with A != 0 a step while the lr is high, and the reward still rises (:data:`DEMO_STEPS`). Every token is logged.
+One torch thread: on two busy cores the trainer's updates ran 15-30x slower with two (10 steps: 62-79 s against
+2-4 s)."""
 
 DEMO_STEPS = 24
 """Steps of the demo run: 2-4 s each on two busy CPU cores, about as long as the toy-v2 demo's 40 steps of 8 x 8
