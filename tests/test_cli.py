@@ -127,10 +127,10 @@ def test_demo_hands_its_options_on(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "run_demo", lambda *a, **k: seen.append((a, k)))
     result = runner.invoke(app, ["demo", "--no-serve", "--steps", "2", "--logdir", str(tmp_path), "--port", "9000"])
     assert result.exit_code == 0, result.output
-    assert seen == [((tmp_path,), {"steps": 2, "serve": False, "port": 9000, "samples": True})]
-    result = runner.invoke(app, ["demo", "--no-serve", "--no-samples", "--logdir", str(tmp_path)])
+    assert seen == [((tmp_path,), {"steps": 2, "serve": False, "port": 9000, "samples": True, "seed": 0})]
+    result = runner.invoke(app, ["demo", "--no-serve", "--no-samples", "--logdir", str(tmp_path), "--seed", "3"])
     assert result.exit_code == 0, result.output
-    assert seen[-1] == ((tmp_path,), {"steps": 40, "serve": False, "port": 8501, "samples": False})
+    assert seen[-1] == ((tmp_path,), {"steps": 24, "serve": False, "port": 8501, "samples": False, "seed": 3})
 
 
 def test_dashboard_hands_its_options_on_and_refuses_a_missing_logdir(monkeypatch, tmp_path):

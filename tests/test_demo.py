@@ -25,18 +25,22 @@ def _experiments():
     return module
 
 
-def test_the_demo_trains_in_the_climb_setting(tmp_path):
-    """Toy world v2 in the setting of the ``sanity-climb`` sweep: the mismatch knobs of the shipped runs (bf16
-    rollouts, lag, four mini-batches) at the lr where runs learn; only the length and the evaluation cadence differ."""
+def test_the_demo_trains_in_the_warm_climb_setting(tmp_path):
+    """``toy-v2-warm`` in the setting of the ``sanity-climb-warm`` sweep: the mismatch knobs of the shipped runs
+    (bf16 rollouts, lag, several mini-batches), 16 x 16, lr warmed up and decayed linearly; a lower peak lr and more
+    mini-batches than the sweep (a rise that stays within the demo's steps, a trust region that binds), its length
+    and evaluation cadence its own."""
     exp = _experiments()
-    climb = {**exp.PRESETS["sanity-climb"].setting, "model": exp.PRESETS["sanity-climb"].toy}
-    cfg = demo_config(tmp_path, steps=3)
+    climb = {**exp.PRESETS["sanity-climb-warm"].setting, "model": exp.PRESETS["sanity-climb-warm"].toy}
+    cfg = demo_config(tmp_path, steps=3, seed=2)
     for knob in ("model", "task", "engine", "engine_dtype", "trainer_dtype", "threads", "prompts_per_step", "group_size",
-                 "max_tokens", "topk", "policy_lag", "mini_batches", "lr", "grad_clip", "eval_problems"):
+                 "max_tokens", "topk", "policy_lag", "lr_schedule", "grad_clip", "eval_problems"):
         assert getattr(cfg, knob) == climb[knob], knob
-    assert cfg.lr < exp.PRESETS["sanity-v2"].setting["lr"]  # the shipped runs' lr, where no run climbs
+    assert cfg.lr < climb["lr"] and cfg.mini_batches >= climb["mini_batches"]
     assert cfg.engine == "vllm" and cfg.engine_dtype == "bfloat16" and cfg.policy_lag >= 1 and cfg.mini_batches > 1
-    assert cfg.steps == 3 and cfg.run_dir.parent == tmp_path and cfg.run_id.startswith("demo-")
+    assert cfg.steps == 3 and cfg.seed == 2 and cfg.run_dir.parent == tmp_path and cfg.run_id.startswith("demo-")
+    assert demo_config(tmp_path).warmup_steps == DEMO_SETTING["warmup_steps"] and cfg.warmup_steps == 1
+    assert demo_config(tmp_path, steps=1).warmup_steps == 0
 
 
 def _strings(value, where=""):
@@ -161,13 +165,46 @@ def test_closing_lines_name_the_page_and_the_run_s_own_numbers():
     pages = ["Runs", "Rules side by side", "Counterfactual", "Bad negative updates", "Token explorer", "Then"]
     assert [line.split(":")[0].split(" sanity")[0] for line in lines] == pages, lines
     blocked = steps["n_trainer_blocked"].sum() / steps["n_nonzero_advantage"].sum()
-    assert f"blocked {100 * blocked:.1f}% of the {int(steps['n_nonzero_advantage'].sum()):,} tokens" in lines[0]
+    assert (f"blocked {int(steps['n_trainer_blocked'].sum()):,} of the {int(steps['n_nonzero_advantage'].sum()):,} "
+            f"tokens with A != 0 ({100 * blocked:.1f}%)") in lines[0]
     assert f"mean |pi - mu| {steps['mismatch_mean'].mean():.4f}" in lines[0]
     worst = int(steps.loc[steps["trainer_blocked_frac"].idxmax(), "step"])
     assert f"step {worst}," in lines[4]
     assert "ppo_clip" in lines[2] and f"{int(steps['n_bad_negative'].sum()):,} tokens" in lines[3]
-    assert baseline.name in lines[5]
+    assert baseline.name in lines[5] and "pg_is: no trust region" in lines[5]
+    assert "not a matched pair" not in lines[5]  # the same world and lr: nothing to warn of
     assert all("\n" not in line for line in lines)
+
+
+def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tmp_path):
+    """A demo run in another world and at another lr than the shipped PG-IS run: the closing line names both
+    worlds and both learning rates, says the pair is not matched, and carries both runs' figures."""
+    import shutil
+
+    baseline = SAMPLE_LOGS / "sanity-pg_is-s0"
+    run = SAMPLE_LOGS / f"sanity-{DEMO_SETTING['loss']}-s0"
+    if not (run / "run.json").exists() or not (baseline / "run.json").exists():
+        pytest.skip("no shipped sample logs in this checkout")
+    from trustscope.db import connect
+
+    demo = tmp_path / run.name  # a copy under its own run id, its manifest as a warm-world run's
+    shutil.copytree(run, demo)
+    manifest = json.loads((demo / "run.json").read_text())
+    manifest["config"].update(model="toy-v2-warm", lr=1e-4)
+    (demo / "run.json").write_text(json.dumps(manifest))
+    line = look_first(demo, [baseline])[-1]
+    with connect([run, baseline], cache=False) as db:
+        ov = db.overview()
+    theirs = ov.steps[ov.steps["run_id"] == baseline.name].sort_values("step")
+    ten = theirs["reward_mean"].rolling(10, min_periods=1).mean()
+    assert line.startswith(f"Then {baseline.name} (shipped, pg_is: no trust region, in toy-v2, not this run's "
+                           "toy-v2-warm, lr 2e-4 against 1e-4 here)"), line
+    assert f"from a best of {ten.max():.2f} down to {ten.iloc[-1]:.2f}" in line
+    assert f"mean |pi - mu| {theirs['mismatch_mean'].mean():.4f}" in line and "not a matched pair" in line
+    would = ov.blocked[(ov.blocked["run_id"] == baseline.name) & (ov.blocked["rule"] == DEMO_SETTING["loss"])
+                       & (ov.blocked["advantage_side"] == "all")]
+    share = would["n_blocked"].sum() / would["n_tokens"].sum()
+    assert f"{DEMO_SETTING['loss']} would have blocked {100 * share:.1f}% of those with A != 0" in line
 
 
 def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
@@ -190,22 +227,27 @@ def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
     assert not list((tmp_path / "toy").glob(".*"))  # no temporary folder left behind
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
-    """The whole demo run, as `trustscope demo` trains it (no dashboard): its reward over the last five steps is
-    clearly above the first five, and the closing lines print both."""
+    """The whole demo run, as `trustscope demo` trains it (no dashboard), in its own world (built on an empty
+    cache: a warm start of 4-7 minutes, then 1-2 minutes of training): its reward over the last five steps is
+    clearly above the first five, the console shows each step's blocked share and count, and the closing lines
+    print both rewards."""
     from trustscope.db import connect
     from trustscope.demo import DEMO_STEPS, run_demo
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     run_dir = run_demo(tmp_path, serve=False, samples=False)
     with connect(run_dir, cache=False) as db:
-        reward = db.overview().steps.sort_values("step")["reward_mean"]
-    assert len(reward) == DEMO_STEPS
+        steps = db.overview().steps.sort_values("step")
+    reward = steps["reward_mean"]
+    assert len(reward) == DEMO_STEPS and json.loads((run_dir / "run.json").read_text())["config"]["model"] == "toy-v2-warm"
     first, last = reward.head(5).mean(), reward.tail(5).mean()
-    assert last >= first + 0.1, f"the demo's reward went {first:.2f} -> {last:.2f} over its {DEMO_STEPS} steps"
+    assert last >= first + 0.05, f"the demo's reward went {first:.2f} -> {last:.2f} over its {DEMO_STEPS} steps"
+    assert steps["n_trainer_blocked"].sum() > 0  # the trust region had something to do
     closing = capsys.readouterr().err
     assert f"reward {first:.2f} over the first 5 steps, {last:.2f} over the last 5" in closing
+    assert re.search(r"blocked \d+\.\d+%\s\(\d[\d,]*\sof\s\d[\d,]*\stokens\)", closing)
 
 
 def test_the_warm_world_is_toy_v2_with_another_warm_start_and_names_itself_when_it_falls_short(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -243,12 +244,29 @@ def test_list_options_shows_every_field():
 
 
 @pytest.mark.slow
-def test_demo_without_serving(tmp_path):
+def test_demo_without_serving(tmp_path, monkeypatch):
+    """The command end to end, two steps, on toy-v2 (it ships built: the demo's own world is a 4-7 minute warm
+    start on an empty cache, trained by tests/test_demo.py's heavy test)."""
+    from trustscope import demo
+
+    monkeypatch.setitem(demo.DEMO_SETTING, "model", "toy-v2")
     result = CliRunner().invoke(app, ["demo", "--no-serve", "--steps", "2", "--logdir", str(tmp_path)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     (run,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]  # beside the shipped runs' links
     assert validate_run(run) == []
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["config"]["loss"] == "dppo_binary_tv" and manifest["config"]["model"] == "toy-v2"
+    assert re.search(r"blocked \d+\.\d+%\s\(\d[\d,]*\sof\s\d[\d,]*\stokens\)", result.output), result.output
     assert manifest["model"]["path"].startswith("toy/addcol2-") and not manifest["sampling"]["model_dir"].startswith("/")
     assert "What to look at first:" in result.output and "  - Runs: " in result.output
+
+
+def test_the_progress_line_counts_the_blocked_tokens_of_the_whole_step():
+    """The rule's counts are per-update means: the step's line multiplies them by its updates (token updates when
+    each token is updated once an epoch, several times a step); a rule without counts adds nothing."""
+    from trustscope.train.loop import blocked_count
+
+    s = {"policy/n_blocked": 3.5, "policy/n_grad_tokens": 1220.25, "updates": 8}
+    assert blocked_count(s) == " (28 of 9,762 tokens)"
+    assert blocked_count(s, epochs=2) == " (28 of 9,762 token updates)"
+    assert blocked_count({"updates": 4}) == ""

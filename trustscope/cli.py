@@ -157,19 +157,22 @@ def dashboard(
 def demo(
     logdir: Path = typer.Option(Path("runs/demo"), help="Where the demo run is written (the shipped runs are "
                                 "linked beside it)."),
-    steps: int = typer.Option(40, help="Training steps of the demo run."),
+    steps: int = typer.Option(24, help="Training steps of the demo run (the learning rate decays to 0 at the last)."),
+    seed: int = typer.Option(0, help="Seed of the demo run (sampling, problems, mini-batch order)."),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the dashboard over the run afterwards."),
     port: int = typer.Option(8501, help="Dashboard port."),
     samples: bool = typer.Option(True, "--samples/--no-samples", help="Link the shipped sample runs into the log "
                                  "directory, to compare the demo run with."),
 ) -> None:
-    """Train a short DPPO run on toy world v2 where the trust region binds (bf16 rollouts, policy lag, four
-    mini-batches), print what to look at first, and serve the dashboard over it beside the shipped runs."""
+    """Train a short DPPO run whose reward climbs in the warm toy world (toy-v2-warm) while the trust region blocks
+    tokens (bf16 rollouts, policy lag, eight mini-batches), print what to look at first and how it compares with the
+    shipped PG-IS run, and serve the dashboard over it beside the shipped runs."""
     from trustscope.demo import run_demo
+    from trustscope.train.config import ConfigError
 
     try:
-        run_demo(logdir, steps=steps, serve=serve, port=port, samples=samples)
-    except OSError as exc:
+        run_demo(logdir, steps=steps, serve=serve, port=port, samples=samples, seed=seed)
+    except (OSError, ConfigError) as exc:
         typer.echo(f"trustscope demo: {exc}", err=True)
         raise typer.Exit(2) from exc
 

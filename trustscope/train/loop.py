@@ -538,7 +538,8 @@ TOY_NAME = re.compile(r"toy([-_.][\w.-]*)?")
 def resolve_model(cfg: TrainConfig) -> Path | str:
     """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
     :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`;
-    ``toy-v2-152k``, :data:`trustscope.train.toy_wide.WIDE_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
+    ``toy-v2-152k``, :data:`trustscope.train.toy_wide.WIDE_PRESETS`; ``toy-v2-warm``,
+    :data:`trustscope.train.toy_warm.WARM_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
     copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
     from trustscope.train.config import ConfigError
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
@@ -553,6 +554,10 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
             if "target_accuracy" not in str(exc):
                 raise
             raise ConfigError(f"model={cfg.model!r} with task={cfg.task!r}: {exc}") from None
+    from trustscope.train.toy_warm import WARM_PRESETS, build_warm_model
+
+    if cfg.model in WARM_PRESETS:  # toy-v2-warm: a preset warm-started further
+        return build_warm_model(cfg.model, cfg.task)
     from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
 
     if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
@@ -566,7 +571,7 @@ def resolve_model(cfg: TrainConfig) -> Path | str:
         return build_wide_toy_model(dataclasses.replace(WIDE_PRESETS[cfg.model], task=cfg.task))
     if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
         raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
-                          f"{', '.join([*TOY_PRESETS, *MOE_PRESETS, *TOOL_PRESETS, *WIDE_PRESETS])}, or to a "
+                          f"{', '.join([*TOY_PRESETS, *WARM_PRESETS, *MOE_PRESETS, *TOOL_PRESETS, *WIDE_PRESETS])}, or to a "
                           "Hugging Face model directory or hub name")
     return cfg.model
 
@@ -993,7 +998,7 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
 
         def on_step(step: int, s: dict[str, float]) -> None:
             stats = (f"reward {s['reward/mean']:.3f}  |pi-mu| {s.get('policy/mismatch_abs_mean', float('nan')):.4f}  "
-                     f"blocked {s.get('policy/blocked_frac', float('nan')):.2%}  "
+                     f"blocked {s.get('policy/blocked_frac', float('nan')):.2%}{blocked_count(s, cfg.epochs)}  "
                      f"{s['throughput/tokens_per_s']:.0f} tok/s")
             if "eval/reward" in s:
                 stats += f"  eval {s['eval/reward']:.3f}"
@@ -1004,6 +1009,17 @@ def train_with_progress(cfg: TrainConfig) -> dict[str, float]:
         result = train(cfg, on_step=on_step)
     console.print(f"done: {cfg.run_dir}  (trustscope dashboard {cfg.logdir})")
     return result
+
+
+def blocked_count(s: dict[str, float], epochs: int = 1) -> str:
+    """`` (12 of 4,880 tokens)``: what the step's updates blocked of its tokens with A != 0, from the per-update means
+    ``policy/n_blocked`` and ``policy/n_grad_tokens`` times ``updates`` (token updates when ``epochs`` > 1, where
+    each token is updated once an epoch); empty when the rule reports no counts."""
+    if "policy/n_blocked" not in s or "policy/n_grad_tokens" not in s:
+        return ""
+    n = s.get("updates", 1)
+    unit = "tokens" if epochs == 1 else "token updates"
+    return f" ({round(s['policy/n_blocked'] * n):,} of {round(s['policy/n_grad_tokens'] * n):,} {unit})"
 
 
 def rollout_mode(cfg: TrainConfig) -> str:
