@@ -155,10 +155,13 @@ def world_model(name: str) -> str:
     import dataclasses
 
     from trustscope.train.toy import TOY_PRESETS, build_toy_model
+    from trustscope.train.toy_models import seed_cache
 
     base, change = WORLDS[name]
+    config = dataclasses.replace(TOY_PRESETS[base], **change)
+    seed_cache(config)  # a build shipped with trustscope (toy-v2-warm), when the cache lacks it
     try:
-        return str(build_toy_model(dataclasses.replace(TOY_PRESETS[base], **change)))
+        return str(build_toy_model(config))
     except RuntimeError as exc:  # the warm start fell short of its target: name the world
         raise SystemExit(f"toy world {name!r} ({base} with {change}): {exc}") from None
 

@@ -60,9 +60,8 @@ def _sample_logs(tmp_path_factory) -> Path:
 
 
 def _demo_logs(tmp_path_factory) -> Path:
-    """A short real demo run (the demo's own settings: bf16 vLLM rollouts, lag 1, eight mini-batches, 16 x 16) on
-    toy-v2, which ships built (the demo's toy-v2-warm is a 4-7 minute warm start on an empty cache; what the pages
-    draw does not depend on the world)."""
+    """A short real demo run: the demo's own settings and world (toy-v2-warm, which ships built; bf16 vLLM
+    rollouts, lag 1, eight mini-batches, 16 x 16)."""
     given = os.environ.get("TRUSTSCOPE_DEMO_LOGDIR")
     if given:
         return Path(given)
@@ -72,7 +71,7 @@ def _demo_logs(tmp_path_factory) -> Path:
     from trustscope.train.loop import train
 
     logdir = tmp_path_factory.mktemp("demo")
-    train(dataclasses.replace(demo_config(logdir, steps=4), model="toy-v2", eval_every=2, eval_problems=16))
+    train(dataclasses.replace(demo_config(logdir, steps=4), eval_every=2, eval_problems=16))
     return logdir
 
 

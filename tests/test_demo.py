@@ -207,30 +207,62 @@ def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tm
     assert f"{DEMO_SETTING['loss']} would have blocked {100 * share:.1f}% of those with A != 0" in line
 
 
-def test_toy_v2_ships_built_and_seeds_an_empty_cache(tmp_path):
-    """The sample logs' model ships with the key a build would give it now (a change to toy.py moves the key:
-    ship the new build, see trustscope/train/toy_models), and an empty cache takes it without a warm start."""
+@pytest.mark.parametrize("world", ["toy-v2", "toy-v2-warm"])
+def test_the_toy_worlds_ship_built_and_seed_an_empty_cache(tmp_path, world):
+    """The sample logs' model (toy-v2) and the demo's (toy-v2-warm) ship with the key a build would give them now (a
+    change to toy.py moves the key: ship the new build, see trustscope/train/toy_models), and an empty cache takes
+    them without a warm start."""
     from trustscope.train.toy import TOY_PRESETS, build_toy_model, toy_meta
     from trustscope.train.toy_models import seed_cache, shipped
+    from trustscope.train.toy_warm import WARM_PRESETS, build_warm_model, warm_config
 
-    config = TOY_PRESETS["toy-v2"]
+    config = warm_config(world) if world in WARM_PRESETS else TOY_PRESETS[world]
     source = shipped(config)
-    assert source is not None, ("trustscope/train/toy_models holds no toy-v2 build with the current key "
+    assert source is not None, (f"trustscope/train/toy_models holds no {world} build with the current key "
                                 f"{config.key()}: run the command in its docstring")
-    if SHIPPED:
+    if SHIPPED and world == "toy-v2":
         assert json.loads(SHIPPED[0].read_text())["model"]["path"] == f"toy/{source.name}"
-    entry = seed_cache(config, cache_dir=tmp_path)
-    assert entry == tmp_path / "toy" / source.name and seed_cache(config, cache_dir=tmp_path) is None
+    if world in WARM_PRESETS:  # the warm world's build seeds the cache itself
+        entry = build_warm_model(world, cache_dir=tmp_path)
+        assert entry == tmp_path / "toy" / source.name
+    else:
+        entry = seed_cache(config, cache_dir=tmp_path)
+        assert entry == tmp_path / "toy" / source.name
+    assert seed_cache(config, cache_dir=tmp_path) is None  # the cache has it now
     assert build_toy_model(config, cache_dir=tmp_path) == entry  # found, not built
     assert toy_meta(entry)["key"] == config.key()
+    assert toy_meta(entry)["config"]["target_accuracy"] == config.target_accuracy
     assert (entry / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     assert not list((tmp_path / "toy").glob(".*"))  # no temporary folder left behind
 
 
+def test_shipping_a_build_replaces_older_builds_of_its_configuration_only(monkeypatch, tmp_path):
+    """``ship`` copies a build beside the others; an older build of the same fields (an older toy.py) goes, a
+    build of other fields of the same task (toy-v2 beside toy-v2-warm) stays."""
+    import trustscope.train.toy as toy
+    import trustscope.train.toy_models as toy_models
+
+    def entry(root, name, **fields):
+        (root / name).mkdir(parents=True)
+        (root / name / toy_models.META_FILE).write_text(json.dumps({"config": {"task": "addcol2", **fields}}))
+        (root / name / "model.safetensors").write_bytes(name.encode())
+        return root / name
+
+    here = tmp_path / "ship"
+    entry(here, "addcol2-old", target_accuracy=0.6)
+    entry(here, "addcol2-v2", target_accuracy=0.3)
+    built = entry(tmp_path / "cache", "addcol2-new", target_accuracy=0.6)
+    monkeypatch.setattr(toy_models, "HERE", here)
+    monkeypatch.setattr(toy, "build_toy_model", lambda config: built)
+    assert toy_models.ship(toy.TOY_PRESETS["toy-v2"]) == here / "addcol2-new"
+    assert sorted(p.name for p in here.iterdir()) == ["addcol2-new", "addcol2-v2"]
+    assert (here / "addcol2-new" / "model.safetensors").read_bytes() == b"addcol2-new"
+
+
 @pytest.mark.heavy
 def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
-    """The whole demo run, as `trustscope demo` trains it (no dashboard), in its own world (built on an empty
-    cache: a warm start of 4-7 minutes, then 1-2 minutes of training): its reward over the last five steps is
+    """The whole demo run, as `trustscope demo` trains it (no dashboard), in its own world (shipped built; 1-2
+    minutes of training): its reward over the last five steps is
     clearly above the first five, the console shows each step's blocked share and count, and the closing lines
     print both rewards."""
     from trustscope.db import connect
@@ -250,7 +282,7 @@ def test_the_demo_run_learns(tmp_path, monkeypatch, capsys):
     assert re.search(r"blocked \d+\.\d+%\s\(\d[\d,]*\sof\s\d[\d,]*\stokens\)", closing)
 
 
-def test_the_warm_world_is_toy_v2_with_another_warm_start_and_names_itself_when_it_falls_short(monkeypatch):
+def test_the_warm_world_is_toy_v2_with_another_warm_start_and_names_itself_when_it_falls_short(monkeypatch, tmp_path):
     """``toy-v2-warm`` (the ``sanity-climb-warm`` sweep's world) is toy-v2's build with a higher warm-start target,
     toy-v2 itself untouched (its shipped build keeps its key); a preset name passes through; a warm start that
     falls short fails naming the world and its target."""
@@ -265,6 +297,7 @@ def test_the_warm_world_is_toy_v2_with_another_warm_start_and_names_itself_when_
     assert base == "toy-v2" and warm.target_accuracy > toy.TOY_PRESETS["toy-v2"].target_accuracy
     assert warm.key() != toy.TOY_PRESETS["toy-v2"].key() and preset.setting["task"] == warm.task
     assert exp.world_model("toy-v2") == "toy-v2"
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path))
     built = []
     monkeypatch.setattr(toy, "build_toy_model", lambda config: built.append(config) or Path("/cache/toy/x"))
     assert exp.world_model("toy-v2-warm") == "/cache/toy/x" and built == [warm]

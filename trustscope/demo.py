@@ -9,8 +9,9 @@ bf16 vLLM rollouts against an fp32 trainer, one step of policy lag, several mini
 rises within its 24 steps (:data:`DEMO_STEPS` gives the figures). The console shows each step's reward and what
 the trust region blocked (share and count of the tokens with A != 0). It then prints what to look at first, with
 the run's own numbers and a comparison with the shipped PG-IS run (toy world v2, no trust region), and serves the
-dashboard over a log directory holding the demo run beside links to the shipped runs. The world is built on the
-first run (a warm start: 4-7 minutes on two busy cores) and cached.
+dashboard over a log directory holding the demo run beside links to the shipped runs. The world ships built
+(:mod:`trustscope.train.toy_models`) and is copied into the cache on the first run; after a change to ``toy.py``
+moves its key it is built there instead (a warm start: 4-7 minutes on two busy cores) and cached.
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ def toy_ready(cfg: TrainConfig) -> bool:
     from trustscope.paths import cache_root
     from trustscope.train.toy import META_FILE, TOY_PRESETS
     from trustscope.train.toy_models import entry_name, shipped
-    from trustscope.train.toy_warm import WARM_PRESETS, cached
+    from trustscope.train.toy_warm import WARM_PRESETS, cached, warm_config
 
     if cfg.model in WARM_PRESETS:
-        return cached(cfg.model, cfg.task) is not None
+        return cached(cfg.model, cfg.task) is not None or shipped(warm_config(cfg.model, cfg.task)) is not None
     toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
     return (cache_root() / "toy" / entry_name(toy) / META_FILE).exists() or shipped(toy) is not None
 

@@ -8,9 +8,10 @@ It is the world of the ``sanity-climb-warm`` sweep (``scripts/experiments.py``, 
 trust-region rule climbs to a 10-step reward of 0.9, and of ``trustscope demo``.
 
 The build is :func:`trustscope.train.toy.build_toy_model` on the preset with the fields of :data:`WARM_PRESETS`
-changed: built locally on first use (4-7 minutes on two busy CPU cores, nothing downloaded) and cached as
-any toy build is, under ``$TRUSTSCOPE_CACHE/toy/<task>-<key>``. The presets themselves are untouched, so the
-shipped ``toy-v2`` build (:mod:`trustscope.train.toy_models`) and the sample logs keep their key.
+changed, cached as any toy build is, under ``$TRUSTSCOPE_CACHE/toy/<task>-<key>``. Its ``addcol2`` build ships with
+trustscope (:mod:`trustscope.train.toy_models`) and is copied into an empty cache; on another task, or after a
+change to ``toy.py`` moves the key, it is built locally (4-7 minutes on two busy CPU cores, nothing downloaded).
+The presets themselves are untouched, so the shipped ``toy-v2`` build and the sample logs keep their key.
 
     from trustscope.train.toy_warm import build_warm_model
     model_dir = build_warm_model("toy-v2-warm")
@@ -55,8 +56,10 @@ def build_warm_model(name: str, task: str | None = None, *, cache_dir: str | Pat
     build reached."""
     from trustscope.train.config import ConfigError
     from trustscope.train.toy import build_toy_model
+    from trustscope.train.toy_models import seed_cache
 
     config = warm_config(name, task)
+    seed_cache(config, cache_dir)  # the build shipped with trustscope, when the cache lacks it
     try:
         return build_toy_model(config, cache_dir=cache_dir)
     except RuntimeError as exc:

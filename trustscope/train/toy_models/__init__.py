@@ -2,16 +2,21 @@
 warm start of one to four minutes on two CPU cores.
 
 Each folder here is a cache entry of :func:`trustscope.train.toy.build_toy_model`, named as the cache names it,
-``<task>-<key>``: ``addcol2-9b52d72f35573d24`` is ``toy-v2``, the model of the shipped ``sample_logs/`` runs. The
+``<task>-<key>``: ``addcol2-9b52d72f35573d24`` is ``toy-v2``, the model of the shipped ``sample_logs/`` runs, and
+``addcol2-4bb776a930b01b9d`` is ``toy-v2-warm`` (:mod:`trustscope.train.toy_warm`), the world ``trustscope demo``
+trains in (its warm start is four to seven minutes on two busy cores). The
 key hashes the configuration and the source of ``toy.py``, so a folder is used only while it is exactly what a
 build would write (builds are deterministic: two builds of ``toy-v2`` wrote byte-identical weights); after a change
 to ``toy.py`` the key moves, the folder is passed over and the model is built as before. To ship the new build::
 
-    .venv/bin/python -c "from trustscope.train.toy_models import ship; print(ship('toy-v2'))"
+    .venv/bin/python -c "from trustscope.train.toy import TOY_PRESETS; from trustscope.train.toy_warm import \\
+        warm_config; from trustscope.train.toy_models import ship; \\
+        print(ship(TOY_PRESETS['toy-v2']), ship(warm_config('toy-v2-warm')))"
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -58,14 +63,17 @@ def seed_cache(config, cache_dir: str | Path | None = None) -> Path | None:
     return final
 
 
-def ship(preset: str) -> Path:
-    """Build (or find) the toy world ``preset`` and copy its cache entry here, replacing older builds of it."""
-    from trustscope.train.toy import TOY_PRESETS, build_toy_model
+def ship(config) -> Path:
+    """Build (or find) the toy world of :class:`trustscope.train.toy.ToyConfig` ``config`` and copy its cache entry
+    here, replacing older builds of the same configuration (those of an older ``toy.py``; other worlds of the same
+    task stay)."""
+    from trustscope.train.toy import build_toy_model
 
-    config = TOY_PRESETS[preset]
     built = build_toy_model(config)
-    for old in HERE.glob(f"{config.task}-*"):
-        if old.is_dir() and old.name != built.name:
+    fields = json.loads((built / META_FILE).read_text())["config"]
+    for old in HERE.glob(f"{fields['task']}-*"):
+        meta = old / META_FILE
+        if old.name != built.name and meta.is_file() and json.loads(meta.read_text())["config"] == fields:
             shutil.rmtree(old)
     target = HERE / built.name
     target.mkdir(exist_ok=True)
