@@ -547,7 +547,8 @@ def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, logdir
 
 def test_mismatch_where_page_says_a_run_logs_the_engines_experts_alone(monkeypatch, tmp_path):
     """An import that carries the engine's routed experts only (no trainer side): the routing section says which
-    side and on how many rows, and draws nothing."""
+    side and on how many rows, and draws nothing; the import's position and turn charts come from its token rows
+    (it logs every token and no summaries)."""
     from test_importers_slime import routed_dump
 
     from trustscope.importers import import_run
@@ -556,5 +557,6 @@ def test_mismatch_where_page_says_a_run_logs_the_engines_experts_alone(monkeypat
     import_run("slime", tmp_path / "dump", tmp_path / "logs", run_id="engine-only")
     at = _open(monkeypatch, tmp_path / "logs", "mismatch_where")
     _ok(at, "Where the mismatch lives")
-    assert not _charts(at)
+    assert sorted(c.key for c in _charts(at)) == ["blocked_position", "blocked_turn", "mismatch_position",
+                                                   "mismatch_turn"]
     assert any("Run engine-only logs the engine's routed experts alone (115 token rows)" in i.value for i in at.info)

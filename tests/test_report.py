@@ -225,3 +225,39 @@ def test_report_says_where_the_mismatch_lives(tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert "Mismatch and ESS by staleness" in page and "What each rule blocks by turn" in page
     assert "Run sync-single-turn logs no turn" in page
+
+
+def test_a_run_logged_in_full_without_summaries_is_split_by_its_token_rows_exactly(tmp_path):
+    """An import logs every token and no summaries: "where the mismatch lives" computes its dimension rows from the
+    token rows (token_dimensions), equal to what the logger's exact summaries give for the same tokens; a run that
+    keeps only a sample of its tokens and no summaries still gets the sentence, not a sample read as exact."""
+    import pandas as pd
+    from async_logs import write_async_run
+
+    from trustscope.columns import DIMENSIONS
+
+    logdir = tmp_path / "logs"
+    write_async_run(logdir, "summarised", lag=3, seed=5)
+    write_async_run(logdir, "full-rows", lag=3, seed=5, summaries=False)
+    write_async_run(logdir, "sampled-rows", lag=3, seed=5, summaries=False, token_fraction=0.5)
+    with tsdb.connect(logdir, cache=False) as conn:
+        mismatch, blocked = report.by_dimension(conn)
+    keys = ["dimension", "bucket"]
+    ours = mismatch[mismatch.run_id == "summarised"].drop(columns="run_id").set_index(keys).sort_index()
+    rows = mismatch[mismatch.run_id == "full-rows"].drop(columns="run_id").set_index(keys).sort_index()
+    assert set(ours.index.get_level_values(0)) == {d.name for d in DIMENSIONS}
+    assert ours.index.equals(rows.index)
+    for col in ("n_tokens", "n_nonzero_advantage", "n_bad_negative", "n_steps"):
+        assert (ours[col] == rows[col]).all(), col
+    for col in ("mismatch_mean", "mismatch_max", "ess_frac", "bad_negative_rate"):
+        pd.testing.assert_series_equal(ours[col], rows[col], rtol=1e-6, check_names=False)
+    summarised = blocked[blocked.run_id == "summarised"].drop(columns="run_id").set_index([*keys, "rule"])
+    from_rows = blocked[blocked.run_id == "full-rows"].drop(columns="run_id").set_index([*keys, "rule"])
+    shared = summarised.index.intersection(from_rows.index)
+    assert len(shared) == len(summarised) and summarised["n_blocked"].sum() > 0
+    assert (summarised.loc[shared, ["n_blocked", "n_nonzero_advantage"]]
+            == from_rows.loc[shared, ["n_blocked", "n_nonzero_advantage"]]).all().all()
+    assert report.lacking(mismatch, "position", ["summarised", "full-rows", "sampled-rows"]) == ["sampled-rows"]
+    from trustscope.query.catalogue import view_text
+
+    assert all(f"({d.sql})::bigint as bucket" in view_text("token_dimensions") for d in DIMENSIONS)

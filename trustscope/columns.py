@@ -317,6 +317,26 @@ def builtin_token_columns_sql() -> str:
     return ", ".join(f"'{name}'" for name in names)
 
 
+def dimension_columns_sql() -> str:
+    """The token columns the summary dimensions read beyond ``rule_blocks``' own (``turn, policy_version``), for
+    the ``token_dimensions`` view: identifiers from :data:`DIMENSIONS`, never user input."""
+    names = [n for d in DIMENSIONS for n in d.needs if n != "pos"]
+    for name in names:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+            raise ValueError(f"{name!r} is not a plain identifier")
+    return ", ".join(dict.fromkeys(names))
+
+
+def dimension_buckets_sql(source: str = "tokens") -> str:
+    """Every token row of ``source`` once per summary dimension it has (its :data:`DIMENSIONS` columns not null),
+    with the dimension's name and its bucket from the dimension's SQL: the ``token_dimensions`` view's union."""
+    parts = []
+    for d in DIMENSIONS:
+        present = " and ".join(f"{n} is not null" for n in d.needs)
+        parts.append(f"select *, '{d.name}' as dimension, ({d.sql})::bigint as bucket from {source} where {present}")
+    return "\n    union all by name\n    ".join(parts)
+
+
 def turns_from_mask(mask: np.ndarray) -> np.ndarray:
     """``(B, T)`` int32: the model turn of each position of ``mask`` ``(B, T)`` (or ``(T,)``), a response mask
     False on the tokens the model did not sample (a tool's or environment's answer spliced into a multi-turn

@@ -72,11 +72,13 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
 
 mismatch, blocked = data.by_dimension(tuple(picked))
 st.caption("Exact over every token the trainer handed to the logger, every step taken together (the summaries' "
-           "dimension rows: whatever token_fraction kept). ESS is the importance weights' effective sample size "
+           "dimension rows: whatever token_fraction kept; a run logged in full without them, such as an import, from "
+           "its token rows). ESS is the importance weights' effective sample size "
            "(sum w)^2 / sum w^2 over the bucket's tokens; a fraction always comes with its counts.")
 if mismatch.empty:
-    st.info(report.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger "
-            "have position buckets; weight versions and turns need `policy_version` and `turn` per token.",
+    st.info(report.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger, "
+            "or with every token kept, have position buckets; weight versions and turns need `policy_version` and "
+            "`turn` per token.",
             icon=":material/info:")
     routing_section(picked, [r for r in [data.run_rule(first)] if r])  # token rows, whatever the summaries hold
     st.stop()

@@ -25,7 +25,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from trustscope import schema
-from trustscope.columns import builtin_token_columns_sql
+from trustscope.columns import builtin_token_columns_sql, dimension_buckets_sql, dimension_columns_sql
 from trustscope.losses import LossRule, get_loss, list_losses
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
@@ -77,15 +77,24 @@ TOKEN_COLUMNS_MARKER = "/* built-in token columns */"
 :data:`trustscope.columns.TOKEN_COLUMNS`, names only."""
 
 
+DIMENSION_COLUMNS_MARKER = "/* dimension columns */"
+DIMENSION_BUCKETS_MARKER = "/* dimension buckets */"
+"""Where ``token_dimensions`` lists the summary dimensions' token columns and buckets each token row by every
+dimension: generated from :data:`trustscope.columns.DIMENSIONS`, so a new dimension needs no SQL here."""
+
+
 def view_text(view: str) -> str:
-    """A view's SQL, its built-in token columns list generated (:data:`TOKEN_COLUMNS_MARKER`)."""
-    return (VIEW_DIR / f"{view}.sql").read_text().replace(TOKEN_COLUMNS_MARKER, builtin_token_columns_sql())
+    """A view's SQL, its generated parts filled in: the built-in token columns list (:data:`TOKEN_COLUMNS_MARKER`)
+    and the summary dimensions (:data:`DIMENSION_BUCKETS_MARKER`)."""
+    return ((VIEW_DIR / f"{view}.sql").read_text().replace(TOKEN_COLUMNS_MARKER, builtin_token_columns_sql())
+            .replace(DIMENSION_COLUMNS_MARKER, dimension_columns_sql())
+            .replace(DIMENSION_BUCKETS_MARKER, dimension_buckets_sql()))
 
 
 SQL_FINGERPRINT = hashlib.sha256(
     b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql"),
                                              *TABLE_MACRO_DIR.glob("*.sql")]))
-    + builtin_token_columns_sql().encode()
+    + builtin_token_columns_sql().encode() + dimension_buckets_sql().encode()
 ).hexdigest()
 """Changes whenever a macro or view changes, so kept aggregates of an older definition are never reused."""
 
