@@ -1,10 +1,8 @@
 """The demo's setting, its closing lines and its log directory; the shipped run manifests name no machine path."""
 
-import importlib.util
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +16,9 @@ SHIPPED = sorted(SAMPLE_LOGS.glob("*/run.json"))
 
 
 def _experiments():
-    spec = importlib.util.spec_from_file_location("experiments", ROOT / "scripts" / "experiments.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("experiments", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from script_modules import experiments
+
+    return experiments()
 
 
 def test_the_demo_trains_in_the_warm_climb_setting(tmp_path):

@@ -2,9 +2,6 @@
 of its target fails."""
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -13,15 +10,11 @@ import trustscope.train.toy as toy
 from trustscope.train.config import ConfigError, TrainConfig
 from trustscope.train.toy_warm import WARM_PRESETS, build_warm_model, cached, warm_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _experiments():
-    spec = importlib.util.spec_from_file_location("experiments", ROOT / "scripts" / "experiments.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("experiments", module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from script_modules import experiments
+
+    return experiments()
 
 
 def test_toy_v2_warm_is_the_climb_sweep_s_world_and_leaves_toy_v2_alone():
