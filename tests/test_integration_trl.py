@@ -119,7 +119,7 @@ def attached_run(toy_model_dir, tmp_path_factory):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LogWarning)
         from trustscope.integrations.trl import attach
-        attach(trainer, tmp / "logs", run_id="trl-run")
+        attach(trainer, tmp / "logs", run_id="trl-run", warn_relative=6)  # the warning in the run's own terms
         trainer.train()
     runs = list((tmp / "logs").iterdir())
     return trainer, fused, tmp / "logs" / "trl-run", runs, [str(w.message) for w in caught
@@ -168,6 +168,7 @@ def test_attach_adds_the_step_summaries_to_the_metrics_trl_logs(attached_run):
         assert step <= h["step"] - 1  # the step TRL logs at, or (not waited for) one before it
         want = step_metrics(committed_step_rows(run, step), step)
         assert want["trustscope/tokens/total"] > 0 and "trustscope/warning" in h
+        assert "trustscope/warning/bad_rate_z" in h  # attached with warn_relative
         assert {k: h[k] for k in want} == pytest.approx(want, nan_ok=True)
         # a rule that blocked nothing at this step (no rows) but did at another reads 0, not a gap
         assert all(h[k] == 0 for k in h if k.startswith("trustscope/blocked_count/") and k not in want)

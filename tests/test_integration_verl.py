@@ -571,6 +571,13 @@ def test_attach_adds_the_step_summaries_to_verls_step_metrics(tmp_path):
     with tv.attach(trainer, tmp_path, run_id="off", metrics=False):
         output = trainer._update_actor(batch)
     assert not [k for k in output.meta_info["metrics"] if k.startswith("trustscope/")]
+    assert "trustscope/warning/bad_rate_z" not in metrics  # the absolute lines by default
+    with pytest.raises(ValueError, match=r"WarningLines.relative_z=-1 must be a finite number > 0"):
+        tv.attach(trainer, tmp_path, run_id="bad-z", warn_relative=-1)
+    with tv.attach(trainer, tmp_path, run_id="relative", warn_relative=6):
+        output = trainer._update_actor(batch)
+    metrics = reduce_metrics(dict(output.meta_info["metrics"]))
+    assert {"trustscope/warning", "trustscope/warning/bad_rate_z", "trustscope/warning/mismatch_z"} <= set(metrics)
 
 
 def _ray_actor_class():

@@ -853,7 +853,8 @@ def _callback(attachment: Attachment) -> Any:
 
 
 def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = False, metrics: bool = True,
-           metrics_wait_s: float = 1.0, webhook: str | None = None, **logger_options: Any) -> Attachment:
+           metrics_wait_s: float = 1.0, webhook: str | None = None, warn_relative: float | None = None,
+           **logger_options: Any) -> Attachment:
     """Log ``trainer`` (a TRL ``GRPOTrainer``) to ``logdir`` with trustscope. Call before ``trainer.train()``.
 
     Args:
@@ -873,6 +874,9 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
         webhook: a Slack-compatible webhook URL the early warning is posted to (:class:`trustscope.alerts.Alerts`,
             on a background thread); a malformed URL raises ``ValueError`` here. With ``report_to`` W&B or trackio
             the warning is also an alert there (``wandb.alert``, ``trackio.alert``), webhook or not.
+        warn_relative: the early warning in the run's own terms (:class:`trustscope.report.WarningLines`
+            ``relative_z``): its lines that many robust deviations above the run's first steps, and the relative
+            detector; None (the default) keeps the absolute lines and detector.
         **logger_options: passed to :class:`~trustscope.logger.TokenLogger` (``run_id``, ``token_fraction``,
             ``strict``, ...). Defaults set here: ``loss_rule="trl:<loss_type>"``, ``mu_source`` as the module
             docstring says, ``source``, ``sampling``, ``model``, ``tokenizer``, ``vocab``, ``rank`` (the
@@ -884,8 +888,11 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     """
     import trl
 
+    from trustscope.report import WarningLines
+
     check_trainer(trainer)
     alerts_url = None if webhook is None else check_webhook_url(webhook)
+    lines = WarningLines(relative_z=warn_relative)  # a bad value fails here, naming it
     if isinstance(metrics_wait_s, bool) or not isinstance(metrics_wait_s, int | float) \
             or not 0 <= metrics_wait_s < math.inf:
         raise ValueError(f"metrics_wait_s must be a finite number of seconds >= 0, got {metrics_wait_s!r}")
@@ -941,7 +948,7 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     in_trackers = LiveTrackerAlerts(getattr(trainer.args, "report_to", None) or [])  # W&B / trackio alerts
     alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)  # one process posts
               if main and metrics and (alerts_url is not None or in_trackers.names) else None)
-    reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts) if metrics else None
+    reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts, lines=lines) if metrics else None
     attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm, reporter, alerts)
     if trainer.use_vllm and topk:
         attachment.engine_logprobs = trainer.vllm_generation.logprobs

@@ -980,7 +980,7 @@ def r3_routing_shape(model_path: Any) -> tuple[int, int, int] | None:
 
 
 def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *, metrics: bool = True,
-           webhook: str | None = None, **logger_options: Any) -> VerlLogging:
+           webhook: str | None = None, warn_relative: float | None = None, **logger_options: Any) -> VerlLogging:
     """Log verl ``RayPPOTrainer`` ``trainer`` to ``<logdir>/<run_id>/``; call after ``init_workers()``.
 
     Both of verl 0.9.1's trainers: ``RayPPOTrainer`` (``trainer.use_v1=False``, ``main_ppo_v0``'s task runner; call
@@ -999,12 +999,15 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     ``trustscope/...`` (:mod:`trustscope.trackers`, ``docs/trackers.md``), so verl's ``trainer.logger`` trackers
     carry them, and W&B or trackio among them get the early warning as an alert. ``webhook``: a Slack-compatible
     URL the early warning is posted to (:class:`trustscope.alerts.Alerts`); a malformed one raises ``ValueError``
-    here. Both need a log directory the driver can read (local or shared).
+    here. ``warn_relative``: the early warning in the run's own terms (:class:`trustscope.report.WarningLines`
+    ``relative_z`` robust deviations, and the relative detector); None keeps the absolute lines. Both need a log directory the driver can read (local or shared).
     """
     from trustscope.alerts import Alerts, check_webhook_url
+    from trustscope.report import WarningLines
     from trustscope.trackers import LiveTrackerAlerts, StepReporter
 
     alerts_url = None if webhook is None else check_webhook_url(webhook)
+    lines = WarningLines(relative_z=warn_relative)  # a bad value fails here, naming it
     version = verl_version()
     _check_release(version)
     _require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
@@ -1085,7 +1088,7 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     in_trackers = LiveTrackerAlerts([loggers] if isinstance(loggers, str) else list(loggers or []))
     alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)
               if metrics and (alerts_url is not None or in_trackers.names) else None)
-    reporter = StepReporter(logger, alerts=alerts) if metrics else None
+    reporter = StepReporter(logger, alerts=alerts, lines=lines) if metrics else None
     handle = (VerlV1Logging if v1 else VerlLogging)(trainer, logger, hook, trainer._update_actor, reporter, alerts,
                                                      resume=resume)
     trainer._update_actor = handle.update_actor
