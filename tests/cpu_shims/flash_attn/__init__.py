@@ -2,6 +2,7 @@
 
 verl 0.8 (``verl.utils.attention_utils``) takes ``flash_attn.bert_padding``'s index helpers for
 ``left_right_2_no_padding`` on any non-NPU machine. They are plain torch index operations; transformers ships the
-same ones for its own flash-attention path, so this package hands those on. scripts/test_releases.sh puts this
+same ones for its own flash-attention path, and this package hands those on (its own ``index_first_axis``:
+see ``bert_padding``). scripts/test_releases.sh puts this
 folder on ``PYTHONPATH`` only for verl releases that import ``flash_attn``; nothing else sees it.
 """
