@@ -653,6 +653,17 @@ def check_experts(seq: Sequence, shape: tuple[int, int, int]) -> None:
                                 f"{pos}, MoE layer {layer}, slot {slot}: expert ids are in [0, {shape[2]})")
 
 
+def check_routing(run: ImportedRun, shape: tuple[int, int, int], where: Any) -> None:
+    """A part's routed experts against the run's ``routing_shape``: the same (MoE layers, top-k) as the steps
+    before (ImportFormatError naming ``where`` and both shapes: a run does not mix models), and every id in range
+    (:func:`check_experts`)."""
+    if run.routing not in (None, shape[:2]):
+        raise ImportFormatError(f"{where}: routed experts of (MoE layers, top-k) {run.routing}, the run's "
+                                f"{shape[:2]}: a run does not mix models")
+    for seq in run.sequences:
+        check_experts(seq, shape)
+
+
 def write_run(run: ImportedRun, logdir: str | Path, run_id: str | None = None, vocab: Any = None,
               token_fraction: float = 1.0) -> Path:
     """Write ``run`` (a whole source, read) as ``<logdir>/<run_id>``: :func:`write_steps` of it alone."""
@@ -730,12 +741,8 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
                     check_values(seq, vocab_size)
                 header = combine(header, part)
             checked = False
-            if routed is not None and part.routing not in (None, routed[:2]):
-                raise ImportFormatError(f"{part.src}: routed experts of (MoE layers, top-k) {part.routing}, the "
-                                        f"steps before {routed[:2]}: a run does not mix models")
             if routed is not None:
-                for seq in part.sequences:
-                    check_experts(seq, routed)
+                check_routing(part, routed, part.src)
             by_step: dict[int, list[Sequence]] = {}
             for seq in part.sequences:
                 by_step.setdefault(seq.step, []).append(seq)

@@ -47,7 +47,7 @@ from trustscope.importers import nemo_rl, prime_rl, slime
 from trustscope.importers.base import (
     ImportedRun,
     ImportFormatError,
-    check_experts,
+    check_routing,
     check_values,
     log_step,
     name_unknown,
@@ -265,11 +265,7 @@ class _Run:
             name_unknown(dataclasses.replace(run, unknown=new), self.extra)
             self.named.update(new)
         if self.routing:
-            if run.routing not in (None, self.routing[:2]):
-                raise ImportFormatError(f"{self.src} step {step}: routed experts of (MoE layers, top-k) "
-                                        f"{run.routing}, the run's {self.routing[:2]}: a run does not mix models")
-            for seq in run.sequences:
-                check_experts(seq, self.routing)
+            check_routing(run, self.routing, f"{self.src} step {step}")
         log_step(self.loggers, step, run.sequences, scalars, ranks=others, extra_types=self.extra,
                  routing=bool(self.routing))
         for rank in others:
