@@ -81,11 +81,10 @@ def toy_ready(cfg: TrainConfig) -> bool:
     from trustscope.paths import cache_root
     from trustscope.train.toy import META_FILE, TOY_PRESETS
     from trustscope.train.toy_models import entry_name, shipped
-    from trustscope.train.toy_warm import WARM_PRESETS, cached, warm_config
+    from trustscope.train.toy_warm import WARM_PRESETS, warm_config
 
-    if cfg.model in WARM_PRESETS:
-        return cached(cfg.model, cfg.task) is not None or shipped(warm_config(cfg.model, cfg.task)) is not None
-    toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
+    toy = (warm_config(cfg.model, cfg.task) if cfg.model in WARM_PRESETS
+           else dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task))
     return (cache_root() / "toy" / entry_name(toy) / META_FILE).exists() or shipped(toy) is not None
 
 

@@ -72,7 +72,7 @@ def cached(name: str, task: str | None = None) -> Path | None:
     """The cache entry of warm world ``name`` when it is built, else None."""
     from trustscope.paths import cache_root
     from trustscope.train.toy import META_FILE
+    from trustscope.train.toy_models import entry_name
 
-    config = warm_config(name, task)
-    entry = cache_root() / "toy" / f"{config.task}-{config.key()}"
+    entry = cache_root() / "toy" / entry_name(warm_config(name, task))
     return entry if (entry / META_FILE).exists() else None
