@@ -999,8 +999,9 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     ``trustscope/...`` (:mod:`trustscope.trackers`, ``docs/trackers.md``), so verl's ``trainer.logger`` trackers
     carry them, and W&B or trackio among them get the early warning as an alert. ``webhook``: a Slack-compatible
     URL the early warning is posted to (:class:`trustscope.alerts.Alerts`); a malformed one raises ``ValueError``
-    here. ``warn_relative``: the early warning in the run's own terms (:class:`trustscope.report.WarningLines`
-    ``relative_z`` robust deviations, and the relative detector); None keeps the absolute lines. Both need a log directory the driver can read (local or shared).
+    here. Both need a log directory the driver can read (local or shared). ``warn_relative``: the early warning in
+    the run's own terms (:class:`trustscope.report.WarningLines` ``relative_z`` robust deviations, and the relative
+    detector); None keeps the absolute lines.
     """
     from trustscope.alerts import Alerts, check_webhook_url
     from trustscope.report import WarningLines

@@ -2,17 +2,19 @@
 -- [$first_step, $last_step] (null: every step) taken together: tokens, mismatch mean, ess_frac from the merged
 -- importance-weight sums, bad negative-update rate. $run_ids: the runs, or null for all. a run logged in full
 -- without the summaries' dimension rows (an import) gets the same rows from its token rows (token_dimensions).
-with rows as (
+with dimension_rows as (
     select run_id, step, dimension, bucket, bucket_label, n_tokens, n_nonzero_advantage, sum_abs_prob_diff,
         mismatch_max, w_sum, w_sum_sq, n_bad_negative
     from summary_dimensions
-    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
-        and ($first_step::bigint is null or step >= $first_step::bigint)
-        and ($last_step::bigint is null or step <= $last_step::bigint)
     union all
     select run_id, step, dimension, bucket, bucket_label, n_tokens, n_nonzero_advantage, sum_abs_prob_diff,
         mismatch_max, w_sum, w_sum_sq, n_bad_negative
     from token_dimensions
+),
+
+rows as (
+    select *
+    from dimension_rows
     where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
         and ($first_step::bigint is null or step >= $first_step::bigint)
         and ($last_step::bigint is null or step <= $last_step::bigint)
