@@ -632,8 +632,8 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
 # ------------------------------------------------------------------------------------------------ by dimension
 
 DIMENSION_ABSENT = {
-    "position": ("has no summary dimensions (logged before them, or with summaries=False) and keeps a sample of its "
-                 "tokens (token_fraction < 1), which would not be exact"),
+    "position": ("has no summary dimensions (logged before them, or with summaries=False), with a sample of the "
+                 "tokens kept (token_fraction < 1), which would not be exact"),
     "turn": "logs no turn (a single-turn run, or tokens logged without `turn`)",
     "staleness": "logs no policy_version (a synchronous run, or tokens logged without it)",
 }
