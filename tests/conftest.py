@@ -1,6 +1,7 @@
 """Settings every test process needs before torch, transformers or vLLM are imported."""
 
 import os
+from pathlib import Path
 
 # vLLM runs in this process (no spawn, no __main__ guard), eager, with a capped KV cache.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -37,3 +38,14 @@ def _pythonpath_as_it_was():
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = before
+
+
+# --- Logs in the old format (tests/data/legacy/README.md) ----------------------------------------------------------
+LEGACY_LOGS = Path(__file__).resolve().parent / "data" / "legacy"
+
+
+@pytest.fixture(scope="session")
+def legacy_logs() -> Path:
+    """A log directory of one run written before layout 2, policy_version, turn, the summary dimensions and the
+    importance-weight signals; sample_logs/ may be regenerated, this never is. Copy the run before writing to it."""
+    return LEGACY_LOGS
