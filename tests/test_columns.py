@@ -4,7 +4,6 @@ call, written, read by every tokens view, and absent (NULL) in logs written befo
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +19,6 @@ from trustscope.logger import TokenLogger
 from trustscope.logger.checks import CHECKERS, TOKEN_INPUTS
 from trustscope.schema import SchemaError
 
-ROOT = Path(__file__).resolve().parents[1]
 B, T = 4, 6
 EXTRA = {"env": "string", "tool_latency": "float32", "tool_calls": "int32"}
 
@@ -107,10 +105,10 @@ def test_bad_input_is_refused_naming_field_row_and_value_and_nothing_written_is_
         TokenLogger(tmp_path, "other2", max_staleness=-1)
 
 
-def test_runs_logged_before_the_columns_read_them_as_null(tmp_path):
-    """A run of sample_logs (written before policy_version, turn and the dimensions) beside a new run: its
+def test_runs_logged_before_the_columns_read_them_as_null(tmp_path, legacy_logs):
+    """A run written before policy_version, turn and the dimensions (tests/data/legacy) beside a new run: its
     versions, turns and staleness read NULL, it has no dimension rows, and it still validates."""
-    old = next(p for p in sorted((ROOT / "sample_logs").iterdir()) if (p / "run.json").exists())
+    (old,) = S.run_dirs(legacy_logs)
     shutil.copytree(old, tmp_path / old.name)
     assert not S.validate_run(tmp_path / old.name)
     with TokenLogger(tmp_path, "new", extra_columns={"env": "string"}) as lg:

@@ -27,7 +27,6 @@ from trustscope.logger.compaction import repair_run
 
 B, T = 8, 16
 WRITER = Path(__file__).with_name("crash_writer.py")
-SAMPLE_LOGS = Path(__file__).parents[1] / "sample_logs"
 
 
 def log(logdir: Path, run_id: str, first: int, last: int, **options) -> None:
@@ -213,9 +212,9 @@ def test_a_compaction_killed_before_its_swap_is_finished_by_the_next_writer(tmp_
     assert S.validate_run(run) == []
 
 
-def test_old_flat_runs_read_as_before_and_a_resumed_one_stays_flat(tmp_path):
-    runs = sorted(p.parent for p in SAMPLE_LOGS.glob("*/run.json"))
-    old = Path(shutil.copytree(runs[0], tmp_path / runs[0].name))
+def test_old_flat_runs_read_as_before_and_a_resumed_one_stays_flat(tmp_path, legacy_logs):
+    (run,) = S.run_dirs(legacy_logs)
+    old = Path(shutil.copytree(run, tmp_path / run.name))
     assert S.layout_of(S.read_manifest(old)) == 1
     for reader in READERS:
         assert step_counts(old, "samples", reader)[0] == trustscope_counts(old, "samples")
