@@ -16,7 +16,6 @@ from trustscope.db import connect
 from trustscope.synthetic import SyntheticConfig, generate_run
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLE_LOGS = ROOT / "sample_logs"
 
 
 @pytest.fixture(autouse=True)
@@ -53,9 +52,9 @@ def test_the_default_is_the_published_detector(run):
     assert got["warning"].tolist() == (got["warn_score"] | got["warn_bad_rate"] | got["warn_mismatch"]).tolist()
 
 
-def test_runs_without_the_signals_keep_the_lines():
-    """sample_logs/ were logged before the importance-weight summaries: the lines decide, as they did."""
-    with connect(SAMPLE_LOGS) as db:
+def test_runs_without_the_signals_keep_the_lines(legacy_logs):
+    """A run logged before the importance-weight summaries (tests/data/legacy): the lines decide, as they did."""
+    with connect(legacy_logs) as db:
         runs = sorted(db.overview().steps["run_id"].unique())
         got = report.collapse_warnings(db, runs)
         lines = report.collapse_warnings(db, runs, detector=None)
