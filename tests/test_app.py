@@ -539,8 +539,9 @@ def test_mismatch_where_page(monkeypatch, async_logdir):
     assert tables[2][rule].str.contains(r"% \(\d[\d,]* of \d[\d,]*\)").all()  # a count beside every fraction
 
 
-def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, logdir):
-    at = _open(monkeypatch, logdir, "mismatch_where")
+def test_mismatch_where_page_says_when_no_run_has_dimensions(monkeypatch, legacy_logs):
+    """A run logged before the summary dimensions (tests/data/legacy): the page says so and draws nothing."""
+    at = _open(monkeypatch, legacy_logs, "mismatch_where")
     _ok(at, "Where the mismatch lives")
     assert not _charts(at) and "no summary dimensions (logged before them" in at.info[0].value
 
