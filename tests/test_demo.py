@@ -203,11 +203,23 @@ def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tm
     assert f"{DEMO_SETTING['loss']} would have blocked {100 * share:.1f}% of those with A != 0" in line
 
 
-@pytest.mark.parametrize("world", ["toy-v2", "toy-v2-warm"])
+WORLDS = ("toy-v2", "toy-v2-warm")
+"""The shipped toy worlds: the sample logs' model (toy-v2 for now) and the demo's (toy-v2-warm)."""
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no shipped sample logs in this checkout")
+def test_the_sample_logs_were_trained_in_a_shipped_world():
+    """Each shipped run names its model as a toy world whose build ships (a run in another world: ship its build,
+    see trustscope/train/toy_models, and add it to WORLDS)."""
+    models = {p.parent.name: json.loads(p.read_text())["model"]["name"] for p in SHIPPED}
+    assert set(models.values()) <= set(WORLDS), models
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_the_toy_worlds_ship_built_and_seed_an_empty_cache(tmp_path, world):
-    """The sample logs' model (toy-v2) and the demo's (toy-v2-warm) ship with the key a build would give them now (a
-    change to toy.py moves the key: ship the new build, see trustscope/train/toy_models), and an empty cache takes
-    them without a warm start."""
+    """The sample logs' model and the demo's ship with the key a build would give them now, and each shipped run
+    of the world names that build (a change to toy.py moves the key: ship the new build, see
+    trustscope/train/toy_models); an empty cache takes them without a warm start."""
     from trustscope.train.toy import TOY_PRESETS, build_toy_model, toy_meta
     from trustscope.train.toy_models import seed_cache, shipped
     from trustscope.train.toy_warm import WARM_PRESETS, build_warm_model, warm_config
@@ -216,8 +228,10 @@ def test_the_toy_worlds_ship_built_and_seed_an_empty_cache(tmp_path, world):
     source = shipped(config)
     assert source is not None, (f"trustscope/train/toy_models holds no {world} build with the current key "
                                 f"{config.key()}: run the command in its docstring")
-    if SHIPPED and world == "toy-v2":
-        assert json.loads(SHIPPED[0].read_text())["model"]["path"] == f"toy/{source.name}"
+    for manifest in SHIPPED:
+        model = json.loads(manifest.read_text())["model"]
+        if model["name"] == world:
+            assert model["path"] == f"toy/{source.name}", manifest.parent.name
     if world in WARM_PRESETS:  # the warm world's build seeds the cache itself
         entry = build_warm_model(world, cache_dir=tmp_path)
         assert entry == tmp_path / "toy" / source.name
