@@ -40,6 +40,17 @@ def test_the_collapse_preset_is_the_warm_climb_with_more_updates_a_step(scripts)
     assert [rid for rid, _ in runs[:2]] == ["sanity-dppo_binary_tv-s0", "sanity-grpo-s0"] and len(runs) == 12
 
 
+def test_the_stale_preset_is_the_warm_climb_with_rollouts_two_steps_behind(scripts):
+    """``sanity-climb-stale`` differs from ``sanity-climb-warm`` in the policy lag alone (how many steps of updates
+    mu trails pi by), on the same warm world and rules, 8 seeds."""
+    exp, _ = scripts
+    warm, stale = exp.PRESETS["sanity-climb-warm"], exp.PRESETS["sanity-climb-stale"]
+    changed = {k for k in warm.setting.keys() | stale.setting.keys() if warm.setting.get(k) != stale.setting.get(k)}
+    assert changed == {"policy_lag"} and stale.setting["policy_lag"] == warm.setting["policy_lag"] + 1 == 2
+    assert stale.toy == "toy-v2-warm" and stale.rules == warm.rules and len(stale.seeds) >= 8
+    assert stale.logdir not in (warm.logdir, exp.PRESETS["sanity-climb-collapse"].logdir)
+
+
 def test_an_unknown_preset_fails_naming_it(scripts, monkeypatch, capsys):
     exp, _ = scripts
     monkeypatch.setattr(sys, "argv", ["experiments.py", "run", "--preset", "sanity-climb-hot", "--dry-run"])
