@@ -204,6 +204,22 @@ def test_micro_batches_of_one_step_and_flush_visibility(tmp_path):
         lg.log_step(1, tokens=tokens, mask=mask)
 
 
+def test_a_closed_run_names_no_files_being_put_in_place(tmp_path):
+    """Each commit records its flush's files in ``publishing`` before renaming them; once the writer has ended
+    they are all in place, so the manifest of a closed rank keeps none (it used to keep the last flush's)."""
+    tokens, mask, samples = make_step(5)
+    lg = TokenLogger(tmp_path, "landed", flush_seconds=3600)
+    lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
+    lg.flush()
+    live = json.loads((tmp_path / "landed" / S.MANIFEST).read_text())
+    assert live["publishing"] and all((tmp_path / "landed" / final).exists() for _, final, _ in live["publishing"])
+    lg.log_step(1, tokens=tokens, mask=mask, samples=samples)
+    lg.close()
+    manifest = json.loads((tmp_path / "landed" / S.MANIFEST).read_text())
+    assert manifest["status"] == "finished" and manifest["publishing"] == []
+    assert read(tmp_path / "landed", "tokens").num_rows == 2 * mask.sum()
+
+
 def test_resume_appends_and_steps_go_forward(tmp_path):
     tokens, mask, samples = make_step(5)
     with TokenLogger(tmp_path, "res", config={"a": 1}) as lg:

@@ -483,7 +483,10 @@ class RunFiles:
             return len(gone)
 
     def finish(self, status: str, error: str | None, lost: dict | None) -> None:
-        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost))
+        """Mark the rank ``status``; called once the writer thread has ended, when every committed flush's files
+        are in place or counted as lost, so the last flush's ``publishing`` entries are cleared with it (else a
+        finished run would keep naming files "being renamed into place" for ever)."""
+        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost), publishing=[])
 
     def all_lost(self, lost: dict | None) -> dict | None:
         """This session's ``lost`` record added to the earlier sessions' (the manifest's ``lost`` key)."""
