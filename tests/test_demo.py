@@ -173,9 +173,12 @@ def test_closing_lines_name_the_page_and_the_run_s_own_numbers():
 
 
 def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tmp_path):
-    """A demo run in another world and at another lr than the shipped PG-IS run: the closing line names both
-    worlds and both learning rates, says the pair is not matched, and carries both runs' figures."""
+    """A demo run in another setting than the shipped PG-IS run (the demo's own lag, mini-batches and lr, and
+    another world): the closing line names every setting that differs with both values, says the pair is not
+    matched, and carries both runs' figures, the baseline's lowest 10-step reward and its step among them."""
     import shutil
+
+    import numpy as np
 
     baseline = SAMPLE_LOGS / "sanity-pg_is-s0"
     run = SAMPLE_LOGS / f"sanity-{DEMO_SETTING['loss']}-s0"
@@ -183,20 +186,31 @@ def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tm
         pytest.skip("no shipped sample logs in this checkout")
     from trustscope.db import connect
 
-    demo = tmp_path / run.name  # a copy under its own run id, its manifest as a warm-world run's
+    demo = tmp_path / run.name  # a copy under its own run id, its manifest in the demo's setting
     shutil.copytree(run, demo)
     manifest = json.loads((demo / "run.json").read_text())
-    manifest["config"].update(model="toy-v2-warm", lr=1e-4)
+    changed = {"model": "toy-v2-other", "policy_lag": DEMO_SETTING["policy_lag"],
+               "mini_batches": DEMO_SETTING["mini_batches"], "lr": DEMO_SETTING["lr"]}
+    theirs = json.loads((baseline / "run.json").read_text())["config"]
+    assert all(theirs[k] != v for k, v in changed.items()), "the demo's setting should differ from the sweep's"
+    manifest["config"].update(changed, seed=7, log_token_fraction=1.0, eval_every=3)  # not training settings
     (demo / "run.json").write_text(json.dumps(manifest))
     line = look_first(demo, [baseline])[-1]
+    setting = line[line.index("(shipped, ") + len("(shipped, "):line.index("): ")].split(", ")
+    assert setting == ["pg_is: no trust region", "in " + theirs["model"], "not this run's toy-v2-other",
+                       f"policy_lag {theirs['policy_lag']} against {DEMO_SETTING['policy_lag']} here",
+                       f"lr {theirs['lr']:.0e} against {DEMO_SETTING['lr']:.0e} here".replace("e-0", "e-"),
+                       f"mini_batches {theirs['mini_batches']} against {DEMO_SETTING['mini_batches']} here"], line
     with connect([run, baseline], cache=False) as db:
         ov = db.overview()
-    theirs = ov.steps[ov.steps["run_id"] == baseline.name].sort_values("step")
-    ten = theirs["reward_mean"].rolling(10, min_periods=1).mean()
-    assert line.startswith(f"Then {baseline.name} (shipped, pg_is: no trust region, in toy-v2, not this run's "
-                           "toy-v2-warm, lr 2e-4 against 1e-4 here)"), line
-    assert f"from a best of {ten.max():.2f} down to {ten.iloc[-1]:.2f}" in line
-    assert f"mean |pi - mu| {theirs['mismatch_mean'].mean():.4f}" in line and "not a matched pair" in line
+    curve = ov.steps[ov.steps["run_id"] == baseline.name].sort_values("step")
+    ten = curve["reward_mean"].rolling(10).mean().to_numpy()
+    low = int(np.nanargmin(ten))
+    peak = int(np.nanargmax(ten[:low + 1]))
+    steps = curve["step"].to_numpy()
+    assert (f"10-step reward from {ten[peak]:.2f} at step {steps[peak]} down to its lowest, {ten[low]:.2f} at step "
+            f"{steps[low]}, and {ten[-1]:.2f} by step {steps[-1]}") in line, line
+    assert f"mean |pi - mu| {curve['mismatch_mean'].mean():.4f}" in line and "not a matched pair" in line
     would = ov.blocked[(ov.blocked["run_id"] == baseline.name) & (ov.blocked["rule"] == DEMO_SETTING["loss"])
                        & (ov.blocked["advantage_side"] == "all")]
     share = would["n_blocked"].sum() / would["n_tokens"].sum()
@@ -204,7 +218,8 @@ def test_the_closing_comparison_names_what_differs_from_the_shipped_pg_is_run(tm
 
 
 WORLDS = ("toy-v2", "toy-v2-warm")
-"""The shipped toy worlds: the sample logs' model (toy-v2 for now) and the demo's (toy-v2-warm)."""
+"""The shipped toy worlds: the model of the sample logs and the demo (toy-v2-warm) and the one it was warm-started
+from (toy-v2, the old sample logs' model: tests/data/legacy)."""
 
 
 @pytest.mark.skipif(not SHIPPED, reason="no shipped sample logs in this checkout")

@@ -8,8 +8,9 @@ bf16 vLLM rollouts against an fp32 trainer, one step of policy lag, several mini
 16 responses, the learning rate warmed up and decayed linearly to 0 at the last step, so that the run's reward
 rises within its 24 steps (:data:`DEMO_STEPS` gives the figures). The console shows each step's reward and what
 the trust region blocked (share and count of the tokens with A != 0). It then prints what to look at first, with
-the run's own numbers and a comparison with the shipped PG-IS run (toy world v2, no trust region), and serves the
-dashboard over a log directory holding the demo run beside links to the shipped runs. The world ships built
+the run's own numbers and a comparison with the shipped PG-IS run (the same world, no trust region, two steps of
+policy lag: it collapses and recovers), and serves the dashboard over a log directory holding the demo run beside
+links to the shipped runs. The world ships built
 (:mod:`trustscope.train.toy_models`) and is copied into the cache on the first run; after a change to ``toy.py``
 moves its key it is built there instead (a warm start: 4-7 minutes on two busy cores) and cached.
 """
@@ -123,7 +124,8 @@ COMPARED = ("ppo_clip", "grpo", "dppo_binary_kl", "dppo_topk_tv")
 other DPPO masks), when the run's log has their counterfactual columns."""
 
 BASELINE = "pg_is"
-"""The shipped runs' rule without a trust region, whose collapse the closing lines point to."""
+"""The shipped runs' rule without a trust region, whose collapse (and recovery as the lr decays) the closing lines
+point to."""
 
 
 def _pct(x: float) -> str:
@@ -147,14 +149,6 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def _run_lr(run_dir: Path) -> float | None:
-    """The learning rate a run's manifest records, when it does."""
-    try:
-        return float(_run_config(run_dir)["lr"])
-    except (KeyError, ValueError, TypeError):
-        return None
 
 
 def look_first(run_dir: Path, shipped: list[Path] | None = None) -> list[str]:
@@ -207,30 +201,58 @@ def look_first(run_dir: Path, shipped: list[Path] | None = None) -> list[str]:
     return lines
 
 
+NOT_COMPARED = frozenset({"loss", "loss_params", "seed", "run_id", "logdir", "resume", "device", "threads",
+                          "eval_every", "eval_problems", "save_every", "keep_checkpoints", "report_to", "webhook",
+                          "warn_relative"})
+"""Config fields the closing comparison leaves out: the rule and seed (what the pair compares), and fields that
+change where and how a run is run or logged, not what it trains (with every ``log_*`` field)."""
+
+
+def _value(key: str, value: Any) -> str:
+    return _lr(value) if key == "lr" and isinstance(value, (int, float)) else str(value)
+
+
+def differing(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """Every training setting two run configs record differently, as ``<field> <theirs> against <mine> here``
+    (the model as ``in <theirs>, not this run's <mine>``), model first, then in ``theirs``' order; fields one
+    config lacks are left out."""
+    out = []
+    for key in sorted(theirs.keys() & mine.keys(), key=lambda k: (k != "model", list(theirs).index(k))):
+        if key in NOT_COMPARED or key.startswith("log_") or theirs[key] == mine[key]:
+            continue
+        if key == "model":
+            out.append(f"in {theirs[key]}, not this run's {mine[key]}")
+        else:
+            out.append(f"{key} {_value(key, theirs[key])} against {_value(key, mine[key])} here")
+    return out
+
+
 def compare_baseline(baseline: Path, run_dir: Path, steps: Any, other: Any, other_blocked: Any, rule: str) -> str:
-    """The closing line setting the shipped :data:`BASELINE` run beside the demo's: its world and learning rate
-    against the demo's (named when they differ), the mismatch of both, what ``rule`` would have blocked of the
-    baseline's tokens, and both reward curves (the baseline's 10-step best and end, the demo's first and last five
-    steps)."""
-    mine, theirs = _run_config(run_dir), _run_config(baseline)
-    lrs = [_run_lr(baseline), _run_lr(run_dir)]
-    setting = [f"{BASELINE}: no trust region"]
-    if theirs.get("model") and mine.get("model") and theirs["model"] != mine["model"]:
-        setting.append(f"in {theirs['model']}, not this run's {mine['model']}")
-    if None not in lrs and lrs[0] != lrs[1]:
-        setting.append(f"lr {_lr(lrs[0])} against {_lr(lrs[1])} here")
-    reward = other["reward_mean"].rolling(10, min_periods=1).mean()
+    """The closing line setting the shipped :data:`BASELINE` run beside the demo's: every training setting of the
+    two that differs (:func:`differing`), the mismatch of both, what ``rule`` would have blocked of the baseline's
+    tokens, and both reward curves: the baseline's 10-step reward at its best before its lowest point, at its
+    lowest point (and when) and at its end, so that a run that collapses and recovers shows both; the demo's over
+    its first and last five steps."""
+    import numpy as np
+
+    setting = [f"{BASELINE}: no trust region", *differing(_run_config(baseline), _run_config(run_dir))]
+    window = min(10, len(other))
+    reward = other["reward_mean"].rolling(window, min_periods=window).mean().to_numpy()
+    step = other["step"].to_numpy()
+    low = int(np.nanargmin(reward))
+    peak = int(np.nanargmax(reward[: low + 1]))
     every = other_blocked[(other_blocked["advantage_side"] == "all") & (other_blocked["rule"] == rule)]
     would = (f"; on its tokens {rule} would have blocked {_pct(_share(every))} of those with A != 0"
              if len(every) else "")
     first, last = steps.head(5)["reward_mean"].mean(), steps.tail(5)["reward_mean"].mean()
     line = (f"Then {baseline.name} (shipped, {', '.join(setting)}): mean |pi - mu| {other['mismatch_mean'].mean():.4f} "
-            f"against {steps['mismatch_mean'].mean():.4f} here{would}; its 10-step reward from a best of "
-            f"{reward.max():.2f} down to {reward.iloc[-1]:.2f} by step {int(other['step'].max())}, where this run's "
-            f"went from {first:.2f} to {last:.2f}.")
+            f"against {steps['mismatch_mean'].mean():.4f} here{would}; its {window}-step reward from "
+            f"{reward[peak]:.2f} at step {int(step[peak])} down to its lowest, {reward[low]:.2f} at step "
+            f"{int(step[low])}, and {reward[-1]:.2f} by step {int(step[-1])}, where this run's went from "
+            f"{first:.2f} to {last:.2f}.")
     if len(setting) > 1:
-        line += (" Different worlds and settings: the contrast is a run without a trust region that drifts and "
-                 "collapses against one with it that climbs, not a matched pair.")
+        line += (" Different settings: the contrast is a run without a trust region against one with it, not a "
+                 "matched pair.")
     return line
 
 
