@@ -63,6 +63,9 @@ BAD_DELTA = db.ANALYSIS_DEFAULTS["bad_negative_delta"]
 """mu - pi at or above this on an A < 0 token makes a bad negative update (the paper's Mask-0.5 threshold)."""
 BASELINE_RULE = "ppo_clip"
 """Always in the default selection of runs, as the baseline the other rules are read against."""
+CONTRAST_RULES = ("pg_is", "cispo")
+"""Rules without a trust region: next after the baseline in the default selection of runs (when logged), so that it
+holds a run whose pi drifts from mu unbounded beside the ones whose rules bound it."""
 COUNTERFACTUAL_RULE = "dppo_binary_tv"
 RULE_PARAMS_KEY = "rule_params"
 """Where the parameter panel keeps the session's rule parameters (rule -> parameters)."""
@@ -321,8 +324,9 @@ def default_run(table: pd.DataFrame) -> str:
 
 def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list[str]:
     """The seed groups (``column`` 'group') or runs ('run_id') the Runs page compares by default: the PPO-clip
-    baseline, then one configuration per other rule, at most ``limit``: per rule the one with the most seeds, and
-    among those only the ones with at least the baseline's seeds when there are any. The run named by
+    baseline, then one configuration per other rule, those of :data:`CONTRAST_RULES` first, at most ``limit``: per
+    rule the one with the most seeds, and among those only the ones with at least the baseline's seeds when there
+    are any. The run named by
     ``$TRUSTSCOPE_FOCUS_RUN`` (``trustscope demo`` sets it to its run) comes first, so every page opens on it."""
     seeds = table.groupby(column, sort=False)["run_id"].transform("size")
     # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
@@ -332,6 +336,8 @@ def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list
     if len(baseline):
         matched = others[others["seeds"] >= baseline["seeds"].iloc[0]]
         others = matched if len(matched) else others
+    contrast = others["loss_rule"].isin(CONTRAST_RULES)
+    others = pd.concat([others[contrast], others[~contrast]])
     picked = baseline[column].tolist() + others[column].tolist()
     focus = table.loc[table["run_id"] == os.environ.get(FOCUS_ENV, ""), column]
     if len(focus):  # the run the dashboard was opened for (the demo's) first, beside the comparison

@@ -77,6 +77,9 @@ def test_runs_page(monkeypatch, logdir):
     assert 1 <= len(picked) <= 4 and len({rules[g] for g in picked}) == len(picked)
     if "ppo_clip" in set(table["loss_rule"]):
         assert rules[picked[0]] == "ppo_clip"  # the baseline is always in the default selection
+    contrast = set(data.CONTRAST_RULES) & set(table["loss_rule"])
+    if contrast:  # then a rule without a trust region (the sample logs' PG-IS, which collapses)
+        assert rules[picked[1 if "ppo_clip" in set(table["loss_rule"]) else 0]] in contrast, picked
     assert f"`{logdir.resolve()}`" in at.sidebar.caption[0].value
 
 
@@ -351,7 +354,11 @@ def test_the_run_the_dashboard_was_opened_for_comes_first(monkeypatch, logdir):
     monkeypatch.setenv(FOCUS_ENV, focus)
     at = _open(monkeypatch, logdir)
     group = table.loc[table["run_id"] == focus, "group"].iloc[0]
-    assert at.multiselect(key="group_picker").value[0] == group
+    picked = at.multiselect(key="group_picker").value
+    assert picked[0] == group
+    rules = table.drop_duplicates("group").set_index("group")["loss_rule"]
+    if set(data.CONTRAST_RULES) & set(table["loss_rule"]):  # still beside the run without a trust region
+        assert any(rules[g] in data.CONTRAST_RULES for g in picked), picked
     at.switch_page("views/rules.py")
     at.run()
     assert at.selectbox(key="run_picker").value == focus
