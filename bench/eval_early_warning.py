@@ -61,8 +61,9 @@ SIGNALS = ("mismatch_mean", "ess_frac", "seq_log_ratio_p99", "log_ratio_std", "e
            "grad_norm", "bad_negative_rate", "trainer_blocked_frac")
 """The candidates, columns of the ``early_signals`` view."""
 SHIPPED = ("mismatch_mean", "entropy_mean", "entropy_slope", "grad_norm", "bad_negative_rate", "trainer_blocked_frac")
-"""The signals runs logged before the importance-weight rows have too (sample_logs/): the detector fitted on
-these alone can be applied to them."""
+"""The signals runs logged before the importance-weight rows have too (the toy-v2 sample logs that
+``sample_logs/`` held up to commit d114d27, and ``tests/data/legacy``): the detector fitted on these alone can be
+applied to them."""
 MAX_TERMS = 3
 """The detector keeps at most this many signals (forward selection on the fitting runs)."""
 QUERY_S = 600.0

@@ -34,7 +34,8 @@ RELATIVE = ("mismatch_mean", "ess_frac", "seq_log_ratio_p99", "log_ratio_std", "
 """Candidates of the relative detector: the signals whose level has a baseline (slopes are changes already; the
 trainer's blocked fraction is 0 in every step of a rule without a trust region)."""
 SHIPPED = ("mismatch_mean", "entropy_mean", "grad_norm", "bad_negative_rate")
-"""The candidates runs logged before the importance-weight rows have too (sample_logs/)."""
+"""The candidates runs logged before the importance-weight rows have too (the toy-v2 sample logs that
+``sample_logs/`` held up to commit d114d27, and ``tests/data/legacy``)."""
 
 
 def run_dirs(folders: list[Path]) -> list[Path]:

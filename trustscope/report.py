@@ -55,7 +55,8 @@ class WarningLines:
     reaches ``bad_rate`` or the mean |pi - mu| has grown ``mismatch_growth`` times over the run's first window.
 
     The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
-    ``docs/experiments.md`` measures how the lines fare on the sample logs (``bench/eval_collapse_warning.py``).
+    ``docs/experiments.md`` measures how the lines fare on the toy-v2 sample logs (those ``sample_logs/`` held up
+    to commit d114d27, ``bench/eval_collapse_warning.py``).
 
     ``relative_z``: the lines against the run's own baseline instead, so that one setting means the same on a
     model whose normal mismatch is ten times the toy's or a tenth: a step warns when the last ``window`` steps'

@@ -11,7 +11,7 @@ Layout of one run (``<logdir>/<run_id>/``, :data:`LAYOUT` 2)::
     ranks/rank<r>.json            status of every rank other than 0 (rank 0's is in run.json)
     _staging/, _superseded/       a compaction's next rank folders, and the folders it replaced (never read)
 
-Runs of layout 1 (older loggers, ``sample_logs/``) keep every rank's files directly in the table folder
+Runs of layout 1 (older loggers, ``tests/data/legacy``) keep every rank's files directly in the table folder
 (``tokens/*.parquet``); readers read both. Files are written under a temporary name (``.<name>.tmp``, which
 ``*.parquet`` does not match) in the table folder and renamed into the rank folder, so a reader never sees half a
 file. Each rank writes its own files, named ``r<rank>-s<first step>-<last step>-f<flush>``: one flush of a rank

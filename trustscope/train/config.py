@@ -47,7 +47,7 @@ class TrainConfig:
     # --- model and task ---------------------------------------------------------------------------------------
     model: str = "toy"
     """The policy: a toy world by name, built locally on first use and cached (``toy``: the tiny Qwen2 of
-    one-digit addition; ``toy-v2``: the sample logs' deeper one; ``toy-v2-warm``: ``toy-v2`` warm-started further, the demo's; ``toy-gpu``; ``toy-moe``: a Qwen3-MoE of four experts
+    one-digit addition; ``toy-v2``: the deeper one; ``toy-v2-warm``: ``toy-v2`` warm-started further, the sample logs' and the demo's; ``toy-gpu``; ``toy-moe``: a Qwen3-MoE of four experts
     a layer, top-2; ``toy-moe-flip``: sixteen experts a layer whose routers sit near ties; ``toy-tool``: the multi-turn world, for a task with a tool such as ``multool``;
     ``toy-v2-152k``: ``toy-v2`` widened to V = 151,936), warm-started on ``task``; or a
     Hugging Face model directory / hub name."""

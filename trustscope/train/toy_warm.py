@@ -5,13 +5,14 @@ tokens) with a supervised warm start that runs until the expected temperature-1 
 answer reaches 0.6 instead of 0.3 (the check runs every 25 steps: it stops at 0.74, after 375 steps against
 toy-v2's 325), so that RL starts from a model that already solves most problems, as the paper's sanity set does.
 It is the world of the ``sanity-climb-warm`` sweep (``scripts/experiments.py``, docs/experiments.md), where every
-trust-region rule climbs to a 10-step reward of 0.9, and of ``trustscope demo``.
+trust-region rule climbs to a 10-step reward of 0.9, of its ``sanity-climb-stale`` variant that the shipped
+``sample_logs/`` runs come from, and of ``trustscope demo``.
 
 The build is :func:`trustscope.train.toy.build_toy_model` on the preset with the fields of :data:`WARM_PRESETS`
 changed, cached as any toy build is, under ``$TRUSTSCOPE_CACHE/toy/<task>-<key>``. Its ``addcol2`` build ships with
 trustscope (:mod:`trustscope.train.toy_models`) and is copied into an empty cache; on another task, or after a
 change to ``toy.py`` moves the key, it is built locally (4-7 minutes on two busy CPU cores, nothing downloaded).
-The presets themselves are untouched, so the shipped ``toy-v2`` build and the sample logs keep their key.
+The presets themselves are untouched, so the shipped ``toy-v2`` build keeps its key.
 
     from trustscope.train.toy_warm import build_warm_model
     model_dir = build_warm_model("toy-v2-warm")

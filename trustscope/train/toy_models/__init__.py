@@ -2,8 +2,9 @@
 warm start of one to four minutes on two CPU cores.
 
 Each folder here is a cache entry of :func:`trustscope.train.toy.build_toy_model`, named as the cache names it,
-``<task>-<key>``: ``addcol2-9b52d72f35573d24`` is ``toy-v2``, the model of the shipped ``sample_logs/`` runs, and
-``addcol2-4bb776a930b01b9d`` is ``toy-v2-warm`` (:mod:`trustscope.train.toy_warm`), the world ``trustscope demo``
+``<task>-<key>``: ``addcol2-9b52d72f35573d24`` is ``toy-v2`` (the model of the old sample runs, now
+``tests/data/legacy``, and the base that ``toy-v2-warm`` is warm-started from), and ``addcol2-4bb776a930b01b9d`` is ``toy-v2-warm``
+(:mod:`trustscope.train.toy_warm`), the world of the shipped ``sample_logs/`` runs and the one ``trustscope demo``
 trains in (its warm start is four to seven minutes on two busy cores). The
 key hashes the configuration and the source of ``toy.py``, so a folder is used only while it is exactly what a
 build would write (builds are deterministic: two builds of ``toy-v2`` wrote byte-identical weights); after a change
