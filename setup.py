@@ -21,7 +21,8 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 DASHBOARD = "trustscope._dashboard"
 SAMPLE_RUNS = ("sanity-ppo_clip-s0", "sanity-dppo_binary_tv-s0")
-"""The shipped runs: the PPO clip baseline and DPPO's binary-TV rule on the same task (1.4 MB each)."""
+"""The shipped runs: the PPO clip baseline and DPPO's binary-TV rule on the same task (2.8 MB each, 150 steps of
+``sanity-climb-stale``)."""
 
 APP_PACKAGES = find_namespace_packages(where=str(HERE), include=["app", "app.*"], exclude=["*.__pycache__"])
 """The dashboard's packages (``app.views`` holds pages only, no ``__init__.py``)."""
