@@ -27,7 +27,8 @@ Presets (docs/experiments.md says why each setting):
   rules reach 0.9 and PG-IS and CISPO collapse (some trust-region runs collapse on the way too); the same rules x 8
   seeds.
 - ``sanity-climb-stale``: ``sanity-climb-warm`` with rollouts two steps stale (``policy_lag=2``), where PG-IS and
-  CISPO collapse while the trust-region rules climb to 0.9; the same rules x 8 seeds.
+  CISPO collapse while the trust-region rules climb to 0.9; the same rules x 8 seeds. ``sample_logs/`` ships eight
+  of its runs, thinned (``scripts/ship_sample_logs.py``).
 - ``sanity-gpu``: the same at a larger scale for a GPU machine (``toy-gpu``: 20M parameters, three-digit column
   addition); run it with ``scripts/gpu_sanity.sh``.
 
@@ -142,8 +143,8 @@ accuracy, collapses)."""
 WORLDS = {"toy-v2-warm": ("toy-v2", {"target_accuracy": 0.6})}
 """Toy worlds of these sweeps that are a trustscope preset with another warm start, by name: (the preset, the
 :class:`trustscope.train.toy.ToyConfig` fields changed). Built locally and cached as the preset is
-(:func:`world_model`); the presets themselves are untouched, so the shipped ``toy-v2`` build and the sample logs
-keep their key. ``toy-v2-warm``: ``toy-v2``'s model and task warm-started until the expected temperature-1
+(:func:`world_model`); the presets themselves are untouched, so the shipped ``toy-v2`` build keeps its key.
+``toy-v2-warm``: ``toy-v2``'s model and task warm-started until the expected temperature-1
 accuracy of the worked canonical answer reaches 0.6 (it stops at 0.74, after 375 steps against toy-v2's 325; the
 check runs every 25 steps), so that RL starts from a model that already solves most problems, as the paper's
 sanity set does."""
