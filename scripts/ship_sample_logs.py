@@ -23,10 +23,10 @@ Steps, each repeatable:
 The runs log 5% of their tokens (``log_token_fraction=0.05``): 2.7-2.8 MB a run, 1.7 MB of it token rows and
 1.0 MB the summaries, which do not shrink with the fraction (22 MB in all, against 11.6 MB for the eight 100-step
 toy-v2 runs of layout 1 they replaced). The token fraction decides which tokens are written, never what is
-trained: checked on 2026-12-04 against the ``policy_lag=2`` sweep of ``sanity-climb-warm`` logged at 0.25
-(``runs/probe/lag2-lr2e-4``), the seven shipped runs that sweep had finished (all but ``sanity-grpo-s1``) have
-``steps`` tables equal to it at every step in every scalar but the timings (``time/*``, ``throughput/*``), rewards
-included, so the shipped runs are that sweep's runs, thinner.
+trained: checked on 2026-12-04 against the preset's sweep logged at 0.25 (``runs/sanity-climb-stale``,
+docs/experiments.md), the eight shipped runs have ``steps`` tables equal to it at every step in every scalar but
+the timings (``time/*``, ``throughput/*``), rewards included (seven checked scalar by scalar, ``sanity-grpo-s1``'s
+reward per step), so the shipped runs are that sweep's runs, thinner.
 """
 
 from __future__ import annotations
