@@ -220,6 +220,20 @@ def test_a_closed_run_names_no_files_being_put_in_place(tmp_path):
     assert read(tmp_path / "landed", "tokens").num_rows == 2 * mask.sum()
 
 
+def test_a_closed_run_keeps_a_committed_file_that_never_landed(tmp_path):
+    """An entry of ``publishing`` whose final file is not in place (a writer that died between commit and rename)
+    survives close, so the next writer's recovery rolls it forward or counts its rows as lost."""
+    tokens, mask, samples = make_step(5)
+    lg = TokenLogger(tmp_path, "unlanded", flush_seconds=3600)
+    lg.log_step(0, tokens=tokens, mask=mask, samples=samples)
+    lg.flush()
+    stray = ["tokens/never.parquet.tmp", "tokens/never.parquet", 3]
+    lg._files.manifest["publishing"] = [*lg._files.manifest["publishing"], stray]
+    lg.close()
+    manifest = json.loads((tmp_path / "unlanded" / S.MANIFEST).read_text())
+    assert manifest["status"] == "finished" and manifest["publishing"] == [stray]
+
+
 def test_resume_appends_and_steps_go_forward(tmp_path):
     tokens, mask, samples = make_step(5)
     with TokenLogger(tmp_path, "res", config={"a": 1}) as lg:

@@ -483,10 +483,14 @@ class RunFiles:
             return len(gone)
 
     def finish(self, status: str, error: str | None, lost: dict | None) -> None:
-        """Mark the rank ``status``; called once the writer thread has ended, when every committed flush's files
-        are in place or counted as lost, so the last flush's ``publishing`` entries are cleared with it (else a
-        finished run would keep naming files "being renamed into place" for ever)."""
-        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost), publishing=[])
+        """Mark the rank ``status``; called once the writer thread has ended. The last flush's ``publishing``
+        entries whose files are in place go with it (else a finished run would keep naming files "being renamed
+        into place" for ever); an entry whose file is not, from a writer that died between commit and rename,
+        stays for :func:`trustscope.logger.compaction.recover_rank` to roll forward or count as lost."""
+        pending = [e for e in self.manifest.get("publishing") or []
+                   if not (isinstance(e, list) and len(e) == 3 and isinstance(e[1], str)
+                           and self.store.exists(self.run_dir / e[1]))]
+        self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost), publishing=pending)
 
     def all_lost(self, lost: dict | None) -> dict | None:
         """This session's ``lost`` record added to the earlier sessions' (the manifest's ``lost`` key)."""
