@@ -206,8 +206,8 @@ reaches a 10-step reward of 0.9 (steps 70-124); CISPO collapses in 6 of 8 seeds 
 48 trust-region runs do (DPPO binary TV, DPPO top-K TV and GRPO one seed each of 8; Clip-Higher, DPPO binary KL and
 MiniRL none), and every run recovers as the lr decays. Lag 1 collapses nothing; from lag 3 on the trust-region runs
 collapse more often (2 of 8 at lag 3); at a peak lr of 1.75e-4 the three trust-region seeds hold and PG-IS and CISPO
-stop collapsing too (0 of 5), and lag 4 at that lr brings both back: no setting searched separates them in every
-seed. The headline at 8 seeds: not shown (no interval excludes 0). 1-3 s a step
+stop collapsing too (0 of 5), as at 32 prompts a step; lag 4 at that lr, or 40 steps of warm-up, brings
+trust-region collapses back beside PG-IS's: no setting searched separates them in every seed. The headline at 8 seeds: not shown (no interval excludes 0). 1-3 s a step
 on the shared 2-core machine."""
 
 RULES_HEADLINE = ("dppo_binary_tv", "grpo", "ppo_clip", "dppo_binary_kl", "pg_is", "cispo")
