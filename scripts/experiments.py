@@ -199,16 +199,16 @@ each), and every run but one of PG-IS's recovers to 0.9 as the lr decays: a deep
 regions make rarer. 1-3 s a step on the shared 2-core machine."""
 
 SETTING_CLIMB_STALE = {**SETTING_CLIMB_WARM, "policy_lag": 2}
-"""``sanity-climb-warm`` with rollouts sampled two steps behind the trainer instead of one: mu trails pi by two
-steps of updates, which the trust-region rules bound (all of them are anchored on mu here) and PG-IS's and CISPO's
+"""``sanity-climb-warm`` with rollouts sampled two steps behind the trainer instead of one: mu trails pi by two steps
+of updates, which the trust-region rules bound (all of them are anchored on mu here) and PG-IS's and CISPO's
 importance weights do not. Calibrated in docs/experiments.md ("Two steps of policy lag"): every run of every rule
 reaches a 10-step reward of 0.9 (steps 70-124); CISPO collapses in 6 of 8 seeds and PG-IS in 5 of 8, while 3 of the
 48 trust-region runs do (DPPO binary TV, DPPO top-K TV and GRPO one seed each of 8; Clip-Higher, DPPO binary KL and
 MiniRL none), and every run recovers as the lr decays. Lag 1 collapses nothing; from lag 3 on the trust-region runs
 collapse more often (2 of 8 at lag 3); at a peak lr of 1.75e-4 the three trust-region seeds hold and PG-IS and CISPO
-stop collapsing too (0 of 5), as at 32 prompts a step; lag 4 at that lr, or 40 steps of warm-up, brings
-trust-region collapses back beside PG-IS's: no setting searched separates them in every seed. The headline at 8 seeds: not shown (no interval excludes 0). 1-3 s a step
-on the shared 2-core machine."""
+stop collapsing too (0 of 5), as at 32 prompts a step; lag 4 at that lr, or 40 steps of warm-up, brings trust-region
+collapses back beside PG-IS's: no setting searched separates them in every seed. The headline at 8 seeds: not shown
+(no interval excludes 0). 1-3 s a step on the shared 2-core machine."""
 
 RULES_HEADLINE = ("dppo_binary_tv", "grpo", "ppo_clip", "dppo_binary_kl", "pg_is", "cispo")
 """The headline's rules first (DPPO binary TV and KL against GRPO and Clip-Higher), then the two without a trust

@@ -417,11 +417,16 @@ def read_commits(manifests: Iterable[bytes]) -> Commits:
                    {k: frozenset(v) for k, v in landing.items()})
 
 
-def publishing_files(manifest: dict) -> list[str]:
-    """The final names (relative to the run) of the files of a committed flush still being renamed into place,
-    from a parsed rank manifest's ``publishing`` entries (``[temporary, final, rows]``; malformed ones ignored)."""
-    return [entry[1] for entry in manifest.get("publishing") or ()
+def publishing_entries(manifest: dict) -> list[list]:
+    """The well-formed ``publishing`` entries of a parsed rank manifest, ``[temporary, final, rows]`` with the names
+    relative to the run: the files of a committed flush still being renamed into place (malformed ones ignored)."""
+    return [entry for entry in manifest.get("publishing") or ()
             if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)]
+
+
+def publishing_files(manifest: dict) -> list[str]:
+    """The final names (relative to the run) of :func:`publishing_entries`."""
+    return [entry[1] for entry in publishing_entries(manifest)]
 
 
 def compaction_records(manifest: dict) -> list[dict]:

@@ -530,10 +530,7 @@ def recover_rank(store: RunStore, run_dir: Any, rank: int, manifest: dict) -> li
     changes: dict[str, Any] = {}
     rows = dict(manifest.get("rows") or {})
     lost_rows: dict[str, int] = {}
-    for entry in manifest.get("publishing") or []:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)):
-            continue
-        tmp, final, n = entry
+    for tmp, final, n in S.publishing_entries(manifest):
         final_path = run_dir / final
         parsed = S.parse_data_file(final_path.name)
         compacted = parsed is not None and parsed.flush is not None and any(

@@ -487,9 +487,8 @@ class RunFiles:
         entries whose files are in place go with it (else a finished run would keep naming files "being renamed
         into place" for ever); an entry whose file is not, from a writer that died between commit and rename,
         stays for :func:`trustscope.logger.compaction.recover_rank` to roll forward or count as lost."""
-        pending = [e for e in self.manifest.get("publishing") or []
-                   if not (isinstance(e, list) and len(e) == 3 and isinstance(e[1], str)
-                           and self.store.exists(self.run_dir / e[1]))]
+        landed = [e for e in S.publishing_entries(self.manifest) if self.store.exists(self.run_dir / e[1])]
+        pending = [e for e in self.manifest.get("publishing") or [] if e not in landed]
         self.save(status=status, error=error, finished_at=now(), lost=self.all_lost(lost), publishing=pending)
 
     def all_lost(self, lost: dict | None) -> dict | None:
