@@ -161,6 +161,19 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
            "declares L, k and the expert count); null: not logged", given="routing", statistics=False, since=3),
     Column("trainer_experts", _list(pa.int16()), True, "the same from the trainer's router (with both given, the "
            "logger fills `routing_agreement`)", given="routing", statistics=False, since=3),
+    Column("update_index", pa.int32(), True, "which update of the training step trained the row, from 0 (verl: "
+           "`parameter_sync_step` trigger x ppo epoch x mini-batch; TRL: iteration x `steps_per_generation`; "
+           "`trustscope train`: the mini-batch); a response trained by several updates of one step has rows in "
+           "each; null: unknown or a single update", given="token_or_sequence", check=Check("int", 0), since=4),
+    Column("rollout_rejected", pa.bool_(), True, "True where the framework's rollout rejection sampling (verl "
+           "`rollout_rs`) masked the token out of the loss (the row is logged all the same, `kept` False); null: "
+           "no rejection sampling", given="token", check=Check("bool"), since=4),
+    Column("is_weight", pa.float32(), True, "the rollout importance weight the framework applied to the token "
+           "(verl's `rollout_is_weights`, slime's TIS); null: none", given="token_or_sequence",
+           check=Check("range", 0.0, np.inf), since=4),
+    Column("policy_version_last", pa.int64(), True, "the last weight version that generated part of the token's "
+           "trajectory (a partial rollout spans versions; `policy_version` stays the first, or the token's own); "
+           "null: unknown", given="token_or_sequence", check=Check("version"), since=4),
 )
 """The ``tokens`` table: one row per logged response token."""
 

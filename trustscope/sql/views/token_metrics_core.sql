@@ -3,11 +3,14 @@
 -- logger's blocked_rules bits (null for files written without them), the weight version, turn and staleness with
 -- the token's position bucket (the summary dimensions), and a run's own columns (every column of tokens but the
 -- built-in ones, whose list trustscope.query.catalogue generates from trustscope/columns.py) before source_file.
+-- tokens version 4 adds the update of the step, the rollout rejection mask, the rollout IS weight and the last
+-- weight version of the trajectory (null in older files).
 with source as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
         mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule,
         blocked_rules, policy_version, turn, staleness, engine_token_id, routing_agreement,
+        update_index, rollout_rejected, is_weight, policy_version_last,
         columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from tokens
 ),
@@ -47,6 +50,10 @@ final as (
         position_bucket(pos) as position_bucket,
         engine_token_id,
         routing_agreement,
+        update_index,
+        rollout_rejected,
+        is_weight,
+        policy_version_last,
         columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from probabilities
 )
