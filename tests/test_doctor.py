@@ -257,7 +257,8 @@ def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
     assert "temperature 1" in got["processed_logprobs"].summary
     assert got["rank_collisions"].verdict == "skipped"
     unlogged = {"turn_alignment": "no turns", "staleness_bound": "no policy_version", "token_drift": "no engine_token_id",
-                "routing_replay": "not declared replayed"}
+                "routing_replay": "not declared replayed", "cause_staleness": "needs `policy_version`",
+                "cause_token_drift": "needs `engine_token_id`", "cause_routing": "needs `routing_agreement`"}
     for name, reason in unlogged.items():  # what a single-turn, synchronous run does not log
         assert got[name].verdict == "skipped" and reason in got[name].summary, name
     assert all(f.verdict == "ok" for name, f in got.items()

@@ -561,6 +561,80 @@ def judge_routing_replay(m: Mapping[str, Any], replayed: Any) -> Judgement:
                      "(another step's rollouts) or corrupted, or the replay hook is not installed on every MoE layer.")
 
 
+REPLACE_RATE_WARN = 0.5
+"""A replace rate above this share of the router's own choices: the trainer's router picks mostly other experts
+than the engine did (the policy trained has drifted from the one that generated, or the two sides' numerics
+diverge): ``routing_replace_rate`` warns."""
+
+
+@register_check("routing_replace_rate", sql="routing_health.sql",
+                about="the share of the router's own expert choices the routing replay replaced")
+def judge_routing_replace_rate(m: Mapping[str, Any]) -> Judgement:
+    """The replace rate under routing replay (miles compares the replayed experts with the router's own choice,
+    prime-rl logs ``router_replay_replace_rate``): the share of the trainer router's own (layer, slot) choices the
+    engine's experts replaced, from ``routing_replaced`` (logged with ``router_experts``), overall, per MoE layer and
+    per step, exact over every token. ``warn`` above :data:`REPLACE_RATE_WARN`."""
+    n = (m or {}).get("n_replaced") or 0
+    if not n:
+        return Judgement("skipped", "the run logs no router's own pick beside the engine's experts (router_experts): "
+                         "replace rate unknown", _pick(m, "n_agreement"))
+    rate = float(m["replace_rate"])
+    layers = m.get("replace_by_layer") or []
+    evidence = {"n_tokens": n, "replace_rate": rate,
+                **{f"replace_rate_layer{r['layer']}": r["replace_rate"] for r in layers}}
+    worst = max(layers, key=lambda r: r["replace_rate"]) if layers else None
+    summary = (f"the replay replaced {rate:.2%} of the router's own (layer, slot) choices over {n:,} tokens"
+               + (f"; most in layer {worst['layer']} ({worst['replace_rate']:.2%})" if worst else ""))
+    steps = [dict(r) for r in (m.get("worst_steps") or [])]
+    if rate <= REPLACE_RATE_WARN:
+        return Judgement("ok", summary, evidence, steps)
+    return Judgement("warn", summary, evidence, steps,
+                     f"more than {REPLACE_RATE_WARN:.0%} of the router's choices were replaced: the trainer's router "
+                     "routes most tokens elsewhere than the engine did, so the replayed forward is far from the "
+                     "policy's own (stale rollouts, a weight sync that did not reach the engine, or precision "
+                     "differences in the router's logits).")
+
+
+@register_check("routing_fallbacks", sql="routing_health.sql",
+                about="tokens the engine reported no routing for", manifest_field="routing_replay")
+def judge_routing_fallbacks(m: Mapping[str, Any], replayed: Any) -> Judgement:
+    """Tokens whose ``engine_experts`` the engine did not report (a row of -1: ``routing_fault`` bit 1): replay
+    falls back to the router's own pick there (NeMo-RL's R3 trace check counts such rows). ``fail`` in a run
+    declared replayed, ``warn`` otherwise."""
+    if not (m or {}).get("has_faults"):
+        return Judgement("skipped", "the run logs no engine routing health (routing_fault)", {})
+    n = int(m["n_fallback"])
+    evidence = _pick(m, "n_agreement", "n_replaced", "n_fallback")
+    summary = f"{n:,} token(s) with no engine routing"
+    if not n:
+        return Judgement("ok", summary, evidence)
+    examples = [dict(r) for r in (m.get("fallback_examples") or [])]
+    return Judgement("fail" if replayed else "warn", summary, evidence, examples,
+                     "the engine returned no routed experts for these positions (a request that fell out of the "
+                     "capture, prefix-cached positions, a buffer shorter than the response): replay used the "
+                     "router's own experts there, so those tokens were not replayed.")
+
+
+@register_check("routing_alignment", sql="routing_health.sql",
+                about="replay buffers shifted by a position or reused across responses")
+def judge_routing_alignment(m: Mapping[str, Any]) -> Judgement:
+    """Responses whose engine experts sit one position off the router's own pick (they agree with it better at
+    the next or previous position than at their own: ``routing_fault`` bit 2) or repeat another response's with
+    other tokens (bit 4): a replay buffer shifted by one position or reused across samples."""
+    if not (m or {}).get("has_faults"):
+        return Judgement("skipped", "the run logs no engine routing health (routing_fault)", {})
+    evidence = _pick(m, "n_shifted", "n_reused", "n_responses_shifted", "n_responses_reused")
+    summary = (f"{int(m['n_shifted']):,} token(s) in {int(m['n_responses_shifted'] or 0)} response(s) with engine "
+               f"experts one position off, {int(m['n_reused']):,} token(s) in {int(m['n_responses_reused'] or 0)} "
+               f"response(s) with another response's engine experts")
+    if not m["n_shifted"] and not m["n_reused"]:
+        return Judgement("ok", summary, evidence)
+    return Judgement("fail", summary, evidence, [dict(r) for r in (m.get("alignment_examples") or [])],
+                     "the replay buffer is not the tokens' own: shifted by one position (the rollout's experts "
+                     "of position t laid on token t instead of t - 1, or the other way round) or one response's "
+                     "buffer given to several responses (a batch reordered or padded without its routing).")
+
+
 # ------------------------------------------------------------------------------------------------ measuring
 
 
@@ -707,3 +781,7 @@ def _fmt(v: Any) -> str:
 
 def _json_default(v: Any) -> Any:
     return float(v) if isinstance(v, int | float) else str(v)
+
+
+# The detectors of trustscope explain's causes declare their checks (cause_*) here, after the built-in ones.
+import trustscope.explain.detect  # noqa: E402, F401

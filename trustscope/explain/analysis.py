@@ -1,0 +1,257 @@
+"""``trustscope explain``: a run's mismatch and each rule's blocked tokens allocated to the known causes.
+
+Per run, and per window of steps, :func:`explain` reports
+
+- the totals, exact over every token from the logger's summaries where the run has them (token count, each rule's
+  blocked tokens, the k3 estimate of KL(mu || pi), mean |pi - mu|), and the mismatch, mean |log pi - log mu|, over
+  the logged token rows;
+- the mismatch and each rule's blocked tokens allocated to the causes of :data:`~trustscope.explain.causes.CAUSES`
+  plus an ``unexplained`` remainder, by Shapley values over the causes' token indicators
+  (:mod:`trustscope.explain.allocate`), shares adding up to 1, each with the tokens the cause touches and a 95 %
+  percentile bootstrap interval over responses (Poisson resampling of the logged responses, so the interval also
+  covers the sampling of ``token_fraction`` < 1, which keeps whole responses).
+
+The indicators are computed in SQL (``explain_tokens``), grouped per response and cause pattern in SQL
+(``explain_patterns``); the allocation and the bootstrap run in numpy over those few rows per response.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trustscope.explain.allocate import bootstrap_weights, pattern_sums, shapley_shares
+from trustscope.explain.causes import CAUSES, UNEXPLAINED
+
+METHOD = ("Shapley values over the causes' token indicators: a token pattern's excess over the untouched tokens' "
+          "level, split evenly over the causes touching it; the rest is unexplained")
+INTERVAL = "95% percentile bootstrap over responses (Poisson weights)"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The indicators' thresholds (bound into ``explain_tokens``)."""
+
+    shift_factor: float = 0.5
+    """A response turn is shifted when pi one position later or earlier brings mean |log pi - log mu| below this
+    fraction of the logged alignment's (the doctor's alignment check uses the same factor)."""
+    shift_floor: float = 0.05
+    """... and the logged mean |log pi - log mu| is at least this many nats (below it the log fits already)."""
+    min_r2: float = 0.9
+    """The temperature fit (log mu = a_t + log pi / T over the top-K lists) must explain this share of the
+    within-position variance before a temperature or truncation is read from it."""
+    temperature_tolerance: float = 0.15
+    """A fitted T outside [1 / (1 + tol), 1 + tol] is a temperature mismatch; inside, a slope of 1."""
+    truncation_offset: float = 0.02
+    """log mu above log pi by a constant offset of at least this many nats (at slope 1) is a truncated support."""
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"explain threshold {name}={value!r} must be a finite number > 0")
+
+
+@dataclass
+class Share:
+    """One cause's part of a total."""
+
+    source: str
+    share: float
+    low: float
+    high: float
+    tokens: int
+    """Logged tokens the cause touches (the remainder: tokens no cause touches)."""
+    amount: float
+    """The part in the total's unit (nats summed over tokens, or blocked tokens)."""
+    measurable: bool = True
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "share": self.share, "interval": [self.low, self.high], "tokens": self.tokens,
+                "amount": self.amount, "measurable": self.measurable, **({"note": self.note} if self.note else {})}
+
+
+@dataclass
+class Scope:
+    """A run or a window of its steps: totals and the allocations."""
+
+    first_step: int
+    last_step: int
+    tokens: int
+    """Every token of the steps (the summaries), or the logged ones where the run has no summaries."""
+    tokens_logged: int
+    mismatch: float
+    """Mean |log pi - log mu| over the logged tokens."""
+    kl_k3: float
+    """The k3 estimate of KL(mu || pi) per token: exact over every token from the summaries where there are."""
+    mean_abs_prob_diff: float | None
+    causes: list[Share]
+    rules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """rule -> {"blocked": exact count, "blocked_logged": n, "causes": [Share]}."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"first_step": self.first_step, "last_step": self.last_step, "tokens": self.tokens,
+                "tokens_logged": self.tokens_logged, "mismatch": self.mismatch, "kl_k3": self.kl_k3,
+                "mean_abs_prob_diff": self.mean_abs_prob_diff, "causes": [c.as_dict() for c in self.causes],
+                "rules": {r: {**v, "causes": [c.as_dict() for c in v["causes"]]} for r, v in self.rules.items()}}
+
+
+@dataclass
+class RunExplanation:
+    run_id: str
+    loss_rule: str | None
+    run: Scope
+    windows: list[Scope]
+    window: int
+    not_measurable: dict[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "loss_rule": self.loss_rule, **self.run.as_dict(), "window_steps": self.window,
+                "windows": [w.as_dict() for w in self.windows]}
+
+
+@dataclass
+class Explanation:
+    runs: list[RunExplanation]
+    thresholds: Thresholds
+    replicates: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"method": METHOD, "interval": INTERVAL, "replicates": self.replicates,
+                "thresholds": asdict(self.thresholds), "runs": [r.as_dict() for r in self.runs]}
+
+
+def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int | None = None,
+            windows: int = 4, first_step: int | None = None, thresholds: Thresholds | None = None,
+            replicates: int = 200, seed: int = 0) -> Explanation:
+    """Explain every run of ``db`` (a :class:`~trustscope.db.LogDB` or a log directory), or ``run_ids``.
+
+    ``window``: steps per window (default: the run's steps in ``windows`` windows); ``first_step``: read from there
+    on; ``replicates``: bootstrap replicates for the intervals (0: none, the intervals are the point). A run unknown
+    to ``db`` raises KeyError naming it; a bad setting ValueError naming it.
+    """
+    from trustscope.db import LogDB, connect
+
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"explain: window={window!r} must be a whole number of steps >= 1")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+        raise ValueError(f"explain: windows={windows!r} must be a whole number >= 1")
+    if isinstance(replicates, bool) or not isinstance(replicates, int) or replicates < 0:
+        raise ValueError(f"explain: replicates={replicates!r} must be a whole number >= 0")
+    thresholds = thresholds or Thresholds()
+    if not isinstance(db, LogDB):
+        with connect(db, cache=False) as opened:
+            return explain(opened, run_ids, window=window, windows=windows, first_step=first_step,
+                           thresholds=thresholds, replicates=replicates, seed=seed)
+    from trustscope.doctor import run_manifests
+
+    manifests = run_manifests(db)
+    wanted = sorted(manifests) if run_ids is None else [run_ids] if isinstance(run_ids, str) else list(run_ids)
+    missing = [r for r in wanted if r not in manifests]
+    if missing:
+        raise KeyError(f"run(s) {missing} not in the log directory; runs: {sorted(manifests)}")
+    params = {"run_ids": wanted, "first_step": first_step}
+    patterns = db.query("explain_patterns", **params, **asdict(thresholds))
+    totals = db.query("explain_totals", **params)
+    out = []
+    for run_id in wanted:
+        rows = patterns[patterns["run_id"] == run_id]
+        if rows.empty:
+            continue
+        out.append(_explain_run(run_id, manifests[run_id].get("loss_rule"), rows,
+                                totals[totals["run_id"] == run_id], window, windows, replicates, seed))
+    return Explanation(out, thresholds, replicates)
+
+
+def _explain_run(run_id: str, loss_rule: str | None, rows: Any, totals: Any, window: int | None, windows: int,
+                 replicates: int, seed: int) -> RunExplanation:
+    steps = np.sort(rows["step"].unique())
+    first, last = int(steps[0]), int(steps[-1])
+    width = window or max(1, math.ceil((last - first + 1) / windows))
+    not_measurable = {}
+    for c in CAUSES:
+        if rows[c.column].isna().all():
+            not_measurable[c.source] = "not measurable: needs " + ", ".join(f"`{n}`" for n in c.needs)
+    rules = sorted(col[len("blocks_"):] for col in rows.columns if col.startswith("blocks_"))
+    scopes = [_scope(rows, totals, first, last, rules, not_measurable, replicates, seed)]
+    starts = range(first, last + 1, width)
+    per_window = []
+    for lo in starts:
+        hi = min(lo + width - 1, last)
+        part = rows[(rows["step"] >= lo) & (rows["step"] <= hi)]
+        if not part.empty:
+            per_window.append(_scope(part, totals[(totals["step"] >= lo) & (totals["step"] <= hi)], lo, hi, rules,
+                                     not_measurable, replicates, seed))
+    return RunExplanation(run_id, loss_rule, scopes[0], per_window, width, not_measurable)
+
+
+def _scope(rows: Any, totals: Any, first: int, last: int, rules: Sequence[str], not_measurable: dict[str, str],
+           replicates: int, seed: int) -> Scope:
+    flags = np.stack([rows[c.column].fillna(False).to_numpy(dtype=bool) for c in CAUSES], axis=1)  # (N, C)
+    codes = flags @ (1 << np.arange(len(CAUSES)))  # (N,) pattern code
+    uniq, pattern = np.unique(codes, return_inverse=True)
+    table = ((uniq[:, None] >> np.arange(len(CAUSES))[None, :]) & 1).astype(bool)  # (P, C)
+    group = rows.groupby(["step", "rank", "sample_id"], sort=False).ngroup().to_numpy()  # (N,) the response
+    n_groups, n_patterns = int(group.max()) + 1, len(uniq)
+    weights = bootstrap_weights(n_groups, replicates, seed) if replicates else None
+    n_tokens = rows["n_tokens"].to_numpy(dtype=np.float64)
+    touched = (flags.T @ n_tokens).astype(np.int64)  # (C,) tokens each cause touches
+    untouched = int(n_tokens[codes == 0].sum())
+
+    def allocate(value: np.ndarray, count: np.ndarray) -> list[Share]:
+        point = shapley_shares(pattern_sums(group, pattern, value, n_groups, n_patterns),
+                               pattern_sums(group, pattern, count, n_groups, n_patterns), table)
+        shares, amounts = point[0][0], point[1][0]
+        if weights is not None:
+            boot = shapley_shares(pattern_sums(group, pattern, value, n_groups, n_patterns, weights),
+                                  pattern_sums(group, pattern, count, n_groups, n_patterns, weights), table)[0]
+            low, high = np.percentile(boot, 2.5, axis=0), np.percentile(boot, 97.5, axis=0)
+        else:
+            low = high = shares
+        out = []
+        for i, c in enumerate(CAUSES):
+            note = not_measurable.get(c.source, "")
+            out.append(Share(c.source, float(shares[i]), float(low[i]), float(high[i]), int(touched[i]),
+                             float(amounts[i]), measurable=not note, note=note))
+        out.append(Share(UNEXPLAINED, float(shares[-1]), float(low[-1]), float(high[-1]), untouched,
+                         float(amounts[-1])))
+        return out
+
+    logged = int(n_tokens.sum())
+    sum_abs = rows["sum_abs_log_ratio"].to_numpy(dtype=np.float64)
+    exact = _totals(totals)
+    kl = exact["kl_k3"] if exact["tokens"] else float(rows["sum_k3"].sum()) / max(logged, 1)
+    scope = Scope(first, last, exact["tokens"] or logged, logged, float(sum_abs.sum()) / max(logged, 1), kl,
+                  exact["mean_abs_prob_diff"], allocate(sum_abs, n_tokens))
+    signed = rows["n_signed"].to_numpy(dtype=np.float64)
+    for rule in rules:
+        blocked = rows[f"blocks_{rule}"].fillna(0).to_numpy(dtype=np.float64)
+        scope.rules[rule] = {"blocked": exact["blocked"].get(rule, int(blocked.sum())),
+                             "blocked_logged": int(blocked.sum()), "causes": allocate(blocked, signed)}
+    return scope
+
+
+def _totals(totals: Any) -> dict[str, Any]:
+    """The exact totals of a set of steps from the summaries' rows (zero tokens: the run has no summaries)."""
+    def metric(name: str) -> Any:
+        return totals[totals["metric"] == name]
+
+    n = int(metric("tokens")["count"].sum())
+    out: dict[str, Any] = {"tokens": n, "kl_k3": float("nan"), "mean_abs_prob_diff": None, "blocked": {}}
+    if n:
+        w, lr = metric("is_weight"), metric("log_ratio")
+        out["kl_k3"] = float((w["sum"].sum() - lr["sum"].sum()) / n - 1.0)
+        out["mean_abs_prob_diff"] = float(metric("abs_prob_diff")["sum"].sum() / n)
+        blocked = metric("blocked")
+        out["blocked"] = {str(r): int(c) for r, c in blocked.groupby("rule")["count"].sum().items()}
+    return out
+
+
+def explain_logdir(logdir: str | Path, **kwargs: Any) -> Explanation:
+    """:func:`explain` over a log directory opened for the occasion."""
+    return explain(logdir, **kwargs)

@@ -1,0 +1,90 @@
+"""``trustscope explain`` as text (80 columns) and as JSON; the report's section reads the same lines."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from trustscope.explain.analysis import INTERVAL, METHOD, Explanation, RunExplanation, Scope, Share
+from trustscope.explain.causes import UNEXPLAINED, cause
+
+
+def title(source: str) -> str:
+    return "unexplained (numerics, the rest)" if source == UNEXPLAINED else cause(source).title
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def share_lines(shares: Sequence[Share], unit: str, indent: str = "  ") -> list[str]:
+    """One line per cause: title, share, interval, the tokens it touches and its amount; a cause that cannot be
+    measured says what it needs instead of a number."""
+    lines = [f"{indent}{'cause':<34}{'share':>7}  {'95% interval':<15}{'tokens':>9}  {unit}"]
+    for s in shares:
+        if not s.measurable:
+            lines.append(f"{indent}{title(s.source):<34}{s.note}")
+            continue
+        interval = f"[{100 * s.low:.1f}, {100 * s.high:.1f}]"
+        lines.append(f"{indent}{title(s.source):<34}{_pct(s.share):>7}  {interval:<15}{s.tokens:>9,}  "
+                     f"{s.amount:,.4g}")
+    return lines
+
+
+def _top(shares: Sequence[Share], n: int = 2) -> str:
+    ranked = sorted((s for s in shares if s.measurable), key=lambda s: -s.share)[:n]
+    return ", ".join(f"{title(s.source)} {100 * s.share:.0f}% ({s.tokens:,} tok)" for s in ranked)
+
+
+def _scope_head(s: Scope) -> list[str]:
+    exact = "exact over every token" if s.tokens != s.tokens_logged else "over every token"
+    kl = "n/a" if math.isnan(s.kl_k3) else f"{s.kl_k3:.4g}"
+    return [f"  steps {s.first_step}-{s.last_step}: {s.tokens:,} tokens ({s.tokens_logged:,} logged)",
+            f"  mismatch: mean |log pi - log mu| {s.mismatch:.4g} nats over the logged tokens; KL k3 {kl} ({exact})"]
+
+
+def run_lines(r: RunExplanation, rules: Sequence[str] | None = None) -> list[str]:
+    """A run's explanation: the totals, the mismatch's causes, each asked-for rule's blocked tokens by cause (default:
+    the run's own rule), and a line per window with its two largest shares."""
+    lines = [f"run {r.run_id}", *_scope_head(r.run), "  where the mismatch comes from:",
+             *share_lines(r.run.causes, "nats", "    ")]
+    wanted = list(rules) if rules else [r.loss_rule] if r.loss_rule else []
+    for rule in wanted:
+        got = r.run.rules.get(rule)
+        if got is None:
+            lines.append(f"  blocked by {rule}: no SQL mask for this rule, nothing to allocate")
+            continue
+        lines.append(f"  blocked by {rule}{' (the run trains with it)' if rule == r.loss_rule else ''}: "
+                     f"{got['blocked']:,} tokens ({got['blocked_logged']:,} logged)")
+        if got["blocked_logged"]:
+            lines += share_lines(got["causes"], "blocked", "    ")
+    lines.append(f"  by window of {r.window} step(s): mismatch, largest shares")
+    for w in r.windows:
+        lines.append(f"    steps {w.first_step}-{w.last_step}: {w.mismatch:.4g} nats; {_top(w.causes)}")
+    return lines
+
+
+def text(e: Explanation, rules: Sequence[str] | None = None) -> str:
+    lines = []
+    for r in e.runs:
+        lines += [*run_lines(r, rules), ""]
+    lines += [f"method: {METHOD}.", f"interval: {INTERVAL}, {e.replicates} replicates.",
+              "docs/explain.md says what each cause's indicator reads and where it falls short."]
+    return "\n".join(lines)
+
+
+def to_json(e: Explanation) -> str:
+    """The explanation as JSON: NaN (a figure that cannot be computed) as null."""
+    return json.dumps(_clean(e.as_dict()), indent=1, default=str, allow_nan=False)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_clean(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

@@ -1,0 +1,125 @@
+-- every logged token with the indicators of the known causes of training-inference mismatch (trustscope explain):
+-- null where the token lacks the column a cause needs (not measurable), else true when the cause touches it.
+--   stale:       staleness > 0 (needs policy_version)
+--   routing:     routing_agreement < 1 (needs routing_agreement)
+--   drift:       the response's engine_token_id differs from token_id at this position or an earlier one (the
+--                engine saw another history from the first differing id on; needs engine_token_id)
+--   shift:       in the token's response turn, pi fits mu one position later or earlier: the shifted mean
+--                |log pi - log mu| is below shift_factor times the logged one, itself at least shift_floor
+--   temperature: over the response's top-k lists, log mu = a_t + s * log pi (a per-position normaliser a_t,
+--                one slope s = 1 / T) fits with r^2 >= min_r2 and |log s| > log(1 + temperature_tolerance)
+--   truncation:  over the same lists the slope is within that tolerance of 1 and log mu - log pi is a constant
+--                offset above truncation_offset nats, larger than its spread inside a position: mu renormalised
+--                over a truncated support (top-k / top-p), pi over the whole vocabulary (both need the top-k lists)
+-- abs_log_ratio = |log pi - log mu|, k3 = (r - 1) - log r with r = pi / mu (the k3 estimator of kl(mu || pi)).
+-- `run_ids`: the runs read, or null for all; `first_step`: the first step read, or null for all.
+create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_floor, min_r2,
+                                       temperature_tolerance, truncation_offset) as table
+    with source as (
+        select
+            run_id, step, rank, sample_id, pos, coalesce(turn, 0) as segment, turn, staleness, advantage,
+            mu_logprob::double as mu_lp,
+            pi_logprob::double as pi_lp,
+            routing_agreement, token_id, engine_token_id,
+            mu_topk_logprobs::double[] as y_all,
+            pi_topk_logprobs::double[] as x_all
+        from tokens
+        where (run_ids::varchar[] is null or list_contains(run_ids::varchar[], run_id))
+            and (first_step::bigint is null or step >= first_step::bigint)
+    ),
+
+    support as (
+        -- the top-k entries inside mu's support: an entry at -50 nats or below is a -inf stand-in (an id the
+        -- engine's truncation left out, which no engine samples), kept out of the fit and counted apart
+        select
+            * exclude (y_all, x_all),
+            list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: y_all[i]) as y,
+            list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: x_all[i]) as x,
+            len(list_filter(y_all, lambda v: v <= -50)) as n_outside
+        from source
+    ),
+
+    per_token as (
+        select
+            *,
+            pi_lp - mu_lp as lr,
+            abs(pi_lp - mu_lp) as abs_log_ratio,
+            -- the top-k sums of one position: n, sum x, sum y, sum x^2, sum y^2, sum xy, the two masses
+            len(y) as k,
+            list_sum(x) as sx,
+            list_sum(y) as sy,
+            list_inner_product(x, x) as sxx,
+            list_inner_product(y, y) as syy,
+            list_inner_product(x, y) as sxy,
+            list_sum(list_transform(y, lambda v: exp(v))) as mu_mass,
+            list_sum(list_transform(x, lambda v: exp(v))) as pi_mass,
+            lead(mu_lp) over seg as mu_next,
+            lead(pos) over seg as pos_next,
+            lag(mu_lp) over seg as mu_prev,
+            lag(pos) over seg as pos_prev,
+            min(pos) filter (where engine_token_id is not null and engine_token_id != token_id) over response
+                as first_drift_pos,
+            count(engine_token_id) over response as n_engine_ids
+        from support
+        window
+            seg as (partition by run_id, step, rank, sample_id, segment order by pos),
+            response as (partition by run_id, step, rank, sample_id)
+    ),
+
+    centred as (
+        select
+            *,
+            -- within-position (centred) sums: the per-position normaliser drops out
+            sxx - sx * sx / k as cxx,
+            syy - sy * sy / k as cyy,
+            sxy - sx * sy / k as cxy,
+            (syy - 2 * sxy + sxx) - (sy - sx) * (sy - sx) / k as cdd,
+            case when pos_next = pos + 1 then abs(pi_lp - mu_next) end as abs_pi_earlier,
+            case when pos_prev = pos - 1 then abs(pi_lp - mu_prev) end as abs_pi_later
+        from per_token
+    ),
+
+    fits as (
+        select
+            *,
+            sum(cxy) over response / nullif(sum(cxx) over response, 0) as fit_slope,
+            sum(cxy) over response * sum(cxy) over response
+                / nullif(sum(cxx) over response * sum(cyy) over response, 0) as fit_r2,
+            sum(sy - sx) over response / nullif(sum(k) over response, 0) as fit_offset,
+            sqrt(sum(cdd) over response / nullif(sum(k - 1) over response, 0)) as fit_spread,
+            avg(mu_mass) over response as response_mu_mass,
+            avg(pi_mass) over response as response_pi_mass,
+            sum(n_outside) over response as response_outside,
+            avg(abs_log_ratio) filter (where abs_pi_earlier is not null or abs_pi_later is not null) over seg_all
+                as shift_logged,
+            avg(abs_pi_later) over seg_all as shift_pi_later,
+            avg(abs_pi_earlier) over seg_all as shift_pi_earlier
+        from centred
+        window
+            response as (partition by run_id, step, rank, sample_id),
+            seg_all as (partition by run_id, step, rank, sample_id, segment)
+    ),
+
+    final as (
+        select
+            run_id, step, rank, sample_id, pos, turn, staleness, advantage, lr, abs_log_ratio,
+            exp(lr) - 1 - lr as k3,
+            staleness > 0 as stale,
+            routing_agreement < 1 as routing,
+            case when n_engine_ids > 0 then coalesce(pos >= first_drift_pos, false) end as drift,
+            coalesce(shift_logged >= shift_floor
+                     and least(shift_pi_later, shift_pi_earlier) < shift_factor * shift_logged, false) as shift,
+            case when k is not null then coalesce(fit_r2 >= min_r2
+                     and abs(ln(greatest(fit_slope, 1e-9))) > ln(1 + temperature_tolerance), false) end
+                as temperature,
+            case when k is not null then coalesce(
+                     abs(ln(greatest(fit_slope, 1e-9))) <= ln(1 + temperature_tolerance)
+                     and fit_offset > truncation_offset and fit_offset > fit_spread
+                     and response_mu_mass > response_pi_mass, false) end as truncation,
+            1 / fit_slope as fit_temperature, fit_r2, fit_offset, fit_spread, response_mu_mass, response_pi_mass,
+            response_outside,
+            shift_logged, shift_pi_later, shift_pi_earlier, first_drift_pos
+        from fits
+    )
+
+    select * from final;
