@@ -604,5 +604,58 @@ def doctor(
         raise typer.Exit(1)
 
 
+@app.command()
+def explain(
+    logdir: Path = typer.Argument(..., help="A log directory, or one run directory inside it."),
+    run: list[str] | None = typer.Option(None, "--run", help="Explain only this run (repeatable)."),
+    output: str = typer.Option("text", "--format", help="text, or json (every run's causes, each with its source, "
+                               "share, interval and tokens; every rule's blocked tokens the same)."),
+    window: int | None = typer.Option(None, "--window", help="Steps per window (default: each run's steps in 4 "
+                                      "windows)."),
+    from_step: int | None = typer.Option(None, "--from-step", help="Read only the steps from this one on."),
+    replicates: int = typer.Option(200, "--replicates", help="Bootstrap replicates for the intervals (0: none)."),
+    blocked: list[str] | None = typer.Option(None, "--blocked", help="Allocate this rule's blocked tokens in the "
+                                             "text (repeatable; default: the run's own rule; JSON has every rule)."),
+) -> None:
+    """Where a run's mismatch comes from: mean |log pi - log mu| (and KL k3) per run and per window of steps, and each
+    rule's blocked tokens, allocated to the known causes (temperature, top-k/top-p truncation, position shift, token
+    drift, staleness, MoE routing) plus an unexplained remainder, by Shapley values over the causes' token
+    indicators, with shares adding up to 1, token counts and bootstrap intervals (docs/explain.md). A cause whose
+    columns the run lacks is "not measurable: needs `COLUMN`". Exit 2 when a run cannot be read whole."""
+    import duckdb
+
+    from trustscope.db import NoRunsFound, connect_readable
+    from trustscope.explain import render
+    from trustscope.explain.analysis import explain as explain_runs
+
+    if output not in ("text", "json"):
+        typer.echo(f"trustscope explain: --format {output!r} must be text or json", err=True)
+        raise typer.Exit(2)
+    if not logdir.is_dir():
+        typer.echo(f"trustscope explain: {logdir} is not a directory", err=True)
+        raise typer.Exit(2)
+    try:
+        db, broken = connect_readable(logdir, cache=False)
+        with db:
+            found = explain_runs(db, run or None, window=window, first_step=from_step, replicates=replicates)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        typer.echo(f"trustscope explain: {exc.args[0] if isinstance(exc, KeyError) else exc}", err=True)
+        raise typer.Exit(2) from exc
+    except NoRunsFound as exc:
+        typer.echo(f"trustscope explain: cannot read {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except duckdb.Error as exc:
+        typer.echo(f"trustscope explain: cannot read {logdir}: {str(exc).splitlines()[0]}; `trustscope validate "
+                   f"{logdir}` names every broken file", err=True)
+        raise typer.Exit(2) from exc
+    left_out("explain", broken)
+    if not found.runs:
+        typer.echo(f"trustscope explain: no token rows in {logdir}", err=True)
+        raise typer.Exit(2)
+    typer.echo(render.to_json(found) if output == "json" else render.text(found, blocked))
+    if broken:
+        raise typer.Exit(2)
+
+
 if __name__ == "__main__":  # python -m trustscope.cli; the console script is trustscope.entry
     app()
