@@ -313,10 +313,13 @@ class StepReporter:
     far (0: never wait; the figures are then those of the latest step it has finished, which ``trustscope/step``
     names). ``alerts``: an :class:`trustscope.alerts.Alerts` told when the warning fires. ``lines``: the
     warning's :class:`trustscope.report.WarningLines` (default: its defaults; ``relative_z`` for the relative mode).
+    ``frameworks``: a :class:`FrameworkReporter`, whose figures (the frameworks' own mismatch figures, named as
+    they name them) join each step's metrics.
     """
 
     def __init__(self, logger: Any, *, wait_s: float = 0.0, warning: bool = True, alerts: Any = None,
-                 run_id: str | None = None, lines: Any = None):
+                 run_id: str | None = None, lines: Any = None, frameworks: FrameworkReporter | None = None):
+        self.frameworks = frameworks
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s < math.inf:
             raise ValueError(f"wait_s must be a finite number of seconds >= 0, got {wait_s!r}")
         self.logger = logger
@@ -328,7 +331,13 @@ class StepReporter:
         self._rules: dict[str, set[str]] = {}  # metric -> the rules seen in its rows so far
 
     def metrics(self) -> dict[str, float]:
-        """The metrics of the latest step summarised since the last call, or ``{}`` when there is none new."""
+        """The metrics of the latest step summarised since the last call, or ``{}`` when there is none new; with
+        ``frameworks`` (a :class:`FrameworkReporter`), the frameworks' own figures of the newest step committed
+        since the last call too."""
+        out = self._summary_metrics()
+        return {**out, **self.frameworks.metrics()} if self.frameworks is not None else out
+
+    def _summary_metrics(self) -> dict[str, float]:
         latest = self.logger.step_summaries(wait_s=self.wait_s)
         if latest is None:
             return {}
@@ -640,3 +649,117 @@ class RunReporting:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ----------------------------------------------------------------------------------- the frameworks' own figures
+
+FRAMEWORK_DEFAULT_VARIANTS: dict[str, str | None] = {"verl": "rollout_is=sequence", "prime-rl": None, "slime": None}
+"""The setting each framework's figures are reported under by default: verl's default ``rollout_is`` level
+(``RolloutCorrectionConfig.rollout_is = "sequence"`` in verl 0.9) and slime's default reducer (not
+``--calculate-per-token-loss``)."""
+
+
+def framework_step_metrics(tokens: Any, frameworks: Iterable[str] | None = None, *,
+                           variants: Mapping[str, str | None] | None = None, token_fraction: float | None = None,
+                           analysis: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The frameworks' own mismatch figures of one step's token rows (a ``pyarrow.Table``, see
+    :func:`trustscope.framework_metrics.compute`) as flat tracker metrics named ``trustscope/<the framework's own
+    name>`` (``trustscope/rollout_corr/kl``, ``trustscope/mismatch_kl/all/mean``, ``trustscope/tis``, ...), from the
+    same SQL as the ``framework_metrics`` view. ``frameworks``: which (default all of
+    :data:`trustscope.framework_metrics.FRAMEWORK_NAMES`); ``variants``: the setting each is reported under
+    (default :data:`FRAMEWORK_DEFAULT_VARIANTS`; verl's ``rollout_is=token`` or slime's
+    ``calculate_per_token_loss``). ``trustscope/frameworks/exact`` is 0 when the figures come from a sample of the
+    token rows (``token_fraction`` < 1): estimates, not the framework's numbers. Rows of several steps are refused,
+    naming the steps; no rows give ``{}``."""
+    from trustscope import framework_metrics as fm
+
+    chosen = tuple(fm.FRAMEWORK_NAMES if frameworks is None else frameworks)
+    for name in chosen:
+        fm.framework(name)
+    wanted = {**FRAMEWORK_DEFAULT_VARIANTS, **(variants or {})}
+    if tokens.num_rows == 0:
+        return {}
+    steps = sorted(set(tokens.column("step").to_pylist()))
+    if len(steps) > 1:
+        raise ValueError(f"framework_step_metrics takes one step's rows; got steps {steps[:5]}")
+    out: dict[str, float] = {f"{PREFIX}/frameworks/step": float(steps[0])}
+    exact = True
+    for row in fm.compute(tokens, token_fraction=token_fraction, analysis=analysis).to_pylist():
+        if row["framework"] not in chosen or row["variant"] not in (None, wanted.get(row["framework"])):
+            continue
+        out[f"{PREFIX}/{row['metric']}"] = float(row["value"])
+        exact = exact and bool(row["exact"])
+    out[f"{PREFIX}/frameworks/exact"] = float(exact)
+    return out
+
+
+def committed_token_rows(run_dir: str | os.PathLike, step: int, columns: Sequence[str]) -> Any:
+    """``columns`` of the token rows of ``step`` in a local run's committed files, every rank's (a
+    ``pyarrow.Table``; columns a file lacks read null). Only the files whose name spans ``step`` are opened."""
+    import pyarrow.dataset as ds
+
+    from trustscope import runformat
+
+    files = []
+    for path in runformat.committed_files(Path(run_dir)).get("tokens", []):
+        name = runformat.parse_data_file(path.name)
+        if name is None or name.first_step <= step <= name.last_step:
+            files.append(str(path))
+    dataset = ds.dataset(files, format="parquet")
+    present = [c for c in columns if c in dataset.schema.names]
+    return dataset.to_table(columns=present, filter=ds.field("step") == step)
+
+
+class FrameworkReporter:
+    """The frameworks' own figures (:func:`framework_step_metrics`) of the newest step whose token rows a run has
+    committed, each step once: what :class:`StepReporter` adds to a step's tracker metrics when given one.
+
+    A step is taken once a committed tokens file of ``rank`` (default: every rank) reaches a later step (the
+    loggers write steps in order), so its rows are all in; its figures arrive with a later step's metrics, and
+    ``trustscope/frameworks/step`` names the step they describe. It reads committed files only and never waits on
+    the writer; reading a step's rows costs a Parquet read of them on the calling thread (opt in). Rows of other
+    ranks are counted where committed by then."""
+
+    def __init__(self, run_dir: str | os.PathLike, frameworks: Iterable[str] | None = None, *,
+                 variants: Mapping[str, str | None] | None = None, token_fraction: float | None = None,
+                 analysis: Mapping[str, float] | None = None, rank: int | None = None):
+        from trustscope import framework_metrics as fm
+
+        self.frameworks = tuple(fm.FRAMEWORK_NAMES if frameworks is None else frameworks)
+        for name in self.frameworks:
+            fm.framework(name)
+        unknown = sorted(set(variants or {}) - set(fm.FRAMEWORK_NAMES))
+        if unknown:
+            raise ValueError(f"variants names unknown framework(s) {unknown}; known: {list(fm.FRAMEWORK_NAMES)}")
+        self.run_dir = Path(run_dir)
+        self.variants = dict(variants or {})
+        self.token_fraction = token_fraction
+        self.analysis = dict(analysis or {})
+        self.rank = rank
+        self._reported: int | None = None
+
+    def complete_step(self) -> int | None:
+        """The newest step whose rows are all committed (a committed file of the rank reaches a later step)."""
+        from trustscope import runformat
+
+        last = None
+        for path in runformat.committed_files(self.run_dir).get("tokens", []):
+            name = runformat.parse_data_file(path.name)
+            if name is not None and (self.rank is None or name.rank == self.rank):
+                last = name.last_step if last is None else max(last, name.last_step)
+        return None if last is None else last - 1
+
+    def metrics(self, final: bool = False) -> dict[str, float]:
+        """The figures of the newest complete step not reported yet, or ``{}``. ``final``: the run is over, so
+        its last step counts as complete too."""
+        from trustscope import framework_metrics as fm
+
+        step = self.complete_step()
+        if step is not None and final:
+            step += 1
+        if step is None or step < 0 or (self._reported is not None and step <= self._reported):
+            return {}
+        self._reported = step
+        rows = committed_token_rows(self.run_dir, step, [*fm.NEEDS, "env"])
+        return framework_step_metrics(rows, self.frameworks, variants=self.variants,
+                                      token_fraction=self.token_fraction, analysis=self.analysis)

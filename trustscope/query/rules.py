@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trustscope import schema
+from trustscope.framework_metrics import PARAMETERS as FRAMEWORK_PARAMETERS
 from trustscope.losses import get_loss, list_losses
 
 RULES_ENV = "TRUSTSCOPE_RULES"
@@ -29,8 +30,10 @@ ANALYSIS_DEFAULTS: dict[str, float] = {
     "divergence_log10_min": -8.0,
     "divergence_log10_max": 0.0,
     "divergence_bins": 64,
+    **FRAMEWORK_PARAMETERS,
 }
-"""Settings of the analysis views. The bad negative-update delta is minimal_negative_mask's own default."""
+"""Settings of the analysis views. The bad negative-update delta is minimal_negative_mask's own default; the
+frameworks' thresholds are :data:`trustscope.framework_metrics.PARAMETERS`."""
 
 
 def bindable(params: dict[str, Any]) -> dict[str, Any]:
