@@ -249,3 +249,21 @@ def test_cli_text_and_errors(logdir):
     assert missing.exit_code == 2 and "nope" in missing.output
     bad = CliRunner().invoke(app, ["explain", str(logdir), "--window", "0"])
     assert bad.exit_code == 2 and "window=0" in bad.output
+
+
+@pytest.mark.slow
+def test_rules_read_from_the_bits_agree_with_rule_blocks(logdir, explained):
+    """The logger's blocked_rules bits (the fast path) and every rule evaluated in SQL (the path of runs without
+    bits) count the same blocked tokens for each rule at its default parameters; the run's own rule is the trainer's
+    kept mask."""
+    from dataclasses import asdict
+
+    with connect(logdir, cache=False) as db:
+        sql = db.query("explain_rule_blocks", run_ids=["mix_stale_routing"], first_step=None,
+                       **asdict(Thresholds()))
+    rules = explained["mix_stale_routing"].run.rules
+    assert rules["ppo_clip"]["from"].startswith("the trainer's own mask")
+    compared = [r for r in rules if rules[r]["from"].startswith("the logger's")]
+    assert "dppo_binary_tv" in compared and "cispo" in compared
+    for rule in compared:
+        assert rules[rule]["blocked_logged"] == int(sql[f"blocks_{rule}"].sum()), rule

@@ -18,7 +18,7 @@ The indicators are computed in SQL (``explain_tokens``), grouped per response an
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,13 +163,77 @@ def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int 
         rows = patterns[patterns["run_id"] == run_id]
         if rows.empty:
             continue
-        out.append(_explain_run(run_id, manifests[run_id].get("loss_rule"), rows,
-                                totals[totals["run_id"] == run_id], window, windows, replicates, seed))
+        loss_rule = manifests[run_id].get("loss_rule")
+        bits = _bit_rules(db, run_id)
+        if bits is not None and rows["blocked_rules"].notna().all():
+            rule_rows, sources = _rules_from_bits(rows, bits, loss_rule)
+        else:  # no bits to read (an import, an older log): every rule evaluated in SQL
+            rule_rows = db.query("explain_rule_blocks", **{**params, "run_ids": [run_id]}, **asdict(thresholds))
+            sources = {col[len("blocks_"):]: "rule_blocks" for col in rule_rows.columns if col.startswith("blocks_")}
+        out.append(_explain_run(run_id, loss_rule, rows, rule_rows, sources, totals[totals["run_id"] == run_id],
+                                window, windows, replicates, seed))
     return Explanation(out, thresholds, replicates)
 
 
-def _explain_run(run_id: str, loss_rule: str | None, rows: Any, totals: Any, window: int | None, windows: int,
-                 replicates: int, seed: int) -> RunExplanation:
+KEYS = ["step", "rank", "sample_id"]
+FLAGS = [c.column for c in CAUSES]
+RULE_SOURCES = {
+    "kept": "the trainer's own mask (kept)",
+    "bits": "the logger's blocked_rules bits (the rule at the parameters the files' footer lists)",
+    "rule_blocks": "rule_blocks (every rule evaluated in SQL at the connection's parameters)",
+}
+"""Where a rule's blocked tokens are read from, per rule in the JSON (``from``)."""
+
+
+def _bit_rules(db: Any, run_id: str) -> dict[str, int] | None:
+    """rule -> its bit in ``blocked_rules``, when every tokens file of the run lists the same rules (their footer's
+    list); None when a file lists none or the files disagree."""
+    import json
+
+    from trustscope.query.runs import data_files, footer
+
+    try:
+        from trustscope.runformat import BLOCKED_RULES_META
+    except ImportError:  # the layout module before it moved
+        from trustscope.schema import BLOCKED_RULES_META  # type: ignore[no-redef]
+
+    dirs = [d for d in db.runs_dirs if d.name == run_id]
+    lists = set()
+    for f in (data_files(dirs[0], "tokens") if dirs else []):
+        meta = footer(f)
+        listed = None if isinstance(meta, str) else (meta.metadata or {}).get(BLOCKED_RULES_META.encode())
+        if listed is None:
+            return None
+        lists.add(listed)
+    if len(lists) != 1:
+        return None
+    try:
+        return {name: bit for bit, (name, _) in enumerate(json.loads(lists.pop()))}
+    except (ValueError, TypeError):
+        return None
+
+
+def _rules_from_bits(rows: Any, bits: dict[str, int], loss_rule: str | None) -> tuple[Any, dict[str, str]]:
+    """Per response and cause pattern, each rule's blocked tokens with A != 0, read from the grouped bits; the run's
+    own rule from ``kept``, the mask the trainer applied."""
+    import pandas as pd
+
+    signed = rows["n_tokens"].to_numpy(dtype=np.int64) * rows["signed"].to_numpy(dtype=bool)  # (N,)
+    word = rows["blocked_rules"].to_numpy(dtype=np.int64)
+    cols = {"n_signed": signed}
+    sources = {}
+    for rule, bit in bits.items():
+        cols[f"blocks_{rule}"] = ((word >> bit) & 1) * signed
+        sources[rule] = "bits"
+    if loss_rule and loss_rule != "none":
+        cols[f"blocks_{loss_rule}"] = (~rows["kept"].to_numpy(dtype=bool)) * signed
+        sources[loss_rule] = "kept"
+    frame = pd.concat([rows[KEYS + FLAGS].reset_index(drop=True), pd.DataFrame(cols)], axis=1)
+    return frame.groupby(KEYS + FLAGS, dropna=False, sort=False).sum().reset_index(), sources
+
+
+def _explain_run(run_id: str, loss_rule: str | None, rows: Any, rule_rows: Any, sources: dict[str, str],
+                 totals: Any, window: int | None, windows: int, replicates: int, seed: int) -> RunExplanation:
     steps = np.sort(rows["step"].unique())
     first, last = int(steps[0]), int(steps[-1])
     width = window or max(1, math.ceil((last - first + 1) / windows))
@@ -177,33 +241,44 @@ def _explain_run(run_id: str, loss_rule: str | None, rows: Any, totals: Any, win
     for c in CAUSES:
         if rows[c.column].isna().all():
             not_measurable[c.source] = "not measurable: needs " + ", ".join(f"`{n}`" for n in c.needs)
-    rules = sorted(col[len("blocks_"):] for col in rows.columns if col.startswith("blocks_"))
-    scopes = [_scope(rows, totals, first, last, rules, not_measurable, replicates, seed)]
+    scopes = [_scope(rows, rule_rows, sources, totals, first, last, not_measurable, replicates, seed)]
     starts = range(first, last + 1, width)
     per_window = []
     for lo in starts:
         hi = min(lo + width - 1, last)
         part = rows[(rows["step"] >= lo) & (rows["step"] <= hi)]
         if not part.empty:
-            per_window.append(_scope(part, totals[(totals["step"] >= lo) & (totals["step"] <= hi)], lo, hi, rules,
+            per_window.append(_scope(part, rule_rows[(rule_rows["step"] >= lo) & (rule_rows["step"] <= hi)], sources,
+                                     totals[(totals["step"] >= lo) & (totals["step"] <= hi)], lo, hi,
                                      not_measurable, replicates, seed))
     return RunExplanation(run_id, loss_rule, scopes[0], per_window, width, not_measurable)
 
 
-def _scope(rows: Any, totals: Any, first: int, last: int, rules: Sequence[str], not_measurable: dict[str, str],
-           replicates: int, seed: int) -> Scope:
+def _patterns(rows: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(flags (N, C), pattern (N,), table (P, C), group (N,), n_groups)`` of grouped rows: which causes each row
+    has, its pattern's index, each pattern's causes, and the response of each row."""
     flags = np.stack([rows[c.column].fillna(False).to_numpy(dtype=bool) for c in CAUSES], axis=1)  # (N, C)
     codes = flags @ (1 << np.arange(len(CAUSES)))  # (N,) pattern code
     uniq, pattern = np.unique(codes, return_inverse=True)
     table = ((uniq[:, None] >> np.arange(len(CAUSES))[None, :]) & 1).astype(bool)  # (P, C)
-    group = rows.groupby(["step", "rank", "sample_id"], sort=False).ngroup().to_numpy()  # (N,) the response
-    n_groups, n_patterns = int(group.max()) + 1, len(uniq)
-    weights = bootstrap_weights(n_groups, replicates, seed) if replicates else None
-    n_tokens = rows["n_tokens"].to_numpy(dtype=np.float64)
-    touched = (flags.T @ n_tokens).astype(np.int64)  # (C,) tokens each cause touches
-    untouched = int(n_tokens[codes == 0].sum())
+    keys = np.stack([rows[k].to_numpy(dtype=np.int64) for k in KEYS], axis=1)  # (N, 3)
+    group = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1) if len(keys) else np.zeros(0, np.int64)
+    return flags, pattern, table, group, int(group.max()) + 1 if len(group) else 0
 
-    def allocate(value: np.ndarray, count: np.ndarray) -> list[Share]:
+
+def _scope(rows: Any, rule_rows: Any, sources: dict[str, str], totals: Any, first: int, last: int,
+           not_measurable: dict[str, str], replicates: int, seed: int) -> Scope:
+    n_tokens = rows["n_tokens"].to_numpy(dtype=np.float64)
+    grouped = {id(rows): _patterns(rows), id(rule_rows): _patterns(rule_rows)}  # once per frame
+    flags = grouped[id(rows)][0]
+    touched = (flags.T @ n_tokens).astype(np.int64)  # (C,) tokens each cause touches
+    untouched = int(n_tokens[~flags.any(axis=1)].sum())
+    weights_of = {key: bootstrap_weights(g[4], replicates, seed) if replicates else None for key, g in grouped.items()}
+
+    def allocate(frame: Any, value: np.ndarray, count: np.ndarray) -> list[Share]:
+        _, pattern, table, group, n_groups = grouped[id(frame)]
+        n_patterns = len(table)
+        weights = weights_of[id(frame)]
         point = shapley_shares(pattern_sums(group, pattern, value, n_groups, n_patterns),
                                pattern_sums(group, pattern, count, n_groups, n_patterns), table)
         shares, amounts = point[0][0], point[1][0]
@@ -227,12 +302,14 @@ def _scope(rows: Any, totals: Any, first: int, last: int, rules: Sequence[str], 
     exact = _totals(totals)
     kl = exact["kl_k3"] if exact["tokens"] else float(rows["sum_k3"].sum()) / max(logged, 1)
     scope = Scope(first, last, exact["tokens"] or logged, logged, float(sum_abs.sum()) / max(logged, 1), kl,
-                  exact["mean_abs_prob_diff"], allocate(sum_abs, n_tokens))
-    signed = rows["n_signed"].to_numpy(dtype=np.float64)
-    for rule in rules:
-        blocked = rows[f"blocks_{rule}"].fillna(0).to_numpy(dtype=np.float64)
-        scope.rules[rule] = {"blocked": exact["blocked"].get(rule, int(blocked.sum())),
-                             "blocked_logged": int(blocked.sum()), "causes": allocate(blocked, signed)}
+                  exact["mean_abs_prob_diff"], allocate(rows, sum_abs, n_tokens))
+    signed = rule_rows["n_signed"].to_numpy(dtype=np.float64)
+    for rule in sorted(sources):
+        blocked = rule_rows[f"blocks_{rule}"].fillna(0).to_numpy(dtype=np.float64)
+        exact_blocked = exact["trainer_blocked"] if sources[rule] == "kept" else exact["blocked"].get(rule)
+        scope.rules[rule] = {"blocked": int(blocked.sum()) if exact_blocked is None else exact_blocked,
+                             "blocked_logged": int(blocked.sum()), "from": RULE_SOURCES[sources[rule]],
+                             "causes": allocate(rule_rows, blocked, signed)}
     return scope
 
 
@@ -242,13 +319,15 @@ def _totals(totals: Any) -> dict[str, Any]:
         return totals[totals["metric"] == name]
 
     n = int(metric("tokens")["count"].sum())
-    out: dict[str, Any] = {"tokens": n, "kl_k3": float("nan"), "mean_abs_prob_diff": None, "blocked": {}}
+    out: dict[str, Any] = {"tokens": n, "kl_k3": float("nan"), "mean_abs_prob_diff": None, "blocked": {},
+                           "trainer_blocked": None}
     if n:
         w, lr = metric("is_weight"), metric("log_ratio")
         out["kl_k3"] = float((w["sum"].sum() - lr["sum"].sum()) / n - 1.0)
         out["mean_abs_prob_diff"] = float(metric("abs_prob_diff")["sum"].sum() / n)
         blocked = metric("blocked")
         out["blocked"] = {str(r): int(c) for r, c in blocked.groupby("rule")["count"].sum().items()}
+        out["trainer_blocked"] = int(metric("trainer_blocked")["count"].sum())
     return out
 
 

@@ -30,6 +30,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -157,9 +158,10 @@ def _step_tokens(rng: np.random.Generator, cfg: InjectConfig, step: int) -> dict
 
 
 def write_run(logdir: Path | str, run_id: str, config: InjectConfig | None = None,
-              drop: tuple[str, ...] = ()) -> Path:
+              drop: tuple[str, ...] = (), flush_steps: bool = False, **logger_options: Any) -> Path:
     """Write one injected-cause run to ``<logdir>/<run_id>/``; ``drop`` leaves those token columns out (a run that
-    does not log them). Returns the run directory."""
+    does not log them); ``flush_steps``: one flush a step (the logger's files then hold one step each);
+    ``logger_options`` go to the TokenLogger. Returns the run directory."""
     from trustscope.logger import TokenLogger
 
     cfg = config or InjectConfig()
@@ -167,11 +169,13 @@ def write_run(logdir: Path | str, run_id: str, config: InjectConfig | None = Non
     sampling = {"temperature": 1.0, "top_p": 1.0}
     with TokenLogger(logdir, run_id, vocab=[f"t{i}" for i in range(cfg.vocab)], loss_rule="ppo_clip",
                      config={"inject": dict(cfg.causes), "steps": cfg.steps}, sampling=sampling,
-                     token_fraction=cfg.token_fraction, seed=cfg.seed, fsync=False) as logger:
+                     token_fraction=cfg.token_fraction, seed=cfg.seed, **{"fsync": False, **logger_options}) as logger:
         for step in range(cfg.steps):
             cols = {k: v for k, v in _step_tokens(rng, cfg, step).items() if k not in drop}
             ids = step * cfg.responses + np.arange(cfg.responses)
             logger.log_step(step, tokens=cols, samples={"sample_id": ids, "prompt_id": ids // 4})
+            if flush_steps:
+                logger.flush()
     return Path(logdir) / run_id
 
 

@@ -1,37 +1,25 @@
 -- trustscope explain: the logged tokens of every response grouped by which causes touch them (the indicators of
--- the table macro explain_tokens; null: not measurable there), with per group the token count, the sums of
--- |log pi - log mu| and of the k3 estimator, the tokens with a non-zero advantage and, per rule (blocks_<rule>),
--- how many of those the rule blocks (the summaries' `blocked` count the same tokens). one row per (run, step,
--- rank, response, pattern): what explain allocates and bootstraps over responses. $run_ids: the runs, or null
--- for all; $first_step: the first step read, or null; the rest are the indicators' thresholds.
+-- the table macro explain_tokens; null: not measurable there), by the logger's blocked_rules bits, by the trainer's
+-- kept mask and by whether the advantage is non-zero (the tokens whose block matters, as the summaries count
+-- them), with per group the token count and the sums of |log pi - log mu| and of the k3 estimator. one row per
+-- (run, step, rank, response, pattern, bits, kept, signed): what explain allocates and bootstraps over responses.
+-- rows without bits (imports, older logs) are counted by rule through explain_rule_blocks instead.
+-- $run_ids: the runs, or null for all; $first_step: the first step read, or null; the rest are the indicators'
+-- thresholds.
 with flagged as (
     select *
     from explain_tokens($run_ids, $first_step, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
                         $truncation_offset)
 ),
 
-blocks as (
-    select run_id, step, rank, sample_id, pos, columns('^blocks_')
-    from rule_blocks
-    where ($run_ids::varchar[] is null or list_contains($run_ids::varchar[], run_id))
-        and ($first_step::bigint is null or step >= $first_step::bigint)
-),
-
-joined as (
-    select f.*, b.* exclude (run_id, step, rank, sample_id, pos)
-    from flagged as f
-    join blocks as b using (run_id, step, rank, sample_id, pos)
-),
-
 final as (
     select
-        run_id, step, rank, sample_id, stale, routing, drift, shift, temperature, truncation,
+        run_id, step, rank, sample_id, stale, routing, drift, shift, temperature, truncation, blocked_rules, kept,
+        advantage != 0 as signed,
         count(*) as n_tokens,
         sum(abs_log_ratio) as sum_abs_log_ratio,
-        sum(k3) as sum_k3,
-        count_if(advantage != 0) as n_signed,
-        sum(columns('^blocks_')::integer * (advantage != 0)::integer)::bigint
-    from joined
+        sum(k3) as sum_k3
+    from flagged
     group by all
 )
 

@@ -17,7 +17,8 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
                                        temperature_tolerance, truncation_offset) as table
     with source as (
         select
-            run_id, step, rank, sample_id, pos, coalesce(turn, 0) as segment, turn, staleness, advantage,
+            run_id, step, rank, sample_id, pos, coalesce(turn, 0) as segment, turn, staleness, advantage, kept,
+            blocked_rules,
             mu_logprob::double as mu_lp,
             pi_logprob::double as pi_lp,
             routing_agreement, token_id, engine_token_id,
@@ -102,7 +103,7 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
 
     final as (
         select
-            run_id, step, rank, sample_id, pos, turn, staleness, advantage, lr, abs_log_ratio,
+            run_id, step, rank, sample_id, pos, turn, staleness, advantage, kept, blocked_rules, lr, abs_log_ratio,
             exp(lr) - 1 - lr as k3,
             staleness > 0 as stale,
             routing_agreement < 1 as routing,
