@@ -47,6 +47,7 @@ PAGES = (
          "[data-testid='stMetric']"),
     Page("Clipped tokens", "clipped_tokens.py", ":material/content_cut:", "Trust region"),
     Page("Where the mismatch lives", "mismatch_where.py", ":material/stacked_line_chart:", "Trust region"),
+    Page("Explain the mismatch", "explain.py", ":material/troubleshoot:", "Trust region", PLOT),
     Page("Token explorer", "token_explorer.py", ":material/text_fields:", "Drill down", "span.tok"),
     Page("SQL console", "sql_console.py", ":material/terminal:", "Drill down", "[data-testid='stDataFrame']"),
 )
