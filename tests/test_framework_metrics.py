@@ -223,6 +223,59 @@ def test_slime_figures(tmp_path, per_token):
         close(row[name], value, name)
 
 
+# ------------------------------------------------------------------------------------------------------------- TRL
+
+
+def trl_figures(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
+                clip_max: float | None) -> dict[str, float]:
+    """TRL's sampling figures of one generation batch on one process, as trl/trainer/grpo_trainer.py (TRL 1.16)
+    GRPOTrainer._generate_and_score_completions writes them: per_token_logps_diff = (old_per_token_logps -
+    sampling_per_token_logps) * mask, summed per sequence in the sequence_* modes, exp, clamped (*_truncate) or
+    zeroed outside [clip_min, clip_max] (*_mask); sampling_logp_difference = |old - sampling| over the mask (mean,
+    max); importance_sampling_ratio min/mean/max over the masked tokens or, in sequence modes, the sequences. The
+    method builds its batch from a live generation, so the test runs these lines, not the method."""
+    diff = (old - sampling) * mask
+    sequence_level = mode in ("sequence_mask", "sequence_truncate")
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if sequence_level else diff)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = clip_min if clip_min is not None else -math.inf
+        high = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+    delta = torch.abs(old - sampling)[mask]
+    flat = ratio.flatten() if sequence_level else ratio[mask]
+    return {"sampling/sampling_logp_difference/mean": torch.mean(delta).item(),
+            "sampling/sampling_logp_difference/max": torch.max(delta).item(),
+            "sampling/importance_sampling_ratio/min": torch.min(flat).item(),
+            "sampling/importance_sampling_ratio/mean": torch.mean(flat).item(),
+            "sampling/importance_sampling_ratio/max": torch.max(flat).item()}
+
+
+def test_trl_sampling_figures(tmp_path):
+    """TRL's sampling_logp_difference and importance_sampling_ratio figures in each vllm_importance_sampling_mode,
+    at TRL's default bounds (min None, max 3) and at [0.96, 1.04], where both bounds cut tokens and sequences,
+    equal TRL's lines on the logged tensors."""
+    b = batch(seed=31)
+    b["old"] = torch.clamp(b["rollout"] + 0.08 * (b["old"] - b["rollout"]), max=0.0)  # sequences near ratio 1
+    token_ratio = torch.exp(b["old"] - b["rollout"])[b["mask"]]
+    sequence_ratio = torch.exp(((b["old"] - b["rollout"]) * b["mask"]).sum(-1))
+    for ratio in (token_ratio, sequence_ratio):
+        assert (ratio < 0.96).any() and (ratio > 1.04).any() and ((ratio > 0.96) & (ratio < 1.04)).any()
+    rows = log_and_read(tmp_path, {3: [verl_tokens(b)]})
+    modes = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+    for clip_min, clip_max in ((None, 3.0), (0.96, 1.04)):
+        table = fm.compute(rows, "trl_sampling", analysis={"trl_is_clip_min": clip_min or 0.0,
+                                                           "trl_is_clip_max": clip_max})
+        for mode in modes:
+            row = view_row(table, vllm_importance_sampling_mode=mode)
+            for name, value in trl_figures(b["old"], b["rollout"], b["mask"], mode, clip_min, clip_max).items():
+                close(row[name], value, f"{name} ({mode}, [{clip_min}, {clip_max}])")
+    long = [r for r in fm.compute(rows).to_pylist() if r["framework"] == "trl"]
+    assert {r["variant"] for r in long if r["metric"] == "sampling/sampling_logp_difference/mean"} == {None}
+    assert {r["variant"] for r in long} - {None} == {f"vllm_importance_sampling_mode={m}" for m in modes}
+
+
 # -------------------------------------------------------------------------------------------------------- trackers
 
 
@@ -262,6 +315,10 @@ def test_tracker_metrics_name_the_frameworks_figures(tmp_path, verl_helpers):
                                                                      rollout_is="token")
     close(token_level["trustscope/rollout_corr/rollout_is_mean"], tok["rollout_corr/rollout_is_mean"], "token level")
     assert token_level["trustscope/frameworks/exact"] == 0.0
+    trl = FrameworkReporter(tmp_path / "live", ["trl"]).metrics()
+    expected = trl_figures(b["old"], b["rollout"], b["mask"], "sequence_mask", None, 3.0)
+    close(trl["trustscope/sampling/importance_sampling_ratio/mean"],
+          expected["sampling/importance_sampling_ratio/mean"], "TRL's default mode")
     with pytest.raises(KeyError, match="'nemo'"):
         FrameworkReporter(tmp_path / "live", ["nemo"])
 
@@ -317,7 +374,7 @@ def test_views_hold_every_declared_figure(tmp_path):
     figure that is not declared."""
     b = batch(seed=1)
     rows = log_and_read(tmp_path, {0: [verl_tokens(b)]})
-    for view in ("verl_rollout_corr", "verl_rollout_is", "slime_mismatch"):
+    for view in ("verl_rollout_corr", "verl_rollout_is", "slime_mismatch", "trl_sampling"):
         declared = {m.name for m in fm.METRICS if m.view == view}
         columns = set(fm.compute(rows, view).column_names)
         assert declared <= columns, sorted(declared - columns)

@@ -1,8 +1,9 @@
 """The frameworks' own training-inference mismatch figures, reproduced from the token rows: one declaration each.
 
-verl, prime-rl and slime each log a handful of mismatch figures of their own (verl's ``rollout_corr/*`` and
+verl, prime-rl, slime and TRL each log a handful of mismatch figures of their own (verl's ``rollout_corr/*`` and
 ``training/rollout_probs_diff_*``, prime-rl's ``mismatch_kl/*``, slime's ``train_rollout_logprob_abs_diff``,
-``tis``, ``tis_clipfrac``). trustscope computes the same figures from the rows it logged, under the names the
+``tis``, ``tis_clipfrac``, TRL's ``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``).
+trustscope computes the same figures from the rows it logged, under the names the
 framework gives them, so a user reads their framework's number beside the token rows behind it.
 
 Each figure is a :class:`FrameworkMetric` of :data:`METRICS`: its name exactly as the framework logs it, the view of
@@ -33,12 +34,15 @@ PARAMETERS: dict[str, float] = {
     "verl_rollout_is_threshold_lower": 0.0,
     "slime_tis_clip": 2.0,
     "slime_tis_clip_low": 0.0,
+    "trl_is_clip_min": 0.0,
+    "trl_is_clip_max": 3.0,
 }
 """The frameworks' thresholds as analysis parameters, at the frameworks' defaults: verl's
 ``algorithm.rollout_correction.rollout_is_threshold`` (upper; ``_lower`` 0 means verl's single-float form, TIS:
 weights clamped at the upper bound, the low fraction measured against 1/upper; a lower bound > 0 is verl's
 ``"lower_upper"`` form, IcePop: weights outside [lower, upper] zeroed), and slime's ``--tis-clip`` and
-``--tis-clip-low``."""
+``--tis-clip-low``, and TRL's ``vllm_importance_sampling_clip_min`` (0: TRL's default None, no lower bound) and
+``vllm_importance_sampling_clip_max``."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,17 @@ FRAMEWORKS: tuple[Framework, ...] = (
         "alike (`get_sum_of_sample_mean`); a rollout of several samples shares one denominator there, while "
         "trustscope counts each logged sequence as its own rollout. `--use-rollout-logprobs` compares the "
         "current policy instead of `log_probs`: not reproduced."),
+    Framework(
+        "trl", "TRL 1.16 (the installed package; `GRPOTrainer._generate_and_score_completions`)",
+        "`old_logprob` (TRL's `old_per_token_logps`, the trainer's recompute at the rollout's weights, which TRL "
+        "always computes with `vllm_importance_sampling_correction`); a row without it reads `pi_logprob`",
+        "`mu_logprob` (vLLM's `sampling_per_token_logps`)",
+        "every logged row: TRL's `completion_mask * tool_mask` (the rows the integration logs)",
+        "TRL computes these once per generation batch on each process and averages the processes' means (and "
+        "the batches since the last log); trustscope computes one figure over each optimizer step's rows. They "
+        "agree on one process with `steps_per_generation` and `num_iterations` 1 (and `logging_steps` 1); "
+        "with `num_iterations` > 1 a token is logged once per iteration, which leaves means and extremes as "
+        "they are."),
 )
 
 FRAMEWORK_NAMES = tuple(f.name for f in FRAMEWORKS)
@@ -121,6 +136,9 @@ _PRIME = ("prime_rl/trainer/rl/loss.py compute_importance_ratio_and_mismatch_kl;
 _SLIME = "slime/backends/megatron_utils/loss.py policy_loss_function, vanilla_tis_function; cp_utils.py " \
          "get_sum_of_sample_mean"
 _REDUCERS = (None, "calculate_per_token_loss")
+_TRL = "trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions"
+_TRL_MODES = tuple(f"vllm_importance_sampling_mode={m}" for m in ("sequence_mask", "sequence_truncate",
+                                                                   "token_mask", "token_truncate"))
 _SEQ = "sequence mean of token means (slime's default reducer); token mean with `--calculate-per-token-loss`"
 
 
@@ -195,6 +213,15 @@ METRICS: tuple[FrameworkMetric, ...] = (
     FrameworkMetric("slime", "tis_clipfrac", "slime_mismatch", _SEQ,
                     "clamp(tis, tis_clip_low, tis_clip) != tis", _SLIME, _REDUCERS),
     FrameworkMetric("slime", "tis_abs", "slime_mismatch", _SEQ, "\\|tis - 1\\|", _SLIME, _REDUCERS),
+    FrameworkMetric("trl", "sampling/sampling_logp_difference/mean", "trl_sampling", "token mean",
+                    "\\|log pi_train - log mu\\|", _TRL),
+    FrameworkMetric("trl", "sampling/sampling_logp_difference/max", "trl_sampling", "token max",
+                    "\\|log pi_train - log mu\\|", _TRL),
+    *(FrameworkMetric("trl", f"sampling/importance_sampling_ratio/{stat}", "trl_sampling",
+                      f"token {stat} (sequence_* modes: over sequences)",
+                      "exp(log pi_train - log mu) per token, or exp of its sum per sequence, clamped to the bounds "
+                      "(the truncate modes) or zeroed outside them (the mask modes)", _TRL, _TRL_MODES)
+      for stat in ("min", "mean", "max")),
 )
 """Every reproduced figure."""
 
@@ -205,12 +232,22 @@ HEADLINES: dict[str, tuple[str, ...]] = {
              "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"),
     "prime-rl": ("mismatch_kl/all/mean", "mismatch_kl/all/median", "mismatch_kl/all/max"),
     "slime": ("train_rollout_logprob_abs_diff", "tis", "tis_clipfrac"),
+    "trl": ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max"),
 }
 """The figures the report shows of each framework (the rest are in the views)."""
 
-SOURCE_FRAMEWORKS: dict[str, str] = {"verl": "verl", "prime-rl": "prime-rl", "slime": "slime", "miles": "slime"}
+SOURCE_FRAMEWORKS: dict[str, str] = {"verl": "verl", "prime-rl": "prime-rl", "slime": "slime", "miles": "slime",
+                                     "trl": "trl"}
 """A run's ``run.json`` ``source.framework`` -> the framework whose figures it is shown with (miles, slime's fork,
 computes slime's)."""
+
+DEFAULT_VARIANTS: dict[str, str | None] = {"verl": "rollout_is=sequence", "prime-rl": None, "slime": None,
+                                           "trl": "vllm_importance_sampling_mode=sequence_mask"}
+"""The setting each framework's figures are shown under where one is picked (the trackers, the report): the
+framework's own default (verl 0.9's ``RolloutCorrectionConfig.rollout_is = "sequence"``, slime without
+``--calculate-per-token-loss``, TRL's ``vllm_importance_sampling_mode = "sequence_mask"``)."""
 
 VIEWS = (*dict.fromkeys(m.view for m in METRICS), "framework_metrics")
 """The framework views, then the long view over them all."""

@@ -1,10 +1,11 @@
 """The report's frameworks section: each run's own framework's mismatch figures, named as the framework names them,
 and the token rows behind the step where they are worst.
 
-A run logged by verl's integration or imported from prime-rl, slime or miles (``run.json``'s ``source.framework``:
-:data:`trustscope.framework_metrics.SOURCE_FRAMEWORKS`) gets a table of its framework's headline figures
-(:data:`trustscope.framework_metrics.HEADLINES`) over its steps: at the first and the last step, the mean and the
-largest over the steps and where; then the sequences of the step where its framework's figure peaks whose
+A run logged by verl's or TRL's integration or imported from prime-rl, slime or miles (``run.json``'s
+``source.framework``: :data:`trustscope.framework_metrics.SOURCE_FRAMEWORKS`) gets a table of its framework's headline figures
+(:data:`trustscope.framework_metrics.HEADLINES`, under the framework's default setting:
+:data:`~trustscope.framework_metrics.DEFAULT_VARIANTS`) over its steps: at the first and the last step, the mean
+and the largest over the steps and where; then the sequences of the step where its framework's figure peaks whose
 per-sequence log-perplexity difference is largest (``sql/queries/framework_sequences.sql``), with their sample
 ids to read their rows. Figures from a sample of the token rows (``token_fraction`` < 1) say so. Other runs get
 one line naming the view that has every framework's figures for them too. Reads ``sql/queries/framework_summary.sql``
@@ -22,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from trustscope.framework_metrics import HEADLINES, SOURCE_FRAMEWORKS
+from trustscope.framework_metrics import DEFAULT_VARIANTS, HEADLINES, SOURCE_FRAMEWORKS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from trustscope.db import LogDB
 
 PEAK_METRIC = {"verl": "rollout_corr/chi2_seq", "prime-rl": "mismatch_kl/all/mean",
-               "slime": "train_rollout_logprob_abs_diff"}
+               "slime": "train_rollout_logprob_abs_diff", "trl": "sampling/sampling_logp_difference/mean"}
 """The figure whose worst step the section opens (the step where it is largest)."""
 SEQUENCES_SHOWN = 3
 
@@ -66,8 +67,7 @@ def _fmt(value: Any) -> str:
 
 def _run_part(db: LogDB, run_id: str, framework: str, figures: pd.DataFrame) -> list:
     mine = figures[(figures["run_id"] == run_id) & (figures["framework"] == framework)]
-    default = "rollout_is=sequence" if framework == "verl" else None
-    mine = mine[mine["variant"].isna() | (mine["variant"] == default)]
+    mine = mine[mine["variant"].isna() | (mine["variant"] == DEFAULT_VARIANTS[framework])]
     if mine.empty:
         return [Text(f"{run_id}: no token rows for {framework}'s figures", style="dim")]
     exact = bool(mine["exact"].all())
@@ -104,8 +104,8 @@ def frameworks_part(db: LogDB, run_ids: list[str]) -> Group:
     head = Text("The frameworks' own mismatch figures, reproduced from the token rows", style="bold")
     others = [r for r in run_ids if r not in chosen]
     note = Text(("" if not others else f"{len(others)} run(s) from no framework with figures of its own "
-                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): verl's, prime-rl's and slime's "
-                 "figures of any run are in the view framework_metrics (trustscope sql \"select * from "
+                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): verl's, prime-rl's, slime's and "
+                 "TRL's figures of any run are in the view framework_metrics (trustscope sql \"select * from "
                  "framework_metrics\")."), style="italic")
     if not chosen:
         return Group(head, note)

@@ -653,12 +653,6 @@ class RunReporting:
 
 # ----------------------------------------------------------------------------------- the frameworks' own figures
 
-FRAMEWORK_DEFAULT_VARIANTS: dict[str, str | None] = {"verl": "rollout_is=sequence", "prime-rl": None, "slime": None}
-"""The setting each framework's figures are reported under by default: verl's default ``rollout_is`` level
-(``RolloutCorrectionConfig.rollout_is = "sequence"`` in verl 0.9) and slime's default reducer (not
-``--calculate-per-token-loss``)."""
-
-
 def framework_step_metrics(tokens: Any, frameworks: Iterable[str] | None = None, *,
                            variants: Mapping[str, str | None] | None = None, token_fraction: float | None = None,
                            analysis: Mapping[str, float] | None = None) -> dict[str, float]:
@@ -667,16 +661,17 @@ def framework_step_metrics(tokens: Any, frameworks: Iterable[str] | None = None,
     name>`` (``trustscope/rollout_corr/kl``, ``trustscope/mismatch_kl/all/mean``, ``trustscope/tis``, ...), from the
     same SQL as the ``framework_metrics`` view. ``frameworks``: which (default all of
     :data:`trustscope.framework_metrics.FRAMEWORK_NAMES`); ``variants``: the setting each is reported under
-    (default :data:`FRAMEWORK_DEFAULT_VARIANTS`; verl's ``rollout_is=token`` or slime's
-    ``calculate_per_token_loss``). ``trustscope/frameworks/exact`` is 0 when the figures come from a sample of the
-    token rows (``token_fraction`` < 1): estimates, not the framework's numbers. Rows of several steps are refused,
-    naming the steps; no rows give ``{}``."""
+    (default :data:`trustscope.framework_metrics.DEFAULT_VARIANTS`, each framework's own default; e.g. verl's
+    ``rollout_is=token``, slime's ``calculate_per_token_loss``, TRL's ``vllm_importance_sampling_mode=token_mask``).
+    ``trustscope/frameworks/exact`` is 0 when the figures come from a sample of the token rows (``token_fraction``
+    < 1): estimates, not the framework's numbers. Rows of several steps are refused, naming the steps; no rows give
+    ``{}``."""
     from trustscope import framework_metrics as fm
 
     chosen = tuple(fm.FRAMEWORK_NAMES if frameworks is None else frameworks)
     for name in chosen:
         fm.framework(name)
-    wanted = {**FRAMEWORK_DEFAULT_VARIANTS, **(variants or {})}
+    wanted = {**fm.DEFAULT_VARIANTS, **(variants or {})}
     if tokens.num_rows == 0:
         return {}
     steps = sorted(set(tokens.column("step").to_pylist()))

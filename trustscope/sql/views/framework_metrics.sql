@@ -1,9 +1,10 @@
 -- every framework figure trustscope reproduces, long-form: one row per (run, step, framework, metric, variant) with
 -- the name the framework logs it under (metric), the setting it is computed under (variant: verl's rollout_is level,
--- slime's calculate_per_token_loss; null: the framework's default or its only way), its value, the rows and
--- sequences it is taken over, and exact: false where the run's logger kept a sample of the token rows
--- (token_fraction < 1 in run.json), so the figure is an estimate from that sample, not the framework's number.
--- reads verl_rollout_corr, verl_rollout_is, prime_rl_mismatch_kl and slime_mismatch (declared in
+-- slime's calculate_per_token_loss, TRL's vllm_importance_sampling_mode; null: the framework's default or its only
+-- way), its value, the rows and sequences it is taken over, and exact: false where the run's logger kept a sample
+-- of the token rows (token_fraction < 1 in run.json), so the figure is an estimate from that sample, not the
+-- framework's number.
+-- reads verl_rollout_corr, verl_rollout_is, prime_rl_mismatch_kl, slime_mismatch and trl_sampling (declared in
 -- trustscope/framework_metrics.py).
 with verl_corr as (
     unpivot (
@@ -32,6 +33,16 @@ prime_rl as (
     into name stat value value
 ),
 
+trl_figures as (
+    unpivot (
+        select run_id, step, vllm_importance_sampling_mode, n_tokens, n_sequences,
+            columns(lambda c: c like 'sampling/%')
+        from trl_sampling
+    )
+    on columns(lambda c: c like 'sampling/%')
+    into name metric value value
+),
+
 slime as (
     unpivot (
         select run_id, step, reducer, n_tokens, n_sequences, train_rollout_logprob_abs_diff, tis, tis_clipfrac, tis_abs
@@ -55,6 +66,15 @@ figures as (
     select run_id, step, 'slime', metric, case when reducer = 'per_token' then 'calculate_per_token_loss' end,
         value::double, n_tokens, n_sequences
     from slime
+    union all
+    select run_id, step, 'trl', metric, null, value::double, n_tokens, n_sequences
+    from trl_figures
+    where metric like 'sampling/sampling_logp_difference/%' and vllm_importance_sampling_mode = 'sequence_mask'
+    union all
+    select run_id, step, 'trl', metric, 'vllm_importance_sampling_mode=' || vllm_importance_sampling_mode,
+        value::double, n_tokens, n_sequences
+    from trl_figures
+    where metric like 'sampling/importance_sampling_ratio/%'
 ),
 
 logging as (

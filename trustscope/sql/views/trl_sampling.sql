@@ -1,0 +1,100 @@
+-- TRL's own mismatch figures, sampling/sampling_logp_difference/{mean,max} and
+-- sampling/importance_sampling_ratio/{min,mean,max}, one row per (run, step, vllm_importance_sampling_mode), from
+-- trl/trainer/grpo_trainer.py GRPOTrainer._generate_and_score_completions (TRL 1.16): |old_per_token_logps -
+-- sampling_per_token_logps| over completion_mask * tool_mask (mean and max); the vLLM importance-sampling ratio
+-- exp(old - sampling) per token (token_* modes) or exp of its sum per sequence (sequence_* modes), clamped to
+-- [clip_min, clip_max] (*_truncate) or zeroed outside them (*_mask), its min, mean and max over the masked tokens
+-- (token modes) or over the sequences (sequence modes). training side: old_logprob (TRL's old_per_token_logps),
+-- pi_logprob where a row has none; rollout side: mu_logprob (vLLM's sampling_per_token_logps); rows: every logged
+-- row (the tokens TRL's loss covers). the bounds are the analysis parameters trl_is_clip_min (0: none, TRL's
+-- default None) and trl_is_clip_max. declared in trustscope/framework_metrics.py.
+with bounds as (
+    select
+        analysis_param('trl_is_clip_min')::double as clip_min,
+        analysis_param('trl_is_clip_max')::double as clip_max
+),
+
+source as (
+    select
+        run_id,
+        step,
+        sample_id,
+        coalesce(old_logprob, pi_logprob)::double - mu_logprob::double as log_diff
+    from tokens
+),
+
+token_level as (
+    select run_id, step, sample_id, log_diff, log_diff as log_ratio, 'token' as level
+    from source
+),
+
+sequence_level as (
+    select run_id, step, sample_id, null::double as log_diff, sum(log_diff) as log_ratio, 'sequence' as level
+    from source
+    group by run_id, step, sample_id
+),
+
+modes as (
+    select l.*, m.mode, m.truncate
+    from (select * from token_level union all select * from sequence_level) as l
+    inner join (values ('token_truncate', 'token', true), ('token_mask', 'token', false),
+                       ('sequence_truncate', 'sequence', true), ('sequence_mask', 'sequence', false))
+        as m (mode, level, truncate) using (level)
+),
+
+ratios as (
+    select
+        m.run_id,
+        m.step,
+        m.mode,
+        case
+            when m.truncate then least(greatest(exp(m.log_ratio), b.clip_min), b.clip_max)
+            when exp(m.log_ratio) < b.clip_min or exp(m.log_ratio) > b.clip_max then 0.0
+            else exp(m.log_ratio)
+        end as ratio
+    from modes as m
+    cross join bounds as b
+),
+
+ratio_stats as (
+    select
+        run_id,
+        step,
+        mode,
+        min(ratio) as ratio_min,
+        avg(ratio) as ratio_mean,
+        max(ratio) as ratio_max
+    from ratios
+    group by run_id, step, mode
+),
+
+difference_stats as (
+    select
+        run_id,
+        step,
+        count(*) as n_tokens,
+        count(distinct sample_id) as n_sequences,
+        avg(abs(log_diff)) as diff_mean,
+        max(abs(log_diff)) as diff_max
+    from source
+    group by run_id, step
+),
+
+final as (
+    select
+        d.run_id,
+        d.step,
+        r.mode as vllm_importance_sampling_mode,
+        d.n_tokens,
+        d.n_sequences,
+        d.diff_mean as "sampling/sampling_logp_difference/mean",
+        d.diff_max as "sampling/sampling_logp_difference/max",
+        r.ratio_min as "sampling/importance_sampling_ratio/min",
+        r.ratio_mean as "sampling/importance_sampling_ratio/mean",
+        r.ratio_max as "sampling/importance_sampling_ratio/max"
+    from difference_stats as d
+    inner join ratio_stats as r using (run_id, step)
+    order by d.run_id, d.step, r.mode
+)
+
+select * from final
