@@ -68,8 +68,10 @@ FRAMEWORKS: tuple[Framework, ...] = (
         "`old_logprob` (verl's `old_log_probs`, the actor's recompute before the update: its decoupled mode); a "
         "row without it reads `pi_logprob` (bypass mode, where verl compares the updating policy with the rollout)",
         "`mu_logprob` (verl's `rollout_log_probs`)",
-        "every logged row of the step: verl's `response_mask` before rollout rejection sampling overwrites it "
-        "(`rollout_rejected` marks the tokens rejection sampling took out; they are logged all the same)",
+        "every logged row of the step, which is verl's `response_mask` before rollout rejection sampling "
+        "overwrites it where the log holds every response token with `rollout_rejected` marking the ones rejection "
+        "sampling took out; a log of the surviving tokens only gives the figures over the survivors (and no "
+        "rejected share)",
         "verl computes these once per batch on the driver; with `parameter_sync_step` > 1 (verl V1) it computes "
         "them once per trigger and its metrics aggregator combines them, while trustscope computes one figure over "
         "the step's tokens. A response trained by several updates of a step (`ppo_epochs` > 1) has rows in each: "
