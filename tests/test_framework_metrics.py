@@ -111,6 +111,34 @@ def test_verl_figures_are_verls_own(tmp_path, verl_helpers, rollout_is, threshol
     assert len(compared) >= 33
 
 
+@pytest.mark.parametrize("same_ids", [True, False])
+def test_verl_figures_with_two_updates_a_step(tmp_path, verl_helpers, same_ids):
+    """A step whose responses are trained by two updates (ppo_epochs 2: each response logged once per update, with
+    update_index, under the same sample ids or new ones) gives verl's figures of the one batch: a sequence is a
+    sample_id once per update, so its sums are not doubled; only the sample standard deviations, taken over the
+    repeated values, are left out of the comparison."""
+    helper = verl_helpers[0]
+    b = batch(seed=8)
+    _, _, theirs = helper.compute_rollout_correction_and_rejection_mask(
+        b["old"], b["rollout"], b["mask"].float(), rollout_is="sequence", rollout_is_threshold=2.0)
+    calls = []
+    for update in (0, 1):
+        tokens = verl_tokens(b)
+        del tokens["rollout_rejected"]
+        offset = 0 if same_ids else 100 * update
+        calls.append({**tokens, "update_index": np.full(b["mask"].shape[0], update),
+                      "sample_id": np.arange(b["mask"].shape[0]) + offset})
+    rows = log_and_read(tmp_path, {1: calls})
+    assert rows.num_rows == 2 * int(b["mask"].sum())
+    corr = view_row(fm.compute(rows, "verl_rollout_corr"), step=1)
+    is_row = view_row(fm.compute(rows, "verl_rollout_is"), step=1, rollout_is="sequence")
+    sample_std = {"training/rollout_probs_diff_std", "rollout_corr/rollout_is_seq_std"}
+    for m in fm.metrics_of("verl"):
+        if m.name in theirs and m.name not in sample_std:
+            close((is_row if m.view == "verl_rollout_is" else corr)[m.name], theirs[m.name], m.name)
+    assert corr["n_sequences"] == 2 * b["mask"].shape[0]
+
+
 def test_verl_long_view_and_exact_flag(tmp_path, verl_helpers):
     """The long view names each figure as verl logs it, under its variant, and says a figure over a sample of
     the token rows (token_fraction < 1) is not exact."""

@@ -296,15 +296,18 @@ def frameworks_markdown() -> str:
 # ------------------------------------------------------------------------------------------- over rows in memory
 
 NEEDS: dict[str, str] = {"run_id": "varchar", "step": "bigint", "sample_id": "bigint", "mu_logprob": "float",
-                         "old_logprob": "float", "pi_logprob": "float", "rollout_rejected": "boolean"}
+                         "old_logprob": "float", "pi_logprob": "float", "rollout_rejected": "boolean",
+                         "update_index": "integer"}
 """The token columns the framework views read (a run's own ``env`` too, where it has one), with their SQL types:
-:func:`compute` adds the nullable ones a table lacks as nulls."""
+:func:`compute` adds the :data:`OPTIONAL` ones a table lacks as nulls. A sequence is a ``sample_id`` once per
+``update_index`` (a response trained by several updates of a step has its rows once per update)."""
+OPTIONAL = ("old_logprob", "rollout_rejected", "update_index")
 
 
 def compute(tokens: Any, view: str = "framework_metrics", *, token_fraction: float | None = None,
             analysis: Mapping[str, float] | None = None) -> Any:
     """The framework view ``view`` over the token rows ``tokens`` (a ``pyarrow.Table`` with the :data:`NEEDS`
-    columns, ``old_logprob`` and ``rollout_rejected`` optional), as a ``pyarrow.Table``: the same SQL files the
+    columns, the :data:`OPTIONAL` ones optional), as a ``pyarrow.Table``: the same SQL files the
     log directory's views run, on an in-memory DuckDB (what the trackers report from a step's rows, and what the
     tests hold to the frameworks' own functions). ``token_fraction``: the share of token rows the logger kept (the
     long view's ``exact``); ``analysis``: :data:`PARAMETERS` to override.
@@ -325,10 +328,10 @@ def compute(tokens: Any, view: str = "framework_metrics", *, token_fraction: flo
         raise ValueError(f"tokens must be a pyarrow.Table, got {type(tokens).__name__}")
     for name, kind in NEEDS.items():
         if name not in tokens.column_names:
-            if name not in ("old_logprob", "rollout_rejected"):
+            if name not in OPTIONAL:
                 raise ValueError(f"tokens lacks column {name!r}; the framework views read {list(NEEDS)}")
-            tokens = tokens.append_column(name, pa.nulls(len(tokens), pa.bool_() if kind == "boolean"
-                                                          else pa.float32()))
+            kinds = {"boolean": pa.bool_(), "integer": pa.int32(), "float": pa.float32()}
+            tokens = tokens.append_column(name, pa.nulls(len(tokens), kinds[kind]))
     con = duckdb.connect(config=CONNECTION_CONFIG)
     try:
         con.execute("set variable trustscope_params = ?",

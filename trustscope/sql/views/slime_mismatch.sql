@@ -12,6 +12,7 @@ with source as (
         run_id,
         step,
         sample_id,
+        coalesce(update_index, -1) as update_key,
         coalesce(old_logprob, pi_logprob)::double - mu_logprob::double as log_ratio
     from tokens
 ),
@@ -21,6 +22,7 @@ per_token as (
         run_id,
         step,
         sample_id,
+        update_key,
         abs(log_ratio) as abs_diff,
         exp(log_ratio) as tis,
         (least(greatest(exp(log_ratio), analysis_param('slime_tis_clip_low')::double),
@@ -34,13 +36,14 @@ per_sequence as (
         run_id,
         step,
         sample_id,
+        update_key,
         count(*) as n_tokens,
         avg(abs_diff) as abs_diff,
         avg(tis) as tis,
         avg(tis_clipfrac) as tis_clipfrac,
         avg(tis_abs) as tis_abs
     from per_token
-    group by run_id, step, sample_id
+    group by run_id, step, sample_id, update_key
 ),
 
 per_rollout_mean as (
@@ -64,7 +67,7 @@ per_token_mean as (
         step,
         'per_token' as reducer,
         count(*) as n_tokens,
-        count(distinct sample_id) as n_sequences,
+        count(distinct [sample_id, update_key]) as n_sequences,
         avg(abs_diff) as abs_diff,
         avg(tis) as tis,
         avg(tis_clipfrac) as tis_clipfrac,

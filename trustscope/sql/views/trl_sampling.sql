@@ -19,6 +19,7 @@ source as (
         run_id,
         step,
         sample_id,
+        coalesce(update_index, -1) as update_key,
         coalesce(old_logprob, pi_logprob)::double - mu_logprob::double as log_diff
     from tokens
 ),
@@ -31,7 +32,7 @@ token_level as (
 sequence_level as (
     select run_id, step, sample_id, null::double as log_diff, sum(log_diff) as log_ratio, 'sequence' as level
     from source
-    group by run_id, step, sample_id
+    group by run_id, step, sample_id, update_key
 ),
 
 modes as (
@@ -73,7 +74,7 @@ difference_stats as (
         run_id,
         step,
         count(*) as n_tokens,
-        count(distinct sample_id) as n_sequences,
+        count(distinct [sample_id, update_key]) as n_sequences,
         avg(abs(log_diff)) as diff_mean,
         max(abs(log_diff)) as diff_max
     from source

@@ -4,12 +4,15 @@
 -- rollout_rejected column: null where the rows do not say), and training/rollout_* of verl/utils/debug/metrics.py
 -- calculate_debug_metrics. training side: old_logprob (verl's old_log_probs), pi_logprob where a row has none
 -- (training_side says which); rollout side: mu_logprob. rows: every logged row of the step (verl's response_mask
--- before rejection sampling). a sequence is a sample_id of the step. declared in trustscope/framework_metrics.py.
+-- before rejection sampling). a sequence is a sample_id of the step, once per update that trained it (update_index:
+-- a response trained by several updates of the step has its rows once per update). declared in
+-- trustscope/framework_metrics.py.
 with source as (
     select
         run_id,
         step,
         sample_id,
+        coalesce(update_index, -1) as update_key,
         mu_logprob::double as rollout_logprob,
         coalesce(old_logprob, pi_logprob)::double as training_logprob,
         old_logprob is not null as has_old,
@@ -35,7 +38,7 @@ per_sequence as (
         sum(log_ratio) as log_ratio_sum,
         bool_or(rollout_rejected) as any_rejected
     from per_token
-    group by run_id, step, sample_id
+    group by run_id, step, sample_id, update_key
 ),
 
 sequence_stats as (

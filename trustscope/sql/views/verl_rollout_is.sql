@@ -17,14 +17,15 @@ source as (
         run_id,
         step,
         sample_id,
+        coalesce(update_index, -1) as update_key,
         coalesce(old_logprob, pi_logprob)::double - mu_logprob::double as log_ratio
     from tokens
 ),
 
 sequence_sums as (
-    select run_id, step, sample_id, sum(log_ratio) as log_ratio_sum
+    select run_id, step, sample_id, update_key, sum(log_ratio) as log_ratio_sum
     from source
-    group by run_id, step, sample_id
+    group by run_id, step, sample_id, update_key
 ),
 
 levels as (
@@ -32,10 +33,11 @@ levels as (
         s.run_id,
         s.step,
         s.sample_id,
+        s.update_key,
         level.rollout_is,
         case when level.rollout_is = 'token' then s.log_ratio else q.log_ratio_sum end as log_weight
     from source as s
-    inner join sequence_sums as q using (run_id, step, sample_id)
+    inner join sequence_sums as q using (run_id, step, sample_id, update_key)
     cross join (values ('token'), ('sequence')) as level (rollout_is)
 ),
 
@@ -88,11 +90,12 @@ per_sequence as (
         step,
         rollout_is,
         sample_id,
+        update_key,
         avg(weight) as seq_weight,
         avg(raw_weight) as raw_seq_weight,
         any_value(log_weight) filter (where rollout_is = 'sequence') as log_weight_sum
     from applied
-    group by run_id, step, rollout_is, sample_id
+    group by run_id, step, rollout_is, sample_id, update_key
 ),
 
 sequence_stats as (
