@@ -88,3 +88,35 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def report_lines(e: Explanation, shown: int = 3) -> list[str]:
+    """The terminal report's section: per run, its mismatch and the ``shown`` largest shares with their token
+    counts, then the causes it cannot measure and what they need."""
+    lines = []
+    for r in e.runs:
+        ranked = sorted((c for c in r.run.causes if c.measurable and c.share > 0), key=lambda c: -c.share)[:shown]
+        lines.append(f"{r.run_id}: {r.run.mismatch:.4g} nats; "
+                     + ", ".join(f"{title(c.source)} {100 * c.share:.0f}% ({c.tokens:,} tok)" for c in ranked))
+        absent = [f"{title(c.source)} ({c.note.removeprefix('not measurable: ')})" for c in r.run.causes
+                  if not c.measurable]
+        if absent:
+            lines.append("  not measurable: " + ", ".join(absent))
+    return lines
+
+
+def explain_section(db: Any, data: Any) -> Any:
+    """The report's section (``trustscope.report.add_section``): where each reported run's mismatch comes from, the
+    largest shares without intervals (``trustscope explain`` gives them); None without runs."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from trustscope.explain.analysis import explain
+
+    run_ids = [r.run_id for r in getattr(data, "reports", [])]
+    if not run_ids:
+        return None
+    found = explain(db, run_ids, replicates=0)
+    head = Text("Where the mismatch comes from (mean |log pi - log mu| by cause; trustscope explain for intervals, "
+                "windows and each rule's blocked tokens)", style="bold")
+    return Group(head, *(Text(line) for line in report_lines(found)))

@@ -34,9 +34,13 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
         -- engine's truncation left out, which no engine samples), kept out of the fit and counted apart
         select
             * exclude (y_all, x_all),
-            list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: y_all[i]) as y,
-            list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: x_all[i]) as x,
-            len(list_filter(y_all, lambda v: v <= -50)) as n_outside
+            case when list_min(y_all) > -50 then y_all else
+                list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: y_all[i])
+                end as y,
+            case when list_min(y_all) > -50 then x_all else
+                list_transform(list_filter(range(1, len(y_all) + 1), lambda i: y_all[i] > -50), lambda i: x_all[i])
+                end as x,
+            case when list_min(y_all) > -50 then 0 else len(list_filter(y_all, lambda v: v <= -50)) end as n_outside
         from source
     ),
 
@@ -54,17 +58,13 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
             list_inner_product(x, y) as sxy,
             list_sum(list_transform(y, lambda v: exp(v))) as mu_mass,
             list_sum(list_transform(x, lambda v: exp(v))) as pi_mass,
+            -- the neighbours inside the response turn (one window: the only sort of the macro)
             lead(mu_lp) over seg as mu_next,
             lead(pos) over seg as pos_next,
             lag(mu_lp) over seg as mu_prev,
-            lag(pos) over seg as pos_prev,
-            min(pos) filter (where engine_token_id is not null and engine_token_id != token_id) over response
-                as first_drift_pos,
-            count(engine_token_id) over response as n_engine_ids
+            lag(pos) over seg as pos_prev
         from support
-        window
-            seg as (partition by run_id, step, rank, sample_id, segment order by pos),
-            response as (partition by run_id, step, rank, sample_id)
+        window seg as (partition by run_id, step, rank, sample_id, segment order by pos)
     ),
 
     centred as (
@@ -80,25 +80,38 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
         from per_token
     ),
 
-    fits as (
+    responses as (
+        -- per response (grouped, then joined back: cheaper than a window per figure)
         select
-            *,
-            sum(cxy) over response / nullif(sum(cxx) over response, 0) as fit_slope,
-            sum(cxy) over response * sum(cxy) over response
-                / nullif(sum(cxx) over response * sum(cyy) over response, 0) as fit_r2,
-            sum(sy - sx) over response / nullif(sum(k) over response, 0) as fit_offset,
-            sqrt(sum(cdd) over response / nullif(sum(k - 1) over response, 0)) as fit_spread,
-            avg(mu_mass) over response as response_mu_mass,
-            avg(pi_mass) over response as response_pi_mass,
-            sum(n_outside) over response as response_outside,
-            avg(abs_log_ratio) filter (where abs_pi_earlier is not null or abs_pi_later is not null) over seg_all
-                as shift_logged,
-            avg(abs_pi_later) over seg_all as shift_pi_later,
-            avg(abs_pi_earlier) over seg_all as shift_pi_earlier
+            run_id, step, rank, sample_id,
+            sum(cxy) / nullif(sum(cxx), 0) as fit_slope,
+            sum(cxy) * sum(cxy) / nullif(sum(cxx) * sum(cyy), 0) as fit_r2,
+            sum(sy - sx) / nullif(sum(k), 0) as fit_offset,
+            sqrt(sum(cdd) / nullif(sum(k - 1), 0)) as fit_spread,
+            avg(mu_mass) as response_mu_mass,
+            avg(pi_mass) as response_pi_mass,
+            sum(n_outside) as response_outside,
+            min(pos) filter (where engine_token_id is not null and engine_token_id != token_id) as first_drift_pos,
+            count(engine_token_id) as n_engine_ids
         from centred
-        window
-            response as (partition by run_id, step, rank, sample_id),
-            seg_all as (partition by run_id, step, rank, sample_id, segment)
+        group by all
+    ),
+
+    segments as (
+        select
+            run_id, step, rank, sample_id, segment,
+            avg(abs_log_ratio) filter (where abs_pi_earlier is not null or abs_pi_later is not null) as shift_logged,
+            avg(abs_pi_later) as shift_pi_later,
+            avg(abs_pi_earlier) as shift_pi_earlier
+        from centred
+        group by all
+    ),
+
+    fits as (
+        select c.*, r.* exclude (run_id, step, rank, sample_id), g.* exclude (run_id, step, rank, sample_id, segment)
+        from centred as c
+        join responses as r using (run_id, step, rank, sample_id)
+        join segments as g using (run_id, step, rank, sample_id, segment)
     ),
 
     final as (
