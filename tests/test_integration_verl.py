@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 import warnings
 from functools import partial
@@ -116,6 +117,8 @@ def run_actor(batch: DataProto, pi: torch.Tensor, loss_fn, *, mini: int = 4, mic
     many tokens, rows regrouped by length) instead of ``micro`` rows. Returns, per mini-batch, (sample ids, loss,
     metrics) per micro-batch.
     """
+    if tv.STEP_KEY in batch.meta_info:  # as the driver's attach stamps it: the updates the call makes
+        batch.meta_info[tv.UPDATES_KEY] = tv.updates_of_call(len(batch), mini, epochs)
     td = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(td, global_batch_size=mini, use_dynamic_bsz=max_tokens is not None,
                          micro_batch_size_per_gpu=micro, max_token_len_per_gpu=max_tokens or 0)
@@ -308,7 +311,8 @@ def _read(run_dir: Path, table: str):
 
 @pytest.mark.parametrize("max_tokens", [None, 10])
 def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
-    """Driver rank 0 writes samples, the actor hook rank 1 writes tokens; two epochs log each sample once.
+    """Driver rank 0 writes samples, the actor hook rank 1 writes tokens; two epochs of two mini-batches are four
+    updates, each logged once with its update_index (each sample twice, once per epoch).
 
     The hook hands the rule rollout_log_probs as mu; the logged rows carry the driver batch's tensors at the
     stamped sample id, pi from the loss's forward, and the rule's own mask, with fixed micro-batches and with
@@ -343,7 +347,11 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
     assert set(tokens["rank"]) == {1} and set(samples["rank"]) == {0}
     b = batch.batch
     mask = b["response_mask"].bool()
-    assert len(tokens) == int(mask.sum())  # each sample once although trained on twice
+    assert len(tokens) == 2 * int(mask.sum())  # each sample once per update that trained it: once per epoch
+    assert sorted(set(tokens["update_index"])) == [0, 1, 2, 3]
+    per_sample = tokens.groupby("sample_id")["update_index"].agg(lambda u: sorted(set(u)))
+    assert len(per_sample) == 8 and all(len(u) == 2 and u[0] < 2 <= u[1] for u in per_sample)
+    assert not tokens.duplicated(["sample_id", "pos", "update_index"]).any()
     out = L.get_loss(rule)(L.PolicyBatch(pi_logprob=pi, mu_logprob=b["rollout_log_probs"], advantages=b["advantages"],
                                          mask=mask, old_logprob=b["old_log_probs"]))
     sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
@@ -363,7 +371,7 @@ def test_hook_logs_one_run_that_validates_and_joins(max_tokens, tmp_path):
         "from read_parquet(?) t join read_parquet(?) s using (run_id, step, sample_id)",
         [str(run / "tokens" / "**" / "*.parquet"), str(run / "samples" / "**" / "*.parquet")],
     ).fetchone()
-    assert joined == (len(tokens), 4, True)
+    assert joined == (len(tokens), 4, True)  # every row of every update joins its samples row
     assert sorted(samples["length"]) == sorted(mask.sum(-1).tolist())
     np.testing.assert_allclose(samples.sort_values("sample_id")["reward"], b["token_level_scores"].sum(-1))
 
@@ -386,7 +394,9 @@ def test_turns_come_from_the_gaps_of_the_response_mask():
     turns = turns_from_mask(mask.numpy())
     assert turns.dtype == np.int32
     assert turns[mask.numpy()].tolist() == [0, 0, 1, 1, 2] + [0] * 7 + [0, 0, 1, 1, 1, 1, 1, 1]
-    assert tv.tag_versions([{"min_global_steps": 4}, {"min_global_steps": 6}], 2).tolist() == [5, 7]
+    first, last = tv.tag_versions([{"min_global_steps": 4, "max_global_steps": 5},
+                                   {"min_global_steps": 6, "max_global_steps": 6}], 2)
+    assert first.tolist() == [5, 7] and last.tolist() == [6, 7]
     assert tv.tag_versions([{"status": "success"}], 1) is None and tv.tag_versions(None, 0) is None
 
 
@@ -407,7 +417,7 @@ def test_hook_survives_pickling_without_its_logger(tmp_path):
     run_actor(batch, pi, hook, mini=8, micro=4)
     hook.close()
     copy = pickle.loads(pickle.dumps(hook))
-    assert copy._logger is None and copy._seen == set() and copy.run_id == "pickled"
+    assert copy._logger is None and copy._call is None and copy.run_id == "pickled"
 
 
 # ------------------------------------------------------------------------------------------------- version drift
@@ -551,8 +561,9 @@ def test_attach_records_what_verl_keeps(case, tmp_path):
 
 
 def test_attach_adds_the_step_summaries_to_verls_step_metrics(tmp_path):
-    """The actor update's metrics, which verl's ``reduce_metrics`` hands its ``Tracking`` logger, carry the step's
-    exact summaries over the actors' tokens as ``trustscope/...``; a malformed webhook fails at attach."""
+    """The actor update's metrics, which verl's ``reduce_metrics`` hands its ``Tracking`` logger, carry a step's
+    exact summaries over the actors' tokens as ``trustscope/...`` once every actor rank committed it: at the next
+    update, named by ``trustscope/step`` (the driver never waits); a malformed webhook fails at attach."""
     from verl.utils.metric import reduce_metrics
 
     from trustscope.trackers import committed_step_rows, step_metrics
@@ -561,20 +572,35 @@ def test_attach_adds_the_step_summaries_to_verls_step_metrics(tmp_path):
     trainer = local_trainer(ppo_config(), LocalActorGroup(pi))
     with pytest.raises(ValueError, match="webhook url 'slack' must start with http"):
         tv.attach(trainer, tmp_path, run_id="bad", webhook="slack")
-    with tv.attach(trainer, tmp_path, run_id="m"):
+    with tv.attach(trainer, tmp_path, run_id="m") as run:
+        first = trainer._update_actor(batch)
+        assert not [k for k in first.meta_info["metrics"] if k.startswith("trustscope/")]  # nothing waited for
+        for _ in range(50):  # the actor's writer thread commits step 1 on its own time
+            if run.actors_committed(1):
+                break
+            time.sleep(0.1)
+        trainer.global_steps = 2
         output = trainer._update_actor(batch)
     metrics = reduce_metrics(dict(output.meta_info["metrics"]))
     want = step_metrics(committed_step_rows(tmp_path / "m", 1, ranks=[1]), 1)
-    assert want["trustscope/tokens/total"] == int(batch.batch["response_mask"].sum())
-    assert {k: metrics[k] for k in want} == pytest.approx(want, nan_ok=True)
+    # two epochs of two mini-batches: every token once per epoch
+    assert want["trustscope/tokens/total"] == 2 * int(batch.batch["response_mask"].sum())
+    assert metrics["trustscope/step"] == 1 and {k: metrics[k] for k in want} == pytest.approx(want, nan_ok=True)
     assert metrics["trustscope/warning"] == 0 and "actor/pg_clipfrac" in metrics
+    trainer.global_steps = 1
     with tv.attach(trainer, tmp_path, run_id="off", metrics=False):
         output = trainer._update_actor(batch)
     assert not [k for k in output.meta_info["metrics"] if k.startswith("trustscope/")]
     assert "trustscope/warning/bad_rate_z" not in metrics  # the absolute lines by default
     with pytest.raises(ValueError, match=r"WarningLines.relative_z=-1 must be a finite number > 0"):
         tv.attach(trainer, tmp_path, run_id="bad-z", warn_relative=-1)
-    with tv.attach(trainer, tmp_path, run_id="relative", warn_relative=6):
+    with tv.attach(trainer, tmp_path, run_id="relative", warn_relative=6) as run:
+        trainer._update_actor(batch)
+        for _ in range(50):
+            if run.actors_committed(1):
+                break
+            time.sleep(0.1)
+        trainer.global_steps = 2
         output = trainer._update_actor(batch)
     metrics = reduce_metrics(dict(output.meta_info["metrics"]))
     assert {"trustscope/warning", "trustscope/warning/bad_rate_z", "trustscope/warning/mismatch_z"} <= set(metrics)
@@ -644,7 +670,7 @@ def test_attach_logs_a_trainer_with_ray_actor_workers(tmp_path):
     tokens, samples, steps = _read(run_dir, "tokens"), _read(run_dir, "samples"), _read(run_dir, "steps")
     assert sorted(set(tokens["rank"])) == [1, 2] and set(samples["rank"]) == {0}
     assert tokens.groupby("rank")["sample_id"].nunique().tolist() == [4, 4]
-    assert len(tokens) == int(batch.batch["response_mask"].sum())
+    assert len(tokens) == 2 * int(batch.batch["response_mask"].sum())  # ppo_epochs=2: each token once per epoch
     sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
     np.testing.assert_allclose(tokens["mu_logprob"], batch.batch["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
     np.testing.assert_allclose(tokens["pi_logprob"], pi.numpy()[sid, pos], atol=1e-6)
@@ -771,7 +797,7 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     assert sorted(set(tokens["rank"])) == [1, 2] and set(samples["rank"]) == {0}
     assert tokens.groupby("rank")["sample_id"].nunique().tolist() == [4, 4]
     b = batch.batch
-    assert len(tokens) == int(b["response_mask"].sum())
+    assert len(tokens) == 2 * int(b["response_mask"].sum())  # ppo_epochs=2: each token once per epoch
     sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
     np.testing.assert_allclose(tokens["mu_logprob"], b["rollout_log_probs"].numpy()[sid, pos], atol=1e-6)
     np.testing.assert_allclose(tokens["old_logprob"], b["old_log_probs"].numpy()[sid, pos], atol=1e-6)
@@ -792,8 +818,9 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     assert (tokens["step"] - tokens["policy_version"] == 2 - tokens["sample_id"] % 3).all()
     assert (tokens["turn"] == 0).all()  # single-turn responses: no gap in the response mask
     assert logged["training/off_policy/evicted_samples"] == 2.0 and "training/num_turns/mean" not in logged
-    # the step's summaries over both actors' tokens, in the metrics the V1 trainer hands its trackers
-    assert metrics["trustscope/tokens/total"] == len(tokens)
+    assert (tokens["policy_version_last"] == 3).all()  # and the last, from max_global_steps
+    # the step's summaries need every actor's commit: published at a later update, never waited for here
+    assert not [k for k in metrics if k.startswith("trustscope/")]
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["loss_rule"] == "dppo_binary_tv" and manifest["mu_source"] == "engine"
 

@@ -312,6 +312,20 @@ def _n_samples(samples: Mapping[str, Any] | None) -> int:
         raise Rejected(f"samples[{name!r}] must be a sequence with one value per sample, got {value!r}") from None
 
 
+def _update_keys(tokens: Mapping[str, Any] | None, n_seq: int) -> list[int]:
+    """Per sequence, the ``update_index`` its rows give (the first row's; -1 without one): with the sample id, what
+    may not repeat within a step (``update_index`` itself is checked with the other token columns)."""
+    value = None if not tokens else tokens.get("update_index")
+    if value is None:
+        return [-1] * n_seq
+    try:
+        arr = _to_numpy(value, "tokens['update_index']")
+    except (Rejected, SchemaError, TypeError, ValueError):  # ragged or bad: the column's own check names it
+        return [-1] * n_seq
+    arr = arr.reshape(n_seq, -1)[:, 0] if arr.size and arr.size % max(n_seq, 1) == 0 else np.full(n_seq, -1)
+    return [int(v) if np.isfinite(v) else -1 for v in arr.astype(np.float64)]
+
+
 class InputChecker:
     """Checks and flattens ``log_step``'s arguments into a :class:`Batch`, keeping what it must remember across
     calls: the last step, the sample ids and scalar names already logged at it, and the run's top-K K."""
@@ -373,7 +387,7 @@ class InputChecker:
                 batch.tokens, batch.dropped_rows, batch.sampled = self._check_tokens(step, cols, b, t, sample_ids,
                                                                                      samples)
                 batch.summarize = self.summaries
-            new_ids = sample_ids["sample_id"].tolist()
+            new_ids = list(zip(sample_ids["sample_id"].tolist(), _update_keys(tokens, n_seq), strict=True))
         if new_step:  # accepted: remember what this step holds
             self._step_sample_ids, self._step_scalars, self._next_default_id, self._step_calls = set(), set(), 0, 0
         self._step_calls += 1
@@ -450,10 +464,13 @@ class InputChecker:
         if (counts > 1).any():
             raise Rejected(f"sample_id {uniq[counts > 1][0]} appears twice in one call; sample_id must be unique "
                             f"within a step")
-        if not new_step:
-            again = self._step_sample_ids.intersection(sid.tolist())
+        if not new_step:  # a response trained by several updates of a step is logged once per update_index
+            keys = zip(sid.tolist(), _update_keys(tokens, n_seq), strict=True)
+            again = self._step_sample_ids.intersection(keys)
             if again:
-                raise Rejected(f"sample_id {min(again)} was already logged at step {self._last_step}")
+                sample, update = min(again)
+                where = "" if update < 0 else f" by update_index {update}"
+                raise Rejected(f"sample_id {sample} was already logged at step {self._last_step}{where}")
         return ids, defaults
 
     def _check_samples(self, samples: Mapping[str, Any], n_seq: int, lengths: np.ndarray | None,

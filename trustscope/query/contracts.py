@@ -73,7 +73,8 @@ def table_problems(view: str, spec: dict[str, Any], data: pa.Table) -> list[str]
 
     problems = []
     keys = spec.get("unique", [])
-    for column in [*keys, *spec.get("not_null", [])]:
+    nullable = set(spec.get("nullable_keys", []))
+    for column in [*(k for k in keys if k not in nullable), *spec.get("not_null", [])]:
         nulls = data.column(column).null_count
         if nulls:
             problems.append(f"{view}.{column}: {nulls} null value(s)")
