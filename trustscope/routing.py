@@ -329,12 +329,24 @@ class RouterReplay:
         self.tracker = TrainerRouting(model)
         self.norm_topk = bool(getattr(model.config, "norm_topk_prob", True))
         self._counts = [0, 0]  # (choices replaced, choices given) in the last replayed forward
+        self._own: list[torch.Tensor | None] = [None] * self.tracker.layers  # each router's own pick, last forward
 
     @property
     def replaced(self) -> float:
         """The share of the router's own (position, layer, slot) choices that the last replayed forward replaced
         by the given experts."""
         return self._counts[0] / self._counts[1] if self._counts[1] else 0.0
+
+    def take_own(self, batch: int, seq: int) -> np.ndarray:
+        """``(B, S, L, k)``: the experts each router picked itself in the last forward, before the replay replaced
+        them (what the replace rate compares the engine's with)."""
+        import torch
+
+        if any(r is None for r in self._own):
+            raise RuntimeError("RouterReplay.take_own: no forward pass was recorded")
+        rows = torch.stack([r.reshape(batch, seq, self.tracker.top_k) for r in self._own], 2)
+        self._own = [None] * self.tracker.layers
+        return rows.numpy()
 
     @contextlib.contextmanager
     def replayed(self, experts: torch.Tensor | None) -> Iterator[TrainerRouting]:
@@ -347,7 +359,7 @@ class RouterReplay:
         def hook(i: int):
             def replace(module: torch.nn.Module, args: Any, output: Any) -> Any:
                 own = _router_indices(output, tr.top_k)
-                tr._rows[i] = own.detach().to("cpu", torch.int16)
+                tr._rows[i] = self._own[i] = own.detach().to("cpu", torch.int16)
                 if experts is None:
                     return None
                 logits = output[0] if isinstance(output, tuple) else output
