@@ -2,7 +2,7 @@
 
 Every column is a :class:`Column`: its name, Arrow type, nullability, how ``log_step`` takes it (per token, per
 response, top-K list, or written by the logger), the check it gets, its line in ``docs/logging.md``, and the table
-version that added it (files written before read NULL there). The Arrow schemas (:data:`trustscope.schema.SCHEMAS`),
+version that added it (files written before read NULL there). The Arrow schemas (:data:`trustscope.runformat.layout.SCHEMAS`),
 the Parquet encodings, what ``log_step`` accepts and how it checks it (:mod:`trustscope.logger.checks`),
 ``trustscope validate``, the list of built-in columns the SQL views pass user columns beside
 (:func:`builtin_token_columns_sql`) and the schema tables of ``docs/logging.md`` all read these tuples.
@@ -159,8 +159,10 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
     Column("engine_experts", _list(pa.int16()), True, "mixture-of-experts models: the experts the rollout engine "
            "routed the token to, L MoE layers x top-k ids flattened layer by layer (`TokenLogger(routing_shape=...)` "
            "declares L, k and the expert count); null: not logged", given="routing", statistics=False, since=3),
-    Column("trainer_experts", _list(pa.int16()), True, "the same from the trainer's router (with both given, the "
-           "logger fills `routing_agreement`)", given="routing", statistics=False, since=3),
+    Column("trainer_experts", _list(pa.int16()), True, "the same from the trainer's router: the experts its forward "
+           "used (with both given, the logger fills `routing_agreement` and `routing_first_layer`); kept on a "
+           "sampled share of the rows like `engine_experts` (`TokenLogger(routing_fraction=...)`, docs/moe.md), "
+           "null elsewhere", given="routing", statistics=False, since=3),
     Column("update_index", pa.int32(), True, "which update of the training step trained the row, from 0 (verl: "
            "`parameter_sync_step` trigger x ppo epoch x mini-batch; TRL: iteration x `steps_per_generation`; "
            "`trustscope train`: the mini-batch); a response trained by several updates of one step has rows in "
@@ -174,6 +176,20 @@ TOKEN_COLUMNS: tuple[Column, ...] = (
     Column("policy_version_last", pa.int64(), True, "the last weight version that generated part of the token's "
            "trajectory (a partial rollout spans versions; `policy_version` stays the first, or the token's own); "
            "null: unknown", given="token_or_sequence", check=Check("version"), since=4),
+    Column("router_experts", _list(pa.int16()), True, "mixture-of-experts models under routing replay: the trainer "
+           "router's own pick before the replay replaced it (L x top-k ids, layer by layer; with `engine_experts` the "
+           "logger fills `routing_replaced`); on a sampled share of the rows like the other expert lists",
+           given="routing", statistics=False, since=4),
+    Column("routing_first_layer", pa.int16(), True, "the first MoE layer where the engine's and the trainer's "
+           "experts differ: -1 none (full agreement), -2 the engine reported no routing for the token (a fallback); "
+           "null: not both sides logged", since=4),
+    Column("routing_replaced", pa.float32(), True, "routing replay: the share of the router's own (layer, slot) "
+           "choices the replay replaced by the engine's (the replace rate); null: no `router_experts`, or no engine "
+           "routing for the token", since=4),
+    Column("routing_fault", pa.int8(), True, "routing health bits: 1 the engine reported no routing for the token "
+           "(fallback), 2 its response's engine experts match the router's own pick one position off better than at "
+           "their own (a shifted replay buffer), 4 its response's engine experts repeat another response's with "
+           "other tokens (a reused buffer); 0 none; null: no expert lists logged", since=4),
 )
 """The ``tokens`` table: one row per logged response token."""
 
@@ -395,6 +411,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
               "(tokens logged without `policy_version` have none)", ("policy_version",),
               lambda cols, step: np.int64(step) - np.asarray(cols["policy_version"], dtype=np.int64),
               "step - policy_version"),
+    Dimension("routing", "mixture-of-experts runs: the first MoE layer where the engine's and the trainer's experts "
+              "differ (-1: every choice agrees; -2: the engine reported no routing)", ("routing_first_layer",),
+              lambda cols, step: np.asarray(cols["routing_first_layer"], dtype=np.int64), "routing_first_layer"),
 )
 """The summary dimensions, each on its own beside the advantage sign x mu bucket grouping (never crossed)."""
 

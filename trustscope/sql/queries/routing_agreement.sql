@@ -1,7 +1,8 @@
 -- the page "where the mismatch lives" and the report, for mixture-of-experts runs: routing agreement exact over every
 -- token the trainer handed to the logger (the summaries' moments, whatever token_fraction kept), per run over the
 -- steps [$first_step, $last_step] (null: every step): overall (dimension null), per MoE layer and per position
--- bucket: tokens and the mean share of the engine's (layer, slot) choices the trainer also made. $run_ids: the runs,
+-- bucket, and per first differing layer (dimension routing): tokens and the mean share of the engine's (layer, slot)
+-- choices the trainer also made. $run_ids: the runs,
 -- or null for all.
 with rows as (
     select run_id, dimension, bucket, count, mean
@@ -20,6 +21,9 @@ final as (
         case
             when dimension = 'layer' then 'layer ' || bucket::bigint
             when dimension = 'position' then position_bucket_label(bucket::bigint)
+            when dimension = 'routing' and bucket = -1 then 'no layer differs'
+            when dimension = 'routing' and bucket = -2 then 'no engine routing'
+            when dimension = 'routing' then 'first differing layer ' || bucket::bigint
             else 'all'
         end as label,
         sum(count)::bigint as n_tokens,

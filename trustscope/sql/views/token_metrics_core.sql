@@ -4,12 +4,14 @@
 -- the token's position bucket (the summary dimensions), and a run's own columns (every column of tokens but the
 -- built-in ones, whose list trustscope.query.catalogue generates from trustscope/columns.py) before source_file.
 -- tokens version 4 adds the update of the step, the rollout rejection mask, the rollout IS weight and the last
--- weight version of the trajectory (null in older files).
+-- weight version of the trajectory (null in older files), and the routing's first differing layer, replace rate
+-- and health bits (mixture-of-experts runs).
 with source as (
     select
         run_id, step, rank, sample_id, prompt_id, pos, token_id,
         mu_logprob, old_logprob, pi_logprob, advantage, entropy, topk_tv, topk_kl, kept, loss_rule,
         blocked_rules, policy_version, turn, staleness, engine_token_id, routing_agreement,
+        routing_first_layer, routing_replaced, routing_fault,
         update_index, rollout_rejected, is_weight, policy_version_last,
         columns(lambda c: c = 'source_file' or not list_contains([/* built-in token columns */], c))
     from tokens
@@ -50,6 +52,9 @@ final as (
         position_bucket(pos) as position_bucket,
         engine_token_id,
         routing_agreement,
+        routing_first_layer,
+        routing_replaced,
+        routing_fault,
         update_index,
         rollout_rejected,
         is_weight,
