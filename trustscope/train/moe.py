@@ -65,10 +65,12 @@ class StepRouting:
     prompt_len: int
     replaying: bool
     trainer: torch.Tensor = field(init=False)  # (B, P + T, L, k) int16
+    router: torch.Tensor = field(init=False)  # (B, P + T, L, k) int16: the router's own pick before replay
     replaced: list[float] = field(default_factory=list)  # per forward: share of choices replay changed
 
     def __post_init__(self) -> None:
         self.trainer = torch.full(self.engine.shape, -1, dtype=torch.int16)
+        self.router = torch.full(self.engine.shape, -1, dtype=torch.int16)
 
     @contextlib.contextmanager
     def forward(self, rows: torch.Tensor, keep: int | None = None) -> Iterator[None]:
@@ -82,12 +84,16 @@ class StepRouting:
         self.trainer[rows.cpu()[:keep]] = used[:keep]
         if self.replaying:
             self.replaced.append(self.replay.replaced)
+            own = torch.from_numpy(self.replay.take_own(len(rows), self.engine.shape[1]))
+            self.router[rows.cpu()[:keep]] = own[:keep]
 
     def tokens(self) -> dict[str, torch.Tensor]:
-        """Both sides at the response tokens, ``(B, T, L, k)``: the columns ``P - 1 .. P + T - 2`` predict them."""
+        """Both sides at the response tokens, ``(B, T, L, k)``: the columns ``P - 1 .. P + T - 2`` predict them;
+        under replay the router's own pick too (``router_experts``: the logger measures the replace rate)."""
         t = self.engine.shape[1] - self.prompt_len
         cols = slice(self.prompt_len - 1, self.prompt_len + t - 1)
-        return {"engine_experts": self.engine[:, cols].to(torch.int16), "trainer_experts": self.trainer[:, cols]}
+        out = {"engine_experts": self.engine[:, cols].to(torch.int16), "trainer_experts": self.trainer[:, cols]}
+        return out | ({"router_experts": self.router[:, cols]} if self.replaying else {})
 
     def scalars(self) -> dict[str, float]:
         """``routing/replay_replaced``: the share of the trainer router's own (position, layer, slot) choices that
