@@ -21,6 +21,8 @@ from trustscope.schema import SchemaError
 
 B, T = 4, 6
 EXTRA = {"env": "string", "tool_latency": "float32", "tool_calls": "int32"}
+UPDATE_COLUMNS = ("update_index", "rollout_rejected", "is_weight", "policy_version_last")
+"""Tokens version 4: the update of the step, the rollout rejection mask, the rollout IS weight, the last version."""
 
 
 def step_tokens(step: int, seed: int = 0) -> dict:
@@ -41,7 +43,8 @@ def test_the_declaration_is_what_the_schema_checks_and_docs_read():
     assert {c.check.kind for cols in C.TABLE_COLUMNS.values() for c in cols if c.check} <= set(CHECKERS) == set(C.CHECKS)
     for cols in C.TABLE_COLUMNS.values():  # a column added later is nullable: older files lack it
         assert all(c.nullable for c in cols if c.since > 1)
-    assert S.TABLE_VERSIONS["tokens"] == 3 and {"policy_version", "turn", "engine_token_id"} <= S.ADDED_COLUMNS["tokens"]
+    assert S.TABLE_VERSIONS["tokens"] == 4 and {"policy_version", "turn", "engine_token_id", *UPDATE_COLUMNS} <= (
+        S.ADDED_COLUMNS["tokens"])
     split = S.WRITE_OPTIONS["tokens"].byte_stream_split  # the float columns (and top-K lists), from the declaration
     assert {"mu_logprob", "topk_kl", "mu_topk_ids.list.element"} <= set(split) and "policy_version" not in split
     with pytest.raises(ValueError, match="must be nullable"):
@@ -105,6 +108,46 @@ def test_bad_input_is_refused_naming_field_row_and_value_and_nothing_written_is_
         TokenLogger(tmp_path, "other2", max_staleness=-1)
 
 
+def update_tokens(step: int, update: int) -> dict:
+    """One update's tokens: the update index per response, a rejection mask, IS weights, a trajectory's versions."""
+    rng = np.random.default_rng(step * 10 + update)
+    base = {k: v for k, v in step_tokens(step).items() if k not in EXTRA and k != "turn"}
+    return {**base, "update_index": np.full(B, update), "rollout_rejected": rng.random((B, T)) < 0.3,
+            "is_weight": rng.random((B, T)).astype(np.float32) * 2, "policy_version_last": np.full(B, step)}
+
+
+def test_updates_rejection_is_weights_and_last_versions_are_columns_like_the_others(tmp_path):
+    """Tokens version 4: one response trained by two updates of a step, its rows in each (update_index), the
+    rejection mask, IS weight and last version reach every tokens view; bad values are refused naming field, row
+    and value, and nothing already written is lost."""
+    with TokenLogger(tmp_path, "r") as lg:
+        lg.log_step(1, tokens=update_tokens(1, 0))
+        cases = {
+            "update_index": (np.array([0, -1, 0, 0]), r"tokens\['update_index'\] must be >= 0.*got -1 at sample_id 1"),
+            "is_weight": (np.full((B, T), -0.5), r"tokens\['is_weight'\] must be finite and in \[0.0, inf\].*got -0.5"),
+            "policy_version_last": (np.array([1, 1, 3, 1]), r"tokens\['policy_version_last'\] must be a weight "
+                                                            r"version in \[0, 2\].*got 3 at sample_id 2"),
+            "rollout_rejected": (np.full((B, T), 2), r"tokens\['rollout_rejected'\] must be boolean"),
+        }
+        for name, (value, message) in cases.items():
+            with pytest.raises(SchemaError, match=message):
+                lg.log_step(2, tokens={**update_tokens(2, 0), name: value})
+        lg.log_step(2, tokens=update_tokens(2, 0))
+    assert not S.validate_logdir(tmp_path)
+    written = pq.read_table(S.committed_files(tmp_path / "r")["tokens"][0])
+    assert [written.schema.field(c).type for c in UPDATE_COLUMNS] == [pa.int32(), pa.bool_(), pa.float32(), pa.int64()]
+    with tsdb.connect(tmp_path) as db:
+        for view in ("tokens", "token_metrics"):
+            got = db.sql(f"select step, sample_id, pos, update_index, rollout_rejected, is_weight, policy_version_last "
+                         f"from {view} order by all").to_pandas()
+            assert len(got) == 2 * B * T and got.update_index.eq(0).all(), view
+            assert got.policy_version_last.tolist() == got.step.tolist(), view
+            want = update_tokens(2, 0)
+            last = got[got.step == 2]
+            assert last.rollout_rejected.tolist() == want["rollout_rejected"].reshape(-1).tolist(), view
+            np.testing.assert_allclose(last.is_weight, want["is_weight"].reshape(-1), rtol=1e-6)
+
+
 def test_runs_logged_before_the_columns_read_them_as_null(tmp_path, legacy_logs):
     """A run written before policy_version, turn and the dimensions (tests/data/legacy) beside a new run: its
     versions, turns and staleness read NULL, it has no dimension rows, and it still validates."""
@@ -116,10 +159,12 @@ def test_runs_logged_before_the_columns_read_them_as_null(tmp_path, legacy_logs)
                     "pi_logprob", "advantage", "prompt_id", "policy_version", "turn", "env")})
     with tsdb.connect(tmp_path) as db:
         got = db.sql("select run_id, count(*) as n, count(policy_version) as v, count(turn) as t, "
-                     "count(staleness) as s, count(env) as e from token_metrics group by 1 order by 1").to_pandas()
+                     "count(staleness) as s, count(env) as e, count(update_index) + count(rollout_rejected) + "
+                     "count(is_weight) + count(policy_version_last) as u from token_metrics group by 1 order by 1"
+                     ).to_pandas()
         dims = db.sql("select distinct run_id, dimension from summary_dimensions order by all").to_pandas()
     old_row = got[got.run_id == old.name].iloc[0]
-    assert old_row.n > 0 and old_row.v == old_row.t == old_row.s == old_row.e == 0
+    assert old_row.n > 0 and old_row.v == old_row.t == old_row.s == old_row.e == old_row.u == 0
     new_row = got[got.run_id == "new"].iloc[0]
     assert new_row.v == new_row.t == new_row.s == new_row.n
     assert set(dims.run_id) == {"new"} and set(dims.dimension) == {"position", "turn", "staleness"}
