@@ -748,6 +748,8 @@ def _v1_rows(batch):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("verl.trainer.ppo.v1") is None,
+                    reason="verl before 0.9 has no V1 trainer")
 def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
     """``attach`` on verl's V1 trainer (``trainer.use_v1=True``, the default): its own ``_update_actor(batch,
     metrics)`` with a real TransferQueue in local Ray and two actor workers that fetch their rows from it.
@@ -903,7 +905,7 @@ def _engine_run(tmp_path: Path, world: int, sp: int, timeout: int = 600) -> Path
     out.mkdir()
     logdir = out / "logs"
     with TokenLogger(logdir, "sharded", rank=0, loss_rule="dppo_binary_tv") as driver:
-        tv.log_driver_batch(driver, batch, step=1)
+        tv.log_driver_batch(driver, batch, step=1, updates=tv.updates_of_call(8, 4, 1))  # 2 mini-batches, 1 epoch
     td = left_right_2_no_padding(batch.to_tensordict())  # RayPPOTrainer._update_actor's conversion and settings
     tu.assign_non_tensor(td, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=4, mini_batch_size=4, epochs=1, seed=1,
@@ -957,8 +959,11 @@ def test_ulysses_sequence_parallel_actors_log_what_an_unsharded_run_logs(tmp_pat
     td = torch.load(tmp_path / "world2-sp1" / "batch.pt", weights_only=False)
     assert len(a) == len(b) == _read(plain, "samples")["length"].sum()
     assert sorted(set(a["rank"])) == [1, 2] and not a.duplicated(["sample_id", "pos"]).any()
-    exact = ["rank", "sample_id", "pos", "token_id", "mu_logprob", "old_logprob", "advantage", "prompt_id"]
+    exact = ["rank", "sample_id", "pos", "token_id", "mu_logprob", "old_logprob", "advantage", "prompt_id",
+             "update_index"]
     assert a[exact].equals(b[exact])
+    # verl's own train_mini_batch loop: replica r's rows 4r, 4r+1 are its update 0, rows 4r+2, 4r+3 its update 1
+    assert a.groupby("sample_id")["update_index"].first().to_dict() == {s: (s % 4) // 2 for s in range(8)}
     np.testing.assert_allclose(a["pi_logprob"], b["pi_logprob"], atol=1e-5)
     np.testing.assert_allclose(a["entropy"], b["entropy"], atol=1e-5)
     assert (a["kept"] == b["kept"]).all()

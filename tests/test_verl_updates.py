@@ -83,6 +83,8 @@ class _Stub:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("verl.trainer.ppo.v1") is None,
+                    reason="verl before 0.9 has no V1 trainer")
 def test_verls_v1_step_with_four_updates_logs_every_token_of_every_update_once(tmp_path):
     """The review's case (verl V1, ``parameter_sync_step=4``): 16 trajectories a step in 4 calls of 4, each call 2
     updates (2 epochs of one mini-batch): every token of every update logged once, every sample once, every token
