@@ -43,8 +43,23 @@ TIMED = {
 }
 
 
+def _keeping_bits(write_table, bits: bytes):
+    """``pq.write_table`` that writes the logger's ``blocked_rules`` list into every tokens file's footer, as the
+    logger does (the copies of bench_overview's ``replicate`` keep the table's own metadata only)."""
+    def write(table, where, **options):
+        if "/tokens/" in str(where):
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), BITS_KEY: bits})
+        return write_table(table, where, **options)
+
+    return write
+
+
+BITS_KEY = b"trustscope.blocked_rules"
+
+
 def build(logdir: Path, tokens: int, fraction: float, steps: int) -> dict:
-    from bench_overview import replicate
+    import bench_overview
+    import pyarrow.parquet as pq
 
     from trustscope.explain.inject import InjectConfig, write_run
 
@@ -54,7 +69,14 @@ def build(logdir: Path, tokens: int, fraction: float, steps: int) -> dict:
     run = write_run(logdir, RUN_ID, cfg, flush_steps=True)
     per_step = cfg.responses * cfg.length
     total_steps = max(steps, round(tokens / per_step))
-    replicate(run, total_steps)
+    first = next(iter(sorted((run / "tokens").rglob("*.parquet"))))
+    bits = pq.read_metadata(first).metadata[BITS_KEY]
+    plain = bench_overview.pq.write_table
+    bench_overview.pq.write_table = _keeping_bits(plain, bits)
+    try:
+        bench_overview.replicate(run, total_steps)
+    finally:
+        bench_overview.pq.write_table = plain
     return {"steps": total_steps, "tokens": total_steps * per_step, "build_s": time.perf_counter() - start}
 
 
