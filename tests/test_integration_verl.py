@@ -85,8 +85,9 @@ def model_output(micro, pi: torch.Tensor, entropy: torch.Tensor | None = None) -
     def lengths(row: int) -> tuple[int, int]:
         if micro["prompts"].is_nested:  # V1's TransferQueue rows: one unpadded tensor per sample
             return len(micro["prompts"][row]), len(micro["responses"][row])
-        return (int(micro["attention_mask"][row, : micro["prompts"].shape[1]].sum()),
-                int(micro["response_mask"][row].sum()))
+        P = micro["prompts"].shape[1]  # the response's own length: its attended tokens (tool turns and tokens a
+        # rejection sampling masked out of the loss included), as verl's left_right_2_no_padding unpads it
+        return int(micro["attention_mask"][row, :P].sum()), int(micro["attention_mask"][row, P:].sum())
 
     def nested(values: torch.Tensor):
         seqs = []

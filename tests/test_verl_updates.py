@@ -232,3 +232,42 @@ def test_an_epoch_that_trains_other_tokens_is_refused_naming_step_update_and_fie
     logged = _read(tmp_path / "logs" / "moved", "tokens")
     assert sorted(set(logged["update_index"])) == [0, 1] and len(logged) == int(batch.batch["response_mask"].sum())
     hook.close()
+
+
+def test_rollout_rejection_sampling_hides_no_token(tmp_path):
+    """verl's rollout correction (``rollout_rs=token_k1`` with IS weights) through its own
+    ``compute_rollout_correction_and_add_to_batch``, called as the V0 trainer calls it, then its own
+    ``_update_actor``: every token of every response is logged (two epochs: twice), ``rollout_rejected`` is verl's
+    rejection, ``kept`` is False on it, ``is_weight`` is verl's weight, and a multi-turn response's turns come from
+    its tool gap, not from the rejected tokens."""
+    from verl.trainer.ppo import rollout_corr_helper as helper
+
+    batch, pi = make_batch(B=8, seed=61)
+    b = batch.batch
+    b["response_mask"][0, 2:4] = 0  # a tool's answer in response 0: its model turns are pos 0-1 and 4-5
+    b["advantages"] = b["advantages"] * b["response_mask"]
+    structure = b["response_mask"].bool().clone()
+    cfg = ppo_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla",
+                        "algorithm.rollout_correction.rollout_is": "token",
+                        "algorithm.rollout_correction.rollout_rs": "token_k1",
+                        "algorithm.rollout_correction.rollout_rs_threshold": "0.6_1.6"})
+    trainer = local_trainer(cfg, LocalActorGroup(pi))
+    with tv.attach(trainer, tmp_path, run_id="rs"):
+        batch, _ = helper.compute_rollout_correction_and_add_to_batch(batch, cfg.algorithm.rollout_correction)
+        trainer._update_actor(batch)
+    assert helper.compute_rollout_correction_and_add_to_batch.__name__ == "compute_rollout_correction_and_add_to_batch"
+    assert not hasattr(helper.compute_rollout_correction_and_add_to_batch, "__wrapped__")  # restored at close
+    rejected = structure & ~batch.batch["response_mask"].bool()
+    assert 0 < int(rejected.sum()) < int(structure.sum())  # the case exercises the rejection
+    assert S.validate_logdir(tmp_path) == []
+    tokens, samples = _read(tmp_path / "rs", "tokens"), _read(tmp_path / "rs", "samples")
+    assert len(tokens) == 2 * int(structure.sum())  # every token of the response, once per epoch
+    assert sorted(samples.sort_values("sample_id")["length"]) == sorted(structure.sum(-1).tolist())
+    sid, pos = tokens["sample_id"].to_numpy(), tokens["pos"].to_numpy()
+    np.testing.assert_array_equal(tokens["rollout_rejected"], rejected.numpy()[sid, pos])
+    assert tokens["rollout_rejected"].any() and not (tokens["kept"] & tokens["rollout_rejected"]).any()
+    weights = batch.batch["rollout_is_weights"].numpy()[sid, pos]
+    np.testing.assert_allclose(tokens["is_weight"], weights, rtol=1e-6)
+    first = tokens[tokens["sample_id"] == 0].drop_duplicates("pos").sort_values("pos")
+    assert first["pos"].tolist() == [0, 1, 4, 5] and first["turn"].tolist() == [0, 0, 1, 1]
+    assert (tokens[tokens["sample_id"] != 0]["turn"] == 0).all()  # a rejected token starts no turn
