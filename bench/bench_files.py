@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trustscope import schema  # noqa: E402
+from trustscope import runformat  # noqa: E402
 
 RUN_ID = "files"
 K = 8
@@ -151,11 +151,11 @@ def polars_scan(files: list[Path]) -> dict:
 
 
 def n_files(logdir: Path) -> int:
-    return sum(len(f) for run in schema.run_dirs(logdir) for f in schema.committed_files(run).values())
+    return sum(len(f) for run in runformat.run_dirs(logdir) for f in runformat.committed_files(run).values())
 
 
 def side_by_side(steps: int, repeat: int, work: Path) -> None:
-    from trustscope.logger.compaction import compact_logdir
+    from trustscope.runformat.maintenance import compact_logdir
 
     log_run(work / "warm-up", 2, 1, 0)  # torch and the rule masks imported before any log is timed
     logs: dict[str, Path] = {name: work / name for name in ("every_50", "every_step", "compacted", "logger_compacts")}
@@ -168,7 +168,7 @@ def side_by_side(steps: int, repeat: int, work: Path) -> None:
     started = time.perf_counter()
     compact_logdir(logs["compacted"], grace_s=0)
     compaction_s = time.perf_counter() - started
-    rows = json.loads((logs["every_step"] / RUN_ID / schema.MANIFEST).read_text())["rows"]
+    rows = json.loads((logs["every_step"] / RUN_ID / runformat.MANIFEST).read_text())["rows"]
     size = sum(f.stat().st_size for f in (logs["every_step"] / RUN_ID).rglob("*.parquet"))
     print(f"{steps} steps, {rows['tokens']:,} token rows, {size / 1e6:.1f} MB per log; "
           f"trustscope compact of the every-step log: {compaction_s:.2f} s")
@@ -196,7 +196,7 @@ def template(logdir: Path) -> dict[str, tuple[pa.Schema, dict, pa.Table]]:
         tokens, mask, samples = step_data(0, 2, 6)
         lg.log_step(0, tokens=tokens, mask=mask, samples=samples, scalars={"loss": 0.0})
     out = {}
-    for table, [path] in schema.committed_files(logdir / RUN_ID).items():
+    for table, [path] in runformat.committed_files(logdir / RUN_ID).items():
         with pq.ParquetFile(path) as f:
             meta = {k: v for k, v in (f.metadata.metadata or {}).items() if k != b"ARROW:schema"
                     and k not in (f.schema_arrow.metadata or {})}
@@ -224,7 +224,7 @@ def template_bytes(templates: dict[str, tuple[pa.Schema, dict, pa.Table]]) -> di
             low = pa.compute.bit_wise_and(data["sample_id"], pa.scalar(2**32 - 1, pa.int64()))
             ids = pa.compute.add(low, pa.scalar(RANK_MARK << 32, pa.int64()))
             data = data.set_column(data.schema.get_field_index("sample_id"), "sample_id", ids)
-        options = schema.WRITE_OPTIONS[table].writer_kwargs()
+        options = runformat.WRITE_OPTIONS[table].writer_kwargs()
         leaves = [f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name for f in arrow_schema]
         options.pop("compression_level")  # zstd's default level is the logger's (1); NONE takes no level
         options["compression"] = {c: "NONE" if c in ("step", "rank", "sample_id") else options["compression"]
@@ -232,7 +232,7 @@ def template_bytes(templates: dict[str, tuple[pa.Schema, dict, pa.Table]]) -> di
         sink = pa.BufferOutputStream()
         with pq.ParquetWriter(sink, arrow_schema, **options) as w:
             w.write_table(data.cast(arrow_schema))
-            w.add_key_value_metadata({**meta, f"{schema.FLUSH_META_PREFIX}flush".encode(): FLUSH_MARK})
+            w.add_key_value_metadata({**meta, f"{runformat.FLUSH_META_PREFIX}flush".encode(): FLUSH_MARK})
         out[table] = sink.getvalue().to_pybytes()
         for mark in (STEP_MARK.to_bytes(8, "little"), RANK_MARK.to_bytes(4, "little"), FLUSH_MARK):
             assert mark in out[table], (table, mark)
@@ -249,11 +249,11 @@ def write_rank(args: tuple) -> dict[str, int]:
         for table, data in files.items():
             data = data.replace(step_mark, step.to_bytes(8, "little")).replace(rank_mark, rank.to_bytes(4, "little"))
             data = data.replace(FLUSH_MARK, f"{flush:08d}".encode())
-            (run / table / schema.data_file_name(rank, step, step, flush)).write_bytes(data)
+            (run / table / runformat.data_file_name(rank, step, step, flush)).write_bytes(data)
     rows = {t: n * steps for t, n in rows_per_step.items()}
     manifest = {**head, "rank": rank, "committed_flush": steps, "last_step": steps - 1, "rows": rows,
                 "status": "finished", "tokens_generated": rows["tokens"], "tokens_logged": rows["tokens"]}
-    path = run / (schema.MANIFEST if rank == 0 else f"{schema.RANKS_DIR}/rank{rank:04d}.json")
+    path = run / (runformat.MANIFEST if rank == 0 else f"{runformat.RANKS_DIR}/rank{rank:04d}.json")
     path.write_text(json.dumps(manifest, indent=2))
     return rows
 
@@ -262,11 +262,11 @@ def build_at_scale(logdir: Path, ranks: int, steps: int) -> float:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-files-template-") as tmp:
         templates = template(Path(tmp))
-        head = json.loads((Path(tmp) / RUN_ID / schema.MANIFEST).read_text())
+        head = json.loads((Path(tmp) / RUN_ID / runformat.MANIFEST).read_text())
         run = logdir / RUN_ID
-        for sub in (*schema.TABLES, schema.RANKS_DIR):
+        for sub in (*runformat.TABLES, runformat.RANKS_DIR):
             (run / sub).mkdir(parents=True, exist_ok=True)
-        vocab = Path(tmp) / RUN_ID / schema.VOCAB_FILE
+        vocab = Path(tmp) / RUN_ID / runformat.VOCAB_FILE
         if vocab.exists():
             shutil.copy(vocab, run)
     head = {**head, "world_size": ranks, "resumes": []}
@@ -280,7 +280,7 @@ def build_at_scale(logdir: Path, ranks: int, steps: int) -> float:
 def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float) -> None:
     import importlib.util
 
-    from trustscope.logger.compaction import compact_logdir
+    from trustscope.runformat.maintenance import compact_logdir
 
     if importlib.util.find_spec("polars") is None:  # said before the build, not after minutes of it
         raise SystemExit("--scale compares the first pass with polars: pip install 'trustscope[bench]'")
@@ -291,12 +291,12 @@ def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float
     started = time.perf_counter()
     compact_logdir(work, grace_s=0)
     compaction_s = time.perf_counter() - started
-    problems = schema.validate_logdir(work)
+    problems = runformat.validate_logdir(work)
     assert not problems, problems[:3]
     packed = read_times(work, repeat, first_pass=True)
     print(f"trustscope compact: {compaction_s:.1f} s, {files:,} -> {n_files(work):,} files")
     run = work / RUN_ID
-    token_files = schema.committed_files(run)["tokens"]
+    token_files = runformat.committed_files(run)["tokens"]
     token_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in token_files)
     scan = polars_scan(token_files)
     assert scan["steps"] == steps, scan
@@ -341,25 +341,25 @@ def table_format(steps: int, repeat: int, work: Path) -> None:
     not a dependency), then read by DuckDB: write rate, compaction time, files, bytes and read time after."""
     from deltalake import DeltaTable, WriterProperties, write_deltalake
 
-    from trustscope.logger.compaction import compact_logdir
+    from trustscope.runformat.maintenance import compact_logdir
 
     log_run(work / "warm-up", 2, 1, 0)
     ours = work / "trustscope"
     written_s = log_run(ours, steps, 1, 0)
     run = ours / RUN_ID
     flushes: dict[int, dict[str, pa.Table]] = {}
-    for table, files in schema.committed_files(run).items():
+    for table, files in runformat.committed_files(run).items():
         for f in files:
-            flushes.setdefault(schema.parse_data_file(f.name).flush, {})[table] = pq.read_table(f)
+            flushes.setdefault(runformat.parse_data_file(f.name).flush, {})[table] = pq.read_table(f)
     tokens_rows = sum(f["tokens"].num_rows for f in flushes.values())
-    read_before = duckdb_read_s([str(f) for f in schema.committed_files(run)["tokens"]], repeat)
+    read_before = duckdb_read_s([str(f) for f in runformat.committed_files(run)["tokens"]], repeat)
     started = time.perf_counter()
     compact_logdir(ours, grace_s=0)
     compact_s = time.perf_counter() - started
-    our_files = [str(f) for f in schema.committed_files(run)["tokens"]]
+    our_files = [str(f) for f in runformat.committed_files(run)["tokens"]]
     started = time.perf_counter()
     for _ in range(repeat):
-        schema.committed_files(run)
+        runformat.committed_files(run)
     list_s = (time.perf_counter() - started) / repeat
     figures = {"trustscope": {"write_s": written_s, "compact_s": compact_s, "read_before_s": read_before,
                               "read_after_s": duckdb_read_s(our_files, repeat), "list_s": list_s,
@@ -376,7 +376,7 @@ def table_format(steps: int, repeat: int, work: Path) -> None:
     tokens = DeltaTable(delta / "tokens")
     read_before = duckdb_read_s(tokens.file_uris(), repeat)
     started = time.perf_counter()
-    for table in schema.TABLES:
+    for table in runformat.TABLES:
         dt = DeltaTable(delta / table)
         dt.optimize.compact(writer_properties=props)
         dt.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False)

@@ -26,6 +26,7 @@ QUERIES = {
     "verl_rollout_is": "select * from verl_rollout_is",
     "prime_rl_mismatch_kl": "select * from prime_rl_mismatch_kl",
     "slime_mismatch": "select * from slime_mismatch",
+    "trl_sampling": "select * from trl_sampling",
     "framework_metrics": "select * from framework_metrics",
 }
 

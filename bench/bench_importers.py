@@ -132,7 +132,7 @@ elif which == "parse":  # this code's whole read of every step, in this process:
         pass
 elif which == "parquet":  # the Parquet encode of the imported token rows alone, with the logger's options
     import pyarrow as pa, pyarrow.parquet as pq
-    from trustscope import schema as S
+    from trustscope import runformat as S
     table = pa.concat_tables([pq.read_table(f) for f in sorted(out.glob("tokens/*/*.parquet"))]).combine_chunks()
     c0, t0 = cpu(), time.perf_counter()
     with pq.ParquetWriter(out / "floor.parquet", table.schema, **S.WRITE_OPTIONS["tokens"].writer_kwargs()) as w:

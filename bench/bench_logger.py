@@ -35,7 +35,7 @@ import torch
 from logger_cpu import LoggerCPU
 
 from trustscope import divergence
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger import TokenLogger
 
 V = 152_064
@@ -150,7 +150,7 @@ def bench_logger(out: Path, steps: list[dict], n_steps: int, rows_per_file: int,
 
 def encode_only(steps: list[dict], repeat: int = 3) -> dict[str, tuple[float, float]]:
     """CPU seconds per M rows and bytes/row of encoding one step's Arrow table into memory, on one call each: pyarrow
-    with the logger's options (:data:`trustscope.schema.WRITE_OPTIONS`) and polars' ``write_parquet`` (zstd) on the
+    with the logger's options (:data:`trustscope.runformat.layout.WRITE_OPTIONS`) and polars' ``write_parquet`` (zstd) on the
     same table. Best of ``repeat``; polars spreads its call over both cores, pyarrow's call stays on one."""
     table = raw_table(0, steps[0], "encode")
     frame = pl.from_arrow(table)

@@ -34,7 +34,7 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from trustscope.logger import TokenLogger
-    from trustscope.storage import LocalStore
+    from trustscope.runformat.stores import LocalStore
 
     publish = LocalStore.publish
 

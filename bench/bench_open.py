@@ -6,7 +6,7 @@ For each checkout, in fresh processes whose ``PYTHONPATH`` is that checkout: one
 8 x 16 tokens (top-K off, summaries on), flushed after every step, with the logger's default background compaction
 (``compact_every=10``), and closes. Then, each in a new process: the files under the run's table folders (what a
 plain reader lists, and what ``committed_files`` scans), the committed files, the rows a DuckDB glob of the tokens
-folder counts against the rows logged, ``trustscope.schema.committed_files`` (median of ``--repeat``), and
+folder counts against the rows logged, ``trustscope.runformat.commits.committed_files`` (median of ``--repeat``), and
 ``trustscope.db.connect`` plus ``runs()`` on an empty cache, imports (pandas included) apart (median of ``--repeat``, a new process
 each, the two checkouts taking turns). Ratios are this checkout's seconds over the baseline's, in the same command.
 """
@@ -44,7 +44,7 @@ print(time.perf_counter() - started)
 
 SHAPE = """
 import glob, json, os, sys, duckdb
-from trustscope import schema as S
+from trustscope import runformat as S
 run = sys.argv[1]
 listed = sum(len(files) for t in S.TABLES for _, _, files in os.walk(os.path.join(run, t)))
 live = sum(len(files) for files in S.committed_files(run).values())
@@ -57,7 +57,7 @@ print(json.dumps({"listed": listed, "live": live, "glob_rows": rows, "flat_files
 
 LISTING = """
 import sys, time
-from trustscope import schema as S
+from trustscope import runformat as S
 run, repeat = sys.argv[1], int(sys.argv[2])
 times = []
 for _ in range(repeat):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from moto.server import ThreadedMotoServer
 
-from trustscope import storage
+from trustscope import runformat
 from trustscope.db import connect
 from trustscope.logger import TokenLogger
 
@@ -68,7 +68,7 @@ def main() -> None:
     server.start()
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
-    storage.s3_filesystem().mkdir("bench")
+    runformat.s3_filesystem().mkdir("bench")
     rng = np.random.default_rng(0)
     steps = [step_data(rng, args.batch, args.tokens, args.k) for _ in range(args.steps)]
     rows = args.steps * args.batch * args.tokens
@@ -81,10 +81,10 @@ def main() -> None:
             opened, remote = log(url, f"run{r}", steps)
             mirror = scratch / f"mirror{r}"
             t0 = time.perf_counter()
-            storage.mirror(url, mirror)
+            runformat.mirror(url, mirror)
             first = time.perf_counter() - t0
             t0 = time.perf_counter()
-            storage.mirror(url, mirror)
+            runformat.mirror(url, mirror)
             again = time.perf_counter() - t0
             t0 = time.perf_counter()
             with connect(url, cache=False, mirror_dir=mirror) as db:

@@ -58,7 +58,7 @@ def step(B: int, T: int, K: int, turns: bool, seed: int = 0) -> dict[str, np.nda
 
 def table_bytes(rows: list[dict]) -> int:
     """Parquet bytes of ``rows`` as one summaries file, with the logger's schema and encodings."""
-    from trustscope import schema as S
+    from trustscope import runformat as S
 
     n = len(rows)
     given = {"run_id": ["run"] * n, "step": [10] * n, "rank": [0] * n, "part": [0] * n}

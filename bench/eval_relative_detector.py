@@ -42,15 +42,15 @@ def run_dirs(folders: list[Path]) -> list[Path]:
     """The finished runs under ``folders`` (a run still training has no collapse to judge yet)."""
     import json
 
-    from trustscope import schema
+    from trustscope import runformat
 
     def finished(run: Path) -> bool:
         try:
-            return json.loads((run / schema.MANIFEST).read_text()).get("status") == "finished"
+            return json.loads((run / runformat.MANIFEST).read_text()).get("status") == "finished"
         except (OSError, ValueError):
             return False
 
-    return sorted({run for folder in folders for run in schema.run_dirs(folder) if finished(run)})
+    return sorted({run for folder in folders for run in runformat.run_dirs(folder) if finished(run)})
 
 
 def label(run: Path) -> str:

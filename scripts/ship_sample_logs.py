@@ -118,8 +118,8 @@ def check(folder: Path) -> None:
 
 
 def ship(staging: Path, dest: Path) -> None:
-    from trustscope.logger.compaction import compact_logdir
-    from trustscope.storage import exchange
+    from trustscope.runformat.fsops import exchange
+    from trustscope.runformat.maintenance import compact_logdir
 
     build = world_build()
     new = dest.with_name(dest.name + ".new")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trustscope.logger import TokenLogger
-from trustscope.schema import table_of
+from trustscope.runformat.layout import table_of
 
 B, T, K = 8, 16, 5
 

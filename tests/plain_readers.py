@@ -13,7 +13,7 @@ import pandas as pd
 import polars as pl
 import pyarrow.dataset as ds
 
-from trustscope import schema as S
+from trustscope import runformat as S
 
 READERS = ("duckdb", "pyarrow", "pandas", "polars")
 TRIES = 50

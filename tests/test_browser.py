@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from app.pages import PAGES
-from trustscope import schema
+from trustscope import runformat
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_LOGS = ROOT / "sample_logs"
@@ -52,7 +52,7 @@ pytestmark = [
 
 
 def _sample_logs(tmp_path_factory) -> Path:
-    if schema.run_dirs(SAMPLE_LOGS):
+    if runformat.run_dirs(SAMPLE_LOGS):
         return SAMPLE_LOGS
     from trustscope.synthetic import SyntheticConfig, generate_logdir
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from trustscope import __version__
 from trustscope.cli import app
-from trustscope.schema import validate_run
+from trustscope.runformat.validation import validate_run
 from trustscope.synthetic import SyntheticConfig, generate_run
 from trustscope.train.config import TrainConfig
 

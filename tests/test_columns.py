@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from trustscope import columns as C
 from trustscope import db as tsdb
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.logger import TokenLogger
 from trustscope.logger.checks import CHECKERS, TOKEN_INPUTS
-from trustscope.schema import SchemaError
+from trustscope.runformat.errors import SchemaError
 
 B, T = 4, 6
 EXTRA = {"env": "string", "tool_latency": "float32", "tool_calls": "int32"}

@@ -1,4 +1,4 @@
-"""Compaction (trustscope/logger/compaction.py, `trustscope compact`, `TokenLogger(compact_every=...)`): the same rows
+"""Compaction (trustscope/runformat/compaction.py, `trustscope compact`, `TokenLogger(compact_every=...)`): the same rows
 in fewer files, switched over in one manifest write; killed at random, on a full disk, a read-only directory, on S3."""
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from trustscope import schema as S
+from trustscope import runformat as C
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.logger import TokenLogger, drop_steps_after
-from trustscope.logger import compaction as C
+from trustscope.runformat import swap
 
 B, T, K = 4, 8, 3
 STEPS = 24
@@ -396,7 +397,7 @@ def _killed_after_the_first_swap(logdir: Path, holder: tuple[int, int] | None = 
     pid = os.fork()
     if pid == 0:
         try:
-            real = C.exchange
+            real = swap.exchange
 
             def exchange_then_die(a, b):
                 real(a, b)
@@ -406,7 +407,7 @@ def _killed_after_the_first_swap(logdir: Path, holder: tuple[int, int] | None = 
                     os._exit(0)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            C.exchange = exchange_then_die
+            swap.exchange = exchange_then_die
             C.compact_logdir(logdir, grace_s=0)
         finally:
             os._exit(3)
@@ -443,8 +444,8 @@ def test_a_lock_that_a_killed_compactions_child_still_holds_is_waited_for(small,
 
 def test_a_lock_whose_owner_lives_is_not_waited_for(tmp_path):
     """The wait is for owners that are gone only: a live owner's lock is refused at once."""
-    from trustscope.logger.errors import LogDirError
-    from trustscope.logger.runfiles import RunLock
+    from trustscope.runformat.errors import LogDirError
+    from trustscope.runformat.locks import RunLock
 
     held = RunLock(tmp_path, 0)
     held.acquire("c", 0)
@@ -484,18 +485,18 @@ def test_a_swap_that_cannot_be_finished_keeps_the_flush_files_it_would_replace(s
 def test_a_swap_starts_no_process(tmp_path, monkeypatch):
     """The swap finds libc's renameat2 among the loaded symbols: no child process (ctypes.util.find_library runs
     ldconfig in one, which holds a copy of the rank's lock until it execs), once."""
-    from trustscope import storage
+    from trustscope.runformat import fsops
 
     def no_process(*args, **kwargs):
         raise AssertionError("a swap started a process")
 
-    storage._renameat2.cache_clear()
+    fsops._renameat2.cache_clear()
     monkeypatch.setattr(subprocess.Popen, "__init__", no_process)
     monkeypatch.setattr(os, "fork", no_process)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "x").touch()
-    storage.exchange(tmp_path / "a", tmp_path / "b")
+    fsops.exchange(tmp_path / "a", tmp_path / "b")
     assert os.listdir(tmp_path / "b") == ["x"] and os.listdir(tmp_path / "a") == []
 
 
@@ -512,7 +513,7 @@ def test_a_full_disk_leaves_the_log_as_it_was(pristine, tmp_path, monkeypatch):
         def write_table(self, *args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(C.pq, "ParquetWriter", FullDisk)
+    monkeypatch.setattr(pq, "ParquetWriter", FullDisk)
     result = CliRunner().invoke(app, ["compact", str(tmp_path / "log"), "--grace", "0"])
     assert result.exit_code == 1
     assert "No space left on device" in result.output and str(run / "tokens") in result.output
@@ -553,7 +554,7 @@ def test_a_read_only_directory_leaves_the_log_as_it_was(pristine, tmp_path, monk
             raise OSError(errno.EROFS, "Read-only file system", str(where))
         return real_writer(where, *args, **kwargs)
 
-    monkeypatch.setattr(C.pq, "ParquetWriter", read_only)
+    monkeypatch.setattr(pq, "ParquetWriter", read_only)
     folders = [run, *(run / t for t in S.TABLES)]
     for folder in folders:
         folder.chmod(0o555)
@@ -592,14 +593,14 @@ from test_s3 import endpoint  # noqa: E402,F401  (the moto server fixture)
 
 @pytest.mark.filterwarnings("ignore:trustscope. object storage has no locks:UserWarning")
 def test_compaction_on_s3(endpoint, tmp_path, monkeypatch):  # noqa: F811
-    from trustscope import storage
+    from trustscope import runformat
     from trustscope.db import connect
 
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
     url = f"s3://trustscope-test/compact-{os.getpid()}"
     log_steps(url, 0, 9, compact_every=4)  # no background compaction on a store: no atomic swap there
     log_steps(url, 10, 14, resume=True)
-    fs = storage.s3_filesystem()
+    fs = runformat.s3_filesystem()
     names = lambda: sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{url[5:]}/{RUN}/tokens"))  # noqa: E731
     assert not any(S.parse_data_file(n).compacted for n in names()) and len(names()) == 15  # one object a flush
     assert json.loads(fs.cat_file(f"{url[5:]}/{RUN}/run.json"))["logging"]["compact_every"] == 0

@@ -14,9 +14,9 @@ import pyarrow.dataset as ds
 import pytest
 from plain_readers import READERS, step_counts, trustscope_counts
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger import rank_statuses, run_status
-from trustscope.logger.compaction import repair_run
+from trustscope.runformat.maintenance import repair_run
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 ROWS_PER_STEP = 8 * 16  # B * T in crash_writer.py

@@ -24,7 +24,7 @@ import app.launch as launch
 from app import auth
 from app.launch import LOGDIR_ENV
 from app.pages import PAGES
-from trustscope import schema
+from trustscope import runformat
 from trustscope.cli import app as cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
     """sample_logs/ when it holds runs, else a small synthetic log of two runs."""
-    if schema.run_dirs(SAMPLE_LOGS):
+    if runformat.run_dirs(SAMPLE_LOGS):
         return SAMPLE_LOGS
     from trustscope.synthetic import SyntheticConfig, generate_logdir
 
@@ -264,7 +264,7 @@ def test_in_chromium_no_run_data_without_the_token_and_the_runs_page_with_it(log
 
     shutil.rmtree(ARTIFACTS, ignore_errors=True)
     ARTIFACTS.mkdir(parents=True)
-    run_ids = [p.name for p in schema.run_dirs(logdir)]
+    run_ids = [p.name for p in runformat.run_dirs(logdir)]
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     exe = Path(sys.executable).with_name("trustscope")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.demo import DEMO_SETTING, demo_config, link_sample_runs, look_first
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,11 +135,11 @@ def test_an_unknown_toy_world_or_a_warm_start_short_of_its_target_is_refused(mon
 
 
 def test_sample_runs_are_linked_beside_the_demo_run(tmp_path):
-    if not schema.run_dirs(SAMPLE_LOGS):
+    if not runformat.run_dirs(SAMPLE_LOGS):
         pytest.skip("no shipped sample logs in this checkout")
     (tmp_path / "demo-run").mkdir()
     linked = link_sample_runs(tmp_path, SAMPLE_LOGS)
-    assert sorted(linked) == sorted(p.name for p in schema.run_dirs(SAMPLE_LOGS))
+    assert sorted(linked) == sorted(p.name for p in runformat.run_dirs(SAMPLE_LOGS))
     assert all((tmp_path / name).is_symlink() and (tmp_path / name / "run.json").exists() for name in linked)
     assert not os.path.isabs(os.readlink(tmp_path / linked[0]))
     assert link_sample_runs(tmp_path, SAMPLE_LOGS) == []  # a second demo run leaves the links as they are

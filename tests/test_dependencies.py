@@ -193,7 +193,7 @@ print(json.dumps(out))
 """
 
 READER = ("trustscope.cli", "trustscope.entry", "trustscope.sql_command", "trustscope.db", "trustscope.query",
-          "trustscope.report", "trustscope.doctor", "trustscope.schema", "trustscope.storage", "trustscope.logger",
+          "trustscope.report", "trustscope.doctor", "trustscope.runformat", "trustscope.runformat.stores", "trustscope.logger",
           "trustscope.importers", "trustscope.importers.prime_rl", "trustscope.importers.nemo_rl",
           "trustscope.importers.slime", "trustscope.losses", "trustscope.figures", "trustscope._dashboard",
           "app.launch", "app.data", "app.pages", "app.auth", "app.widgets")
@@ -266,10 +266,10 @@ def test_a_checkout_finds_its_dashboard_and_all_its_sample_runs(monkeypatch):
 def test_sql_given_only_a_query_reads_the_sample_runs(tmp_path):
     from typer.testing import CliRunner
 
-    from trustscope import schema
+    from trustscope import runformat
     from trustscope.cli import app
 
     result = CliRunner().invoke(app, ["sql", "select count(distinct run_id) as n from tokens", "--format", "csv"],
                                 env={"TRUSTSCOPE_CACHE": str(tmp_path)})
     assert result.exit_code == 0, result.output
-    assert result.output.split()[-1] == str(len(schema.run_dirs(ROOT / "sample_logs")))
+    assert result.output.split()[-1] == str(len(runformat.run_dirs(ROOT / "sample_logs")))

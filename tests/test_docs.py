@@ -186,7 +186,7 @@ def test_every_sql_object_is_in_the_sql_reference(kind):
 
 def test_every_log_column_is_in_the_schema_reference():
     """docs/logging.md's table of each Parquet table lists every column with its Arrow type and nullability."""
-    from trustscope.schema import SCHEMAS
+    from trustscope.runformat.layout import SCHEMAS
 
     logging_md = doc("logging.md")
     missing = []

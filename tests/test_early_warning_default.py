@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trustscope import report
+from trustscope import early_warning
 from trustscope import trackers as T
 from trustscope.db import connect
 from trustscope.synthetic import SyntheticConfig, generate_run
@@ -41,13 +41,13 @@ def published_sql() -> str:
 
 def test_the_default_is_the_published_detector(run):
     with connect(run) as db:
-        got = report.collapse_warnings(db, ["live"])
+        got = early_warning.collapse_warnings(db, ["live"])
         want = db.sql(published_sql()).to_pandas()
     both = got.merge(want, on=["run_id", "step"], suffixes=("", "_sql"))
     assert len(both) == len(got) == 12 and got["score"].notna().all()
     np.testing.assert_allclose(both["score"], both["score_sql"], rtol=0, atol=1e-9)
     assert both["warn_score"].tolist() == both["warning_sql"].astype(bool).tolist()
-    assert not got["warn_score"].iloc[:report.DETECTOR.window - 1].any()  # a full window before it can warn
+    assert not got["warn_score"].iloc[:early_warning.DETECTOR.window - 1].any()  # a full window before it can warn
     # the lines stay beside it: a step warns by either
     assert got["warning"].tolist() == (got["warn_score"] | got["warn_bad_rate"] | got["warn_mismatch"]).tolist()
 
@@ -56,21 +56,21 @@ def test_runs_without_the_signals_keep_the_lines(legacy_logs):
     """A run logged before the importance-weight summaries (tests/data/legacy): the lines decide, as they did."""
     with connect(legacy_logs) as db:
         runs = sorted(db.overview().steps["run_id"].unique())
-        got = report.collapse_warnings(db, runs)
-        lines = report.collapse_warnings(db, runs, detector=None)
+        got = early_warning.collapse_warnings(db, runs)
+        lines = early_warning.collapse_warnings(db, runs, detector=None)
     assert got["score"].isna().all() and not got["warn_score"].any()
     assert got["warning"].tolist() == lines["warning"].tolist() and got["warning"].any()
-    assert report.first_warnings(got) == report.first_warnings(lines)
+    assert early_warning.first_warnings(got) == early_warning.first_warnings(lines)
 
 
 def test_a_run_that_warns_says_so_in_the_detectors_words(run):
-    low = report.Detector(weights=report.DETECTOR.weights, bias=report.DETECTOR.bias, threshold=-1e9)
+    low = early_warning.Detector(weights=early_warning.DETECTOR.weights, bias=early_warning.DETECTOR.bias, threshold=-1e9)
     with connect(run) as db:
-        always = report.collapse_warnings(db, ["live"], detector=low)
-        never = report.collapse_warnings(db, ["live"], detector=report.Detector(
-            weights=report.DETECTOR.weights, bias=report.DETECTOR.bias, threshold=1e9))
+        always = early_warning.collapse_warnings(db, ["live"], detector=low)
+        never = early_warning.collapse_warnings(db, ["live"], detector=early_warning.Detector(
+            weights=early_warning.DETECTOR.weights, bias=early_warning.DETECTOR.bias, threshold=1e9))
     assert always["warn_score"].tolist() == [False] * 4 + [True] * 8 and not never["warn_score"].any()
-    text = report.first_warnings(always, low)["live"]
+    text = early_warning.first_warnings(always, low)["live"]
     assert text.startswith("collapse warning from step 4 (early-warning score") and "ESS of pi/mu" in text
 
 
@@ -85,7 +85,7 @@ def test_the_bad_rate_line_warns_where_the_detector_extrapolates_low():
                           "n_bad_negative": [0.0] * 6 + [50.0] * 6, "mismatch_mean": 0.02,
                           "log_ratio_std": [0.1] * 6 + [1.4] * 6, "ess_frac": [0.99] * 6 + [0.3] * 6,
                           "bad_negative_rate": [0.0] * 6 + [0.5] * 6})
-    got = report.collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["r"])
+    got = early_warning.collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["r"])
     assert not got["warn_score"].any() and got["warn_bad_rate"].iloc[-1] and got["warning"].iloc[-1]
 
 
@@ -93,7 +93,7 @@ def test_the_live_tracker_warning_reads_as_the_report(run):
     """Step by step from the committed summaries rows, as an integration reports it: the same score and warning
     as the report over the whole run."""
     with connect(run) as db:
-        want = report.collapse_warnings(db, ["live"])
+        want = early_warning.collapse_warnings(db, ["live"])
     assert want["score"].notna().all()
     warning, got = T.EarlyWarning(), []
     for step in range(12):

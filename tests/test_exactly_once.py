@@ -20,10 +20,10 @@ import pytest
 from plain_readers import READERS, step_counts, trustscope_counts
 from typer.testing import CliRunner
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.logger import TokenLogger
-from trustscope.logger.compaction import repair_run
+from trustscope.runformat.maintenance import repair_run
 
 B, T = 8, 16
 WRITER = Path(__file__).with_name("crash_writer.py")
@@ -160,7 +160,7 @@ def test_validate_names_stray_files_and_repair_removes_only_what_is_provably_sup
     flush_files = sorted(folder.iterdir())
     kept = {p: p.read_bytes() for p in flush_files}
     log(tmp_path, "run", 10, 10, compact_every=0)
-    from trustscope.logger.compaction import compact_logdir
+    from trustscope.runformat.maintenance import compact_logdir
 
     compact_logdir(tmp_path, grace_s=0)
     superseded = flush_files[3]
@@ -187,7 +187,7 @@ def test_validate_names_stray_files_and_repair_removes_only_what_is_provably_sup
 
 
 def test_a_compaction_killed_before_its_swap_is_finished_by_the_next_writer(tmp_path, monkeypatch):
-    from trustscope.logger import compaction as C
+    from trustscope.runformat import compaction
 
     log(tmp_path, "run", 0, 5, compact_every=0)
     run = tmp_path / "run"
@@ -195,9 +195,9 @@ def test_a_compaction_killed_before_its_swap_is_finished_by_the_next_writer(tmp_
     def killed(*args, **kwargs):  # the record is saved, the staged folders wait: the process dies here
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(C, "_swap", killed)
+    monkeypatch.setattr(compaction, "swap_in", killed)
     with pytest.raises(KeyboardInterrupt):
-        C.compact_logdir(tmp_path, grace_s=0)
+        S.compact_logdir(tmp_path, grace_s=0)
     monkeypatch.undo()
     assert (run / S.STAGING_DIR).is_dir() and S.read_manifest(run)[S.COMPACTED_KEY]
     for reader in READERS:  # the record is saved, its files not yet in place: the flush files are read
@@ -239,12 +239,12 @@ def test_on_s3_a_listing_of_the_prefix_reads_each_row_once_and_strays_are_named(
                                                                                  monkeypatch):
     import pyarrow.parquet as pq
 
-    from trustscope import storage
+    from trustscope import runformat
 
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
     url = f"s3://trustscope-test/once-{os.getpid()}"
     log(url, "run", 0, 11)  # compact_every=10 asked (the default): no background compaction on a store
-    fs = storage.s3_filesystem()
+    fs = runformat.s3_filesystem()
     prefix = f"{url[5:]}/run/tokens"
 
     def listed_rows() -> int:  # a plain reader of the prefix: every object under it, recursively

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from trustscope.importers import import_run
-from trustscope.schema import committed_files, validate_logdir
+from trustscope.runformat.commits import committed_files
+from trustscope.runformat.validation import validate_logdir
 
 DATA = Path(__file__).resolve().parent / "data"
 

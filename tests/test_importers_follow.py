@@ -28,7 +28,7 @@ from trustscope.cli import app
 from trustscope.db import connect
 from trustscope.importers import ImportFormatError, ImportUsageError, follow_run, import_run
 from trustscope.importers.follow import SourceGone
-from trustscope.schema import validate_logdir
+from trustscope.runformat.validation import validate_logdir
 
 FAST = {"poll_s": 0.05, "settle_s": 0.0}
 WAIT_S = 60.0  # the longest a writer waits for the follower (a loaded machine); never reached when it works

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trustscope.importers import ImportFormatError, import_run
-from trustscope.schema import validate_logdir
+from trustscope.runformat.validation import validate_logdir
 
 V, PAD = 40, 0
 

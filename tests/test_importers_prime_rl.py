@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from trustscope.cli import app
 from trustscope.importers import ImportFormatError, import_run
-from trustscope.schema import validate_logdir
+from trustscope.runformat.validation import validate_logdir
 
 V = 64  # vocab of the fake model
 DPPO_LOW, DPPO_HIGH = 0.2, 0.2
@@ -433,10 +433,10 @@ def test_existing_run_is_not_touched(tmp_path):
 
 
 def test_import_syncs_each_file_once_before_the_run_appears(tmp_path, monkeypatch):
-    import trustscope.storage
+    from trustscope.runformat import fsops
 
     synced: list[tuple[Path, bool]] = []  # (path, whether the run was in place then)
-    monkeypatch.setattr(trustscope.storage, "fsync_file",
+    monkeypatch.setattr(fsops, "fsync_file",
                         lambda path: synced.append((Path(path), (tmp_path / "logs" / "p").exists())))
     write_export(tmp_path / "out", steps=2)
     run_dir = import_run("prime-rl", tmp_path / "out", tmp_path / "logs", run_id="p")

@@ -23,8 +23,6 @@ PACKAGE = ROOT / "trustscope"
 ALLOWED_EDGES = {
     ("trustscope.losses", "trustscope.policy"):
         "a LossRule is callable as a loss: its __call__ (and its type hints) reach the torch side on first use",
-    ("trustscope.logger.runfiles", "trustscope.logger.compaction"):
-        "drop_steps_after cuts compacted files, while compaction takes the rank's lock from runfiles",
 }
 """Import edges whose circles are known and tolerated, each with the reason. Keep it empty."""
 

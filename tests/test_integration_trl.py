@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from typer.testing import CliRunner
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.capture import CaptureHook, NoLogitsError
 from trustscope.cli import app
 from trustscope.db import connect

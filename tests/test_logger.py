@@ -15,7 +15,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger import LogDirError, LogWarning, NullLogger, SchemaError, TokenLogger, run_status
 
 B, T, K, V = 4, 6, 3, 50

@@ -12,7 +12,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from trustscope.logger import LogWarning, TokenLogger
-from trustscope.storage import LocalStore
+from trustscope.runformat.stores import LocalStore
 
 B, T = 4, 25  # 100 token rows a call
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger import LogDirError, TokenLogger, rank_statuses, run_status, run_summary
 from trustscope.logger import writer as writer_module
 

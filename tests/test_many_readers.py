@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from app.pages import PAGES
-from trustscope import schema
+from trustscope import runformat
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_LOGS = ROOT / "sample_logs"
@@ -50,7 +50,7 @@ def _bench():
 
 def _logs(tmp_path: Path) -> Path:
     logdir = tmp_path / "logs"
-    if schema.run_dirs(SAMPLE_LOGS):
+    if runformat.run_dirs(SAMPLE_LOGS):
         shutil.copytree(SAMPLE_LOGS, logdir)
         return logdir
     from trustscope.synthetic import SyntheticConfig, generate_logdir

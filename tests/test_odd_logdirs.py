@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from app.launch import LOGDIR_ENV
 from trustscope import db as tsdb
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.synthetic import SyntheticConfig, generate_run
 

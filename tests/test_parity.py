@@ -226,7 +226,7 @@ def test_logger_stores_routing_and_summarises_it_exactly_at_any_fraction(tmp_pat
 def test_logger_refuses_bad_routing_naming_field_and_shapes(tmp_path):
     from trustscope.db import connect
     from trustscope.logger import TokenLogger
-    from trustscope.schema import SchemaError
+    from trustscope.runformat.errors import SchemaError
 
     tokens = routed_batch(np.random.default_rng(1))[0]
     with TokenLogger(tmp_path, "dense") as logger, pytest.raises(

@@ -16,8 +16,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from trustscope import schema as S
-from trustscope import storage
+from trustscope import runformat
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.db import connect
 from trustscope.logger import LogDirError, LogWarning, TokenLogger
@@ -61,7 +61,7 @@ def endpoint():
             mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
             mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
             mp.setenv("AWS_ENDPOINT_URL", url)
-            storage.s3_filesystem().mkdir(BUCKET)
+            runformat.s3_filesystem().mkdir(BUCKET)
             yield url
     finally:
         server.terminate()
@@ -95,7 +95,7 @@ def log_run(logdir, run_id: str, steps, **kwargs) -> dict:
 
 
 def objects(prefix: str) -> list[str]:
-    return sorted(storage.s3_filesystem().find(prefix))
+    return sorted(runformat.s3_filesystem().find(prefix))
 
 
 @pytest.mark.slow
@@ -169,21 +169,21 @@ def test_a_flush_cut_off_mid_upload_stays_invisible_until_its_parts_are_gone(end
     uploaded fails too): that object would turn visible with the next commit, so no commit happens until it is
     deleted. Then the run reads as if the failed flush had never been written."""
     url = f"s3://{BUCKET}/cutoff"
-    publish, delete = storage.ObjectStore.publish, storage.ObjectStore.delete
+    publish, delete = runformat.ObjectStore.publish, runformat.ObjectStore.delete
     down = {"publish": False, "delete": False}
 
     def flaky_publish(self, tmp, final, fsync):
         if down["publish"] and S.table_of(final) != "tokens":
-            raise storage.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
+            raise runformat.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
         publish(self, tmp, final, fsync)
 
     def flaky_delete(self, path):
         if down["delete"]:
-            raise storage.StorageError(f"cannot delete {self.url_of(path)}: connection reset")
+            raise runformat.StorageError(f"cannot delete {self.url_of(path)}: connection reset")
         delete(self, path)
 
-    monkeypatch.setattr(storage.ObjectStore, "publish", flaky_publish)
-    monkeypatch.setattr(storage.ObjectStore, "delete", flaky_delete)
+    monkeypatch.setattr(runformat.ObjectStore, "publish", flaky_publish)
+    monkeypatch.setattr(runformat.ObjectStore, "delete", flaky_delete)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LogWarning)
         lg = TokenLogger(url, "r1", strict=False, flush_seconds=3600)
@@ -205,7 +205,7 @@ def test_a_flush_cut_off_mid_upload_stays_invisible_until_its_parts_are_gone(end
 def test_validate_names_problems_by_their_s3_path(endpoint):
     url = f"s3://{BUCKET}/broken"
     log_run(url, "r1", range(1))
-    storage.s3_filesystem().pipe_file(f"{BUCKET}/broken/r1/ranks/rank0001.json", b"{not json")
+    runformat.s3_filesystem().pipe_file(f"{BUCKET}/broken/r1/ranks/rank0001.json", b"{not json")
     result = CliRunner().invoke(app, ["validate", url])
     assert result.exit_code == 1
     assert f"{url}/r1/ranks/rank0001.json: unreadable rank manifest" in result.output
@@ -220,7 +220,7 @@ def test_readers_see_only_committed_flushes(endpoint, tmp_path):
     the run removes it."""
     url = f"s3://{BUCKET}/uncommitted"
     log_run(url, "r1", range(2))
-    fs = storage.s3_filesystem()
+    fs = runformat.s3_filesystem()
     tokens = [o for o in objects(f"{BUCKET}/uncommitted/r1/tokens")]
     orphan = f"{BUCKET}/uncommitted/r1/tokens/{S.data_file_name(0, 7, 7, 3)}"
     fs.copy(tokens[0], orphan)
@@ -287,7 +287,7 @@ def test_an_unreachable_endpoint_fails_at_open_with_the_url_and_the_cause(endpoi
     options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"retries": {"max_attempts": 1}}}
     with pytest.raises(LogDirError, match=rf"{re.escape(url)}.*cannot be reached: EndpointConnectionError"):
         TokenLogger(url, "r1", storage_options=options)
-    with pytest.raises(storage.StorageError, match=rf"{re.escape(url)}.*cannot be reached"):
+    with pytest.raises(runformat.StorageError, match=rf"{re.escape(url)}.*cannot be reached"):
         connect(url, storage_options=options, mirror_dir=tmp_path)
 
 
@@ -295,7 +295,7 @@ def test_a_missing_bucket_fails_at_open_with_the_url_and_the_cause(endpoint, tmp
     url = "s3://no-such-bucket/logs"
     with pytest.raises(LogDirError, match=r"s3://no-such-bucket/logs.*bucket 'no-such-bucket' does not exist"):
         TokenLogger(url, "r1")
-    with pytest.raises(storage.StorageError, match="bucket 'no-such-bucket' does not exist"):
+    with pytest.raises(runformat.StorageError, match="bucket 'no-such-bucket' does not exist"):
         connect(url, mirror_dir=tmp_path)
     result = CliRunner().invoke(app, ["validate", url])
     assert result.exit_code == 2 and "bucket 'no-such-bucket' does not exist" in result.output
@@ -318,20 +318,20 @@ def test_a_failed_upload_loses_its_flush_alone(endpoint, tmp_path, monkeypatch):
     """A flush whose upload fails is lost (counted in the manifest's ``lost``, the rank ends ``crashed``); the
     flushes before it stay committed and readable, the ones after it commit as usual."""
     url = f"s3://{BUCKET}/failing"
-    real = storage.ObjectStore.publish
+    real = runformat.ObjectStore.publish
 
     def unreachable(self, tmp, final, fsync):
-        raise storage.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
+        raise runformat.StorageError(f"cannot upload {self.url_of(final)}: connection reset")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LogWarning)
         lg = TokenLogger(url, "r1", strict=False, flush_seconds=3600)
         for step in range(4):
             if step == 2:
-                monkeypatch.setattr(storage.ObjectStore, "publish", unreachable)
+                monkeypatch.setattr(runformat.ObjectStore, "publish", unreachable)
             lg.log_step(step, **step_data(step))
             lg.flush()
-            monkeypatch.setattr(storage.ObjectStore, "publish", real)
+            monkeypatch.setattr(runformat.ObjectStore, "publish", real)
         lg.close()
     manifest = lg.manifest
     assert manifest["status"] == "crashed" and "connection reset" in manifest["error"]
@@ -344,13 +344,13 @@ def test_a_failed_upload_loses_its_flush_alone(endpoint, tmp_path, monkeypatch):
 def test_a_slow_bucket_drops_counted_whole_sequences_under_the_memory_bound(endpoint, monkeypatch):
     """Uploads throttled to a fraction of the logging rate, ``on_full="drop"``: the buffered rows stay under the
     bound, log_step does not wait for the uploads, and what was not uploaded is exactly what run.json counts."""
-    upload = storage.ObjectStore.publish
+    upload = runformat.ObjectStore.publish
 
     def slow(self, tmp, final, fsync):
         time.sleep(0.2)
         upload(self, tmp, final, fsync)
 
-    monkeypatch.setattr(storage.ObjectStore, "publish", slow)
+    monkeypatch.setattr(runformat.ObjectStore, "publish", slow)
     url, steps, bound = f"s3://{BUCKET}/slow", 10, 2 * B * T
     with (pytest.warns(LogWarning, match="dropped .* sequence"),
           TokenLogger(url, "slow", flush_rows=B * T, max_buffered_rows=bound, on_full="drop", summaries=False,
@@ -370,12 +370,13 @@ def test_a_slow_bucket_drops_counted_whole_sequences_under_the_memory_bound(endp
 def test_a_resumed_run_on_s3_is_cut_back_to_the_checkpoint_step(endpoint, tmp_path):
     """A run on s3:// resumed from step 2 (steps 3 and 4 were logged before a crash, one of them compacted with
     the steps before): cut_back drops them on the store, the resumed steps are logged once; drop_steps_after cuts
-    an s3:// run too, and a resume beyond the log is refused naming the run, the rank and the steps."""
-    from trustscope.logger import ResumeError, drop_steps_after
+    an s3:// run too, and a resume beyond the log goes on, counted as a logging incident naming the rank and the
+    steps."""
+    from trustscope.logger import drop_steps_after
 
     url = f"s3://{BUCKET}/resume"
     log_run(url, "r1", range(4))
-    from trustscope.logger.compaction import compact_logdir
+    from trustscope.runformat.maintenance import compact_logdir
 
     compact_logdir(url, grace_s=0)  # the logger does not compact on an object store; trustscope compact does
     before = log_run(url, "r1", [4], resume=True)
@@ -397,6 +398,7 @@ def test_a_resumed_run_on_s3_is_cut_back_to_the_checkpoint_step(endpoint, tmp_pa
     assert drop_steps_after(f"{url}/r1", 3) > 0
     with TokenLogger(url, "r1", resume=True) as lg:
         assert lg.manifest["last_step"] == 3 and lg.manifest["rows"]["steps"] == 4
-        with pytest.raises(ResumeError, match=r"cannot resume run 'r1' after step 7: rank 0 logged only up to "
-                                              r"step 3"):
-            lg.cut_back(7)
+        # a resume beyond the log goes on: one warning, the incident in the manifest, nothing cut
+        with pytest.warns(LogWarning, match=r"resumed after step 7, but rank 0 logged only up to step 3: steps 4-7"):
+            assert lg.cut_back(7) == 0
+        assert lg.incidents["resume_log_short"]["count"] == 1 and lg.manifest["rows"]["steps"] == 4

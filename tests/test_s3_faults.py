@@ -22,7 +22,7 @@ from s3_faults import FAULTS, FaultProxy
 from test_s3 import BUCKET, B, T, endpoint, private_cache, step_data  # noqa: F401  (fixtures)
 from typer.testing import CliRunner
 
-from trustscope import storage
+from trustscope import runformat
 from trustscope.cli import app
 from trustscope.db import connect
 from trustscope.logger import LogDirError, LogWarning, TokenLogger
@@ -135,7 +135,7 @@ def test_an_upload_failing_past_the_bound_loses_its_flush_alone(proxy, endpoint,
     assert faults["gave_up"] == 1 and faults["last"]["kind"] == "reset" and faults["last"]["gave_up"]
     assert faults["last"]["object"].startswith(f"{url}/r1/samples/")
     assert assert_whole(steps_seen(url, endpoint, tmp_path / "mirror")) == [0, 1, 3, 4]
-    fs = storage.s3_filesystem()
+    fs = runformat.s3_filesystem()
     assert not [o for o in fs.find(f"{BUCKET}/past-bound/r1") if "-s000002-" in o], "an object of step 2 is left"
     assert CliRunner().invoke(app, ["validate", url]).exit_code == 0
 
@@ -227,7 +227,7 @@ def test_fault_kinds_are_told_apart_through_the_wrappers():
         out.__cause__ = err
         return out
 
-    kind = storage.fault_kind
+    kind = runformat.fault_kind
     assert kind(translated(client_error("SlowDown", 503))) == "throttled"
     assert kind(client_error("InternalError", 500)) == "server"
     assert kind(client_error("RequestTimeout", 400)) == "timeout"
@@ -241,11 +241,11 @@ def test_fault_kinds_are_told_apart_through_the_wrappers():
 
 def test_bad_retry_options_are_refused_naming_the_field(endpoint):
     with pytest.raises(ValueError, match=r"trustscope_retry.attempts must be an int >= 1, got 0"):
-        storage.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"attempts": 0}})
+        runformat.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"attempts": 0}})
     with pytest.raises(ValueError, match=r"trustscope_retry: unknown field\(s\) \['tries'\]"):
-        storage.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"tries": 3}})
+        runformat.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"tries": 3}})
     with pytest.raises(ValueError, match=r"trustscope_retry.read_timeout_s must be a finite number.*got -1"):
-        storage.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"read_timeout_s": -1}})
+        runformat.ObjectStore(f"s3://{BUCKET}/x", {"trustscope_retry": {"read_timeout_s": -1}})
 
 
 KILLS = int(os.environ.get("TRUSTSCOPE_S3_KILLS", "4"))
@@ -278,7 +278,7 @@ def test_a_writer_killed_at_random_during_uploads_leaves_whole_flushes(proxy, en
             writer.stderr.close()
         steps = assert_whole(steps_seen(url, endpoint, tmp_path / f"mirror-{kill}"))
         assert steps == list(range(len(steps))), f"kill {kill}: steps {steps}"
-        manifest = json.loads(storage.s3_filesystem().cat_file(f"{BUCKET}/killed/{run}/run.json"))
+        manifest = json.loads(runformat.s3_filesystem().cat_file(f"{BUCKET}/killed/{run}/run.json"))
         assert manifest["rows"]["tokens"] == len(steps) * B * T and manifest["last_step"] == (steps or [None])[-1]
         result = runner.invoke(app, ["validate", url])
         problems = [line for line in result.output.splitlines() if line.startswith("s3://")]

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.cli import app
 from trustscope.logger import TokenLogger
 

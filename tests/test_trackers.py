@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 
 from trustscope.db import Overview, connect
+from trustscope.early_warning import WarningLines, collapse_warnings
 from trustscope.logger import TokenLogger
 from trustscope.query.analyses import OVERVIEW_COLUMNS
-from trustscope.report import WarningLines, collapse_warnings
 from trustscope.trackers import (
     EarlyWarning,
     LiveTrackerAlerts,
@@ -344,14 +344,14 @@ def test_trainer_report_to_tensorboard(tmp_path, toy_model_dir):
 def test_the_trainers_reporting_takes_the_warning_lines(tmp_path):
     """``RunReporting(..., lines=...)`` (the trainer's ``warn_relative``) hands its lines to the live warning,
     which then scores the relative detector; without them, the default lines and detector."""
-    from trustscope import report
+    from trustscope import early_warning
     from trustscope.train.config import ConfigError, TrainConfig
 
     relative = RunReporting(None, [], None, tmp_path, "r", lines=WarningLines(relative_z=6))
     assert relative.reporter.warning.lines.relative_z == 6
-    assert relative.reporter.warning.detector is report.RELATIVE_DETECTOR
+    assert relative.reporter.warning.detector is early_warning.RELATIVE_DETECTOR
     plain = RunReporting(None, [], None, tmp_path, "r")
-    assert plain.reporter.warning.detector is report.DETECTOR and plain.reporter.warning.lines == WarningLines()
+    assert plain.reporter.warning.detector is early_warning.DETECTOR and plain.reporter.warning.lines == WarningLines()
     assert TrainConfig(run_id="x", warn_relative="6").warn_relative == 6.0
     with pytest.raises(ConfigError, match="warn_relative=-1"):
         TrainConfig(run_id="x", warn_relative=-1)

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from trustscope.cli import app
-from trustscope.schema import validate_run
+from trustscope.runformat.validation import validate_run
 from trustscope.train.config import TrainConfig
 from trustscope.train.loop import group_advantages, latest_checkpoint, lr_lambda, train
 
@@ -165,7 +165,7 @@ def test_a_run_killed_mid_training_resumes_with_each_step_once(tmp_path):
     import sys
     import time
 
-    from trustscope import schema as S
+    from trustscope import runformat as S
 
     args = ["--engine", "hf", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "6", "--eval-every",
             "0", "--save-every", "2", "--steps", "4", "--threads", "1"]

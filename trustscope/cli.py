@@ -269,13 +269,14 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
     clean."""
     import tempfile
 
-    from trustscope import storage
-    from trustscope.schema import SCHEMA_VERSION, run_dirs, validate_logdir
+    from trustscope import runformat
+    from trustscope.runformat.layout import SCHEMA_VERSION
+    from trustscope.runformat.validation import run_dirs, validate_logdir
 
     if repair:
-        from trustscope.logger.compaction import repair_run
+        from trustscope.runformat.maintenance import repair_run
 
-        if storage.is_remote(logdir):
+        if runformat.is_remote(logdir):
             typer.echo("trustscope validate: --repair works on local log directories; on s3:// run "
                        "`trustscope compact`, which finishes and cleans what it can", err=True)
             raise typer.Exit(2)
@@ -287,10 +288,10 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
                 typer.echo(f"repair: {run}: {line}")
     with tempfile.TemporaryDirectory(prefix="trustscope-validate-") as scratch:
         local = Path(logdir)
-        if storage.is_remote(logdir):  # the committed objects and their manifests, copied whole
+        if runformat.is_remote(logdir):  # the committed objects and their manifests, copied whole
             try:
-                local = storage.mirror(logdir, Path(scratch))
-            except (storage.StorageError, ValueError) as exc:
+                local = runformat.mirror(logdir, Path(scratch))
+            except (runformat.StorageError, ValueError) as exc:
                 typer.echo(f"trustscope validate: {exc}", err=True)
                 raise typer.Exit(2) from exc
         if not local.is_dir():
@@ -301,10 +302,10 @@ def validate(logdir: str = typer.Argument(..., help="A log directory, one run di
             inside = problem.path.relative_to(local).as_posix() if local != Path(logdir) else None
             where = problem.path if inside is None else logdir if inside == "." else f"{logdir}/{inside}"
             typer.echo(f"{where}: {problem.message}")
-        if storage.is_remote(logdir):  # what a plain reader of the prefix reads and no manifest commits
+        if runformat.is_remote(logdir):  # what a plain reader of the prefix reads and no manifest commits
             try:
-                strays = storage.stray_objects(logdir)
-            except storage.StorageError as exc:
+                strays = runformat.stray_objects(logdir)
+            except runformat.StorageError as exc:
                 typer.echo(f"trustscope validate: {exc}", err=True)
                 raise typer.Exit(2) from exc
             for url in strays:
@@ -333,8 +334,9 @@ def compact(
     compacts its own files (TokenLogger(compact_every=...)). On s3:// and file systems that cannot swap folders,
     a tool listing the files in the moment between a compacted file's landing and the deletion of the files it
     replaces counts their rows twice (docs/logging.md)."""
-    from trustscope.logger.compaction import CompactionError, compact_logdir
-    from trustscope.storage import StorageError
+    from trustscope.runformat.errors import CompactionError
+    from trustscope.runformat.maintenance import compact_logdir
+    from trustscope.runformat.retry import StorageError
 
     try:
         results = compact_logdir(logdir, grace_s=grace, force=force,
@@ -355,6 +357,8 @@ def report(
     logdir: str | None = typer.Argument(None, help="A log directory, one run directory inside it, or an "
                                         "s3://bucket/prefix (default: the sample logs)."),
     html: Path | None = typer.Option(None, "--html", help="Also write an HTML page of charts."),
+    output_format: str = typer.Option("text", "--format", help="text: tables fitted to the terminal's width; "
+                                      "json: every figure of the report as one JSON object, for scripts."),
     inline_js: bool = typer.Option(False, "--inline-js", help="Put plotly.js inside the HTML page (one "
                                    "self-contained file, ~5 MB more) instead of plotly.min.js beside it."),
     warn_bad_rate: float = typer.Option(0.01, help="Collapse warning (beside the fitted detector, on "
@@ -385,13 +389,17 @@ def report(
 
     from trustscope.db import NoRunsFound, connect_readable
     from trustscope.distributed import RayUnavailable, RayUnavailableWarning
-    from trustscope.report import WarningLines, print_report, write_html
-    from trustscope.storage import StorageError
+    from trustscope.early_warning import WarningLines
+    from trustscope.report import print_json, print_report, write_html
+    from trustscope.runformat.retry import StorageError
 
     if logdir is None:
         from trustscope.paths import sample_logdir
 
         logdir = str(sample_logdir())
+    if output_format not in ("text", "json"):
+        typer.echo(f"trustscope report: --format {output_format!r}: use text or json", err=True)
+        raise typer.Exit(2)
     rule_params = _rule_params("report", rule)
     if budget is not None:
         try:
@@ -407,7 +415,10 @@ def report(
         for warning in caught:
             typer.echo(f"trustscope report: {warning.message}", err=True)
         with db:
-            print_report(db, broken=broken, lines=lines, budget=budget)
+            if output_format == "json":
+                print_json(db, broken=broken, lines=lines, budget=budget)
+            else:
+                print_report(db, broken=broken, lines=lines, budget=budget)
             if html is not None:
                 typer.echo(f"wrote {write_html(db, html, inline_js=inline_js, broken=broken, lines=lines)}")
     except (FileNotFoundError, NoRunsFound, StorageError, ValueError, RayUnavailable) as exc:

@@ -102,7 +102,7 @@ def check_port(host: str, port: int) -> None:
 def link_sample_runs(logdir: Path, samples: Path | None = None) -> list[str]:
     """Link every shipped run (``sample_logs/<run>``) into ``logdir`` beside the demo run, so one log directory
     holds both; existing entries are left alone. Returns the names linked (none when no sample logs are found)."""
-    from trustscope import schema
+    from trustscope import runformat
     from trustscope.paths import sample_logdir
 
     samples = Path(samples or sample_logdir()).resolve()
@@ -110,7 +110,7 @@ def link_sample_runs(logdir: Path, samples: Path | None = None) -> list[str]:
         return []
     Path(logdir).mkdir(parents=True, exist_ok=True)
     linked = []
-    for run in schema.run_dirs(samples):
+    for run in runformat.run_dirs(samples):
         link = Path(logdir) / run.name
         if link.exists() or link.is_symlink():
             continue

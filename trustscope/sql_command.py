@@ -64,7 +64,7 @@ def sql(logdir: str, query: str | None, fmt: str, out: Path | None, max_rows: in
     sandbox.prewarm(fork=ONE_SHOT)  # the SQL worker gets ready while this process opens the log directory
     from trustscope.db import NoRunsFound, QueryRefused, QueryStopped, connect_readable
     from trustscope.results import preload, write_result
-    from trustscope.storage import StorageError
+    from trustscope.runformat.retry import StorageError
 
     if fmt not in FORMATS:
         click.echo(f"trustscope sql: --format {fmt!r} is not one of {', '.join(FORMATS)}", err=True)

@@ -20,7 +20,7 @@ trackers with no change here:
 ``<group>`` is the metric's name, but for the two mismatch metrics (:data:`ALIASES`): ``abs_prob_diff`` is
 ``trustscope/mismatch/abs_*`` and ``prob_diff`` is ``trustscope/mismatch/*``. ``trustscope/step`` is the step the
 figures describe. :class:`EarlyWarning` adds ``trustscope/warning`` (1.0 when the collapse early warning of
-:func:`trustscope.report.collapse_warnings` fires at the step) and what it reads. ``docs/trackers.md`` has the table.
+:func:`trustscope.early_warning.collapse_warnings` fires at the step) and what it reads. ``docs/trackers.md`` has the table.
 
 :func:`open_trackers` opens the trackers of the trainer's ``--report-to`` through each package's own API; a package
 that is not installed is left out with a :class:`TrackerWarning` naming the extra to install, and training goes on.
@@ -162,7 +162,7 @@ def step_metrics(rows: Iterable[Mapping[str, Any]], step: int | None = None,
 
 
 DETECTOR_SIGNALS = ("log_ratio_std", "ess_frac", "bad_negative_rate", "entropy_mean")
-"""The step figures :data:`trustscope.report.DETECTOR` and :data:`trustscope.report.RELATIVE_DETECTOR` read beyond
+"""The step figures :data:`trustscope.early_warning.DETECTOR` and :data:`trustscope.early_warning.RELATIVE_DETECTOR` read beyond
 the overview's (mean |pi - mu|), as :func:`detector_signals` gives them."""
 
 
@@ -181,19 +181,19 @@ def detector_signals(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 class EarlyWarning:
-    """The collapse early warning, step by step, as :func:`trustscope.report.collapse_warnings` computes it over
+    """The collapse early warning, step by step, as :func:`trustscope.early_warning.collapse_warnings` computes it over
     a run's logs (the same function, over the steps seen so far): adds ``trustscope/warning`` (0 or 1),
     ``trustscope/warning/bad_rate_recent`` and ``trustscope/warning/mismatch_growth`` to a step's metrics.
 
     It keeps the run's first steps (the lines' ``window``, or the detector's baseline where longer) and the last
     ``window`` (or the detector's window), so its memory and time stay fixed however long the run. ``lines``: a
-    :class:`trustscope.report.WarningLines` (default: its defaults); with ``relative_z`` set, the detector is
-    :data:`trustscope.report.RELATIVE_DETECTOR`, on the step's entropy and mean |pi - mu| against the run's first
+    :class:`trustscope.early_warning.WarningLines` (default: its defaults); with ``relative_z`` set, the detector is
+    :data:`trustscope.early_warning.RELATIVE_DETECTOR`, on the step's entropy and mean |pi - mu| against the run's first
     steps (score NaN, and the relative lines alone, where the trainer logs no entropy).
     """
 
     def __init__(self, lines: Any = None):
-        from trustscope.report import WarningLines, detector_for
+        from trustscope.early_warning import WarningLines, detector_for
 
         self.lines = lines or WarningLines()
         self.detector = detector_for(self.lines)
@@ -209,8 +209,8 @@ class EarlyWarning:
         import pandas as pd
 
         from trustscope.db import Overview
+        from trustscope.early_warning import collapse_warnings
         from trustscope.query.analyses import OVERVIEW_COLUMNS
-        from trustscope.report import collapse_warnings
 
         step = metrics.get(f"{PREFIX}/step")
         if step is None or f"{PREFIX}/tokens/total" not in metrics:
@@ -253,7 +253,7 @@ class EarlyWarning:
 
     def reason(self, metrics: Mapping[str, float]) -> str:
         """One line saying why the warning fires, from :meth:`update`'s metrics."""
-        from trustscope.report import DETECTOR_LABELS
+        from trustscope.early_warning import DETECTOR_LABELS
 
         detector = self.detector
         rate = metrics.get(f"{PREFIX}/warning/bad_rate_recent", math.nan)
@@ -288,7 +288,7 @@ def committed_step_rows(run_dir: str | os.PathLike, step: int, ranks: Iterable[i
     spans ``step`` are opened."""
     import pyarrow.dataset as ds
 
-    from trustscope import schema as S
+    from trustscope import runformat as S
 
     wanted = None if ranks is None else set(ranks)
     files = []
@@ -312,7 +312,7 @@ class StepReporter:
     ``wait_s``: how long :meth:`metrics` may wait for the logger's writer thread to summarise the calls logged so
     far (0: never wait; the figures are then those of the latest step it has finished, which ``trustscope/step``
     names). ``alerts``: an :class:`trustscope.alerts.Alerts` told when the warning fires. ``lines``: the
-    warning's :class:`trustscope.report.WarningLines` (default: its defaults; ``relative_z`` for the relative mode).
+    warning's :class:`trustscope.early_warning.WarningLines` (default: its defaults; ``relative_z`` for the relative mode).
     ``frameworks``: a :class:`FrameworkReporter`, whose figures (the frameworks' own mismatch figures, named as
     they name them) join each step's metrics.
     """
@@ -602,7 +602,7 @@ class RunReporting:
     and the trackers' alerts. Each step waits up to ``wait_s`` for the logger's writer thread to summarise it
     (milliseconds, unless the thread is busy writing a flush; past that the step reports the newest step it
     has summarised); :meth:`close` flushes the logger once and reports the last step. Rank 0 only (its logger's
-    tokens: with several ranks, its share). ``lines``: the early warning's :class:`trustscope.report.WarningLines`."""
+    tokens: with several ranks, its share). ``lines``: the early warning's :class:`trustscope.early_warning.WarningLines`."""
 
     def __init__(self, logger: Any, report_to: Sequence[str], webhook: str | None, run_dir: str | os.PathLike,
                  run_id: str, config: Mapping[str, Any] | None = None, project: str = "trustscope",

@@ -191,11 +191,7 @@ def _bit_rules(db: Any, run_id: str) -> dict[str, int] | None:
     import json
 
     from trustscope.query.runs import data_files, footer
-
-    try:
-        from trustscope.runformat import BLOCKED_RULES_META
-    except ImportError:  # the layout module before it moved
-        from trustscope.schema import BLOCKED_RULES_META  # type: ignore[no-redef]
+    from trustscope.runformat import BLOCKED_RULES_META
 
     dirs = [d for d in db.runs_dirs if d.name == run_id]
     lists = set()

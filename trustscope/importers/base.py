@@ -45,7 +45,7 @@ import numpy as np
 import orjson
 
 from trustscope.columns import turns_from_mask
-from trustscope.schema import LOGPROB_TOLERANCE
+from trustscope.runformat.layout import LOGPROB_TOLERANCE
 
 __all__ = ["IMPORTERS", "ImportFormat", "ImportFormatError", "ImportUsageError", "ImportedRun", "Importer",
            "SameThroughout", "Sequence", "combine", "json_lines", "keep_unknown", "log_step", "name_unknown",
@@ -175,6 +175,8 @@ class Sequence:
     full_ids: np.ndarray | None = None  # (L,) the source's whole token sequence, to join other streams by
     engine_experts: np.ndarray | None = None  # (T, L, k) int: the engine's experts at the position predicting
     # each token (the row of the position before it); -1 where the source recorded none
+    policy_version: int | None = None  # the weight version (a trainer step) that generated the response's start
+    policy_version_last: int | None = None  # the last one that generated part of it (a partial rollout spans several)
     extra: dict[str, Any] = field(default_factory=dict)  # fields trustscope does not know, kept: (T,) or a scalar
 
 
@@ -416,6 +418,9 @@ def _step_call(seqs: list[Sequence], sample_ids: list[int], prompt_ids: list[int
             tokens[name] = [getattr(s, name) for s in seqs]
     if any(s.kept is not None for s in seqs):
         tokens["kept"] = [s.kept if s.kept is not None else np.ones(len(s.token_id), dtype=bool) for s in seqs]
+    for name in ("policy_version", "policy_version_last"):  # per sequence, when every sequence has one
+        if all(getattr(s, name) is not None for s in seqs):
+            tokens[name] = np.array([getattr(s, name) for s in seqs], dtype=np.int64)
     nulled = []
     if routing:
         tokens["engine_experts"] = [s.engine_experts for s in seqs]
@@ -690,7 +695,7 @@ def write_steps(parts: Iterator[ImportedRun], logdir: str | Path, run_id: str | 
     id) and the exact ``summaries`` table over every token, as a trainer's logger does.
     """
     from trustscope.logger import TokenLogger  # the parse above needs none of the writer's libraries
-    from trustscope.storage import fsync_file
+    from trustscope.runformat.fsops import fsync_file
 
     vocab_size = None if vocab is None else len(vocab)
     first = next(parts, None)
@@ -783,7 +788,7 @@ def sync_tree(root: Path) -> None:
     syncing each file (nothing is visible until the finished run is renamed into place, so a killed import leaves
     no partial run whatever was synced); the run is synced once, before that rename, so the renamed run is as
     durable as one whose every file was synced as it was written."""
-    from trustscope.storage import fsync_file
+    from trustscope.runformat.fsops import fsync_file
 
     for folder, _, names in os.walk(root, topdown=False):
         for name in names:
@@ -794,7 +799,7 @@ def sync_tree(root: Path) -> None:
 def _describe(run_dir: Path, config: dict, source: dict, loss_rule: str) -> None:
     """Put what the whole source held into ``run.json`` of a finished import (the loggers opened with what the
     first step showed); the run is not in place yet, so no reader sees the first version."""
-    from trustscope.schema import MANIFEST
+    from trustscope.runformat.layout import MANIFEST
 
     path = run_dir / MANIFEST
     manifest = json.loads(path.read_text())

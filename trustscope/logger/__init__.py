@@ -41,7 +41,7 @@ Arguments of :meth:`TokenLogger.log_step`:
 - ``step`` (int, ``[0, 2**63)``): the training step. Steps never go backwards; the same step may be logged in
   several calls (micro-batches) as long as sample ids and scalar names do not repeat. After ``resume=True`` a step
   must be above every step already on disk for this rank.
-- ``tokens`` (dict): columns of the ``tokens`` table (:data:`trustscope.schema.TOKENS`) as torch tensors, numpy
+- ``tokens`` (dict): columns of the ``tokens`` table (:data:`trustscope.runformat.layout.TOKENS`) as torch tensors, numpy
   arrays or lists. Padded form: ``(B, T)`` per-token columns, ``(B, T, K)`` top-K columns, ``(B,)`` per-sequence
   columns (``sample_id``, ``prompt_id``, ``advantage`` broadcast over T), with ``mask`` ``(B, T)``. Ragged form
   (``mask=None``, or a list of B 1-D bool masks of length ``T_i``): each per-token column is a list of B 1-D
@@ -69,7 +69,7 @@ Arguments of :meth:`TokenLogger.log_step`:
 
 Bad input (NaN/inf or positive logprobs, top-K lists of the wrong length, lengths that disagree with the mask,
 unknown columns, a step that goes backwards, integers that do not fit their column, text that is not valid UTF-8
-such as a lone surrogate) raises :class:`trustscope.schema.SchemaError` naming the field and
+such as a lone surrogate) raises :class:`trustscope.runformat.errors.SchemaError` naming the field and
 the value; with ``strict=False`` it warns (:class:`LogWarning`) and drops the bad token rows (or the whole call when
 the problem is not in a row). Nothing already written is touched.
 
@@ -127,7 +127,7 @@ on_full="block", block_timeout_s=60.0, seed=0, row_group_size=131072, fsync=True
   files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.
 - ``compact_every``: after every ``compact_every`` commits a background thread merges that many consecutive
   units of one size class (flushes, or files it merged before) into one file per table, beside the writer, and
-  commits the switch in the manifest (:mod:`trustscope.logger.compaction`); a run flushed every step then holds a
+  commits the switch in the manifest (:mod:`trustscope.runformat.compaction`); a run flushed every step then holds a
   few files per rank instead of one per step, and readers' cost follows its rows. Files that are already large
   are left alone; the files a merge replaced are deleted by a later round at least a minute after it (readers
   that listed them just before still find them), or when the run is resumed. ``0`` turns it off (else at least
@@ -144,7 +144,7 @@ Files are ``<table>/r<rank>-s<first step>-<last step>-f<flush>.parquet``, row gr
 (DuckDB's own row-group size is about the same), fsync'ed before the rename unless ``fsync=False``. A flush
 becomes visible when the rank's manifest records its number as ``committed_flush``, together with the ``rows``,
 ``last_step``, ``tokens_generated`` (masked tokens handed in) and ``tokens_logged`` (token rows written after
-``token_fraction`` sampling) it adds: readers (:func:`trustscope.schema.committed_files`) see a step in every
+``token_fraction`` sampling) it adds: readers (:func:`trustscope.runformat.commits.committed_files`) see a step in every
 table or in none. One logger at a time writes a run's rank: a second one is refused while the first holds the
 lock ``<run>/.r<rank>.lock`` (owner pid and host inside; the lock of a dead process is taken over).
 
@@ -158,19 +158,12 @@ With summaries on, the writer thread imports torch at the first call with tokens
 :mod:`trustscope.logger.summaries`) run every registered rule's keep-mask, which are torch functions.
 """
 
-from trustscope.logger.errors import LogDirError, LogWarning
-from trustscope.logger.runfiles import (
-    ResumeError,
-    drop_steps_after,
-    effective_status,
-    rank_statuses,
-    resolve_rank,
-    run_status,
-    run_summary,
-)
 from trustscope.logger.token_logger import MU_SOURCES, NullLogger, TokenLogger
 from trustscope.logger.writer import round_mantissa
-from trustscope.schema import SchemaError
+from trustscope.runformat.cutback import ResumeError, drop_steps_after
+from trustscope.runformat.errors import LogDirError, LogWarning, SchemaError
+from trustscope.runformat.runfiles import resolve_rank
+from trustscope.runformat.status import effective_status, rank_statuses, run_status, run_summary
 
 __all__ = ["MU_SOURCES", "LogDirError", "LogWarning", "NullLogger", "ResumeError", "SchemaError", "TokenLogger",
            "drop_steps_after", "effective_status", "rank_statuses", "resolve_rank", "round_mantissa", "run_status", "run_summary"]

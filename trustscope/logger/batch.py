@@ -29,6 +29,7 @@ class Batch:
     sampled: np.ndarray | None = None  # (N,) bool: the rows token_fraction keeps, when not yet applied
     summaries: list[dict] = field(default_factory=list)  # rows of the summaries table, over every token
     held_rows: int = 0  # token rows counted against max_buffered_rows until their flush is stored
+    routing: Any = None  # the run's RoutingPlan when the call gives expert lists (trustscope.logger.experts)
 
     def apply_sample(self) -> None:
         """Keep only the token rows of the ``token_fraction`` sample (once the summaries have seen them all)."""

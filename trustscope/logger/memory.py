@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from trustscope.logger.batch import Batch
-from trustscope.logger.errors import LogWarning
+from trustscope.runformat.errors import LogWarning
 
 ON_FULL = ("block", "drop")
 DEFAULT_FLUSHES_BUFFERED = 4

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.query.rules import ANALYSIS_DEFAULTS
 from trustscope.query.runs import logged_fraction
 
@@ -161,7 +161,7 @@ class NamedAnalyses:
         fractions = {}
         for run in self.runs_dirs:  # run.json only: the overview reads no samples or token file to list runs
             try:
-                manifest = json.loads((run / schema.MANIFEST).read_text())
+                manifest = json.loads((run / runformat.MANIFEST).read_text())
             except (OSError, ValueError):
                 continue
             if isinstance(manifest, dict):

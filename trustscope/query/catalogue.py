@@ -24,7 +24,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.columns import builtin_token_columns_sql, dimension_buckets_sql, dimension_columns_sql
 from trustscope.losses import LossRule, get_loss, list_losses
 
@@ -184,8 +184,8 @@ def rule_columns_sql(stored: Mapping[str, int] | None = None) -> str:
     for rule in sql_rules():
         if stored and rule.name in stored:
             bit = int(stored[rule.name])
-            if not 0 <= bit < schema.MAX_BLOCKED_RULES:
-                raise ValueError(f"rule {rule.name!r}: bit {bit} is outside blocked_rules' 0..{schema.MAX_BLOCKED_RULES - 1}")
+            if not 0 <= bit < runformat.MAX_BLOCKED_RULES:
+                raise ValueError(f"rule {rule.name!r}: bit {bit} is outside blocked_rules' 0..{runformat.MAX_BLOCKED_RULES - 1}")
             lines.append(f",\n        (blocked_rules & {1 << bit}) != 0 as {quote('blocks_' + rule.name)}")
             continue
         mask = rule.sql
@@ -227,9 +227,9 @@ def write_empty_files(folder: Path) -> dict[str, list[str]]:
     even before the first file of a table lands, and a glob list is never empty. Returns the file lists that
     hold only them (table -> [its empty file]; ``manifests`` -> [an empty run.json])."""
     lists = {}
-    for table in (*schema.TABLES, "vocab"):
+    for table in (*runformat.TABLES, "vocab"):
         lists[table] = [str(folder / f"empty_{table}.parquet")]
-        pq.ParquetWriter(lists[table][0], schema.with_metadata(table)).close()  # no Table: pyarrow's imports pandas
+        pq.ParquetWriter(lists[table][0], runformat.with_metadata(table)).close()  # no Table: pyarrow's imports pandas
     (folder / "empty_run.json").write_text("")
     return {**lists, "manifests": [str(folder / "empty_run.json")]}
 

@@ -27,7 +27,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.query.catalogue import CACHED_PARTIALS, PARTIAL_WORDS, quote, render_rule_blocks, sql_rules
 from trustscope.query.rules import bindable
 from trustscope.query.runs import footer
@@ -61,7 +61,7 @@ def stored_rule_bits(files: Sequence[Path], rules: Mapping[str, dict[str, Any]])
     for ``files`` (the parts of one flush, one run) and ``rules``, the parameters the views bind for that run (rule
     -> bindable parameters, see :meth:`LogDB._run_rule_sets`).
 
-    A rule qualifies when every file's footer lists it (:data:`trustscope.schema.BLOCKED_RULES_META`) at the same
+    A rule qualifies when every file's footer lists it (:data:`trustscope.runformat.layout.BLOCKED_RULES_META`) at the same
     bit and at exactly the bound parameters, and no row of any file lacks the bits (the column's statistics count
     no nulls). Anything else (files written before the column, by ``summaries=False``, from another rule list, a
     run that trained its rule at other parameters, a caller's counterfactual parameters) leaves the rule to its SQL.
@@ -71,7 +71,7 @@ def stored_rule_bits(files: Sequence[Path], rules: Mapping[str, dict[str, Any]])
         meta = footer(f)
         if isinstance(meta, str):
             return {}
-        listed = (meta.metadata or {}).get(schema.BLOCKED_RULES_META.encode())
+        listed = (meta.metadata or {}).get(runformat.BLOCKED_RULES_META.encode())
         names = meta.schema.to_arrow_schema().names
         if listed is None or "blocked_rules" not in names:
             return {}
@@ -167,7 +167,7 @@ def flush_steps(file: Path | str) -> tuple[tuple[str, int], int, int] | None:
     match = _FLUSH_NAME.match(path.name)
     if match is None:
         return None
-    from trustscope.schema import run_of
+    from trustscope.runformat.layout import run_of
 
     return (str(run_of(path)), int(match.group(1))), int(match.group(2)), int(match.group(3))
 
@@ -214,7 +214,7 @@ class LocalAggregator:
 
 def compacted_sources(file: Path) -> list[str]:
     """The names of the files a compacted tokens file replaced, in its row order (none for a flush file)."""
-    from trustscope.logger.compaction import SOURCES_META
+    from trustscope.runformat.footers import SOURCES_META
 
     meta = footer(file)
     listed = None if isinstance(meta, str) else (meta.metadata or {}).get(SOURCES_META.encode())
@@ -322,7 +322,7 @@ class KeptAggregates:
 
     def _merge_sources(self, file: Path, key: StatKey, disk_key: Callable[[Path], str]) -> bool:
         """A compacted file's rows from the rows kept of the files it replaced (its footer lists them,
-        :data:`~trustscope.logger.compaction.SOURCES_META`), relabelled with its name: every partial view's rows
+        :data:`~trustscope.runformat.footers.SOURCES_META`), relabelled with its name: every partial view's rows
         are mergeable (counts, sums, extremes by key), so the rows of the sources, together, are the file's own.
         False when a source's rows are not all kept here (the file is then aggregated)."""
         if not self.enabled:

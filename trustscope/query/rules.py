@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.framework_metrics import PARAMETERS as FRAMEWORK_PARAMETERS
 from trustscope.losses import get_loss, list_losses
 
@@ -96,7 +96,7 @@ class RuleBinding:
 
     def run_rule(self, run: Path) -> tuple[str | None, str | None, dict[str, Any]]:
         """(run_id, the rule run ``run`` trained with, its parameters) (see :func:`run_rule`)."""
-        path = run / schema.MANIFEST
+        path = run / runformat.MANIFEST
         try:
             stamp = path.stat().st_mtime_ns
         except OSError:

@@ -68,7 +68,7 @@ try:
 except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
     missing(exc, "trustscope.train.loop")
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.capture import Capture, capture
 from trustscope.divergence import binary_tv
 from trustscope.engines import DTYPES, Rollout, make_engine
@@ -609,7 +609,7 @@ def restore(cfg: TrainConfig, model_dir: Path | str, main: bool = True) -> Start
     """A new run (refused when its log exists already) or, with ``resume``, the newest checkpoint's state; log
     files written after that checkpoint (a crashed continuation) are dropped, by rank 0 (``main``) for all ranks."""
     if not cfg.resume:
-        if (cfg.run_dir / schema.MANIFEST).exists():
+        if (cfg.run_dir / runformat.MANIFEST).exists():
             raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue "
                                   f"it, or another run_id")
         return Start(0, model_dir, deque(), None, None)
@@ -881,7 +881,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         logger = running.enter_context(_make_logger(cfg, model_dir, engine, tokenizer, model, ranks, routing))
         reporting = None
         if ranks.main and (cfg.report_to or cfg.webhook):  # closed before the logger (the last step reported)
-            from trustscope.report import WarningLines
+            from trustscope.early_warning import WarningLines
 
             reporting = running.enter_context(RunReporting(logger, parse_report_to(cfg.report_to), cfg.webhook,
                                                            cfg.run_dir, cfg.run_id, cfg.to_dict(),
