@@ -31,7 +31,7 @@ import pyarrow as pa
 import streamlit as st
 
 from app.launch import FOCUS_ENV, LOGDIR_ENV, default_logdir
-from trustscope import db, figures, report, schema, storage
+from trustscope import db, early_warning, figures, report, runformat
 from trustscope.db import LogDB, Overview
 from trustscope.losses import list_losses
 from trustscope.rule_settings import SETTINGS_ENV, rule_params_of
@@ -73,7 +73,7 @@ RULE_PARAMS_KEY = "rule_params"
 WINDOW_TOKENS = 1_000_000
 """Logged tokens the token-level pages read by default (the last steps of a run up to this many)."""
 SQL_ROW_LIMIT = db.DEFAULT_MAX_ROWS
-WARNING_LINES = report.WarningLines()
+WARNING_LINES = early_warning.WarningLines()
 COLOUR_LEGEND = {
     "ratio": "Blue: pi below mu (ratio < 1), red: pi above mu; full colour at a factor of {scale:g}.",
     "tv": "White: no probability moved; red: |pi - mu| of {scale:.2g} or more.",
@@ -100,7 +100,7 @@ def resolve_logdir(argv: Sequence[str]) -> Path | str:
     parser.add_argument("--logdir")
     known, _ = parser.parse_known_args(list(argv))
     chosen = known.logdir or os.environ.get(LOGDIR_ENV) or default_logdir()
-    if storage.is_remote(chosen):
+    if runformat.is_remote(chosen):
         st.session_state["logdir"] = chosen
         return chosen
     path = Path(chosen).expanduser().resolve()
@@ -119,21 +119,21 @@ def check_logdir(logdir: Path | str) -> None:
     error naming each run that cannot be read whole and why (:attr:`trustscope.db.LogDB.broken_runs`: a manifest
     that is not JSON, a data file whose Parquet footer does not read). What still reads of such a run is shown,
     and the other runs as they are."""
-    remote = storage.is_remote(logdir)
+    remote = runformat.is_remote(logdir)
     if remote:
         try:
             ours = _db(str(logdir))
             ours.refresh()  # the mirror, brought up to date, and its runs checked
             logdir = ours.paths[0]
-        except (storage.StorageError, ValueError) as exc:
+        except (runformat.StorageError, ValueError) as exc:
             raise LogDirError(f"The object store prefix cannot be read: {exc}") from None
     if not logdir.exists():
         raise LogDirError(f"The log directory `{logdir}` does not exist. Start the dashboard with "
                           "`trustscope dashboard LOGDIR` pointing at a directory a run writes to.")
     if not logdir.is_dir():
         raise LogDirError(f"`{logdir}` is a file, not a log directory.")
-    if not schema.run_dirs(logdir):
-        raise LogDirError(f"The log directory `{logdir}` holds no runs yet (no `<run>/{schema.MANIFEST}`). "
+    if not runformat.run_dirs(logdir):
+        raise LogDirError(f"The log directory `{logdir}` holds no runs yet (no `<run>/{runformat.MANIFEST}`). "
                           "Runs appear here once a trainer with a TokenLogger starts writing into it; "
                           "reload the page then.")
     if not remote:
@@ -153,7 +153,7 @@ def friendly_errors() -> Iterator[None]:
         yield
     except LogDirError as exc:
         st.warning(str(exc), icon=":material/folder_off:")
-    except (schema.SchemaError, duckdb.Error, pa.ArrowException, OSError) as exc:
+    except (runformat.SchemaError, duckdb.Error, pa.ArrowException, OSError) as exc:
         logdir = current_logdir()
         st.error(f"Could not read the logs in `{logdir}`: {_first_line(exc)}\n\n"
                  f"Run `trustscope validate {logdir}` to list every broken file. A run that is still being "
@@ -234,6 +234,7 @@ def cached(fn: Callable[Concatenate[LogDB, P], R]) -> Callable[P, R]:
     call.__module__, call.__qualname__, call.__name__, call.__doc__ = (
         fn.__module__, fn.__qualname__, fn.__name__, fn.__doc__)
     call.clear = store.clear  # type: ignore[attr-defined]
+    call.store = store  # type: ignore[attr-defined]  (keyed by hand: :func:`prepare`, outside a session)
     return call
 
 
@@ -250,6 +251,35 @@ def figure(builder: Callable[P, go.Figure], *args: P.args, **kwargs: P.kwargs) -
     """``builder(*args, **kwargs)`` (a :mod:`trustscope.figures` builder) as plotly JSON, kept per input: a
     revisit of a page skips plotly's figure building, which costs more than the cached queries behind it."""
     return _figure(builder, args, kwargs)
+
+
+def prepare(logdir: str | Path) -> list[str]:
+    """Compute, outside any session, what the first page (Runs) reads when it opens with its default comparison,
+    into the same caches the page then hits: the run table, the overview, and the default runs' accuracy scalars
+    and early-warning signals, at the rule parameters the dashboard was started with (``--rule``). The server
+    calls it while it starts (``app/serve.py``), so the first page reads what is ready instead of computing it
+    after the browser asked. Returns the names of what it prepared; a log directory that cannot be read is left
+    for the page to report (nothing raised)."""
+    chosen = str(logdir) if runformat.is_remote(str(logdir)) else str(Path(logdir).expanduser().resolve())
+    rules = json.dumps(launch_rule_params(), sort_keys=True)
+    done = []
+    try:
+        handle = _connect(chosen, rules)
+        current = handle.version()
+        _versions[chosen] = (time.monotonic(), current)
+        table = runs.store(chosen, current, rules)  # type: ignore[attr-defined]
+        done.append("runs")
+        overview.store(chosen, current, rules)  # type: ignore[attr-defined]
+        done.append("overview")
+        if len(table):
+            picked = default_comparison(table, "group")
+            members = tuple(table.loc[table["group"].isin(picked), "run_id"])
+            _step_scalars.store(chosen, current, rules, members)  # type: ignore[attr-defined]
+            _early_signals.store(chosen, current, rules, members)  # type: ignore[attr-defined]
+            done.append("default comparison")
+    except Exception:  # the page reads the same and reports what went wrong where the user sees it
+        return done
+    return done
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -310,24 +340,44 @@ def window_start(run_id: str, tokens: int = WINDOW_TOKENS) -> int:
     return int(within["step"].min()) if len(within) else int(steps["step"].iloc[0])
 
 
+NEWEST_APART_S = 3600.0
+"""A run updated this long after every other run of the folder is the one the dashboard opens on (the demo's run,
+trained beside the shipped ones; a run just trained into a folder of older runs): runs of one sweep, a few
+minutes apart, leave the default comparison as it is."""
+
+
+def focus_run(table: pd.DataFrame) -> str | None:
+    """The run the dashboard was opened for: ``$TRUSTSCOPE_FOCUS_RUN`` (``trustscope demo`` sets it to its run)
+    where it names a run here, else the newest run of the folder where its manifest was updated at least
+    :data:`NEWEST_APART_S` after every other run's (run.json's ``updated_at``); None otherwise."""
+    named = os.environ.get(FOCUS_ENV, "")
+    if named in set(table["run_id"]):
+        return named
+    stamps = table[["run_id", "updated_at"]].dropna().sort_values("updated_at")
+    if len(stamps) < 2:
+        return None
+    newest, before = stamps.iloc[-1], stamps.iloc[-2]
+    if (newest["updated_at"] - before["updated_at"]).total_seconds() >= NEWEST_APART_S:
+        return str(newest["run_id"])
+    return None
+
+
 def default_run(table: pd.DataFrame) -> str:
-    """The run the drill-down pages open on: the run the dashboard was opened for (``$TRUSTSCOPE_FOCUS_RUN``), else
-    the first run of the Runs page's default comparison."""
-    focus = os.environ.get(FOCUS_ENV, "")
-    if focus in set(table["run_id"]):
+    """The run the drill-down pages open on: the run the dashboard was opened for (:func:`focus_run`), else the
+    first run of the Runs page's default comparison."""
+    focus = focus_run(table)
+    if focus is not None:
         return focus
     first = default_comparison(table, "group")[0]
     return str(table.loc[table["group"] == first, "run_id"].iloc[0])
-
-
 
 
 def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list[str]:
     """The seed groups (``column`` 'group') or runs ('run_id') the Runs page compares by default: the PPO-clip
     baseline, then one configuration per other rule, those of :data:`CONTRAST_RULES` first, at most ``limit``: per
     rule the one with the most seeds, and among those only the ones with at least the baseline's seeds when there
-    are any. The run named by
-    ``$TRUSTSCOPE_FOCUS_RUN`` (``trustscope demo`` sets it to its run) comes first, so every page opens on it."""
+    are any. The run the dashboard was opened for (:func:`focus_run`: the one ``trustscope demo`` names, or a
+    folder's newest run trained apart from the others) comes first, so every page opens on it."""
     seeds = table.groupby(column, sort=False)["run_id"].transform("size")
     # per rule, the configuration with the most seeds (a sweep's runs before a one-seed probe beside them)
     first = table.assign(seeds=seeds).sort_values("seeds", ascending=False, kind="stable").drop_duplicates(column)
@@ -339,7 +389,7 @@ def default_comparison(table: pd.DataFrame, column: str, limit: int = 4) -> list
     contrast = others["loss_rule"].isin(CONTRAST_RULES)
     others = pd.concat([others[contrast], others[~contrast]])
     picked = baseline[column].tolist() + others[column].tolist()
-    focus = table.loc[table["run_id"] == os.environ.get(FOCUS_ENV, ""), column]
+    focus = table.loc[table["run_id"] == focus_run(table), column]
     if len(focus):  # the run the dashboard was opened for (the demo's) first, beside the comparison
         picked = [focus.iloc[0], *(c for c in picked if c != focus.iloc[0])]
     return picked[:limit]
@@ -418,9 +468,9 @@ def bad_updates(run_id: str) -> pd.DataFrame:
 
 
 def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
-    """Per run and step, :func:`trustscope.report.collapse_warnings` over :func:`overview` and the runs'
+    """Per run and step, :func:`trustscope.early_warning.collapse_warnings` over :func:`overview` and the runs'
     early-warning signals: the fitted detector where a run has them, :data:`WARNING_LINES` elsewhere."""
-    return report.collapse_warnings(_of(overview(), run_ids), list(run_ids), WARNING_LINES,
+    return early_warning.collapse_warnings(_of(overview(), run_ids), list(run_ids), WARNING_LINES,
                                     signals=_early_signals(tuple(run_ids)))
 
 
@@ -490,8 +540,11 @@ def counterfactual(ours: LogDB, run_id: str, rule_a: str, rule_b: str, steps: tu
 
 @cached
 def equal_budget(ours: LogDB, run_id: str, budget: float | None = None) -> pd.DataFrame:
-    """:meth:`LogDB.equal_budget` of one run: each rule's threshold at the run's rule's share (or ``budget``)."""
-    return ours.equal_budget([run_id], budget)
+    """:meth:`LogDB.equal_budget` of one run: each rule's threshold at the run's rule's share (or ``budget``),
+    over the cached :func:`overview` (no second read of the summaries)."""
+    from trustscope.query.budget import equal_budget as solve
+
+    return solve(ours, [run_id], budget, overview=overview())
 
 
 @cached
@@ -502,14 +555,14 @@ def threshold_curve(ours: LogDB, run_id: str) -> pd.DataFrame:
 
 @cached
 def budget_picks(ours: LogDB, run_id: str, budget: float | None = None) -> pd.DataFrame:
-    """:meth:`LogDB.budget_picks` at the equal budget of :func:`equal_budget`."""
-    return ours.budget_picks(run_id, ours.equal_budget([run_id], budget))
+    """:meth:`LogDB.budget_picks` at the equal budget of :func:`equal_budget` (its cached result)."""
+    return ours.budget_picks(run_id, equal_budget(run_id, budget))
 
 
 @cached
 def budget_overlap(ours: LogDB, run_id: str, rule_a: str, rule_b: str, budget: float | None = None) -> pd.DataFrame:
     """:meth:`LogDB.budget_overlap` of two rules at the equal budget of :func:`equal_budget`."""
-    return ours.budget_overlap(run_id, ours.equal_budget([run_id], budget), rule_a, rule_b)
+    return ours.budget_overlap(run_id, equal_budget(run_id, budget), rule_a, rule_b)
 
 
 # ------------------------------------------------------------------------------------------------ one response

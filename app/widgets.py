@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from app import data
-from trustscope import figures, report
+from trustscope import early_warning, figures
 from trustscope.losses import get_loss
 from trustscope.rule_settings import explicit_name, validated
 
@@ -113,12 +113,12 @@ def warning_badge(run_ids: list[str]) -> None:
     if not run_ids:
         return
     warnings = data.collapse_warnings(run_ids)
-    firsts = report.first_warnings(warnings)
-    lines, detector = data.WARNING_LINES, report.DETECTOR
+    firsts = early_warning.first_warnings(warnings)
+    lines, detector = data.WARNING_LINES, early_warning.DETECTOR
     how = lines.describe()
     if warnings["score"].notna().any():
         how.insert(0, f"the early-warning score (a logistic score over the last {detector.window} steps' "
-                      f"{', '.join(report.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing "
+                      f"{', '.join(early_warning.DETECTOR_LABELS[n] for n in detector.signals)}, fitted on collapsing "
                       f"runs, docs/experiments.md; on runs logged with those summaries) reaches "
                       f"{detector.threshold:.2f}")
     if not firsts:

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trustscope import schema  # noqa: E402
+from trustscope import runformat  # noqa: E402
 
 RUN_ID = "big"
 K = 8
@@ -96,16 +96,16 @@ def replicate(run: Path, total_steps: int) -> None:
     """Write the logged steps' files again under steps ``logged .. total_steps - 1`` (step ``s`` copies logged
     step ``s % logged``), only the ``step`` column rewritten, one committed flush per step; then the manifest's
     counts. Requires one flush per logged step (``flush_rows=1``)."""
-    files = schema.committed_files(run)
+    files = runformat.committed_files(run)
     by_step: dict[int, dict[str, list[tuple[Path, pa.Table]]]] = {}
     for table in COPIED_TABLES:
         for f in files[table]:
-            name = schema.parse_data_file(f.name)
+            name = runformat.parse_data_file(f.name)
             if name.first_step != name.last_step:
                 raise RuntimeError(f"{f}: a flush holds steps {name.first_step}..{name.last_step}; need one a step")
             by_step.setdefault(name.first_step, {}).setdefault(table, []).append((f, pq.read_table(f)))
     logged = sorted(by_step)
-    manifest = json.loads((run / schema.MANIFEST).read_text())
+    manifest = json.loads((run / runformat.MANIFEST).read_text())
     flush = int(manifest["committed_flush"])
     rows = dict(manifest["rows"])
     for step in range(len(logged), total_steps):
@@ -113,7 +113,7 @@ def replicate(run: Path, total_steps: int) -> None:
         for table, parts in by_step[logged[step % len(logged)]].items():
             for f, data in parts:
                 part = f.stem.rsplit("-p", 1)[1] if "-p" in f.stem else None
-                target = run / table / schema.data_file_name(0, step, step, flush, None if part is None else int(part))
+                target = run / table / runformat.data_file_name(0, step, step, flush, None if part is None else int(part))
                 column = data.schema.get_field_index("step")
                 moved = data.set_column(column, data.schema.field(column), pa.array(np.full(len(data), step)))
                 pq.write_table(moved, target, compression="zstd", row_group_size=131_072)
@@ -122,9 +122,9 @@ def replicate(run: Path, total_steps: int) -> None:
     manifest.update(committed_flush=flush, last_step=total_steps - 1, rows=rows,
                     tokens_generated=round(manifest["tokens_generated"] * scale),
                     tokens_logged=round(manifest["tokens_logged"] * scale))
-    tmp = run / f".{schema.MANIFEST}.tmp"
+    tmp = run / f".{runformat.MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest))
-    tmp.replace(run / schema.MANIFEST)
+    tmp.replace(run / runformat.MANIFEST)
 
 
 def build(logdir: Path, total_tokens: int, tokens_per_step: int, logged_steps: int, validate: bool) -> dict:
@@ -132,14 +132,14 @@ def build(logdir: Path, total_tokens: int, tokens_per_step: int, logged_steps: i
     log_template(logdir, logged_steps, tokens_per_step)
     logged_s = time.perf_counter() - start
     run = logdir / RUN_ID
-    per_step = json.loads((run / schema.MANIFEST).read_text())["tokens_logged"] / logged_steps
+    per_step = json.loads((run / runformat.MANIFEST).read_text())["tokens_logged"] / logged_steps
     total_steps = max(logged_steps, round(total_tokens / per_step))
     replicate(run, total_steps)
     size = sum(f.stat().st_size for f in run.rglob("*.parquet"))
-    manifest = json.loads((run / schema.MANIFEST).read_text())
+    manifest = json.loads((run / runformat.MANIFEST).read_text())
     return {"steps": total_steps, "tokens": manifest["tokens_logged"], "bytes": size, "logged_s": logged_s,
             "build_s": time.perf_counter() - start,
-            "problems": len(schema.validate_run(run)) if validate else "not validated"}
+            "problems": len(runformat.validate_run(run)) if validate else "not validated"}
 
 
 # ------------------------------------------------------------------------------------------------ timings
@@ -248,7 +248,7 @@ def main() -> None:
 
     logdir = (args.dir or Path(tempfile.mkdtemp(prefix="bench-overview-"))) / "logs"
     try:
-        if (logdir / RUN_ID / schema.MANIFEST).is_file():
+        if (logdir / RUN_ID / runformat.MANIFEST).is_file():
             built = {"reused": str(logdir)}
         else:
             built = build(logdir, args.tokens, args.tokens_per_step, args.logged_steps, args.validate)

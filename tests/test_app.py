@@ -16,7 +16,7 @@ from streamlit.testing.v1 import AppTest
 
 from app import data
 from app.launch import LOGDIR_ENV
-from trustscope import schema
+from trustscope import runformat
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN = ROOT / "app" / "main.py"
@@ -27,7 +27,7 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
     """sample_logs/ when it holds runs, else a small synthetic log of two runs."""
-    if schema.run_dirs(SAMPLE_LOGS):
+    if runformat.run_dirs(SAMPLE_LOGS):
         return SAMPLE_LOGS
     from trustscope.synthetic import SyntheticConfig, generate_logdir
 
@@ -210,8 +210,15 @@ def test_counterfactual_page_opens_at_an_equal_budget(monkeypatch, logdir):
     table = at.dataframe[0].value
     assert {"rule", "threshold", "blocks", "setting"} <= set(table.columns) and len(table) >= 5
     counts = [int(b.split("(")[1].split(" of ")[0].replace(",", "")) for b in table["blocks"]]
-    targets = {int(b.split(" of ")[1].rstrip(")").replace(",", "")) for b in table["blocks"]}
-    assert len(targets) == 1 and max(counts) - min(counts) <= 0.01 * targets.pop() + 2  # an equal budget
+    totals = {int(b.split(" of ")[1].rstrip(")").replace(",", "")) for b in table["blocks"]}
+    assert len(totals) == 1  # every rule over the same tokens
+    targets = {int(o.split(" of ")[1].split()[0].replace(",", "")) for o in table["off"]}
+    assert len(targets) == 1  # one target: an equal budget
+    target = targets.pop()
+    for n, off in zip(counts, table["off"], strict=True):  # each count's distance from it, said beside it
+        share = (n - target) / target
+        said = "0" if n == target else f"{share:+.1%}" if abs(share) >= 0.001 else f"{share:+.2%}"
+        assert off.startswith(f"{said} of {target:,}"), (n, off)
     curves, picks = (json.loads(c.proto.spec) for c in _charts(at)[:2])
     shown = {r.removesuffix(" (applied)") for r in table["rule"]}
     assert len(shown) == len(table) and {t["meta"]["rule"] for t in curves["data"]} >= shown
@@ -364,6 +371,54 @@ def test_the_run_the_dashboard_was_opened_for_comes_first(monkeypatch, logdir):
     assert at.selectbox(key="run_picker").value == focus
 
 
+def test_a_folders_newest_run_trained_apart_from_the_others_comes_first(monkeypatch):
+    """``trustscope dashboard runs/demo``, the demo's run beside the shipped ones trained days before: the Runs page
+    compares the newest run's configuration first and the drill-down pages open on it; runs of one sweep, minutes
+    apart, keep the default comparison."""
+    import pandas as pd
+
+    from app.launch import FOCUS_ENV
+
+    monkeypatch.delenv(FOCUS_ENV, raising=False)
+    start = pd.Timestamp("2026-12-04T07:28", tz="UTC")
+    shipped = pd.DataFrame({
+        "run_id": ["ppo_clip-s0", "ppo_clip-s1", "pg_is-s0", "pg_is-s1", "grpo-s0", "grpo-s1"],
+        "group": ["ppo_clip", "ppo_clip", "pg_is", "pg_is", "grpo", "grpo"],
+        "loss_rule": ["ppo_clip", "ppo_clip", "pg_is", "pg_is", "grpo", "grpo"],
+        "updated_at": [start + pd.Timedelta(minutes=3 * i) for i in range(6)]})
+    assert data.focus_run(shipped) is None
+    before = data.default_comparison(shipped, "group")
+    assert before[0] == "ppo_clip"
+    demo = pd.concat([shipped, pd.DataFrame({"run_id": ["demo"], "group": ["demo"], "loss_rule": ["dppo_binary_tv"],
+                                             "updated_at": [start + pd.Timedelta(days=3)]})], ignore_index=True)
+    assert data.focus_run(demo) == "demo" and data.default_run(demo) == "demo"
+    picked = data.default_comparison(demo, "group")
+    assert picked[0] == "demo" and "pg_is" in picked  # still beside the run without a trust region
+    monkeypatch.setenv(FOCUS_ENV, "grpo-s1")  # the demo names its run: that one wins
+    assert data.default_comparison(demo, "group")[0] == "grpo"
+
+
+def test_the_server_prepares_what_the_first_page_reads(monkeypatch, logdir, tmp_path):
+    """``app/serve.py`` computes the Runs page's reads while the server starts (:func:`app.data.prepare`): the page
+    then opens from those caches, without computing the run table or the overview again."""
+    from app import serve
+    from trustscope import report
+
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    assert serve.served_logdir(["serve.py", "run", "app/main.py", "--", "--logdir", str(logdir)]) == str(logdir)
+    data.runs.clear()
+    data.overview.clear()
+    assert data.prepare(logdir) == ["runs", "overview", "default comparison"]
+
+    def computed_again(*args, **kwargs):
+        raise AssertionError("the Runs page computed the run table again")
+
+    monkeypatch.setattr(report, "run_table", computed_again)
+    at = _open(monkeypatch, logdir)
+    _ok(at, "Runs")
+    assert data.prepare(tmp_path / "missing") == []  # nothing to read: left for the page to say
+
+
 def test_sql_console_page(monkeypatch, logdir):
     at = _open(monkeypatch, logdir, "sql_console")
     _ok(at, "SQL console")
@@ -393,7 +448,7 @@ def test_sql_console_refuses_writes_with_a_message(monkeypatch, logdir):
 def _partial_run(root: Path) -> Path:
     run = root / "run-live"
     (run / "tokens").mkdir(parents=True)
-    (run / schema.MANIFEST).write_text(json.dumps({"run_id": "run-live", "schema_version": schema.SCHEMA_VERSION,
+    (run / runformat.MANIFEST).write_text(json.dumps({"run_id": "run-live", "schema_version": runformat.SCHEMA_VERSION,
                                                    "status": "running"}))
     (run / "tokens" / ".rank000-000000.parquet.tmp").write_bytes(b"PAR1 half a file")
     return root
@@ -410,7 +465,7 @@ def _corrupt_tokens(root: Path, logdir: Path) -> Path:
 def _corrupt_manifest(root: Path, logdir: Path) -> Path:
     run = root / "bad-manifest"
     (run / "steps").mkdir(parents=True)
-    (run / schema.MANIFEST).write_text("{not json")
+    (run / runformat.MANIFEST).write_text("{not json")
     return root
 
 

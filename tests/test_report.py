@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 from trustscope import db as tsdb
-from trustscope import report
+from trustscope import early_warning, report
 from trustscope.cli import app
 from trustscope.synthetic import SyntheticConfig, generate_run
 
@@ -126,31 +127,130 @@ def test_seed_group_drops_only_the_seed():
 
 def test_collapse_warning_fires_on_the_configured_line(logdir, tmp_path):
     with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
-        never = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1.0, mismatch_growth=1e9,
-                                                                              window=1), detector=None)
-        always = report.collapse_warnings(conn, ["alpha"], report.WarningLines(bad_rate=1e-12,
-                                                                               mismatch_growth=1e-9, window=1),
-                                          detector=None)
+        never = early_warning.collapse_warnings(conn, ["alpha"], early_warning.WarningLines(
+            bad_rate=1.0, mismatch_growth=1e9, window=1), detector=None)
+        always = early_warning.collapse_warnings(conn, ["alpha"], early_warning.WarningLines(
+            bad_rate=1e-12, mismatch_growth=1e-9, window=1), detector=None)
     assert not never["warning"].any()
     assert always["warning"].tolist() == [False, True, True, True]  # the first window is the baseline
-    assert report.first_warnings(always)["alpha"].startswith("collapse warning from step 1")
+    assert early_warning.first_warnings(always)["alpha"].startswith("collapse warning from step 1")
     with pytest.raises(ValueError, match="bad_rate"):
-        report.WarningLines(bad_rate=-1)
+        early_warning.WarningLines(bad_rate=-1)
 
 
-def test_terminal_report_tells_runs_apart_at_80_columns(tmp_path):
-    cfg = SyntheticConfig(tokens=500, steps=2, edge_cases=False, loss_rule="dppo_binary_tv")
+@pytest.fixture(scope="module")
+def long_ids(tmp_path_factory):
+    """Three runs with long ids sharing a prefix, every token logged, with summaries."""
+    root = tmp_path_factory.mktemp("wide")
+    cfg = SyntheticConfig(tokens=3_000, steps=3, edge_cases=False, loss_rule="dppo_binary_tv", mismatch=0.05)
     ids = [f"sanity-dppo_binary_tv-long-config-name-s{s}" for s in range(3)]
     for i, run_id in enumerate(ids):
-        generate_run(tmp_path / "logs", run_id, SyntheticConfig(**{**cfg.__dict__, "seed": i}))
-    console = Console(width=80, record=True, file=io.StringIO())
-    with tsdb.connect(tmp_path / "logs", cache_dir=tmp_path / "cache") as conn:
+        generate_run(root / "logs", run_id, SyntheticConfig(**{**cfg.__dict__, "seed": i}))
+    return root / "logs"
+
+
+def _printed(logdir, width: int, cache) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
+    with tsdb.connect(logdir, cache_dir=cache) as conn:
         report.print_report(conn, console)
-    text = console.export_text()
-    assert all(len(line) <= 80 for line in text.splitlines())
-    overview = text.split("\n\n")[0] if "\n\n" in text else text
+    return console.export_text()
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_terminal_report_fits_its_width_without_cutting_a_name_or_a_figure(long_ids, tmp_path, width):
+    """At 80 and at 200 columns: no line wider than the terminal, no cell cut short (rich's ellipsis), every rule
+    and run named whole, |pi - mu| printed with its significant digits; what a narrow terminal leaves out is
+    named under its table, and a wide one shows it."""
+    from trustscope.losses import get_loss, list_losses
+
+    text = _printed(long_ids, width, tmp_path / "cache")
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), max(lines, key=len)
+    assert "\u2026" not in text  # rich's ellipsis: a cell cut short
+    overview = text.split("\n\n")[0]
     for seed in range(3):
-        assert any(line.lstrip().startswith(f"s{seed}") for line in overview.splitlines()), overview
+        assert any(line.startswith(f"s{seed}") for line in overview.splitlines()), overview
+    header = next(line for line in lines if line.startswith("run ") and "|pi-mu|" in line)
+    rows = [line for line in lines[lines.index(header) + 2:][:3]]
+    mismatch = [row.split()[header.split().index("|pi-mu|")] for row in rows]
+    assert all(m not in ("0.0000", "0") and float(m) > 0 for m in mismatch), mismatch
+    thresholded = [n for n in list_losses() if get_loss(n).threshold is not None and get_loss(n).sql]
+    budget_rows = [line.split()[0] for line in lines if line.split() and line.split()[0] in thresholded]
+    assert set(budget_rows) >= {"ppo_clip", "dppo_binary_tv", "minimal_negative_mask"}, budget_rows
+    if width == 80:
+        assert "at this width left out: bracket" in " ".join(text.split())
+    else:
+        assert "at this width left out" not in text and any(" bracket " in line for line in lines)
+
+
+def test_significant_digits_for_figures_of_any_size():
+    assert report.sig(2.1e-05) == "2.10e-05" and report.sig(0.00213) == "0.00213" and report.sig(0.5) == "0.500"
+    assert report.sig(0) == "0" and report.sig(None) == "-" and report.sig(float("nan")) == "-"
+    assert report.sig(1234.5, 4) == "1234" and report.sig(3.2e7) == "3.20e+07"
+
+
+def _warned(rewards: list[float], mismatch: list[float]) -> pd.DataFrame:
+    from trustscope.db import Overview
+
+    steps = pd.DataFrame({"run_id": "r", "step": range(len(rewards)), "n_tokens": 100.0, "reward_mean": rewards,
+                          "n_bad_negative": 0.0, "mismatch_mean": mismatch})
+    return early_warning.collapse_warnings(Overview(steps, pd.DataFrame(), pd.DataFrame()), ["r"], detector=None)
+
+
+def test_the_warning_holds_where_the_reward_then_collapses_or_it_is_still_on():
+    """The mismatch line fires on all three runs at step 10; it holds where the reward then falls to half its best
+    (10-step means) or where the warning is on at the last step, and not where the run never falls that far."""
+    rise = [0.01] * 10 + [0.05] * 10 + [0.01] * 20  # the line fires at steps 10-19 (|pi - mu| 5x), then stops
+    dip = [0.5] * 20 + [0.1] * 20  # a collapse: the 10-step mean falls to 0.1, a fifth of its best
+    dent = [0.5] * 20 + [0.3] * 20  # never below 60% of its best
+    held, why = early_warning.warning_outcome(_warned(dip, rise), "r")
+    assert held and "collapsed" in why and "step 26" in why
+    held, why = early_warning.warning_outcome(_warned(dent, rise), "r")
+    assert not held and "never fell to half its best" in why and "60%" in why
+    held, why = early_warning.warning_outcome(_warned(dent, [0.01] * 10 + [0.05] * 30), "r")
+    assert held and "still on at the last step" in why
+    assert early_warning.warning_outcome(_warned(dent, [0.01] * 40), "r") is None  # never warned
+
+
+def test_json_report_carries_every_figure_for_scripts(logdir):
+    res = runner.invoke(app, ["report", str(logdir), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    runs = {r["run_id"]: r for r in out["runs"]}
+    assert set(runs) == {"alpha", "beta"}
+    alpha = runs["alpha"]
+    assert alpha["loss_rule"] == "grpo" and alpha["n_steps"] == 4 and alpha["mismatch_last"] > 0
+    assert alpha["blocked_by_rule"]["grpo"]["n"] >= 1
+    budget = {r["rule"]: r for r in alpha["equal_budget"]}
+    assert "off" in budget["ppo_clip"] and budget["cispo"]["value"] is None  # NaN reads null
+    assert {"by_dimension", "blocked_by_dimension", "by_routing", "broken"} <= set(out)
+    bad = runner.invoke(app, ["report", str(logdir), "--format", "yaml"])
+    assert bad.exit_code == 2 and "--format 'yaml'" in bad.stderr
+
+
+def test_a_second_report_reads_the_kept_figures_and_a_new_run_is_computed(logdir, tmp_path, monkeypatch):
+    """The report's figures are kept beside the query layer's aggregates under the log directory's version:
+    a second report over the same files computes nothing; a new run's files compute them anew."""
+    import shutil
+
+    calls = []
+    real = report.gather
+    monkeypatch.setattr(report, "gather", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logs = tmp_path / "logs"
+    shutil.copytree(logdir, logs)
+    with tsdb.connect(logs, cache_dir=tmp_path / "cache") as conn:
+        first = report.kept_gather(conn)
+        again = report.kept_gather(conn)
+    assert len(calls) == 1 and [r.run_id for r in again.reports] == [r.run_id for r in first.reports]
+    assert again.reports[0].equal_budget.equals(first.reports[0].equal_budget)
+    generate_run(logs, "gamma", SyntheticConfig(tokens=1_000, steps=2, edge_cases=False, loss_rule="grpo"))
+    with tsdb.connect(logs, cache_dir=tmp_path / "cache") as conn:
+        assert "gamma" in [r.run_id for r in report.kept_gather(conn).reports]
+    assert len(calls) == 2
+    with tsdb.connect(logs, cache=False) as conn:  # no cache folder: computed every time
+        report.kept_gather(conn)
+        report.kept_gather(conn)
+    assert len(calls) == 4
 
 
 def test_report_command_and_html(logdir, tmp_path):
@@ -179,7 +279,8 @@ def test_report_and_sql_leave_a_corrupt_run_out_and_show_the_others(logdir, tmp_
     res = runner.invoke(app, ["report", str(root)])
     assert res.exit_code == 0, res.output
     assert "alpha" in res.stdout and "beta" in res.stdout and "left out, unreadable" in res.stdout
-    assert "Traceback" not in res.output and "select" not in res.output.lower()
+    # no traceback and no DuckDB error leak (a section may name a query the user can run: that is not an error)
+    assert not any(word in res.output for word in ("Traceback", "Error:", "Binder Error", "IO Error"))
     res = runner.invoke(app, ["sql", str(root), "select distinct run_id from tokens"])
     assert res.exit_code == 0 and "alpha" in res.stdout and "beta left out" in res.stderr
 
@@ -245,7 +346,7 @@ def test_a_run_logged_in_full_without_summaries_is_split_by_its_token_rows_exact
     keys = ["dimension", "bucket"]
     ours = mismatch[mismatch.run_id == "summarised"].drop(columns="run_id").set_index(keys).sort_index()
     rows = mismatch[mismatch.run_id == "full-rows"].drop(columns="run_id").set_index(keys).sort_index()
-    assert set(ours.index.get_level_values(0)) == {d.name for d in DIMENSIONS}
+    assert set(ours.index.get_level_values(0)) == {d.name for d in DIMENSIONS} - {"routing"}  # MoE runs only
     assert ours.index.equals(rows.index)
     for col in ("n_tokens", "n_nonzero_advantage", "n_bad_negative", "n_steps"):
         assert (ours[col] == rows[col]).all(), col

@@ -3,32 +3,35 @@
 The per-step and per-run figures come from :meth:`trustscope.db.LogDB.overview`, the one source the dashboard's
 Runs page reads too: exact from a run's summaries table (every token, whatever ``token_fraction`` kept), else from
 its logged token rows, and the report says which for every run. The token-level sections (the tokens a rule blocks
-most, the ratio against TV) read the logged rows and say so. The charts are :mod:`trustscope.figures`' builders, the same the dashboard draws. The run table, the grouping of seeds
-and the collapse early warning defined here are shared with the dashboard.
+most, the ratio against TV) read the logged rows and say so. The charts are :mod:`trustscope.figures`' builders, the same the dashboard draws. The run table and the grouping of seeds
+defined here are shared with the dashboard; the collapse early warning is :mod:`trustscope.early_warning`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import json
 import math
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.db import ANALYSIS_DEFAULTS, LogDB, Overview
+from trustscope.early_warning import WarningLines, collapse_warnings, first_warnings, warning_outcome
 from trustscope.query.connection import NoRunsFound as NoRunsFound
 from trustscope.query.connection import connect_readable as connect_readable
 from trustscope.results import result_table as result_table
@@ -48,140 +51,6 @@ another host, where its process cannot be checked)."""
 SEED_KEYS = ("seed", "run_id", "logdir", "resume")
 """Config fields that do not make a different configuration: runs differing only in these are seeds of one."""
 
-
-@dataclass(frozen=True)
-class WarningLines:
-    """The collapse early warning: a step warns when, over the last ``window`` steps, the bad negative-update rate
-    reaches ``bad_rate`` or the mean |pi - mu| has grown ``mismatch_growth`` times over the run's first window.
-
-    The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
-    ``docs/experiments.md`` measures how the lines fare on the toy-v2 sample logs (those ``sample_logs/`` held up
-    to commit d114d27, ``bench/eval_collapse_warning.py``).
-
-    ``relative_z``: the lines against the run's own baseline instead, so that one setting means the same on a
-    model whose normal mismatch is ten times the toy's or a tenth: a step warns when the last ``window`` steps'
-    bad-update rate, or their mean |pi - mu|, stands ``relative_z`` robust deviations above the run's first
-    ``window`` steps (their median; the deviation 1.4826 x their median absolute deviation, floored by the
-    counting noise of the rate, sqrt(max(median, 1 / baseline tokens) / recent tokens), and by 5% of the median
-    mismatch). ``bad_rate`` and ``mismatch_growth`` are then not read, and the fitted detector, whose weights are
-    absolute, gives way to :data:`RELATIVE_DETECTOR`, fitted on inputs in the run's own terms (see
-    :func:`collapse_warnings`)."""
-
-    bad_rate: float = 0.01
-    mismatch_growth: float = 2.0
-    window: int = 10
-    relative_z: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("bad_rate", "mismatch_growth"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"WarningLines.{name}={value!r} must be a finite number > 0")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ValueError(f"WarningLines.window={self.window!r} must be an integer >= 1")
-        if self.relative_z is not None and not (isinstance(self.relative_z, int | float)
-                                                and math.isfinite(self.relative_z) and self.relative_z > 0):
-            raise ValueError(f"WarningLines.relative_z={self.relative_z!r} must be a finite number > 0 (robust "
-                             f"deviations above the run's first steps), or None for the absolute lines")
-
-    def describe(self) -> list[str]:
-        """The lines in words, for captions and alerts."""
-        if self.relative_z is not None:
-            return [f"bad negative updates of the last {self.window} steps {self.relative_z:g} robust deviations "
-                    f"above the run's first {self.window} steps",
-                    f"mean |pi - mu| of the last {self.window} steps {self.relative_z:g} robust deviations above "
-                    f"the run's first {self.window} steps"]
-        return [f"bad negative updates reach {self.bad_rate:.1%} of the last {self.window} steps' tokens",
-                f"mean |pi - mu| {self.mismatch_growth:g}x the run's first {self.window} steps"]
-
-
-ROBUST_SCALE = 1.4826
-"""The median absolute deviation times this estimates a normal spread's standard deviation."""
-MISMATCH_FLOOR = 0.05
-"""The relative lines' least deviation of mean |pi - mu|: this share of the baseline's median (a run whose first
-steps agree to the digit would otherwise warn on any wiggle); a share, so it scales with the run."""
-
-
-def robust_z(recent: pd.Series, baseline: pd.Series, floor: pd.Series | float) -> pd.Series:
-    """(recent - median(baseline)) / max(1.4826 MAD(baseline), floor): how far ``recent`` stands above the
-    baseline in robust deviations."""
-    med = float(baseline.median()) if len(baseline.dropna()) else math.nan
-    mad = ROBUST_SCALE * float((baseline - med).abs().median()) if len(baseline.dropna()) else math.nan
-    scale = np.maximum(mad, floor)
-    return (recent - med) / pd.Series(scale, index=recent.index).where(lambda x: x > 0)
-
-
-@dataclass(frozen=True)
-class Detector:
-    """The fitted collapse early warning: a logistic score ``bias + sum(weight * mean of the signal over the last
-    window steps)`` over columns of the ``early_signals`` view; a step warns once the run has ``window`` steps and
-    the score reaches ``threshold``.
-
-    :data:`DETECTOR` is the one fitted on collapsing toy runs and judged on held-out ones (``docs/experiments.md``,
-    "An early warning fitted on collapsing runs"; ``bench/eval_early_warning.py`` fits it); it warns on the runs
-    whose logs carry its signals, and :class:`WarningLines` on the others (logged before the importance-weight
-    summaries)."""
-
-    weights: tuple[tuple[str, float], ...]
-    bias: float
-    threshold: float
-    window: int = 5
-    baseline: int | None = None
-    """None: the weights apply to the signals' own values (absolute). A number of steps: the detector is relative,
-    each signal entering as :func:`relative_signals` gives it, robust deviations of its last ``window`` steps' mean
-    above the run's first ``baseline`` steps; a step warns only after the baseline."""
-
-    @property
-    def signals(self) -> list[str]:
-        return [name for name, _ in self.weights]
-
-    def inputs(self, one_run: pd.DataFrame) -> pd.DataFrame:
-        """The values the weights multiply, one row per step of one run (sorted by step)."""
-        if self.baseline is not None:
-            return relative_signals(one_run, self.signals, self.window, self.baseline)
-        return one_run[self.signals].astype(float).rolling(self.window, min_periods=1).mean()
-
-    def score(self, one_run: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        """The score of each step of one run's signals (sorted by step) and whether it warns."""
-        recent = self.inputs(one_run)
-        score = self.bias + sum(weight * recent[name] for name, weight in self.weights)
-        n = np.arange(1, len(one_run) + 1)
-        full = (n >= self.window) if self.baseline is None else (n > self.baseline) & (n >= self.window)
-        return score.to_numpy(), full & (score >= self.threshold).to_numpy()
-
-
-RELATIVE_FLOOR = 0.05
-"""A relative signal's least deviation: this share of its baseline median's size (a signal that barely moves over
-the run's first steps would otherwise stand many deviations off on any wiggle); a share, so it scales with the run."""
-
-
-def relative_signals(one_run: pd.DataFrame, signals: list[str], window: int, baseline: int) -> pd.DataFrame:
-    """Each signal of one run (rows sorted by step) in the run's own terms: the mean of its last ``window`` steps
-    in robust deviations above its first ``baseline`` steps (:func:`robust_z`: their median; the deviation 1.4826 x
-    their median absolute deviation, floored by :data:`RELATIVE_FLOOR` of the median's size). The same setting then
-    reads the same on a model whose normal mismatch is ten times the toy's or a tenth."""
-    out = {}
-    for name in signals:
-        values = one_run[name].astype(float).reset_index(drop=True)
-        recent = values.rolling(window, min_periods=1).mean()
-        base = values.iloc[:baseline]
-        floor = RELATIVE_FLOOR * abs(float(base.median())) if base.notna().any() else math.nan
-        out[name] = robust_z(recent, base, max(floor, 1e-12)).to_numpy()
-    return pd.DataFrame(out, index=one_run.index)
-
-
-DETECTOR = Detector(weights=(("log_ratio_std", 22.489230799476395), ("bad_negative_rate", -655.7173181551187),
-                             ("ess_frac", -16.687836347753525)),
-                    bias=6.823390282037188, threshold=1.1703118159948929)
-"""The default early warning where a run's logs carry its signals (the published weights of docs/experiments.md)."""
-
-RELATIVE_DETECTOR: Detector | None = Detector(
-    weights=(("entropy_mean", 1.4130389062859534), ("mismatch_mean", -0.07704572494664134)),
-    bias=-1.2404082056364087, threshold=0.10416236999831273, baseline=10)
-"""The detector of the relative mode (``WarningLines(relative_z=...)``, ``report --warn-relative``): the entropy
-and mean |pi - mu| of the last 5 steps, each in robust deviations above the run's first 10 steps, fitted on 21 toy
-runs of two worlds and nine settings (docs/experiments.md, "The detector in the run's own terms"). Opt-in: on
-held-out runs it was not at least as good as the shipped default everywhere."""
 
 
 # ------------------------------------------------------------------------------------------------ shared tables
@@ -209,7 +78,7 @@ def _status(run_dir: Path, manifest: dict[str, Any], now: datetime) -> str:
 
     try:
         status = run_status(run_dir)
-    except (schema.SchemaError, OSError, ValueError):
+    except (runformat.SchemaError, OSError, ValueError):
         status = str(manifest.get("status") or "unknown")
     updated = _timestamp(manifest.get("updated_at"))
     if status == "running" and updated is not None and (now - updated).total_seconds() > STALE_AFTER_S:
@@ -292,115 +161,6 @@ def run_table(db: LogDB) -> pd.DataFrame:
     return out
 
 
-WARNING_COLUMNS = ["run_id", "step", "reward_mean", "bad_rate_recent", "mismatch_growth", "warn_bad_rate",
-                   "warn_mismatch", "score", "warn_score", "warning", "bad_rate_z", "mismatch_z"]
-
-
-def detector_for(lines: WarningLines, detector: Detector | None = DETECTOR) -> Detector | None:
-    """The detector :func:`collapse_warnings` scores with beside ``lines``: ``detector``, but in the relative mode
-    (``lines.relative_z`` set) an absolute one gives way to :data:`RELATIVE_DETECTOR` (absolute weights mean
-    nothing in the run's own terms: the relative fit does)."""
-    if lines.relative_z is not None and detector is not None and detector.baseline is None:
-        return RELATIVE_DETECTOR
-    return detector
-
-
-def collapse_warnings(db: LogDB | Overview, run_ids: list[str], lines: WarningLines | None = None,
-                      detector: Detector | None = DETECTOR, signals: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per run and step, the collapse early warning: run_id, step, reward_mean; the lines of
-    :class:`WarningLines` over the overview figures (``db`` or its :meth:`LogDB.overview`): bad_rate_recent (bad
-    negative updates of the last ``window`` steps over their tokens), mismatch_growth (the mean |pi - mu| of the
-    last ``window`` steps over the run's first ``window``; the first full window is the baseline and never
-    warns), warn_bad_rate, warn_mismatch; the ``detector``'s score and warn_score, on the runs whose signals
-    (``signals``: rows of the ``early_signals`` view, queried from ``db`` when it is a LogDB, else read off the
-    overview's steps) are there (score NaN elsewhere); ``warning``: any of the three.
-
-    The lines stay beside the detector because its fitted weight on the bad-update rate is negative (a correction
-    given the log-ratio spread on the runs it was fitted on): far outside them, a step whose tokens are mostly bad
-    updates scores low, and the bad-rate line still warns. ``detector=None``: the lines alone."""
-    lines = lines or WarningLines()
-    detector = detector_for(lines, detector)
-    if not run_ids:
-        return pd.DataFrame(columns=WARNING_COLUMNS)
-    overview = db.overview(run_ids) if isinstance(db, LogDB) else db
-    steps = overview.steps[overview.steps["run_id"].isin(list(run_ids))].sort_values(["run_id", "step"])
-    if detector is not None:
-        if signals is None and isinstance(db, LogDB):
-            signals = db.query("early_signals", run_ids=list(run_ids))
-        if signals is not None and len(signals):
-            have = signals[["run_id", "step", *(c for c in detector.signals if c in signals.columns)]]
-            steps = steps.drop(columns=[c for c in have.columns[2:] if c in steps.columns]).merge(
-                have, on=["run_id", "step"], how="left")
-    parts = []
-    for run_id, one in steps.groupby("run_id", sort=True):
-        recent = one[["n_bad_negative", "n_tokens"]].astype(float).rolling(lines.window, min_periods=1).sum()
-        mismatch = one["mismatch_mean"].astype(float)
-        baseline = mismatch.iloc[:lines.window].mean()
-        rate = recent["n_bad_negative"] / recent["n_tokens"].where(recent["n_tokens"] > 0)
-        growth = mismatch.rolling(lines.window, min_periods=1).mean() / (baseline if baseline else np.nan)
-        late = np.arange(1, len(one) + 1) > lines.window
-        part = pd.DataFrame({
-            "run_id": run_id, "step": one["step"].to_numpy(), "reward_mean": one["reward_mean"].to_numpy(),
-            "bad_rate_recent": rate.to_numpy(), "mismatch_growth": growth.to_numpy(),
-            "warn_bad_rate": late & (rate >= lines.bad_rate).to_numpy(),
-            "warn_mismatch": late & (growth >= lines.mismatch_growth).to_numpy(),
-            "bad_rate_z": np.nan, "mismatch_z": np.nan})
-        if lines.relative_z is not None:
-            first = one.iloc[:lines.window]
-            step_rate = (first["n_bad_negative"].astype(float) / first["n_tokens"].astype(float).where(
-                first["n_tokens"] > 0))
-            base_tokens = float(first["n_tokens"].sum())
-            noise = np.sqrt(max(float(step_rate.median()) if step_rate.notna().any() else 0.0, 1 / max(base_tokens, 1))
-                            / recent["n_tokens"].where(recent["n_tokens"] > 0))
-            bad_z = robust_z(rate, step_rate, noise)
-            recent_mismatch = mismatch.rolling(lines.window, min_periods=1).mean()
-            mis_z = robust_z(recent_mismatch, mismatch.iloc[:lines.window],
-                             MISMATCH_FLOOR * abs(float(mismatch.iloc[:lines.window].median())))
-            part["bad_rate_z"], part["mismatch_z"] = bad_z.to_numpy(), mis_z.to_numpy()
-            part["warn_bad_rate"] = late & (bad_z >= lines.relative_z).to_numpy()
-            part["warn_mismatch"] = late & (mis_z >= lines.relative_z).to_numpy()
-        if detector is not None and all(c in one.columns and one[c].notna().any() for c in detector.signals):
-            part["score"], part["warn_score"] = detector.score(one)
-        else:
-            part["score"], part["warn_score"] = np.nan, False
-        part["warning"] = part["warn_score"] | part["warn_bad_rate"] | part["warn_mismatch"]
-        parts.append(part)
-    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=WARNING_COLUMNS)
-    out["warning"] = out["warning"].astype(bool)
-    out = out[WARNING_COLUMNS]
-    out.attrs["detector"] = detector
-    return out
-
-
-DETECTOR_LABELS = {"log_ratio_std": "spread of log(pi/mu)", "bad_negative_rate": "bad-update rate",
-                   "ess_frac": "ESS of pi/mu", "mismatch_mean": "mean |pi - mu|", "entropy_mean": "entropy",
-                   "grad_norm": "gradient norm", "seq_log_ratio_p99": "p99 of the responses' mean log-ratio"}
-
-
-def first_warnings(warnings: pd.DataFrame, detector: Detector | None = None) -> dict[str, str]:
-    """run_id -> one line saying at which step the warning first fired and why (runs that never warn are absent).
-    ``detector``: the one that scored ``warnings`` (default: the one :func:`collapse_warnings` used)."""
-    detector = detector or warnings.attrs.get("detector") or DETECTOR
-    out = {}
-    for run_id, part in warnings[warnings["warning"].astype(bool)].groupby("run_id", sort=False):
-        row = part.sort_values("step").iloc[0]
-        why = []
-        if row["warn_score"]:
-            names = ", ".join(DETECTOR_LABELS.get(n, n) for n in detector.signals)
-            why.append(f"early-warning score {row['score']:.2f} >= {detector.threshold:.2f} over the last "
-                       f"{detector.window} steps' {names}"
-                       + (f", each against the run's first {detector.baseline} steps" if detector.baseline else ""))
-        if row["warn_bad_rate"]:
-            why.append(f"bad negative updates {row['bad_rate_recent']:.2%} of recent tokens"
-                       + (f", {row['bad_rate_z']:.1f} robust deviations above its first steps"
-                          if pd.notna(row.get("bad_rate_z")) else ""))
-        if row["warn_mismatch"]:
-            why.append(f"|pi - mu| {row['mismatch_growth']:.1f}x its first steps"
-                       + (f", {row['mismatch_z']:.1f} robust deviations above them"
-                          if pd.notna(row.get("mismatch_z")) else ""))
-        out[str(run_id)] = f"collapse warning from step {int(row['step'])} ({'; '.join(why)}; {len(part)} steps warn)"
-    return out
-
 
 # ------------------------------------------------------------------------------------------------ opening logs
 
@@ -441,6 +201,12 @@ class RunReport:
     clipped: pd.DataFrame | None = None
     warnings: list[str] = field(default_factory=list)
     collapse_warning: str | None = None
+    """when and why the collapse early warning first fired (:func:`trustscope.early_warning.first_warnings`)"""
+    warning_holds: bool = False
+    """whether that warning holds over the steps logged (:func:`trustscope.early_warning.warning_outcome`): the
+    reward collapsed after it, or it is still on at the last step; only then is the run marked ``!``"""
+    warning_outcome: str | None = None
+    """the sentence saying whether the warning held, with the figures"""
     equal_budget: pd.DataFrame | None = None
     """the run's rows of :meth:`LogDB.equal_budget` (set by :func:`print_report`), or None"""
     chosen_rules: list[str] = field(default_factory=list)
@@ -463,8 +229,8 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
     table = run_table(db).set_index("run_id")
     clipped = db.clipped_tokens(top=CLIPPED_TOP)
     run_ids = sorted(summary["run_id"].unique())
-    alerts = first_warnings(collapse_warnings(overview, run_ids, lines,
-                                              signals=db.query("early_signals", run_ids=run_ids)))
+    warned = collapse_warnings(overview, run_ids, lines, signals=db.query("early_signals", run_ids=run_ids))
+    alerts = first_warnings(warned)
     totals = overview.blocked_totals()
     reports = []
     for run_id, steps in summary.groupby("run_id", sort=True):
@@ -502,6 +268,9 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
             clipped=clipped[(clipped.run_id == run_id) & (clipped.rule == (rule or "ppo_clip"))],
             collapse_warning=alerts.get(str(run_id)),
         )
+        outcome = warning_outcome(warned, str(run_id)) if report.collapse_warning else None
+        if outcome is not None:
+            report.warning_holds, report.warning_outcome = outcome
         if m_last is not None and m_last > MISMATCH_WARN:
             report.warnings.append(
                 f"mean |pi - mu| ends at {m_last:.4f} (> {MISMATCH_WARN}): the policy is drifting from the rollouts"
@@ -512,8 +281,8 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
             )
         if r_last is not None and report.reward_max is not None and report.reward_max - r_last > 0.3:
             report.warnings.append(f"reward fell from a peak of {report.reward_max:.3f} to {r_last:.3f}")
-        if report.collapse_warning:
-            report.warnings.append(report.collapse_warning)
+        if report.collapse_warning and report.warning_holds:
+            report.warnings.append(f"{report.collapse_warning}: {report.warning_outcome}")
         reports.append(report)
     return reports
 
@@ -543,8 +312,67 @@ def _short_source(r: RunReport) -> str:
     return "rows" if r.token_fraction is None else f"rows {r.token_fraction:.0%}"
 
 
-def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None) -> Group:
-    """The terminal summary as rich renderables (readable at 80 columns: run ids lose their shared prefix)."""
+def sig(value: float | None, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits, in scientific notation below 1e-3 or from 1e6 (so 0.000021
+    reads ``2.1e-05``, never ``0.0000``); ``-`` for None or NaN."""
+    if value is None or pd.isna(value):
+        return "-"
+    value = float(value)
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e6:
+        return f"{value:#.{digits}g}".rstrip(".")
+    return f"{value:.{digits - 1}e}"
+
+
+@dataclass
+class Column:
+    """One column of a table fitted to the terminal (:func:`fitted_table`): its heading, cells, alignment, and
+    ``drop``: the order in which columns are left out when the table is too wide (1 first; 0 never)."""
+
+    name: str
+    cells: list
+    justify: str = "right"
+    drop: int = 0
+
+
+def _cell_width(cell: object) -> int:
+    return Text.from_markup(cell).cell_len if isinstance(cell, str) else cell.cell_len if isinstance(cell, Text) \
+        else len(str(cell))
+
+
+def fitted_table(columns: list[Column], width: int | None, **options: Any) -> tuple[Table, list[str]]:
+    """A rich table of ``columns`` that fits in ``width`` cells without cutting a cell: columns are left out in
+    their ``drop`` order (1 first) until the widest cell of each, plus the padding, fits; no cell wraps or is cut.
+    Returns the table and the names of the columns left out (for the caption). ``width`` None: every column."""
+    kept = list(columns)
+    dropped: list[str] = []
+
+    def needed(cols: list[Column]) -> int:
+        # no edges; between two columns a divider and a cell of padding on each side
+        return sum(max(_cell_width(c) for c in [col.name, *col.cells]) for col in cols) + 3 * (len(cols) - 1)
+
+    while width is not None and needed(kept) > width and any(c.drop for c in kept):
+        worst = min((c for c in kept if c.drop), key=lambda c: c.drop)
+        kept.remove(worst)
+        dropped.append(worst.name)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), **options)
+    for col in kept:
+        table.add_column(col.name, justify=col.justify, no_wrap=True)
+    for i in range(len(columns[0].cells) if columns else 0):
+        table.add_row(*(col.cells[i] for col in kept))
+    return table, dropped
+
+
+def _left_out(dropped: list[str]) -> str:
+    return (f"; at this width left out: {', '.join(dropped)} (a wider terminal shows them; --format json has "
+            "every figure)") if dropped else ""
+
+
+def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None, width: int | None = None) -> Group:
+    """The terminal summary as rich renderables, fitted to ``width`` columns (None: every column): run ids lose
+    the prefix they share; a table too wide leaves out columns in a stated order (named under it), never cutting a
+    name or a figure."""
     parts: list = []
     prefix, short = short_names([r.run_id for r in reports])
     statuses = {r.status for r in reports}
@@ -555,40 +383,35 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
     if len(lengths) == 1:
         title += f", {next(iter(lengths))} steps each"
     named = all(r.loss_rule and r.loss_rule in r.run_id for r in reports)  # the rule already in every run id
-    overview = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    overview.add_column("run", no_wrap=True)
-    if not named:
-        overview.add_column("rule", overflow="fold", min_width=10)
-    if len(statuses) > 1:
-        overview.add_column("status", no_wrap=True)
     sources = {r.source for r in reports}
+    columns = [Column("run", [Text(short[r.run_id] + (" !" if r.warning_holds else ""),
+                                   style="yellow" if r.warning_holds else "") for r in reports], "left")]
+    if not named:
+        columns.append(Column("rule", [r.loss_rule or "-" for r in reports], "left", drop=6))
+    if len(statuses) > 1:
+        columns.append(Column("status", [r.status or "-" for r in reports], "left", drop=7))
     if len(sources) > 1:
-        overview.add_column("from", no_wrap=True)
-    for col in ("steps", "tokens", "reward", "|pi-mu|", "bad neg", "blocked"):
-        if col != "steps" or len(lengths) > 1:
-            overview.add_column(col, justify="right", no_wrap=True)
+        columns.append(Column("from", [_short_source(r) for r in reports], "left", drop=3))
+    if len(lengths) > 1:
+        columns.append(Column("steps", [str(r.n_steps) for r in reports], drop=2))
+    columns += [
+        Column("tokens", [f"{r.n_tokens:,}" for r in reports], drop=1),
+        Column("reward", ["-" if r.reward_first is None and r.reward_last is None
+                          else f"{_fmt(r.reward_first, '.2f')}->{_fmt(r.reward_last, '.2f')}" for r in reports]),
+        Column("|pi-mu|", [sig(r.mismatch_last) for r in reports]),
+        Column("bad neg", [sig(None if r.bad_negative_rate_mean is None else 100 * r.bad_negative_rate_mean, 2)
+                           + ("%" if r.bad_negative_rate_mean is not None else "") for r in reports], drop=5),
+        Column("blocked", [sig(None if r.trainer_blocked_frac is None else 100 * r.trainer_blocked_frac, 2)
+                           + ("%" if r.trainer_blocked_frac is not None else "") for r in reports], drop=4),
+    ]
     delta = ANALYSIS_DEFAULTS["bad_negative_delta"]
     where = (f"figures {next(iter(sources))}" if len(sources) == 1 else
              "from: exact (summaries table, every token) or rows (the logged token rows, % kept)")
+    overview, dropped = fitted_table(columns, width, title=title, title_justify="left", caption_justify="left")
     overview.caption = (f"{where}; tokens: those the figures are over; reward: first -> last step; |pi-mu|: last "
                         f"step; bad neg: A < 0 and mu - pi >= {delta:g}, of all tokens; blocked: by the run's own "
-                        "rule, of the A != 0 tokens; ! marks a collapse warning")
-    for r in reports:
-        row = [short[r.run_id] + (" !" if r.collapse_warning else "")]
-        if not named:
-            row.append(r.loss_rule or "-")
-        if len(statuses) > 1:
-            row.append(r.status or "-")
-        if len(sources) > 1:
-            row.append(_short_source(r))
-        if len(lengths) > 1:
-            row.append(str(r.n_steps))
-        reward = ("-" if r.reward_first is None and r.reward_last is None
-                  else f"{_fmt(r.reward_first, '.2f')}->{_fmt(r.reward_last, '.2f')}")
-        row += [f"{r.n_tokens:,}", reward,
-                _fmt(r.mismatch_last, ".4f"), _fmt(r.bad_negative_rate_mean, ".2%"),
-                _fmt(r.trainer_blocked_frac, ".1%")]
-        overview.add_row(*row)
+                        "rule, of the A != 0 tokens; ! marks a collapse warning that holds (the reason below)"
+                        + _left_out(dropped))
     parts.append(overview)
     for r in reports:
         parts.append(Text(f"{r.run_id}: what each rule would block of its {r.n_grad_tokens:,} tokens with A != 0 "
@@ -609,19 +432,25 @@ def render(reports: list[RunReport], broken: dict[str, list[str]] | None = None)
                           f"{n:,}")
         parts.append(rules)
         if r.equal_budget is not None and len(r.equal_budget):
-            parts += equal_budget_parts(r)
+            parts += equal_budget_parts(r, width)
         if r.clipped is not None and not r.clipped.empty:
-            tokens = Table(title=f"{r.run_id}: tokens {r.clipped.rule.iloc[0]} blocks most (logged rows)",
-                           title_justify="left")
-            for col in ("token", "blocked", "of", "rate", "mean mu", "entropy"):
-                tokens.add_column(col, justify="left" if col == "token" else "right", no_wrap=True)
-            for row in r.clipped.itertuples():
-                tokens.add_row(repr(row.token_text), f"{row.n_blocked:,}", f"{row.n_occurrences:,}",
-                               _fmt(row.block_rate, ".1%"), _fmt(row.mu_prob_mean, ".3f"),
-                               _fmt(row.entropy_mean, ".2f"))
+            cl = r.clipped
+            tokens, dropped = fitted_table([
+                Column("token", [repr(t) for t in cl.token_text], "left"),
+                Column("blocked", [f"{n:,}" for n in cl.n_blocked]),
+                Column("of", [f"{n:,}" for n in cl.n_occurrences], drop=3),
+                Column("rate", [_fmt(x, ".1%") for x in cl.block_rate]),
+                Column("mean mu", [sig(x) for x in cl.mu_prob_mean], drop=2),
+                Column("entropy", [_fmt(x, ".2f") for x in cl.entropy_mean], drop=1),
+            ], width, title=f"{r.run_id}: tokens {cl.rule.iloc[0]} blocks most (logged rows)", title_justify="left",
+               caption_justify="left")
+            if dropped:
+                tokens.caption = _left_out(dropped)[2:]
             parts.append(tokens)
         for warning in r.warnings:
             parts.append(Text(f"! {r.run_id}: {warning}", style="yellow"))
+        if r.collapse_warning and not r.warning_holds:
+            parts.append(Text(f"{r.run_id}: {r.collapse_warning}, {r.warning_outcome} (not marked !)", style="dim"))
     for run_id, problems in (broken or {}).items():
         parts.append(Text(f"! {run_id}: left out, unreadable: {problems[0]}"
                           + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), style="red"))
@@ -669,12 +498,14 @@ def absent_sentence(dimension: str, runs: list[str]) -> str:
 
 
 def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[str],
-                      applied: dict[str, str | None]) -> Group:
+                      applied: dict[str, str | None], width: int | None = None) -> Group:
     """The terminal tables of :func:`by_dimension`: per dimension, one row per (run, bucket) with its tokens,
     mean |pi - mu|, ESS fraction and what the run's own rule blocks (count of the A != 0 tokens and fraction);
-    a sentence for the runs without the dimension."""
+    a sentence for the runs without the dimension. Run ids lose the prefix they share; fitted to ``width``
+    (:func:`fitted_table`: the tokens, then the ESS are left out first)."""
     from trustscope.columns import DIMENSIONS
 
+    prefix, short = short_names(sorted(set(run_ids) | set(mismatch["run_id"])))
     parts: list = []
     for dim in DIMENSIONS:
         rows = mismatch[mismatch["dimension"] == dim.name].sort_values(["run_id", "bucket"])
@@ -682,21 +513,26 @@ def render_dimensions(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: li
         if rows.empty:
             parts.append(Text(f"By {dim.name}: {absent_sentence(dim.name, missing)}", style="italic"))
             continue
-        table = Table(title=f"Where the mismatch lives: by {dim.name} (every step, every token)", title_justify="left",
-                      box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-                      caption=absent_sentence(dim.name, missing) or None)
-        for col in ("run", dim.name, "tokens", "|pi-mu|", "ESS", "own rule blocks"):
-            table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
         own = blocked[(blocked["dimension"] == dim.name)]
         own = own[own["rule"] == own["run_id"].map(applied)].set_index(["run_id", "bucket"])
-        for row in rows.itertuples():
-            key = (row.run_id, row.bucket)
-            block = "-"
-            if key in own.index:
-                b = own.loc[key]
-                block = f"{int(b.n_blocked):,} of {int(b.n_nonzero_advantage):,} ({_fmt(b.blocked_frac, '.2%')})"
-            table.add_row(str(row.run_id), str(row.bucket_label), f"{int(row.n_tokens):,}",
-                          _fmt(row.mismatch_mean, ".4f"), _fmt(row.ess_frac, ".1%"), block)
+        found = [own.loc[(row.run_id, row.bucket)] if (row.run_id, row.bucket) in own.index else None
+                 for row in rows.itertuples()]
+        columns = [
+            Column("run", [short.get(r, r) for r in rows["run_id"]], "left"),
+            Column(dim.name, [str(b) for b in rows["bucket_label"]]),
+            Column("tokens", [f"{int(n):,}" for n in rows["n_tokens"]], drop=1),
+            Column("|pi-mu|", [sig(x) for x in rows["mismatch_mean"]]),
+            Column("ESS", [_fmt(x, ".1%") for x in rows["ess_frac"]], drop=2),
+            Column("own rule blocks", ["-" if b is None else f"{int(b.n_blocked):,} of {int(b.n_nonzero_advantage):,}"
+                                       for b in found]),
+            Column("share", ["-" if b is None or pd.isna(b.blocked_frac) else sig(100 * b.blocked_frac, 2) + "%"
+                             for b in found]),
+        ]
+        title = (f"Where the mismatch lives: by {dim.name} (every step, every token"
+                 + (f"; run ids without {prefix!r}" if prefix else "") + ")")
+        table, dropped = fitted_table(columns, width, title=title, title_justify="left", caption_justify="left")
+        caption = (absent_sentence(dim.name, missing) + _left_out(dropped)).lstrip("; ")
+        table.caption = caption or None
         parts.append(table)
     return Group(*parts)
 
@@ -793,11 +629,26 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
     return lines
 
 
-def equal_budget_parts(r: RunReport) -> list:
+def _off_cell(row: Any) -> Text:
+    """How far a rule's count at the equal budget is from the target: ``+0.4%``; ``ties`` where tied scores (or a
+    sequence rule's whole responses) keep an exact cut from coming nearer; yellow beyond :data:`EQUAL_WITHIN`."""
+    from trustscope.query.budget import EQUAL_WITHIN
+
+    off = row.off
+    if off is None or off != off:
+        return Text("-")
+    text = "0" if off == 0 else f"{off:+.1%}" if abs(off) >= 0.001 else f"{off:+.2%}"
+    ties = str(row.note or "").startswith("nearest count")
+    return Text(text + (" ties" if ties else ""), style="" if abs(off) <= EQUAL_WITHIN or ties else "yellow")
+
+
+def equal_budget_parts(r: RunReport, width: int | None = None) -> list:
     """The run's equal-budget section: each rule with a scalar threshold moved to block the reference's share
-    (:meth:`LogDB.equal_budget`), beside what it blocks at the parameters evaluated (a rule over half of the
-    tokens at those marked out of calibration)."""
-    from trustscope.query.budget import OUT_OF_CALIBRATION
+    (:meth:`LogDB.equal_budget`), how far its count lands from the target, beside what it blocks at the
+    parameters evaluated (a rule over half of the tokens at those marked out of calibration); fitted to
+    ``width`` (:func:`fitted_table`: the bracket first, then the source, the parameter's name and the share at
+    the default are left out)."""
+    from trustscope.query.budget import EQUAL_WITHIN, OUT_OF_CALIBRATION
 
     eb = r.equal_budget
     solved = eb[eb["param"].notna()]
@@ -809,39 +660,51 @@ def equal_budget_parts(r: RunReport) -> list:
                      + (f": {note.iloc[0]}" if len(note) else ""), style="dim")]
     reference = solved["reference"].iloc[0]
     target = solved["target_frac"].iloc[0]
+    goal = solved["target_blocked"].dropna()
     head = (f"{r.run_id}: rules at an equal budget, each threshold moved to block "
-            + (f"{target:.2%} of the tokens with A != 0, as {reference}" if target == target and target is not None
+            + (f"{target:.2%} of the tokens with A != 0" + (f" ({int(goal.iloc[0]):,})" if len(goal) and
+                                                             goal.nunique() == 1 else "")
+               + f", as {reference}" if target == target and target is not None
                else f"the reference's share ({reference})"))
-    sources = {"summ" if str(x).startswith("summaries") else "rows" for x in solved["source"]}
-    counts = solved["n_tokens"].dropna()
+    cut = solved[solved["value"].notna()]
+    sources = {"summ" if str(x).startswith("summaries") else "rows" for x in cut["source"]}
+    counts = cut["n_tokens"].dropna()
     of = f" of {int(counts.iloc[0]):,}" if len(counts) and counts.nunique() == 1 else ""
-    table = Table(caption=escape(
-        "threshold: at the parameters evaluated here -> at the equal budget ([low, high]: the bracket the "
-        "summaries' bins allow); default: the share of the tokens with A != 0 it blocks there (* over half: out "
-        "of calibration for this run, the equal-budget threshold is the one that would match); budget: the "
-        f"tokens{of} it blocks at the equal budget; "
-        + ("from: rows = the logged rows (exact cut), summ = the summaries (every token, to a bin edge)"
-           if len(sources) > 1 else f"from the {'summaries (every token, to a bin edge)' if sources == {'summ'} else solved['source'].iloc[0]}")))
-    columns = ("rule", "threshold", "default", "budget") + (("from",) if len(sources) > 1 else ())
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("rule", "threshold", "from") else "right",
-                         no_wrap=col != "rule", overflow="fold")
-    for row in solved.itertuples():
-        frac, _n = r.blocked_by_rule.get(row.rule, (0.0, 0))
-        if row.value is None or row.value != row.value:
-            value, blocks = "-", row.note or "-"
-        else:
-            value = f"{row.value:.4g}" + (f" [{row.value_low:.3g}, {row.value_high:.3g}]"
-                                          if row.value_low != row.value_high else "")
-            blocks = f"{int(row.n_blocked):,}"
-        own = row.rule == r.loss_rule
-        cells = [Text(row.rule + (" (applied)" if own else ""), style="bold" if own else ""),
-                 Text(f"{row.param} {row.default:.4g} -> {value}"),
-                 _fmt(frac, ".2%") + (" *" if frac > OUT_OF_CALIBRATION else ""), blocks]
-        if len(sources) > 1:
-            cells.append("summ" if str(row.source).startswith("summaries") else "rows")
-        table.add_row(*cells)
+    rows = list(cut.itertuples())
+    shares = [r.blocked_by_rule.get(row.rule, (0.0, 0))[0] for row in rows]
+    columns = [
+        Column("rule", [Text(row.rule + (" (applied)" if row.rule == r.loss_rule else ""),
+                             style="bold" if row.rule == r.loss_rule else "") for row in rows], "left"),
+        Column("param", [str(row.param) for row in rows], "left", drop=3),
+        Column("threshold", [f"{sig(row.default)} -> {sig(row.value, 4)}" for row in rows], "left"),
+        Column("bracket", [f"[{sig(row.value_low)}, {sig(row.value_high)}]" if row.value_low != row.value_high
+                           else "" for row in rows], "left", drop=1),
+        Column("default", [_fmt(f, ".2%") + (" *" if f > OUT_OF_CALIBRATION else "") for f in shares], drop=4),
+        Column("blocks", [f"{int(row.n_blocked):,}" for row in rows]),
+        Column("off", [_off_cell(row) for row in rows]),
+    ]
+    if len(sources) > 1:
+        columns.append(Column("from", ["summ" if str(row.source).startswith("summaries") else "rows"
+                                       for row in rows], "left", drop=2))
+    table, dropped = fitted_table(columns, width, caption_justify="left")
+    wide = [row.rule for row in rows if row.off is not None and row.off == row.off and abs(row.off) > EQUAL_WITHIN
+            and not str(row.note or "").startswith("nearest count")]
+    table.caption = escape(
+        "threshold: at the parameters evaluated here -> at the equal budget; bracket: the [low, high] the "
+        "summaries' bins allow (exact at their edges); default: the share of the tokens with A != 0 the rule "
+        "blocks at the parameters evaluated (* over half: out of calibration for this run); blocks: the tokens"
+        f"{of} it blocks at the equal budget; off: that count's distance from the target, as a share of it "
+        f"(ties: tied scores or whole responses keep an exact cut from coming nearer)"
+        + (f"; beyond {EQUAL_WITHIN:.0%}: {', '.join(wide)} (the summaries' bins are all that bracket them: the "
+           "run's rows are a sample, or too many to read here)" if wide else "")
+        + ("; from: rows = the logged rows (exact cut), summ = the summaries (every token, to a bin edge)"
+           if len(sources) > 1 else
+           f"; from the {'summaries (every token, to a bin edge)' if sources == {'summ'} else cut['source'].iloc[0]}")
+        + _left_out(dropped))
     parts: list = [Text(head, style="italic"), table]
+    uncut = solved[solved["value"].isna()]
+    for row in uncut.itertuples():
+        parts.append(Text(f"  {row.rule}: {row.note}", style="dim"))
     unsolved = eb[eb["param"].isna()]
     if len(unsolved):
         parts.append(Text(f"not compared at an equal budget: {', '.join(unsolved['rule'])} (no scalar threshold)",
@@ -849,43 +712,196 @@ def equal_budget_parts(r: RunReport) -> list:
     return parts
 
 
-def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
-                 lines: WarningLines | None = None, budget: float | None = None) -> list[RunReport]:
-    """Print the terminal summary, with each run's rules at an equal budget (the run's own rule's share, or
-    ``budget``) and where the mismatch lives (runs with summary dimensions); return the reports."""
-    reports = build(db, lines)
+@dataclass
+class ReportData:
+    """Everything the terminal report shows, computed once (:func:`gather`) and kept under the log directory's
+    version (:func:`kept_gather`): the runs' reports (each with its rules at an equal budget), where the mismatch
+    lives by summary dimension, and by routing."""
+
+    reports: list[RunReport]
+    dim_mismatch: pd.DataFrame
+    dim_blocked: pd.DataFrame
+    routing: tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame] | None
+    """:func:`by_routing`'s frames, None where no run is a mixture-of-experts run (run.json's routing_shape)"""
+    sides: dict[str, tuple[int, int]]
+
+
+def gather(db: LogDB, lines: WarningLines | None = None, budget: float | None = None) -> ReportData:
+    """The report's figures: :func:`build`, each run's rules at an equal budget (the run's own rule's share, or
+    ``budget``), :func:`by_dimension` and :func:`by_routing` (read only where some run is a mixture-of-experts
+    run), over one :meth:`LogDB.overview`."""
+    from trustscope.query.budget import equal_budget
+
+    overview = db.overview()
+    reports = build(db, lines, overview)
+    run_ids = [r.run_id for r in reports]
     if reports:
-        eb = db.equal_budget([r.run_id for r in reports], budget, max_rows=BUDGET_MAX_ROWS)
+        eb = equal_budget(db, run_ids, budget, max_rows=BUDGET_MAX_ROWS, overview=overview)
         chosen = db.chosen_rules()
         for r in reports:
             r.chosen_rules = chosen
             r.equal_budget = eb[eb["run_id"] == r.run_id].reset_index(drop=True)
+    mismatch, blocked = by_dimension(db, run_ids) if run_ids else (pd.DataFrame(), pd.DataFrame())
+    manifests = db.runs().set_index("run_id")["manifest"]
+    routed = [r for r in run_ids if r in manifests.index and "routing_shape" in _manifest(manifests[r])]
+    sides = routing_sides(db, routed) if routed else {}  # the token rows are read for mixture-of-experts runs only
+    routing = by_routing(db, run_ids) if sides else None
+    return ReportData(reports, mismatch, blocked, routing, sides)
+
+
+KEPT_VERSION = 1
+"""Bumped when :class:`ReportData` changes shape: a kept report of another shape is computed again."""
+
+
+def _kept_key(db: LogDB, lines: WarningLines | None, budget: float | None) -> str:
+    """What a kept report stands for: the log directory's files (:meth:`LogDB.version`), the report's options and
+    the code that computed it (this module, the early warning and the equal-budget solve, by content)."""
+    import hashlib
+
+    from trustscope import early_warning
+    from trustscope.query import budget as budget_module
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{KEPT_VERSION}\0{db.version()}\0{[str(p) for p in db.paths]}\0{lines!r}\0{budget!r}\0"
+             f"{json.dumps(db.rule_params, sort_keys=True, default=str)}".encode())
+    for module in (__file__, early_warning.__file__, budget_module.__file__):
+        h.update(Path(module).read_bytes())
+    return h.hexdigest()
+
+
+def kept_gather(db: LogDB, lines: WarningLines | None = None, budget: float | None = None) -> ReportData:
+    """:func:`gather`, kept beside the query layer's kept aggregates (``report/`` under the connection's cache
+    folder) under :func:`_kept_key`: a second report over unchanged logs reads it back instead of computing it
+    again; a run that grows, a new run, other options or other code compute it anew. A connection without a cache
+    (``cache=False``) computes every time; a kept file that cannot be read or written is only slower."""
+    import pickle
+
+    folder = getattr(db, "cache_dir", None)
+    if folder is None:
+        return gather(db, lines, budget)
+    path = Path(folder) / "report" / f"{_kept_key(db, lines, budget)}.pickle"
+    try:
+        with path.open("rb") as f:
+            data = pickle.load(f)
+        if isinstance(data, ReportData):
+            return data
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError):
+        pass
+    data = gather(db, lines, budget)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for old in path.parent.glob("*.pickle"):  # one kept report a directory's options at a time is plenty
+            if old.stat().st_mtime < datetime.now(UTC).timestamp() - 7 * 86400:
+                old.unlink(missing_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        with scratch.open("wb") as f:
+            pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
+        scratch.replace(path)
+    except OSError:
+        pass
+    return data
+
+
+Section = Callable[[LogDB, ReportData], "RenderableType | None"]
+"""A section of the terminal report after the built-in ones: given the connection and the report's figures, a
+rich renderable (or None to print nothing)."""
+
+SECTIONS: list[Section] = []
+"""Extra sections, printed in order after where the mismatch lives (:func:`add_section` appends one)."""
+
+
+def add_section(section: Section) -> Section:
+    """Register ``section`` (:data:`Section`) to print after the report's built-in sections; usable as a
+    decorator. A section registered twice prints once."""
+    if section not in SECTIONS:
+        SECTIONS.append(section)
+    return section
+
+
+def print_report(db: LogDB, console: Console | None = None, broken: dict[str, list[str]] | None = None,
+                 lines: WarningLines | None = None, budget: float | None = None) -> list[RunReport]:
+    """Print the terminal summary, with each run's rules at an equal budget (the run's own rule's share, or
+    ``budget``), where the mismatch lives (runs with summary dimensions, mixture-of-experts runs by routing), then
+    :data:`SECTIONS`; return the reports. The figures are :func:`kept_gather`'s."""
+    data = kept_gather(db, lines, budget)
     console = console or Console()
-    console.print(render(reports, broken))
-    if reports:
-        console.print(_dimension_part(db, reports))
-        console.print(_routing_part(db, reports))
-    return reports
+    console.print(render(data.reports, broken, width=console.width))
+    if data.reports:
+        console.print(_dimension_part(data, console.width))
+        console.print(_routing_part(data))
+        for section in SECTIONS:
+            part = section(db, data)
+            if part is not None:
+                console.print(part)
+    return data.reports
 
 
-def _dimension_part(db: LogDB, reports: list[RunReport]) -> Group:
-    mismatch, blocked = by_dimension(db, [r.run_id for r in reports])
-    if mismatch.empty:
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it: numpy numbers as Python's, NaN and NaT as None, frames as lists of records."""
+    if isinstance(value, pd.DataFrame):
+        return [_plain(r) for r in value.to_dict(orient="records")]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, pd.Timestamp | datetime):
+        return None if pd.isna(value) else value.isoformat()
+    if hasattr(value, "item") and not isinstance(value, str):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def report_json(data: ReportData, broken: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The report's figures for scripts (``trustscope report --format json``): ``runs``, one object per run with
+    every :class:`RunReport` field (``blocked_by_rule``: rule -> ``{"frac", "n"}``; ``equal_budget``: the run's
+    :meth:`LogDB.equal_budget` rows; ``clipped``: the tokens its rule blocks most), ``by_dimension`` and
+    ``blocked_by_dimension`` (:func:`by_dimension`'s rows), ``by_routing`` (:func:`by_routing`'s, or null), and
+    ``broken``: the runs left out and why. NaN reads null."""
+    runs = []
+    for r in data.reports:
+        one = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+        one["blocked_by_rule"] = {rule: {"frac": frac, "n": n} for rule, (frac, n) in r.blocked_by_rule.items()}
+        for name in ("equal_budget", "clipped"):
+            one[name] = [] if one[name] is None else one[name]
+        runs.append(one)
+    routing = None if data.routing is None else dict(zip(("mismatch", "blocked", "agreement"), data.routing,
+                                                         strict=True))
+    return _plain({"runs": runs, "by_dimension": data.dim_mismatch, "blocked_by_dimension": data.dim_blocked,
+                   "by_routing": routing, "broken": broken or {}})
+
+
+def print_json(db: LogDB, broken: dict[str, list[str]] | None = None, lines: WarningLines | None = None,
+               budget: float | None = None, file: Any = None) -> dict[str, Any]:
+    """Write :func:`report_json` of :func:`kept_gather`'s figures to ``file`` (default stdout) and return it."""
+    import sys
+
+    out = report_json(kept_gather(db, lines, budget), broken)
+    json.dump(out, file or sys.stdout, indent=1, default=str)
+    (file or sys.stdout).write("\n")
+    return out
+
+
+def _dimension_part(data: ReportData, width: int | None = None) -> Group:
+    reports = data.reports
+    if data.dim_mismatch.empty:
         return Group(Text("Where the mismatch lives: no run has summary dimensions (position, turn, staleness); "
                           "they are logged since summaries table version 2.", style="italic"))
-    return render_dimensions(mismatch, blocked, [r.run_id for r in reports], {r.run_id: r.loss_rule for r in reports})
+    return render_dimensions(data.dim_mismatch, data.dim_blocked, [r.run_id for r in reports],
+                             {r.run_id: r.loss_rule for r in reports}, width)
 
 
-def _routing_part(db: LogDB, reports: list[RunReport]) -> Group:
-    run_ids = [r.run_id for r in reports]
-    mismatch, blocked, exact = by_routing(db, run_ids)
-    sides = routing_sides(db, run_ids)
+def _routing_part(data: ReportData) -> Group:
+    run_ids = [r.run_id for r in data.reports]
+    sides = data.sides
+    mismatch, blocked, exact = data.routing if data.routing is not None else (pd.DataFrame(), None, None)
     if mismatch.empty:
         one_side = routing_absent_sentence([r for r in run_ids if r in sides], sides) if sides else ""
         return Group(Text("Where the mismatch lives, by routing: no run logs routed experts on both sides (a "
                           "mixture-of-experts run's engine_experts and trainer_experts)." + (" " + one_side if
                           one_side else ""), style="italic"))
-    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in reports}, exact, sides)
+    lines = routing_lines(mismatch, blocked, run_ids, {r.run_id: r.loss_rule for r in data.reports}, exact, sides)
     return Group(Text("Where the mismatch lives: by routing agreement", style="bold"),
                  *(Text(line) for line in lines))
 
@@ -995,11 +1011,12 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     makes one self-contained file (about 5 MB more)."""
     path = Path(path)
     overview = db.overview()
-    reports = build(db, lines, overview)
+    data = kept_gather(db, lines)
+    reports = data.reports
     console = Console(record=True, width=110, file=io.StringIO())
-    console.print(render(reports, broken))
+    console.print(render(reports, broken, width=110))
     if reports:
-        console.print(_dimension_part(db, reports))
+        console.print(_dimension_part(data))
     summary_html = console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
     blocks = []
     for i, (title, caption, fig) in enumerate(figures_for(db, overview)):
@@ -1026,3 +1043,10 @@ def write_html(db: LogDB, path: Path | str, *, inline_js: bool = False, broken: 
     )
     path.write_text(page, encoding="utf-8")
     return path
+
+
+# ----------------------------------------------------------------------------- the frameworks' own figures
+
+from trustscope.report_frameworks import frameworks_section  # noqa: E402  (a section of its own module)
+
+add_section(frameworks_section)

@@ -11,7 +11,7 @@ import streamlit as st
 from app import data, pages, widgets
 from trustscope import figures
 from trustscope.losses import list_losses
-from trustscope.query.budget import OUT_OF_CALIBRATION
+from trustscope.query.budget import EQUAL_WITHIN, OUT_OF_CALIBRATION
 
 POSITION_BINS = [0, 1, 4, 16, 64, 256, 1 << 30]
 POSITION_LABELS = ["0", "1-3", "4-15", "16-63", "64-255", "256+"]
@@ -26,6 +26,15 @@ run = widgets.pick_run(runs)
 applied = data.run_rule(run)
 mode = st.segmented_control("Compare the rules", [EQUAL, AS_SET], default=EQUAL, key="cf_mode") or EQUAL
 widgets.rule_panel(figures.rule_order(list_losses()), applied, "cf_panel")
+
+
+def off_text(off: float | None, target: float | None, note: str | None) -> str:
+    """How far a rule's count at the budget is from the target (signed share of it, and the target's count)."""
+    if off is None or pd.isna(off) or target is None or pd.isna(target):
+        return "-"
+    text = "0" if off == 0 else f"{off:+.1%}" if abs(off) >= 0.001 else f"{off:+.2%}"
+    ties = " (ties)" if str(note or "").startswith("nearest count") else ""
+    return f"{text} of {int(target):,}{ties}"
 
 
 def equal_budget_page() -> None:
@@ -52,7 +61,10 @@ def equal_budget_page() -> None:
     sources = sorted(set(solved["source"]))
     st.caption(f"Every rule below is moved along its one threshold to block {target:.2%} of the tokens with "
                f"A != 0, as {solved['reference'].iloc[0]}. Thresholds found from the {' and the '.join(sources)}. "
-               "A sequence rule blocks whole responses, so it lands on the count nearest the target.")
+               "A sequence rule blocks whole responses, so it lands on the count nearest the target. Off the "
+               f"target: each count against the target, within {EQUAL_WITHIN:.0%} where every token is logged (an "
+               "exact cut on the rows) or a summaries' bin edge reaches it; a run that logged a sample of its rows "
+               "has the bins' bracket only, and the column says how far that lands.")
     widgets.calibration_warnings(run, eb)
     totals = data.blocked_totals([run]).set_index("rule")
 
@@ -68,14 +80,20 @@ def equal_budget_page() -> None:
                    for p, d, v, lo, hi in zip(solved["param"], solved["default"], solved["value"],
                                               solved["value_low"], solved["value_high"], strict=True)],
         blocks_there=[there(r) for r in solved["rule"]],
-        blocks=[widgets.count_of(b, t) for b, t in zip(solved["n_blocked"], solved["n_tokens"], strict=True)])
-    st.dataframe(table[["rule", "threshold", "blocks_there", "blocks", "setting", "note"]], hide_index=True,
+        blocks=[widgets.count_of(b, t) for b, t in zip(solved["n_blocked"], solved["n_tokens"], strict=True)],
+        off=[off_text(o, g, note) for o, g, note in zip(solved["off"], solved["target_blocked"], solved["note"],
+                                                        strict=True)])
+    st.dataframe(table[["rule", "blocks", "off", "threshold", "blocks_there", "setting", "note"]], hide_index=True,
                  key="cf_budget_table", height=35 * (len(table) + 1) + 3,
                  column_config={"rule": st.column_config.TextColumn("rule", width="medium"),
                                 "threshold": st.column_config.TextColumn(
                                     "threshold: evaluated -> equal budget",
                                     help="[low, high]: the bracket the summaries' bins allow"),
                                 "blocks_there": "blocks at the parameters evaluated", "blocks": "blocks at the budget",
+                                "off": st.column_config.TextColumn(
+                                    "off the target", help="The count at the budget against the target count, as "
+                                    "a share of it: within 1% where the summaries' bin edge or an exact cut on "
+                                    "every logged token reaches it; ties: tied scores or whole responses"),
                                 "setting": st.column_config.TextColumn(
                                     "as --rule", help="Give it to --rule or TokenLogger(rule_settings=...)")})
     skipped = eb[eb["param"].isna()]["rule"].tolist()

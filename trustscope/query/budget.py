@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trustscope import schema
+from trustscope import runformat
 from trustscope.losses import LossRule, get_loss, list_losses
 from trustscope.query.runs import logged_fraction
 from trustscope.rule_settings import check_budget, explicit_name, number_text
@@ -41,8 +41,16 @@ this module)."""
 
 BUDGET_COLUMNS = ("run_id", "rule", "param", "default", "value", "value_low", "value_high", "n_blocked",
                   "n_blocked_low", "n_blocked_high", "n_tokens", "blocked_frac", "target_frac", "target_blocked",
-                  "reference", "setting", "params", "source", "note")
+                  "reference", "setting", "params", "source", "note", "off")
 """The columns of :func:`equal_budget` (see :meth:`trustscope.query.analyses.NamedAnalyses.equal_budget`)."""
+
+SUMMARIES_SOURCE = "summaries (every token; exact to a bin edge)"
+"""The ``source`` of a threshold read from the summaries' threshold histogram."""
+
+EQUAL_WITHIN = 0.01
+"""How close to the reference's count every rule's count should come, as a share of it: a rule the summaries'
+bins bracket no closer is cut again on the logged rows where they hold every token (exact, but for tied scores
+and a sequence rule's whole responses, which the note then names)."""
 
 OUT_OF_CALIBRATION = 0.5
 """A rule whose parameters block more than this share of a run's tokens with A != 0 is out of calibration for the
@@ -74,7 +82,7 @@ class _Run:
     def __init__(self, db: LogDB, run: Path, run_id: str, rules: dict[str, dict[str, Any]]) -> None:
         self.run_id, self.rules = run_id, rules
         try:
-            manifest = json.loads((run / schema.MANIFEST).read_text())
+            manifest = json.loads((run / runformat.MANIFEST).read_text())
         except (OSError, ValueError):
             manifest = {}
         self.manifest = manifest if isinstance(manifest, dict) else {}
@@ -121,16 +129,41 @@ def _rules(names: Sequence[str] | str | None) -> list[LossRule]:
     return [get_loss(n) for n in names]
 
 
-def reference_share(db: LogDB, run: _Run) -> tuple[float | None, str]:
+class _Figures:
+    """What the solve reads of every run at once: the overview's blocked totals and tokens with A != 0, and the
+    summaries' threshold histograms (one query for all the runs, not a few a run)."""
+
+    def __init__(self, db: LogDB, runs: list[_Run], hist_runs: list[str], overview: Any = None) -> None:
+        ids = [r.run_id for r in runs]
+        if overview is None:
+            overview = db.overview(ids) if ids else None
+        else:  # the caller's (the report's, the dashboard's), of these runs or more
+            overview = type(overview)(overview.steps[overview.steps["run_id"].isin(ids)],
+                                      overview.blocked[overview.blocked["run_id"].isin(ids)], overview.sources)
+        totals = overview.blocked_totals() if overview is not None else None
+        self.blocked: dict[tuple[str, str], tuple[int, int]] = {} if totals is None else {
+            (str(t.run_id), str(t.rule)): (int(t.n_blocked), int(t.n_tokens)) for t in totals.itertuples()}
+        steps = overview.steps if overview is not None else None
+        self.n_tokens: dict[str, int] = {} if steps is None or not len(steps) else {
+            str(k): int(v) for k, v in steps.groupby("run_id")["n_nonzero_advantage"].sum().items()}
+        hist = db.query("threshold_hist", run_ids=hist_runs) if hist_runs else None
+        self.hist: dict[str, pd.DataFrame] = {} if hist is None else {
+            str(k): part for k, part in hist.groupby("run_id")}
+        self.bins: dict[tuple[str, str], tuple[Any, Any, Any]] = {} if hist is None else {
+            (str(run_id), str(rule)): (part["bin_low"].to_numpy(), part["bin_high"].to_numpy(),
+                                       part["count"].to_numpy())
+            for (run_id, rule), part in hist.sort_values("bin_low").groupby(["run_id", "rule"])}
+        """(run_id, rule) -> the bins' low edges, high edges and counts, by low edge"""
+
+
+def reference_share(run: _Run, figures: _Figures) -> tuple[float | None, str]:
     """The share of the run's A != 0 tokens its own rule blocks (exact where the run has summaries), and a
     sentence naming it; None where the run's rule is unknown here or blocks nothing."""
     if run.applied is None or run.applied not in list_losses() or get_loss(run.applied).sql is None:
         return None, f"the run's rule {run.applied!r} is not one the views evaluate: give a budget"
-    totals = db.overview([run.run_id]).blocked_totals()
-    row = totals[totals["rule"] == run.applied]
-    if not len(row) or not row["n_blocked"].iloc[0]:
+    n, of = figures.blocked.get((run.run_id, run.applied), (0, 0))
+    if not n:
         return None, f"the run's rule {run.applied} blocks no token: give a budget"
-    n, of = int(row["n_blocked"].iloc[0]), int(row["n_tokens"].iloc[0])
     return n / of, f"{run.applied} (the run's rule: {n:,} of {of:,} tokens with A != 0)"
 
 
@@ -152,16 +185,6 @@ def _logged_rows(run: _Run) -> int | None:
     rows = run.manifest.get("rows")
     value = rows.get("tokens") if isinstance(rows, dict) else None
     return int(value) if isinstance(value, int | float) else None
-
-
-def _hist(db: LogDB, run_id: str) -> pd.DataFrame:
-    df = db.summaries([run_id], ["threshold_hist"])
-    return df.groupby(["rule", "bin_low", "bin_high"], as_index=False)["count"].sum()
-
-
-def _n_tokens(db: LogDB, run_id: str) -> int:
-    steps = db.overview([run_id]).steps
-    return int(steps["n_nonzero_advantage"].sum()) if len(steps) else 0
 
 
 def _row(run: _Run, rule: LossRule, **values: Any) -> dict[str, Any]:
@@ -195,15 +218,13 @@ def _value(rule: LossRule, base: dict[str, Any], u: float) -> float:
     return float(rule.threshold.at(u, base)[rule.threshold.param])
 
 
-def _from_summaries(run: _Run, rule: LossRule, hist: pd.DataFrame, n_tokens: int,
+def _from_summaries(run: _Run, rule: LossRule, bins: tuple[Any, Any, Any], n_tokens: int,
                     target: int) -> dict[str, Any] | None:
     """The summaries' bracket, or None where the threshold lies beyond the bins (then the rows are read)."""
     base = run.rules[rule.name]
-    bins = hist[hist["rule"] == rule.name].sort_values("bin_low")
-    counts = bins["count"].to_numpy()
+    lows, highs, counts = bins
     above = counts[::-1].cumsum()[::-1]  # tokens in this bin and every bin above: blocked at scale = bin_low
-    lows, highs = bins["bin_low"].to_numpy(), bins["bin_high"].to_numpy()
-    source = "summaries (every token; exact to a bin edge of 8 a decade)"
+    source = SUMMARIES_SOURCE
     if not len(counts) or above[0] < target:
         most = int(above[0]) if len(counts) else 0
         return _row(run, rule, n_tokens=n_tokens, source=source,
@@ -272,23 +293,47 @@ def short_scale(rule: LossRule, base: dict[str, Any], lo: float, hi: float) -> t
     return (lo + hi) / 2, None
 
 
+def _logged_in_full(run: _Run) -> bool:
+    """Whether the run's logged rows are every token (``token_fraction`` 1, or not said by an older log)."""
+    return run.fraction is None or run.fraction >= 1
+
+
+def _off(row: dict[str, Any]) -> float | None:
+    """How far the count a row blocks is from its target, as a share of the target (signed)."""
+    n, target = row.get("n_blocked"), row.get("target_blocked")
+    if n is None or target is None or (isinstance(n, float) and math.isnan(n)) or not target:
+        return None
+    return (n - target) / target
+
+
 def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: float | None = None,
-                 rules: Sequence[str] | str | None = None, max_rows: int | None = None) -> pd.DataFrame:
+                 rules: Sequence[str] | str | None = None, max_rows: int | None = None,
+                 overview: Any = None) -> pd.DataFrame:
     """See :meth:`trustscope.query.analyses.NamedAnalyses.equal_budget`. ``max_rows``: a run whose rules must
     be cut on its logged rows is left out (a note says so) when it logged more token rows than this (the cut
-    reads every one of them: 49 s for 1M rows on a loaded 2-core machine)."""
+    reads every one of them: 49 s for 1M rows on a loaded 2-core machine).
+
+    Every run's figures are read at once (:class:`_Figures`: the overview and one query of the threshold
+    histograms). A rule the summaries bracket no closer than :data:`EQUAL_WITHIN` of the target is cut again on
+    the logged rows where they are every token (an exact cut), within ``max_rows``. ``overview``: the
+    :meth:`LogDB.overview` the caller holds already (of these runs or more), read instead of a new one."""
     import pandas as pd
 
     share = None if budget is None else check_budget(budget)
     chosen = _rules(rules)
+    runs = _runs(db, run_ids)
+    figures = _Figures(db, runs, [r.run_id for r in runs
+                                  if any(r.summaries_hold(rule) for rule in chosen if rule.threshold)], overview)
     out = []
-    for run in _runs(db, run_ids):
+    for run in runs:
         if share is None:
-            target_frac, reference = reference_share(db, run)
+            target_frac, reference = reference_share(run, figures)
         else:
             target_frac, reference = share, f"a budget of {share:.2%} of the tokens with A != 0"
-        hist = _hist(db, run.run_id) if any(run.summaries_hold(r) for r in chosen if r.threshold) else None
-        n_summ = _n_tokens(db, run.run_id) if hist is not None else 0
+        hist = figures.hist.get(run.run_id)
+        n_summ = figures.n_tokens.get(run.run_id, 0) if hist is not None else 0
+        logged = _logged_rows(run)
+        readable = max_rows is None or logged is None or logged <= max_rows
         cut = None
         for rule in chosen:
             if rule.threshold is None:
@@ -301,14 +346,22 @@ def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: 
                 out.append(_row(run, rule, reference=reference, target_frac=target_frac,
                                 note=reference if target_frac is None else f"the threshold cannot be scaled: {why}"))
                 continue
-            if hist is not None and run.summaries_hold(rule) and (hist["rule"] == rule.name).any() and n_summ:
+            row = None
+            bins = figures.bins.get((run.run_id, rule.name))
+            if hist is not None and run.summaries_hold(rule) and n_summ and bins is None:
+                out.append(_row(run, rule, reference=reference, target_frac=target_frac, n_tokens=n_summ,
+                                target_blocked=round(target_frac * n_summ), source=SUMMARIES_SOURCE,
+                                note="blocks no token at any threshold (the summaries score none: the inputs it "
+                                     "needs, such as old_logprob, were not logged)"))
+                continue
+            if hist is not None and run.summaries_hold(rule) and bins is not None and n_summ:
                 target = round(target_frac * n_summ)
-                row = _from_summaries(run, rule, hist, n_summ, target)
-            else:
-                row = None
+                row = _from_summaries(run, rule, bins, n_summ, target)
+                if row is not None and target and readable and _logged_in_full(run) and row["n_blocked"] is not None \
+                        and abs(row["n_blocked"] - target) > EQUAL_WITHIN * target:
+                    row = None  # every token is in the rows: the exact cut there instead of the bin edge
             said = (target_frac, reference)
-            logged = _logged_rows(run)
-            if row is None and max_rows is not None and logged is not None and logged > max_rows:
+            if row is None and not readable:
                 out.append(_row(run, rule, reference=reference, target_frac=target_frac,
                                 note=f"not cut: its summaries hold no threshold histogram at these parameters, and "
                                      f"its {logged:,} logged token rows are more than {max_rows:,} to read here "
@@ -316,7 +369,7 @@ def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: 
                 continue
             if row is None:
                 if cut is None:
-                    if share is None and run.fraction is not None and run.fraction < 1:  # the rows' own reference
+                    if share is None and not _logged_in_full(run):  # the rows' own reference
                         rows_said = rows_reference(db, run)
                         rows_said = rows_said if rows_said[0] is not None else said
                     else:
@@ -326,6 +379,7 @@ def equal_budget(db: LogDB, run_ids: Sequence[str] | str | None = None, budget: 
                 target = int(cut["target"].iloc[0]) if len(cut) else None
                 said = rows_said
             row.update(reference=said[1], target_frac=said[0], target_blocked=target)
+            row["off"] = _off(row)
             out.append(row)
     return pd.DataFrame(out, columns=list(BUDGET_COLUMNS))
 
@@ -337,9 +391,10 @@ def threshold_curve(db: LogDB, run_id: str, rules: Sequence[str] | str | None = 
     (run,) = _runs(db, run_id)
     chosen = [r for r in _rules(rules) if r.threshold is not None and r.threshold.scalable(run.rules[r.name]) is None]
     held = [r for r in chosen if run.summaries_hold(r)]
-    hist = _hist(db, run_id) if held else None
+    figures = _Figures(db, [run], [run_id] if held else [])
+    hist = figures.hist.get(run_id) if held else None
     counts = db.query("threshold_counts", run_id=run_id) if len(held) < len(chosen) else None
-    n_summ = _n_tokens(db, run_id) if hist is not None else 0
+    n_summ = figures.n_tokens.get(run_id, 0) if hist is not None else 0
     n_rows = None
     out = []
     for rule in chosen:
