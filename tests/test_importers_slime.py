@@ -20,7 +20,7 @@ import torch
 
 from trustscope.importers import ImportFormatError, import_run
 from trustscope.importers.slime import assemble_cp
-from trustscope.schema import validate_logdir
+from trustscope.runformat.validation import validate_logdir
 
 V = 50
 
@@ -43,7 +43,10 @@ def make_samples(rng: np.random.Generator, rollout_id: int, n: int = 8, group: i
             "prompt": [{"role": "user", "content": f"question {i // group}"}],
             "tokens": prompt_ids + rng.integers(0, V, length).tolist(), "multimodal_inputs": None,
             "multimodal_train_inputs": None, "response": f"answer {i}", "response_length": length, "label": "1",
-            "reward": rewards[i % group], "loss_mask": mask, "weight_versions": [str(rollout_id)],
+            "reward": rewards[i % group], "loss_mask": mask,
+            # slime pushes version 1 before rollout 0 and one more after each step; sample 3 is a partial rollout
+            # begun one version earlier and continued with the newest weights
+            "weight_versions": [str(rollout_id), str(rollout_id + 1)] if i == 3 and rollout_id else [str(rollout_id + 1)],
             "rollout_log_probs": lp.tolist(), "rollout_routed_experts": None, "rollout_indexer_topk": None,
             "remove_sample": i == 5, "teacher_log_probs": None, "opd_reverse_kl": None,
             "status": "truncated" if i == 1 else "completed", "metadata": {}, "generate_function_path": None,
@@ -178,6 +181,9 @@ def _check_values(run_dir: Path, written: dict) -> None:
             assert np.allclose(got.old_logprob, f["log_probs"].numpy()[keep])
             assert np.allclose(got.advantage, f["advantages"].numpy()[keep])
             assert got.kept.tolist() == [not s["remove_sample"]] * len(keep)
+            versions = [int(v) - 1 for v in s["weight_versions"]]
+            assert got.policy_version.tolist() == [versions[0]] * len(keep)
+            assert got.policy_version_last.tolist() == [versions[-1]] * len(keep)
             row = samples[(samples.step == rid) & (samples.sample_id == s["index"])].iloc[0]
             assert row.reward == s["reward"] and row.response == s["response"]
             assert row.finish_reason == s["status"] and row.prompt == f"user: {s['prompt'][0]['content']}"
@@ -205,6 +211,18 @@ def test_slime_single_file_dump(tmp_path):
     assert validate_logdir(run_dir) == []
     assert json.loads((run_dir / "run.json").read_text())["source"]["framework"] == "slime"
     _check_values(run_dir, written)
+
+
+def test_weight_versions_that_are_no_push_of_the_run_are_refused_naming_the_sample(tmp_path):
+    for bad, match in (("v7", r"weight version 'v7' is not an integer"),
+                       ("5", r"weight version '5' is not a push before rollout 1")):
+        dump = tmp_path / bad
+        written = write_dump(dump, steps=2)
+        samples, _ = written[1]
+        samples[2]["weight_versions"] = [bad]
+        write_rollout(dump, 1, samples)
+        _fails("miles", dump, tmp_path / f"logs-{bad}", r"rollout_data/1\.pt\[samples\]\[2\]\['weight_versions'\]: "
+               + match)
 
 
 def test_cp_reassembly_by_hand():

@@ -82,6 +82,10 @@ NOTES = {
     "entropy": "entropy when dumped (--use-rollout-entropy / entropy loss), else null",
     "kept": "false on remove_sample samples; the PPO clip mask is not dumped",
     "rows": "response tokens with loss_mask 1",
+    "policy_version": "weight_versions[0] - 1 (Sample.weight_versions: the engine's weight version at each "
+                      "generation call; slime pushes version 1 before rollout 0 and one more after each training "
+                      "step); null when the dump has none",
+    "policy_version_last": "weight_versions[-1] - 1: the last version a partial rollout was continued with",
 }
 ROUTING_NOTE = ("rollout_routed_experts (the engine's; row t - 1 of (len(tokens) - 1, layers, top-k) predicts "
                 "token t); the dump has no trainer side, so no trainer_experts or agreement")
@@ -416,6 +420,7 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
             raise ImportFormatError(f"{where}: {name} has {len(arr)} value(s) for a {resp}-token response")
     removed = bool(sample.get("remove_sample", False))
     group = sample.get("group_index")
+    first, last = weight_versions(sample.get("weight_versions"), step, f"{rollout_where}['weight_versions']")
     return Sequence(
         step=step, rank=train["rank"], where=where,
         token_id=tokens[total - resp:], mu_logprob=mu, pi_logprob=train["log_probs"],
@@ -428,7 +433,38 @@ def _sequence(step: int, sample: dict, position: int, train: dict[str, Any], raw
         reward=_reward(sample, raw_reward, position),
         finish_reason=str(sample["status"]) if sample.get("status") is not None else None,
         engine_experts=routed_experts(sample.get("rollout_routed_experts"), total, resp, rollout_where),
+        policy_version=first, policy_version_last=last,
     )
+
+
+def weight_versions(value: Any, step: int, where: str) -> tuple[int | None, int | None]:
+    """``Sample.weight_versions`` (the SGLang engine's ``weight_version`` of each generation call of the sample, in
+    order, as strings) -> ``(policy_version, policy_version_last)`` in trainer steps, or ``(None, None)`` when the
+    dump has none.
+
+    slime and miles push the weights once before rollout 0 (version 1) and once after each rollout's training
+    (``train.py``, ``train_async.py`` with ``--update-weights-interval 1``, the default), so version ``v`` holds
+    the weights after ``v - 1`` training steps: the policy version is ``v - 1``. A version that is not an integer,
+    or that maps outside ``[0, step]``, is refused naming the sample and the value. Limits: a run that pushes
+    less often (``--update-weights-interval`` > 1) or that resumed without carrying its count on
+    (``--update-weight-start-version``) numbers fewer pushes than steps, and reads staler than it was."""
+    if value is None or (hasattr(value, "__len__") and len(value) == 0):
+        return None, None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ImportFormatError(f"{where}: {value!r} is not a list of weight versions")
+    steps = []
+    for v in value:
+        try:
+            number = int(str(v).strip())
+        except ValueError:
+            raise ImportFormatError(f"{where}: weight version {v!r} is not an integer (slime's engines number "
+                                    f"their weight pushes 1, 2, ...)") from None
+        if not 1 <= number <= step + 1:
+            raise ImportFormatError(f"{where}: weight version {v!r} is not a push before rollout {step}: slime's "
+                                    f"version v holds the weights after v - 1 training steps, so 1 <= v <= "
+                                    f"{step + 1}")
+        steps.append(number - 1)
+    return steps[0], steps[-1]
 
 
 @register_importer("slime", reads="a --dump-details directory: rollout_data/ and train_data/ .pt files",

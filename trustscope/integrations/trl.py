@@ -107,7 +107,7 @@ _ATTRIBUTES = ("loss_type", "epsilon_low", "epsilon_high", "importance_sampling_
                "top_k", "min_p", "repetition_penalty", "max_completion_length", "top_entropy_quantile",
                "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction", "num_generations",
                "reward_weights", "beta", "rollout_func", "tools", "accelerator",
-               "processing_class", "state", "args", "model")
+               "processing_class", "state", "args", "model", "_step")
 """GRPOTrainer attributes attach reads."""
 _CONFIG_FIELDS = ("delta", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
                   "per_device_train_batch_size", "scale_rewards", "mask_truncated_completions",
@@ -118,6 +118,7 @@ _CONFIG_FIELDS = ("delta", "num_iterations", "steps_per_generation", "gradient_a
 _SAMPLE_ID, _PROMPT_ID, _REWARD = "trustscope_sample_id", "trustscope_prompt_id", "trustscope_reward"
 _ENGINE_IDS = "trustscope_engine_ids"
 _TOPK_IDS, _TOPK_LOGPROBS, _MU_RECOMPUTE = "trustscope_mu_topk_ids", "trustscope_mu_topk_logprobs", "trustscope_mu"
+_POLICY_VERSION = "trustscope_policy_version"
 
 
 class TRLVersionError(RuntimeError):
@@ -577,9 +578,14 @@ class Attachment:
     def resume_at(self, step: int) -> int:
         """TRL resumes at ``step`` (``state.global_step`` once ``resume_from_checkpoint`` loaded): this rank's rows
         after ``step - 1`` go, so the resumed steps are logged once
-        (:meth:`~trustscope.logger.TokenLogger.cut_back`, which refuses a checkpoint newer than the log or a run
-        of another schema version, naming the run, the rank and the steps). Returns the files removed."""
+        (:meth:`~trustscope.logger.TokenLogger.cut_back`). The main process also cuts back the ranks no process
+        of this session writes (a resume on fewer processes) and counts a resume on another number of processes;
+        a log that ends before the checkpoint is counted too, never a reason to stop (logging incidents,
+        :mod:`trustscope.runformat.incidents`). Returns the files removed."""
         self.resume = False
+        accelerator = self.trainer.accelerator
+        if getattr(accelerator, "is_main_process", True):
+            return self.logger.cut_back(step - 1, world=int(accelerator.num_processes))
         return self.logger.cut_back(step - 1)
 
     def detach(self) -> None:
@@ -613,6 +619,7 @@ class Attachment:
         rows = torch.arange(first, first + B, device=ids.device)  # (B,) global completion index
         out[_SAMPLE_ID] = rows
         out[_PROMPT_ID] = rows // t.num_generations  # TRL repeats each prompt num_generations times in a row
+        out[_POLICY_VERSION] = torch.full((B,), self.weights_version(), dtype=torch.long, device=ids.device)
         self._rollouts += world * B
         if rewards_global is not None:
             local = rewards_global[rank * B : (rank + 1) * B]  # (B, F), TRL's process slice
@@ -628,6 +635,26 @@ class Attachment:
             out[_TOPK_LOGPROBS] = _pad_rows(engine_topk[1], T, self.topk, math.nan, torch.float32, ids.device)
         elif self.topk_forward:
             self._rollout_forward(out)
+
+    def weights_version(self) -> int:
+        """The step whose weights generate the rollout being tagged: on the vLLM path the step whose weights TRL
+        last loaded into the engine (``_last_loaded_step``: TRL syncs them before a rollout whenever
+        ``global_step`` moved), else ``global_step`` (the transformers path samples from the model in training)."""
+        t = self.trainer
+        loaded = getattr(t, "_last_loaded_step", None) if t.use_vllm else None
+        if isinstance(loaded, int) and loaded >= 0:
+            return loaded
+        return int(t.state.global_step)
+
+    def update_index(self) -> int:
+        """Which optimizer update since the rollout this micro-batch trains: TRL generates once every
+        ``steps_per_generation * num_iterations`` micro-batches (``_step``, the micro-batches trained so far) and
+        makes one update every ``gradient_accumulation_steps`` of them, so it is ``(_step mod generate_every) //
+        gradient_accumulation_steps``: iteration x ``steps_per_generation`` + slice when each update is one
+        micro-batch. After a resume TRL counts ``_step`` from 0 and generates anew, and so does this."""
+        t = self.trainer
+        every = int(t.args.steps_per_generation) * int(t.args.num_iterations)
+        return (int(t._step) % every) // max(int(t.args.gradient_accumulation_steps), 1)
 
     def _tag_engine_ids(self, out: dict[str, Any], calls: list[EngineCall]) -> tuple[list, list] | None:
         """The engine's id at each completion position (``(B, T)``, -1 where none) into the batch, from the
@@ -707,6 +734,9 @@ class Attachment:
                                   "advantage": inputs["advantages"], "kept": kept}
         if entropy is not None:
             tokens["entropy"] = entropy
+        if _POLICY_VERSION in inputs:  # (B,): the step whose weights generated each completion
+            tokens["policy_version"] = inputs[_POLICY_VERSION]
+            tokens["update_index"] = torch.full_like(inputs[_POLICY_VERSION], self.update_index(), dtype=torch.int32)
         if old is not None:
             tokens["old_logprob"] = torch.nan_to_num(old)
         if "tool_mask" in inputs:  # tool calls: each tool result (0 in tool_mask) starts the model's next turn
@@ -874,7 +904,7 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
         webhook: a Slack-compatible webhook URL the early warning is posted to (:class:`trustscope.alerts.Alerts`,
             on a background thread); a malformed URL raises ``ValueError`` here. With ``report_to`` W&B or trackio
             the warning is also an alert there (``wandb.alert``, ``trackio.alert``), webhook or not.
-        warn_relative: the early warning in the run's own terms (:class:`trustscope.report.WarningLines`
+        warn_relative: the early warning in the run's own terms (:class:`trustscope.early_warning.WarningLines`
             ``relative_z``): its lines that many robust deviations above the run's first steps, and the relative
             detector; None (the default) keeps the absolute lines and detector.
         **logger_options: passed to :class:`~trustscope.logger.TokenLogger` (``run_id``, ``token_fraction``,
@@ -888,7 +918,7 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     """
     import trl
 
-    from trustscope.report import WarningLines
+    from trustscope.early_warning import WarningLines
 
     check_trainer(trainer)
     alerts_url = None if webhook is None else check_webhook_url(webhook)

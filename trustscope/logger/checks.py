@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 
 from trustscope import columns as C
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger.batch import Batch
-from trustscope.logger.errors import LogWarning
-from trustscope.schema import SchemaError
+from trustscope.logger.experts import RoutingPlan, check_fraction
+from trustscope.runformat.errors import LogWarning, SchemaError
 
 TOKEN_INPUTS = tuple(c.name for c in C.TOKEN_COLUMNS if c.given != "logger")
 TEXT_IDS = {"prompt_token_ids": "prompt", "response_token_ids": "response"}
@@ -221,7 +221,8 @@ def _flatten_tokens(
         elif name in ROUTING:
             if arr.ndim != 4 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, L, k) = ({B}, {T}, MoE layers, top-k), got {arr.shape}")
-            cols[name] = arr.reshape(B * T, *arr.shape[2:]).copy() if full else arr[b, t]
+            flat = arr.reshape(B * T, *arr.shape[2:])  # (N, L, k)
+            cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
         elif name in PER_SEQUENCE or (name in either and arr.ndim == 1):
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
@@ -332,7 +333,8 @@ class InputChecker:
 
     def __init__(self, *, run_id: str, rank: int, strict: bool, loss_rule: str, token_fraction: float, seed: int,
                  vocab_size: int | None, topk_k: int | None, disk_last_step: int | None, summaries: bool = True,
-                 extra_columns: tuple[C.Column, ...] = (), routing_shape: tuple[int, int, int] | None = None):
+                 extra_columns: tuple[C.Column, ...] = (), routing_shape: tuple[int, int, int] | None = None,
+                 routing_fraction: float | None = None):
         self.run_id, self.rank, self.strict, self.loss_rule = run_id, rank, strict, loss_rule
         self.columns = (*C.TOKEN_COLUMNS, *extra_columns)
         """Every tokens column, the run's own (``extra_columns``) last: what a call may give and how it is checked."""
@@ -346,6 +348,9 @@ class InputChecker:
         self._k = topk_k
         self.routing_shape = routing_shape
         """``(MoE layers, top-k, experts)`` of the model, or None for a dense one: routed experts are refused."""
+        self.routing_plan = None if routing_shape is None else RoutingPlan(
+            routing_shape, check_fraction(routing_fraction, routing_shape), seed)
+        """What the writer thread does with the calls' expert lists (:mod:`trustscope.logger.experts`)."""
         self._disk_last_step = disk_last_step
         self._last_step: int | None = None  # last step accepted by log_step in this process
         self._step_sample_ids: set[int] = set()
@@ -387,6 +392,8 @@ class InputChecker:
                 batch.tokens, batch.dropped_rows, batch.sampled = self._check_tokens(step, cols, b, t, sample_ids,
                                                                                      samples)
                 batch.summarize = self.summaries
+                if any(name in batch.tokens for name in ROUTING):
+                    batch.routing = self.routing_plan
             new_ids = list(zip(sample_ids["sample_id"].tolist(), _update_keys(tokens, n_seq), strict=True))
         if new_step:  # accepted: remember what this step holds
             self._step_sample_ids, self._step_scalars, self._next_default_id, self._step_calls = set(), set(), 0, 0
@@ -595,22 +602,40 @@ class InputChecker:
             check.rows((ids >= 0) & (ids < upper), label, f"must be in [0, {upper})", ids)
 
     def _check_routing(self, cols: dict[str, np.ndarray]) -> None:
-        """Routed experts against the run's ``routing_shape`` (refused whole, naming the field and the shapes); with
-        both sides given and no ``routing_agreement``, the logger fills it."""
-        from trustscope.routing import agreement, check_routing
-
+        """Routed experts against the run's ``routing_shape``, refused whole naming the field, the row (sample_id,
+        pos) and the shapes: ``(N, L, k)`` integer ids in ``[0, experts)``; an ``engine_experts`` row of -1
+        throughout is a token the engine reported no routing for (a fallback, counted by the writer). The
+        per-token figures and the share of rows that keep their lists are the writer thread's
+        (:func:`trustscope.logger.experts.derive`): here one pass over the ids at most."""
         given = [name for name in ROUTING if name in cols]
+        if not given:
+            return
+        if self.routing_shape is None:
+            raise Rejected(f"tokens[{given[0]!r}]: routing given for a dense model; declare the model's "
+                           f"TokenLogger(routing_shape=(MoE layers, top-k, experts)) to log routed experts")
+        layers, top_k, experts = self.routing_shape
         for name in given:
-            try:
-                cols[name] = check_routing(cols[name], f"tokens[{name!r}]", self.routing_shape)
-            except ValueError as err:
-                if self.routing_shape is None:
-                    raise Rejected(f"{err}: declare the model's TokenLogger(routing_shape=(MoE layers, top-k, "
-                                   f"experts)) to log routed experts") from None
-                raise Rejected(str(err)) from None
-        if len(given) == len(ROUTING) and "routing_agreement" not in cols:
-            cols["routing_agreement"] = agreement(cols["engine_experts"], cols["trainer_experts"])[0].astype(
-                np.float32)
+            arr, label = cols[name], f"tokens[{name!r}]"
+            if arr.ndim != 3 or arr.shape[1:] != (layers, top_k):
+                raise Rejected(f"{label} has shape {arr.shape} (token rows, MoE layers, top-k), the run's "
+                               f"routing_shape routes (N, {layers}, {top_k}) of {experts} experts")
+            if arr.dtype.kind not in "iu":
+                raise Rejected(f"{label} must hold integer expert ids, got dtype {arr.dtype}")
+            if arr.size and arr.dtype.kind == "i" and arr.dtype.itemsize <= 8:
+                fast = arr.view(f"u{arr.dtype.itemsize}").max() < experts  # a negative id is huge unsigned
+            else:
+                fast = not arr.size or arr.max() < experts
+            if not fast:
+                bad = (arr < 0) | (arr >= experts)  # (N, L, k)
+                if name == "engine_experts":
+                    bad &= ~(arr == -1).all((1, 2))[:, None, None]  # fallback rows
+                if bad.any():
+                    row, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+                    raise Rejected(f"{label}: expert id {int(arr[row, layer, slot])} at sample_id "
+                                   f"{int(cols['sample_id'][row])}, pos {int(cols['pos'][row])}, MoE layer {layer}, "
+                                   f"slot {slot} is out of range [0, {experts}) (routing_shape {self.routing_shape}; "
+                                   f"-1 throughout a row of engine_experts: the engine reported no routing)")
+            cols[name] = arr.astype(np.int16, copy=False)
 
     def _check_topk(self, cols: dict[str, np.ndarray]) -> None:
         """The top-K lists' shape: both of ids and mu's log-probs, one K for all lists and for the whole run."""

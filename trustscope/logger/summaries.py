@@ -7,7 +7,7 @@ sample (:meth:`trustscope.logger.batch.Batch.apply_sample`), so ``log_step`` its
 figure is mergeable (a count, a sum, a sum of squares, a min, a max, a histogram bin's count): the ``summaries``
 view adds up the micro-batches of a step and the ranks of a run.
 
-Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
+Rows (:data:`trustscope.runformat.layout.SUMMARIES`), ``metric`` being one of:
 
 - ``tokens``: token count per advantage sign (positive, negative, zero) and mu bucket.
 - ``blocked``: per registered rule (:func:`trustscope.losses.list_losses`: the rule the run trains with at its
@@ -29,7 +29,9 @@ Rows (:data:`trustscope.schema.SUMMARIES`), ``metric`` being one of:
   SQL's ``bad_negative_delta``).
 - ``prob_diff`` (pi - mu, signed), ``abs_prob_diff`` (|pi - mu|), ``topk_tv``, ``topk_kl``, ``entropy``,
   ``routing_agreement`` (MoE runs): count, sum, sum of squares, min and max; ``routing_agreement`` once more per
-  MoE layer when both routings are given (:func:`routing_rows`: ``dimension`` ``layer``);
+  MoE layer when both routings are given, and the replace rate ``routing_replaced``, the fault counts
+  ``routing_fallback`` / ``routing_shifted`` / ``routing_reused`` and |log pi/mu| by routing agreement
+  (:func:`routing_rows`);
 - ``<name>_hist`` for ``abs_prob_diff``, ``topk_tv``, ``topk_kl``, ``abs_seq_log_ratio``: the count per fixed bin
   ``[bin_low, bin_high)`` of :data:`HIST_EDGES`, so quantiles follow exactly to bin resolution (8 bins a decade).
 - The early-warning signals (:func:`ratio_rows`), count, sum, sum of squares, min and max like the moments above:
@@ -138,9 +140,9 @@ def ratio_rows(mu_logprob: np.ndarray, pi_logprob: np.ndarray, seq: np.ndarray) 
 def blocked_rule_list() -> list[tuple[str, dict]]:
     """The rules a logger records in ``blocked_rules``, bit i for entry i: every registered rule with a SQL mask
     family (the ones the views show), sorted by name, at its default parameters, as many as fit
-    (:data:`trustscope.schema.MAX_BLOCKED_RULES`). Fixed when the logger starts: the footer of each tokens file
+    (:data:`trustscope.runformat.layout.MAX_BLOCKED_RULES`). Fixed when the logger starts: the footer of each tokens file
     says which list its bits follow."""
-    from trustscope import schema as S
+    from trustscope import runformat as S
     from trustscope.losses import get_loss, list_losses
 
     rules = [get_loss(name) for name in sorted(list_losses()) if get_loss(name).sql is not None]
@@ -203,7 +205,7 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step
 
     ``step``: the call's step, which the ``staleness`` dimension reads (None: no staleness rows).
 
-    Returns dicts with ``metric`` and the other columns of :data:`trustscope.schema.SUMMARIES` that apply.
+    Returns dicts with ``metric`` and the other columns of :data:`trustscope.runformat.layout.SUMMARIES` that apply.
     """
     import torch
 
@@ -302,19 +304,69 @@ def summarize(cols: dict[str, np.ndarray], bit_rules: tuple[str, ...] = (), step
 
 
 def routing_rows(cols: dict[str, np.ndarray]) -> list[dict]:
-    """Mixture-of-experts routing: the moments of ``routing_agreement`` (the share of the engine's (layer, slot)
-    choices the trainer's router also made, per token); with both routings given, the same per MoE layer
-    (``dimension`` ``layer``, ``bucket`` the layer's index among the MoE layers, ``count`` the tokens)."""
-    if "routing_agreement" not in cols:
-        return []
-    rows = [_moments("routing_agreement", cols["routing_agreement"])]
-    if "engine_experts" in cols and "trainer_experts" in cols:
-        from trustscope.routing import agreement
+    """Mixture-of-experts routing (the writer's per-token figures, :mod:`trustscope.logger.experts`), over the
+    tokens whose engine reported routing:
 
-        per_layer = agreement(cols["engine_experts"], cols["trainer_experts"])[1]  # (N, L)
-        rows += [{**_moments("routing_agreement", per_layer[:, layer]), "dimension": "layer", "bucket": layer}
-                 for layer in range(per_layer.shape[1])]
+    - ``routing_agreement``: moments of the share of the engine's (layer, slot) choices the trainer's experts
+      share; per MoE layer too (``dimension`` ``layer``, ``bucket`` the layer's index among the MoE layers).
+    - ``routing_replaced`` (the router's own pick logged, ``router_experts``): moments of the share of the
+      router's own choices the replay replaced (the replace rate), overall and per layer.
+    - ``routing_fallback``, ``routing_shifted``, ``routing_reused``: counts of the tokens with that
+      ``routing_fault`` bit (0 included, so a tracker's curve has every step).
+    - ``routing_abs_log_ratio_agree`` / ``routing_abs_log_ratio_differ``: moments of |log pi/mu| of the tokens
+      whose routing fully agrees / differs somewhere, per position bucket (``dimension`` ``position``): the
+      routing split of the mismatch by position, exact at any ``token_fraction``; ``routing_abs_log_ratio``
+      the same per first differing layer (``dimension`` ``routing``, -1: full agreement).
+    """
+    from trustscope.columns import position_bucket
+    from trustscope.logger.experts import FAULTS
+
+    rows: list[dict] = []
+    for name, per_layer in (("routing_agreement", "_routing_layer_agreement"),
+                            ("routing_replaced", "_routing_layer_replaced")):
+        if name not in cols:
+            continue
+        values = cols[name]
+        ok = np.isfinite(values)  # (N,) NaN: the engine reported no routing
+        if ok.any():
+            rows.append(_moments(name, values[ok]))
+        if per_layer in cols and ok.any():
+            h = cols[per_layer][ok]  # (n, L) hits of k
+            top_k = _top_k(cols)
+            share = h / top_k if name == "routing_agreement" else 1.0 - h / top_k
+            rows += [{**_moments(name, share[:, layer]), "dimension": "layer", "bucket": layer}
+                     for layer in range(share.shape[1])]
+    if "routing_fault" in cols:
+        fault = cols["routing_fault"]
+        rows += [{"metric": f"routing_{name}", "count": int(np.count_nonzero(fault & bit))}
+                 for name, bit in FAULTS.items()]
+    if "routing_first_layer" in cols:
+        first = cols["routing_first_layer"]
+        ok = first > -2
+        abs_lr = np.abs(cols["pi_logprob"].astype(np.float64) - cols["mu_logprob"].astype(np.float64))[ok]
+        bucket = position_bucket(cols["pos"][ok])
+        agree = first[ok] == -1
+        for name, where in (("routing_abs_log_ratio_agree", agree), ("routing_abs_log_ratio_differ", ~agree)):
+            rows += _bucket_moments(name, abs_lr[where], bucket[where], "position")
+        rows += _bucket_moments("routing_abs_log_ratio", abs_lr, first[ok].astype(np.int64), "routing")
     return rows
+
+
+def _bucket_moments(name: str, x: np.ndarray, bucket: np.ndarray, dimension: str) -> list[dict]:
+    """Moments of ``x`` ``(N,)`` per value of ``bucket`` ``(N,)``, as rows of ``dimension``."""
+    lows, idx = np.unique(bucket, return_inverse=True)
+    return [{**_moments(name, x[idx == j]), "dimension": dimension, "bucket": int(low)} for j, low in enumerate(lows)]
+
+
+def _top_k(cols: dict[str, np.ndarray]) -> int:
+    """The top-k of the call's expert lists."""
+    from trustscope.logger.experts import SIDES
+
+    return next(cols[s].shape[2] for s in SIDES if s in cols)
+
+
+ROUTED_VALUES = ("routing_agreement", "routing_replaced")
+"""The routing figures every summary dimension's buckets carry (moments), NaN rows left out."""
 
 
 def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarray, diff: np.ndarray,
@@ -333,7 +385,7 @@ def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarr
     log_ratio = cols["pi_logprob"].astype(np.float64) - cols["mu_logprob"].astype(np.float64)  # (N,)
     values = {"prob_diff": diff, "abs_prob_diff": np.abs(diff), "is_weight": np.exp(log_ratio),
               "log_ratio": log_ratio}
-    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy", "routing_agreement") if name in cols})
+    values.update({name: cols[name] for name in ("topk_tv", "topk_kl", "entropy", *ROUTED_VALUES) if name in cols})
     hists = [name for name in ("abs_prob_diff", "topk_tv", "topk_kl") if name in values]
     bad = (cols["advantage"] < 0) & (-diff >= delta)  # (N,)
     rows: list[dict] = []
@@ -365,6 +417,10 @@ def dimension_rows(cols: dict[str, np.ndarray], step: int | None, sign: np.ndarr
             xs = np.asarray(x)[order]
             for j in range(nb):
                 part = xs[bounds[j]: bounds[j + 1]]
+                if name in ROUTED_VALUES:
+                    part = part[np.isfinite(part)]  # NaN: the engine reported no routing for the token
+                    if not len(part):
+                        continue
                 rows.append({**_moments(name, part), **tag[j]})
                 if name in hists:
                     rows += [{**row, **tag[j]} for row in _hist(name, part)]

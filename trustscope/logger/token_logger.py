@@ -3,7 +3,7 @@
 The write path reads in one direction: :meth:`TokenLogger.log_step` checks and flattens the call
 (:class:`~trustscope.logger.checks.InputChecker`), queues the batch for the writer thread
 (:class:`~trustscope.logger.writer.Writer`), which writes Parquet and commits each flush in the rank's manifest
-(:class:`~trustscope.logger.runfiles.RunFiles`).
+(:class:`~trustscope.runformat.runfiles.RunFiles`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import secrets
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,16 +23,23 @@ import numpy as np
 
 from trustscope import __version__
 from trustscope import columns as C
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.logger.checks import InputChecker, Rejected, check_text
-from trustscope.logger.compaction import FANIN, BackgroundCompactor, background_compaction
-from trustscope.logger.errors import LogDirError, LogWarning
 from trustscope.logger.memory import ON_FULL, RowBudget, default_max_buffered_rows
-from trustscope.logger.runfiles import RUN_ID_OK, RunFiles, jsonable, resolve_rank, vocab_texts
 from trustscope.logger.summaries import blocked_rule_list, summary_rules
 from trustscope.logger.writer import Writer, default_write_threads
-from trustscope.schema import SchemaError
-from trustscope.storage import StorageError, open_store
+from trustscope.runformat.background import BackgroundCompactor, background_compaction
+from trustscope.runformat.compaction import FANIN
+from trustscope.runformat.cutback import drop_steps_after, short_detail, short_of
+from trustscope.runformat.errors import LogDirError, LogWarning, SchemaError
+from trustscope.runformat.incidents import MANIFEST_KEY as INCIDENTS_KEY
+from trustscope.runformat.incidents import SCALAR_PREFIX as INCIDENT_PREFIX
+from trustscope.runformat.incidents import add_incident
+from trustscope.runformat.incidents import counters as incident_counters
+from trustscope.runformat.manifest import jsonable, store_manifests
+from trustscope.runformat.retry import StorageError
+from trustscope.runformat.runfiles import RUN_ID_OK, RunFiles, resolve_rank, vocab_texts
+from trustscope.runformat.stores import open_store
 
 MU_SOURCES = frozenset({"engine", "trainer_recompute", "imported"})
 """Where mu_logprob came from: the inference engine's own log-probs (the real behaviour policy), or, for
@@ -87,6 +94,7 @@ class TokenLogger:
         max_staleness: int | None = None,
         routing_shape: tuple[int, int, int] | None = None,
         routing_replay: bool = False,
+        routing_fraction: float | None = None,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -135,6 +143,9 @@ class TokenLogger:
         if routing_replay and routing_shape is None:
             raise ValueError("routing_replay=True needs routing_shape=(MoE layers, top-k, experts): replay is "
                              "declared for a mixture-of-experts model")
+        from trustscope.logger.experts import check_fraction
+
+        routing_fraction = check_fraction(routing_fraction, routing_shape)  # ValueError naming it
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
             raise ValueError(f"run_id {self.run_id!r} may only use letters, digits, '.', '_', '-' "
@@ -156,6 +167,7 @@ class TokenLogger:
         self._resumed = bool(resume)
         self._logged = False  # a log_step call reached the checks (cut_back only comes before)
         self._reported_dead = False
+        self._storage_options = None if storage_options is None else dict(storage_options)
         texts = vocab_texts(vocab) if vocab is not None else None
         if texts is not None:
             try:
@@ -182,6 +194,7 @@ class TokenLogger:
                         "tokenizer": jsonable(tokenizer), "max_staleness": max_staleness,
                         **({"routing_shape": list(routing_shape)} if routing_shape else {}),
                         **({"routing_replay": True} if routing_replay else {}),
+                        **({"routing_fraction": routing_fraction} if routing_shape else {}),
                         **({"loss_params": jsonable(dict(loss_params))} if loss_params is not None else {})}
             logging_info = {"token_fraction": float(token_fraction), "text_fraction": float(text_fraction),
                             "log_topk": log_topk,
@@ -207,7 +220,8 @@ class TokenLogger:
                                      token_fraction=float(token_fraction), seed=int(seed),
                                      vocab_size=None if texts is None else len(texts), topk_k=topk_k,
                                      disk_last_step=self._files.disk_last_step, summaries=summaries,
-                                     extra_columns=extra, routing_shape=routing_shape)
+                                     extra_columns=extra, routing_shape=routing_shape,
+                                     routing_fraction=routing_fraction)
         prior = self._files.manifest.get("buffer") if resume else None
         self._budget = RowBudget(int(max_buffered_rows), int(max_queue), on_full,
                                  None if block_timeout_s is None else float(block_timeout_s),
@@ -228,6 +242,9 @@ class TokenLogger:
                               budget=self._budget, decode=text_decoder(vocab, texts),
                               text_fraction=float(text_fraction), seed=int(seed),
                               extra_fields=tuple(c.field for c in extra))
+        self._incidents: dict[str, Any] = dict(self._files.manifest.get(INCIDENTS_KEY) or {}) if resume else {}
+        self._incidents_due = False  # counters changed since the last call that logged them
+        self._incidents_warned: set[str] = set()
         self._summary_calls = 0  # calls with summaries queued so far
         self._calls_through: dict[int, int] = {}  # step -> calls with summaries queued up to its last call
         self._atexit = _close_at_exit(self)
@@ -247,8 +264,11 @@ class TokenLogger:
         """Check one step's (or micro-batch's) data and queue it for writing. See :mod:`trustscope.logger`."""
         if self._closed:
             raise RuntimeError(f"TokenLogger of run {self.run_id!r} is closed")
-        self._raise_writer_error()
+        self._raise_writer_error(step)
         self._logged = True
+        due = self._incidents_due
+        if due:  # the incident counters so far ride along with this step's scalars
+            scalars = {**incident_counters(self._incidents), **(scalars or {})}
         try:
             batch = self._checker.prepare(step, tokens, mask, samples, scalars, loss_rule)
         except (Rejected, SchemaError) as err:
@@ -263,9 +283,11 @@ class TokenLogger:
             self._calls_through[batch.step] = self._summary_calls
             if len(self._calls_through) > 4:  # only the newest steps are ever asked about
                 del self._calls_through[min(self._calls_through)]
+        if due:
+            self._incidents_due = False
         if not self._writer.put(batch):
             self._writer.lose(batch)
-            self._raise_writer_error()
+            self._raise_writer_error(step)
 
     def commit_step(self) -> None:
         """Have the writer thread store and commit everything logged so far, and return at once: a step ends
@@ -276,14 +298,22 @@ class TokenLogger:
         self._raise_writer_error()
         self._writer.commit()
 
-    def cut_back(self, step: int) -> int:
+    def cut_back(self, step: int, *, ranks: Container[int] | None = None, world: int | None = None) -> int:
         """Drop what this rank logged after ``step``, the step a framework resumes from (its checkpoint's), so the
         resumed steps are logged once; returns how many files went. Only on a logger opened with ``resume=True``,
         before its first :meth:`log_step`. Works on local and ``s3://`` runs.
 
-        Refused with :class:`~trustscope.logger.runfiles.ResumeError` (naming the run, the rank and the steps) when
-        this rank's committed steps end before ``step`` (a checkpoint newer than the log) or when another schema
-        version wrote the run. ``step = -1`` drops everything (a framework that starts over)."""
+        ``ranks``: other ranks of the run to cut back at ``step`` as well (e.g. ``range(1, 2**31)`` from a driver
+        that resumes every actor's log). ``world``: the number of ranks the resumed run has; ranks at or beyond
+        it that logged before (a resume on fewer processes) are cut back too, so no process's later rows are
+        left behind, and a resume on another number of ranks is a ``resume_ranks_changed`` incident.
+
+        A rank whose committed steps end before ``step`` (a checkpoint newer than the log) is never a reason to
+        stop the training: nothing of it is cut, and it becomes a ``resume_log_short`` incident (one warning, the
+        manifest's ``incidents``, which ``trustscope validate`` names, and the ``trustscope/incidents/...``
+        counters among the next step's scalars: :mod:`trustscope.runformat.incidents`). A run another schema
+        version wrote is refused (:class:`~trustscope.runformat.cutback.ResumeError`) before anything is cut.
+        ``step = -1`` drops everything (a framework that starts over)."""
         if self._closed:
             raise RuntimeError(f"TokenLogger of run {self.run_id!r} is closed")
         if not self._resumed or self._logged:
@@ -291,14 +321,66 @@ class TokenLogger:
                                f"resume=True can cut back, before its first log_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < -1:
             raise ValueError(f"step must be an int >= -1, got {step!r}")
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise ValueError(f"world must be the resumed run's number of ranks, an int >= 1, got {world!r}")
         self._writer.flush()  # nothing was logged: only a heartbeat could be under way
+        removed = 0
         try:
-            removed = self._files.cut_after(step)
+            if short_of(self._files.manifest, step):
+                self._short_log(self.rank, self._files.manifest.get("last_step"), step)
+            else:
+                removed = self._files.cut_after(step)
+            if ranks is not None or world is not None:
+                removed += self._cut_other_ranks(step, ranks, world)
+            if self._incidents_due:
+                self._files.save()  # the incidents are on disk before training goes on
         except OSError as err:
             raise LogDirError(f"run {self.run_id!r} rank {self.rank} could not be cut back after step {step}: "
                               f"{err}") from err
         self._checker._disk_last_step = self._files.disk_last_step  # the steps a resumed rank may log
         return removed
+
+    def _cut_other_ranks(self, step: int, ranks: Container[int] | None, world: int | None) -> int:
+        """:meth:`cut_back` of the other ranks named by ``ranks`` or at or beyond ``world``."""
+        manifests = store_manifests(self._files.store, self._files.run_dir)
+        if world is not None:
+            had = max(manifests) + 1
+            if had != world:
+                which = (f"ranks {world}-{had - 1}, which no process writes now, are cut back after step {step} "
+                         f"like the others" if had > world else
+                         f"ranks {had}-{world - 1} are new and start after step {step}")
+                self.record_incident("resume_ranks_changed", f"run {self.run_id!r} resumed on {world} rank(s) after "
+                                     f"step {step}; it had {had}: {which}", step)
+        removed = 0
+        for rank, manifest in sorted(manifests.items()):
+            if rank == self.rank or not ((ranks is not None and rank in ranks) or (world is not None and rank >= world)):
+                continue
+            if short_of(manifest, step):
+                self._short_log(rank, manifest.get("last_step"), step)
+                continue
+            removed += drop_steps_after(self.run_dir, step, ranks={rank}, storage_options=self._storage_options,
+                                        resume=True)
+        return removed
+
+    def _short_log(self, rank: int, last: int | None, step: int) -> None:
+        self.record_incident("resume_log_short", short_detail(self.run_id, rank, last, step), step)
+
+    def record_incident(self, kind: str, detail: str, step: int | None = None) -> None:
+        """Record a logging incident of ``kind`` (:data:`trustscope.runformat.incidents.INCIDENTS`): a
+        :class:`LogWarning` (the first of each kind), the manifest's ``incidents`` (written with the next save),
+        and the ``trustscope/incidents/<kind>`` counter among the next logged step's scalars. Any thread."""
+        self._incidents = add_incident(self._incidents, kind, detail, step)
+        self._incidents_due = True
+        self._files.note(**{INCIDENTS_KEY: self._incidents})
+        if kind not in self._incidents_warned:
+            self._incidents_warned.add(kind)
+            warnings.warn(f"trustscope: {detail} (logging incident {kind}: counted in the manifest and in the "
+                          f"{INCIDENT_PREFIX}{kind} scalar; trustscope validate names it)", LogWarning, stacklevel=3)
+
+    @property
+    def incidents(self) -> dict[str, Any]:
+        """The logging incidents of this rank so far (the manifest's ``incidents``), over resumed sessions too."""
+        return {k: dict(v) for k, v in self._incidents.items()}
 
     def step_summaries(self, wait_s: float = 0.0) -> tuple[int, list[dict[str, Any]]] | None:
         """``(step, rows)``: the exact summary rows (:mod:`trustscope.logger.summaries`, this rank's calls of the
@@ -386,7 +468,7 @@ class TokenLogger:
         waiting in memory now (queued, or in the open flush not yet stored)."""
         return {**self._budget.report(), "rows": self._budget.rows}
 
-    def _raise_writer_error(self) -> None:
+    def _raise_writer_error(self, step: int | None = None) -> None:
         failed = None if self._compactor is None else self._compactor.take_error()
         if failed is not None:  # nothing was lost: the files stay as they were, the next round tries again
             warnings.warn(f"trustscope: compaction of run {self.run_id!r} rank {self.rank} failed, its files "
@@ -401,8 +483,14 @@ class TokenLogger:
         if dead and self._reported_dead:
             return
         self._reported_dead = dead
-        warnings.warn(f"trustscope: a write of run {self.run_id!r} failed, its rows are lost: {err}",
-                      LogWarning, stacklevel=3)
+        lost = self._writer.lost or {}
+        where = step if lost.get("last_step") is None else lost["last_step"]
+        if dead:
+            self.record_incident("writer_stopped", f"the writer thread of run {self.run_id!r} rank {self.rank} "
+                                 f"stopped, its rows from here on are lost: {type(err).__name__}: {err}", where)
+        else:
+            self.record_incident("rows_lost", f"a write of run {self.run_id!r} rank {self.rank} failed, its rows "
+                                 f"are lost: {type(err).__name__}: {err}", where)
 
 
 def text_decoder(vocab: Any, texts: list[Any] | None) -> Callable[[list[np.ndarray]], list[str]] | None:

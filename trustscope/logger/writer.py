@@ -38,14 +38,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trustscope import schema as S
+from trustscope import runformat as S
 from trustscope.divergence_np import topk_divergences_np
 from trustscope.logger.batch import Batch
 from trustscope.logger.checks import ROUTING
+from trustscope.logger.experts import DERIVED as ROUTING_DERIVED
+from trustscope.logger.experts import KEEP as ROUTING_KEEP
+from trustscope.logger.experts import derive as derive_routing
 from trustscope.logger.memory import RowBudget
-from trustscope.logger.runfiles import RunFiles
 from trustscope.logger.summaries import summarize_call
-from trustscope.storage import RunStore, can_exchange, exchange, fsync_file
+from trustscope.runformat.fsops import can_exchange, exchange, fsync_file
+from trustscope.runformat.runfiles import RunFiles
+from trustscope.runformat.stores import RunStore
 
 
 def default_write_threads() -> int:
@@ -759,6 +763,8 @@ class Writer:
     def _arrow(self, batch: Batch) -> dict[str, pa.Table]:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
+        if batch.routing is not None and batch.tokens is not None:  # over every row, before the sample too
+            derive_routing(batch.tokens, batch.step, batch.routing)
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
             batch.summaries = summarize_call(batch.tokens, self._bit_rules, step=batch.step,
                                              rules=self._summary_rules)
@@ -816,7 +822,10 @@ class Writer:
                     values = round_mantissa(values, 10)
                 out[f.name] = self._constants.list_array(values, f.type.value_type)
             elif f.name in ROUTING and f.name in cols:  # (N, L, k) -> L * k ids a row, layer by layer
-                out[f.name] = self._constants.list_array(cols[f.name].reshape(n, -1), f.type.value_type)
+                out[f.name] = routing_lists(cols[f.name], cols.get(ROUTING_KEEP), f.type.value_type,
+                                            self._constants)
+            elif f.name in ROUTING_DERIVED and f.name in cols and cols[f.name].dtype.kind == "f":
+                out[f.name] = pa.array(cols[f.name], f.type, from_pandas=True)  # NaN: no engine routing, null
             elif f.name in cols and pa.types.is_list(f.type):  # a list per token, (N, L)
                 out[f.name] = self._constants.list_array(cols[f.name], f.type.value_type)
             elif f.name in cols:
@@ -872,10 +881,27 @@ class Writer:
         return out
 
 
+def routing_lists(values: np.ndarray, keep: np.ndarray | None, value_type: pa.DataType,
+                  constants: _Constants) -> pa.ListArray:
+    """``(N, L, k)`` expert ids as a list column of ``L * k`` ids a row, null outside ``keep`` ``(N,)`` (the rows
+    that keep their lists, :func:`trustscope.logger.experts.derive`) and on rows of -1 (no routing reported)."""
+    n = len(values)
+    flat = values.reshape(n, -1)  # (N, L * k)
+    present = flat[:, 0] >= 0 if keep is None else keep & (flat[:, 0] >= 0)
+    if present.all():
+        return constants.list_array(flat, value_type)
+    width = flat.shape[1]
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(present * width, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat[present].reshape(-1)),
+                                    type=pa.list_(pa.field("element", value_type, nullable=False)),
+                                    mask=pa.array(~present))
+
+
 def publish_together(run_dir: Path, folder: Path, files: list[tuple[Path, Path]], fsync: bool) -> None:
     """Put several closed files into the rank folder ``folder`` in one atomic step: a copy of the folder is staged
     (hard links to its files, and to the new ones) under ``<run>/_staging/`` and swapped with it
-    (:func:`trustscope.storage.exchange`); the temporaries are removed after. A reader lists all of them or
+    (:func:`trustscope.runformat.fsops.exchange`); the temporaries are removed after. A reader lists all of them or
     none."""
     stage = run_dir / S.STAGING_DIR / f"{folder.parent.name}-{folder.name}-publish"
     shutil.rmtree(stage, ignore_errors=True)

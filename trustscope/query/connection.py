@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import duckdb
 import pyarrow as pa
 
-from trustscope import schema, storage
+from trustscope import runformat
 from trustscope.paths import cache_root
 from trustscope.query.analyses import NamedAnalyses
 from trustscope.query.catalogue import (
@@ -128,13 +128,13 @@ class LogDB(NamedAnalyses):
         self._private = Path(tempfile.mkdtemp(prefix="trustscope-db-"))
         self._resources = _Resources(self._private)
         self._finalizer = weakref.finalize(self, self._resources.release)
-        self.mirror_dir = mirror_dir or (storage.default_mirror_root() if cache else self._private / "s3")
-        """Where ``s3://`` paths are mirrored (see :func:`trustscope.storage.mirror`)."""
-        self._stores = [storage.ObjectStore(str(p), storage_options, write=False)
-                        for p in paths if storage.is_remote(p)]
+        self.mirror_dir = mirror_dir or (runformat.default_mirror_root() if cache else self._private / "s3")
+        """Where ``s3://`` paths are mirrored (see :func:`trustscope.runformat.mirrors.mirror`)."""
+        self._stores = [runformat.ObjectStore(str(p), storage_options, write=False)
+                        for p in paths if runformat.is_remote(p)]
         """The object store prefixes among ``paths``, mirrored again at every refresh."""
         mirrors = iter(self._sync_mirrors())
-        self.paths = [(next(mirrors) if storage.is_remote(p) else Path(p)).resolve() for p in paths]
+        self.paths = [(next(mirrors) if runformat.is_remote(p) else Path(p)).resolve() for p in paths]
         self.rule_params = rule_parameters(rule_params)
         """Parameters of every rule where a run did not train with it: the defaults, or the caller's choice."""
         self.binding = RuleBinding(self.rule_params)
@@ -207,32 +207,32 @@ class LogDB(NamedAnalyses):
 
     def _sync_mirrors(self) -> list[Path]:
         """Bring the local mirror of every object store path up to date (raises StorageError naming the URL)."""
-        return [storage.mirror(store.url, self.mirror_dir, store=store) for store in self._stores]
+        return [runformat.mirror(store.url, self.mirror_dir, store=store) for store in self._stores]
 
     def _file_lists(self) -> dict[str, list[str]]:
-        """The files of each table a reader should see (committed flushes only, see :func:`schema.committed_files`).
+        """The files of each table a reader should see (committed flushes only, see :func:`runformat.committed_files`).
         A run with a listed file gone by the time it is checked is listed once more: a compaction committed in
         between and deleted the files it replaced (after its grace period), which is no damage."""
         lists: dict[str, list[str]] = {}
-        committed = {run: schema.committed_files(run) for run in self.runs_dirs}
+        committed = {run: runformat.committed_files(run) for run in self.runs_dirs}
         checked = {run: check_run(run, files) for run, files in committed.items()}
         for run, (_, bad) in list(checked.items()):
             if any(not f.exists() for f in bad):
-                committed[run] = schema.committed_files(run)
+                committed[run] = runformat.committed_files(run)
                 checked[run] = check_run(run, committed[run])
         self._unreadable = {f: problem for _, bad in checked.values() for f, problem in bad.items()}
         problems = {run.name: listed(*found) for run, found in checked.items()}
-        for table in schema.TABLES:
+        for table in runformat.TABLES:
             files = [str(f) for run_files in committed.values() for f in run_files[table] if f not in self._unreadable]
             lists[table] = [str(self._private / f"empty_{table}.parquet"), *files]
         lists["vocab"] = [str(self._private / "empty_vocab.parquet")] + [
-            str(run / schema.VOCAB_FILE) for run in self.runs_dirs
-            if (run / schema.VOCAB_FILE).is_file() and run / schema.VOCAB_FILE not in self._unreadable
+            str(run / runformat.VOCAB_FILE) for run in self.runs_dirs
+            if (run / runformat.VOCAB_FILE).is_file() and run / runformat.VOCAB_FILE not in self._unreadable
         ]
         self.broken_runs = {**{run: in_words(found) for run, found in problems.items() if found}, **self._late_links}
         lists["manifests"] = [str(self._private / "empty_run.json")] + [
-            str(run / schema.MANIFEST) for run, (manifest, _) in checked.items()
-            if (run / schema.MANIFEST).is_file() and manifest is None and run.name not in self._late_links
+            str(run / runformat.MANIFEST) for run, (manifest, _) in checked.items()
+            if (run / runformat.MANIFEST).is_file() and manifest is None and run.name not in self._late_links
         ]
         return lists
 
@@ -321,7 +321,7 @@ class LogDB(NamedAnalyses):
         """The :func:`~trustscope.query.partials.stored_variant` for ``files`` (one flush): the rules whose logged
         bits hold at this connection's parameters read them; None when no rule's do. ``rendered`` keeps the
         variants already rendered, by their stored bits."""
-        run = rule_sets.get(schema.run_of(files[0]))
+        run = rule_sets.get(runformat.run_of(files[0]))
         stored = stored_rule_bits(files, run[1] if run else self.rule_params)
         if not stored:
             return None
@@ -342,7 +342,7 @@ class LogDB(NamedAnalyses):
         shared = {"rules": self.rule_params, "analysis": dict(ANALYSIS_DEFAULTS)}
 
         def key(file: Path) -> str:
-            run = schema.run_of(file)
+            run = runformat.run_of(file)
             if run not in prefixes:
                 own = rule_sets.get(run)
                 prefixes[run] = json.dumps([self._fingerprint, {**shared, "own": own}], default=str)
@@ -432,8 +432,8 @@ class LogDB(NamedAnalyses):
         with self._lock:
             self._sync_mirrors()
         for run in run_dirs(self.paths):
-            files = [run / schema.MANIFEST, run / schema.VOCAB_FILE]
-            files += [f for table in schema.TABLES for f in data_files(run, table)]
+            files = [run / runformat.MANIFEST, run / runformat.VOCAB_FILE]
+            files += [f for table in runformat.TABLES for f in data_files(run, table)]
             for f in files:
                 try:
                     st = f.stat()
@@ -509,7 +509,7 @@ def again_if_swapped(read: Callable[[], _R]) -> _R:
         try:
             return read()
         except Exception as err:
-            if attempt == SWAP_RETRIES or not schema.is_vanished_file_error(err):
+            if attempt == SWAP_RETRIES or not runformat.is_vanished_file_error(err):
                 raise
     raise AssertionError("unreachable")
 
@@ -524,9 +524,9 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
 
     Any of them may be an object store prefix, ``s3://bucket/prefix`` (``storage_options`` for
     ``s3fs.S3FileSystem``, else the usual AWS variables): its committed objects are mirrored into ``mirror_dir``
-    (default :func:`trustscope.storage.default_mirror_root`; with ``cache=False`` a private folder) keyed by
+    (default :func:`trustscope.runformat.mirrors.default_mirror_root`; with ``cache=False`` a private folder) keyed by
     ETag, again at every refresh, and read there. A store that cannot be reached, or a missing bucket, raises
-    :class:`trustscope.storage.StorageError` naming the URL and the cause.
+    :class:`trustscope.runformat.retry.StorageError` naming the URL and the cause.
 
     ``rules``: rule modules to import first (see :func:`load_rules`; default ``$TRUSTSCOPE_RULES``).
     ``rule_params``: rule -> parameters for the counterfactual columns (default: each rule's defaults); a run's
@@ -552,7 +552,7 @@ def connect(logdir_or_runs: str | Path | Sequence[str | Path], *, max_rows: int 
         from trustscope.distributed import attach_ray
 
         cluster = attach_ray(ray, fallback=ray_fallback)
-    return LogDB([p if storage.is_remote(p) else Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s,
+    return LogDB([p if runformat.is_remote(p) else Path(p) for p in paths], max_rows=max_rows, timeout_s=timeout_s,
                  cache=cache, cache_dir=Path(cache_dir) if cache_dir is not None else None, rule_params=rule_params,
                  memory_limit=memory_limit, storage_options=storage_options,
                  mirror_dir=Path(mirror_dir) if mirror_dir is not None else None, aggregator=cluster)
@@ -570,16 +570,18 @@ def connect_readable(logdir: Path | str, **kwargs: Any) -> tuple[LogDB, dict[str
 
     Raises :class:`NoRunsFound` when ``logdir`` holds no run at all, or only unreadable ones, and
     FileNotFoundError when it does not exist. An ``s3://`` prefix is read through its local mirror
-    (:func:`trustscope.storage.mirror`; StorageError when the store cannot be read).
+    (:func:`trustscope.runformat.mirrors.mirror`; StorageError when the store cannot be read).
     """
-    logdir = storage.mirror(logdir) if storage.is_remote(logdir) else Path(logdir)
+    logdir = runformat.mirror(logdir) if runformat.is_remote(logdir) else Path(logdir)
     if not logdir.is_dir():
         raise FileNotFoundError(f"log directory {str(logdir)!r} does not exist or is not a directory")
-    dirs = schema.run_dirs(logdir)
+    dirs = runformat.run_dirs(logdir)
     broken = {d.name: p for d in dirs if (p := run_problems(d))}  # the check LogDB.broken_runs makes
     readable = [d for d in dirs if d.name not in broken]
     if not readable:
-        where = f"{logdir}: " + ("every run is unreadable" if broken else "no runs found (no <run>/run.json)")
+        named = "; ".join(f"{run}: {in_words(problems)}" for run, problems in sorted(broken.items()))
+        where = f"{logdir}: " + (f"every run is unreadable ({named})" if broken
+                                 else "no runs found (no <run>/run.json)")
         raise NoRunsFound(f"{where}; point at a directory a trainer with a TokenLogger writes to"
                           + (f", or run `trustscope validate {logdir}`" if broken else ""))
     return connect(readable, **kwargs), broken

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trustscope import schema
+from trustscope import runformat
 
 
 def run_dirs(paths: Sequence[Path]) -> list[Path]:
@@ -26,7 +26,7 @@ def run_dirs(paths: Sequence[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():
             raise FileNotFoundError(f"log directory {str(path)!r} does not exist or is not a directory")
-        runs += schema.run_dirs(path)
+        runs += runformat.run_dirs(path)
     return sorted(set(runs))
 
 
@@ -51,12 +51,12 @@ def manifest_problem(path: Path) -> str | None:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        return f"unreadable {schema.MANIFEST} ({err})"
-    return None if isinstance(manifest, dict) else f"{schema.MANIFEST} is not a JSON object"
+        return f"unreadable {runformat.MANIFEST} ({err})"
+    return None if isinstance(manifest, dict) else f"{runformat.MANIFEST} is not a JSON object"
 
 
 def data_files(run: Path, table: str) -> list[Path]:
-    return schema.committed_files(run)[table]
+    return runformat.committed_files(run)[table]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -116,9 +116,9 @@ def unreadable_files(files: Iterable[Path]) -> dict[Path, str]:
 
 def run_problems(run_dir: Path, files: Mapping[str, Sequence[Path]] | None = None) -> list[str]:
     """What a reader cannot read of a run: a ``run.json`` that is not a JSON object, committed data files
-    (``files``: :func:`trustscope.schema.committed_files`, listed when None) and a vocabulary whose Parquet footer
+    (``files``: :func:`trustscope.runformat.commits.committed_files`, listed when None) and a vocabulary whose Parquet footer
     does not read. The one check behind :attr:`LogDB.broken_runs`, the dashboard's and the CLI's."""
-    return listed(*check_run(run_dir, schema.committed_files(run_dir) if files is None else files))
+    return listed(*check_run(run_dir, runformat.committed_files(run_dir) if files is None else files))
 
 
 def listed(manifest: str | None, unreadable: Mapping[Path, str]) -> list[str]:
@@ -127,10 +127,19 @@ def listed(manifest: str | None, unreadable: Mapping[Path, str]) -> list[str]:
 
 def check_run(run_dir: Path, files: Mapping[str, Sequence[Path]]) -> tuple[str | None, dict[Path, str]]:
     """:func:`run_problems` as (the manifest's problem, the unreadable files with theirs)."""
-    manifest = run_dir / schema.MANIFEST
-    vocab = [run_dir / schema.VOCAB_FILE] if (run_dir / schema.VOCAB_FILE).is_file() else []
-    return (manifest_problem(manifest) if manifest.is_file() else None,
+    manifest = run_dir / runformat.MANIFEST
+    vocab = [run_dir / runformat.VOCAB_FILE] if (run_dir / runformat.VOCAB_FILE).is_file() else []
+    return (manifest_problem(manifest) if manifest.is_file() else missing_manifest(run_dir),
             unreadable_files([*vocab, *(f for table in files.values() for f in table)]))
+
+
+def missing_manifest(run_dir: Path) -> str:
+    """Why a run without ``run.json`` is not read: rank 0 never wrote it (only other ranks logged), so the run's
+    settings (its rule, mu's source, the config) are unknown; every reader refuses it alike, naming the file."""
+    ranks = sorted(p.stem.removeprefix("rank") for p in (run_dir / runformat.RANKS_DIR).glob("rank*.json"))
+    logged = f"rank(s) {', '.join(str(int(r)) for r in ranks if r.isdigit())} logged" if ranks else "files exist"
+    return (f"{runformat.MANIFEST} is missing: rank 0 never wrote the run's manifest ({logged}); the run's settings "
+            f"are unknown, so it is not read")
 
 
 def logged_fraction(manifest: dict[str, Any]) -> float | None:

@@ -93,3 +93,10 @@ def incident_problems(manifest: Mapping[str, Any]) -> list[str]:
         out.append(f"logging incident {kind} x{n} seen by rank {rank}{steps}: {entry.get('first')}; "
                    f"{KINDS[kind].rows}")
     return out
+
+
+def markdown_table() -> str:
+    """The incidents as the table of ``docs/logging.md`` ("Logging incidents"), from :data:`INCIDENTS`."""
+    lines = ["| incident | what happened | the rows concerned |", "|---|---|---|"]
+    lines += [f"| `{i.name}` | {i.means} | {i.rows} |" for i in INCIDENTS]
+    return "\n".join(lines)
