@@ -24,49 +24,49 @@ source as (
     from tokens
 ),
 
-token_level as (
-    select run_id, step, sample_id, log_diff, log_diff as log_ratio, 'token' as level
-    from source
-),
-
-sequence_level as (
-    select run_id, step, sample_id, null::double as log_diff, sum(log_diff) as log_ratio, 'sequence' as level
-    from source
-    group by run_id, step, sample_id, update_key
-),
-
-modes as (
-    select l.*, m.mode, m.truncate
-    from (select * from token_level union all select * from sequence_level) as l
-    inner join (values ('token_truncate', 'token', true), ('token_mask', 'token', false),
-                       ('sequence_truncate', 'sequence', true), ('sequence_mask', 'sequence', false))
-        as m (mode, level, truncate) using (level)
-),
-
-ratios as (
+token_ratios as (
     select
-        m.run_id,
-        m.step,
-        m.mode,
-        case
-            when m.truncate then least(greatest(exp(m.log_ratio), b.clip_min), b.clip_max)
-            when exp(m.log_ratio) < b.clip_min or exp(m.log_ratio) > b.clip_max then 0.0
-            else exp(m.log_ratio)
-        end as ratio
-    from modes as m
+        s.run_id,
+        s.step,
+        least(greatest(exp(s.log_diff), b.clip_min), b.clip_max) as truncated,
+        case when exp(s.log_diff) < b.clip_min or exp(s.log_diff) > b.clip_max then 0.0 else exp(s.log_diff) end
+            as masked
+    from source as s
+    cross join bounds as b
+),
+
+sequence_ratios as (
+    select
+        q.run_id,
+        q.step,
+        least(greatest(exp(q.log_ratio), b.clip_min), b.clip_max) as truncated,
+        case when exp(q.log_ratio) < b.clip_min or exp(q.log_ratio) > b.clip_max then 0.0 else exp(q.log_ratio) end
+            as masked
+    from (
+        select run_id, step, sum(log_diff) as log_ratio
+        from source
+        group by run_id, step, sample_id, update_key
+    ) as q
     cross join bounds as b
 ),
 
 ratio_stats as (
-    select
-        run_id,
-        step,
-        mode,
-        min(ratio) as ratio_min,
-        avg(ratio) as ratio_mean,
-        max(ratio) as ratio_max
-    from ratios
-    group by run_id, step, mode
+    select run_id, step, 'token_truncate' as mode, min(truncated) as ratio_min, avg(truncated) as ratio_mean,
+        max(truncated) as ratio_max
+    from token_ratios
+    group by run_id, step
+    union all
+    select run_id, step, 'token_mask', min(masked), avg(masked), max(masked)
+    from token_ratios
+    group by run_id, step
+    union all
+    select run_id, step, 'sequence_truncate', min(truncated), avg(truncated), max(truncated)
+    from sequence_ratios
+    group by run_id, step
+    union all
+    select run_id, step, 'sequence_mask', min(masked), avg(masked), max(masked)
+    from sequence_ratios
+    group by run_id, step
 ),
 
 difference_stats as (

@@ -22,33 +22,25 @@ source as (
     from tokens
 ),
 
-sequence_sums as (
-    select run_id, step, sample_id, update_key, sum(log_ratio) as log_ratio_sum
+-- a unit carries one weight over n_tokens tokens: a token (rollout_is 'token'), or a whole sequence ('sequence'),
+-- whose weight verl broadcasts over its tokens; token-level figures weigh a unit by its n_tokens.
+units as (
+    select run_id, step, sample_id, update_key, 'token' as rollout_is, 1 as n_tokens, log_ratio as log_weight
+    from source
+    union all
+    select run_id, step, sample_id, update_key, 'sequence', count(*), sum(log_ratio)
     from source
     group by run_id, step, sample_id, update_key
 ),
 
-levels as (
-    select
-        s.run_id,
-        s.step,
-        s.sample_id,
-        s.update_key,
-        level.rollout_is,
-        case when level.rollout_is = 'token' then s.log_ratio else q.log_ratio_sum end as log_weight
-    from source as s
-    inner join sequence_sums as q using (run_id, step, sample_id, update_key)
-    cross join (values ('token'), ('sequence')) as level (rollout_is)
-),
-
 weights as (
     select
-        l.*,
+        u.*,
         b.upper_bound,
         case when b.icepop then b.lower_given else 1.0 / b.upper_bound end as lower_bound,
         b.icepop,
-        exp(least(greatest(l.log_weight, -20.0), 20.0)) as raw_weight
-    from levels as l
+        exp(least(greatest(u.log_weight, -20.0), 20.0)) as raw_weight
+    from units as u
     cross join bounds as b
 ),
 
@@ -68,15 +60,16 @@ token_stats as (
         run_id,
         step,
         rollout_is,
-        count(*) as n_tokens,
-        avg(weight) as is_mean,
+        sum(n_tokens) as n_tokens,
+        sum(n_tokens * weight) / sum(n_tokens) as is_mean,
         max(weight) as token_max,
         min(weight) as token_min,
-        avg((raw_weight > upper_bound)::double) as token_fraction_high,
-        avg((raw_weight < lower_bound)::double) as token_fraction_low,
-        avg(least(greatest(weight, 0.0), upper_bound)) as mean_clamped,
-        avg(least(greatest(weight, 0.0), upper_bound) ^ 2) as mean_clamped_sq,
-        case when bool_or(icepop) then avg((raw_weight < lower_bound or raw_weight > upper_bound)::double) end
+        sum(n_tokens * (raw_weight > upper_bound)::double) / sum(n_tokens) as token_fraction_high,
+        sum(n_tokens * (raw_weight < lower_bound)::double) / sum(n_tokens) as token_fraction_low,
+        sum(n_tokens * least(greatest(weight, 0.0), upper_bound)) / sum(n_tokens) as mean_clamped,
+        sum(n_tokens * least(greatest(weight, 0.0), upper_bound) ^ 2) / sum(n_tokens) as mean_clamped_sq,
+        case when bool_or(icepop) then
+            sum(n_tokens * (raw_weight < lower_bound or raw_weight > upper_bound)::double) / sum(n_tokens) end
             as oob_ratio,
         any_value(upper_bound) as upper_bound,
         any_value(lower_bound) as lower_bound
@@ -88,14 +81,17 @@ per_sequence as (
     select
         run_id,
         step,
-        rollout_is,
-        sample_id,
-        update_key,
+        'token' as rollout_is,
         avg(weight) as seq_weight,
         avg(raw_weight) as raw_seq_weight,
-        any_value(log_weight) filter (where rollout_is = 'sequence') as log_weight_sum
+        null::double as log_weight_sum
     from applied
-    group by run_id, step, rollout_is, sample_id, update_key
+    where rollout_is = 'token'
+    group by run_id, step, sample_id, update_key
+    union all
+    select run_id, step, rollout_is, weight, raw_weight, log_weight
+    from applied
+    where rollout_is = 'sequence'
 ),
 
 sequence_stats as (
