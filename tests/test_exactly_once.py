@@ -69,6 +69,7 @@ def test_readers_racing_the_logger_and_its_compactions_never_count_wrong(tmp_pat
     at every moment each reader sees each step it sees whole, once, and the steps form a prefix."""
     run = tmp_path / "race"
     views: dict[str, int] = dict.fromkeys(READERS, 0)
+    seen: dict[str, int] = dict.fromkeys(READERS, 0)  # steps each reader has seen so far: a view never shrinks
     retried, errors, stop = [0], [], threading.Event()
 
     def read() -> None:
@@ -83,8 +84,11 @@ def test_readers_racing_the_logger_and_its_compactions_never_count_wrong(tmp_pat
                     continue
                 retried[0] += again
                 steps = sorted(counts)
-                if counts and (steps != list(range(len(steps))) or set(counts.values()) != {B * T}):
-                    errors.append((reader, counts))
+                # an empty view, or one with fewer steps than an earlier one, is a table (or its files) vanished
+                if (len(steps) < seen[reader] or steps != list(range(len(steps)))
+                        or (counts and set(counts.values()) != {B * T})):
+                    errors.append((reader, f"{len(steps)} steps after {seen[reader]}", counts))
+                seen[reader] = max(seen[reader], len(steps))
                 views[reader] += 1
 
     reader = threading.Thread(target=read)
@@ -96,6 +100,7 @@ def test_readers_racing_the_logger_and_its_compactions_never_count_wrong(tmp_pat
         reader.join()
     assert not errors, errors[:3]
     assert min(views.values()) >= 3, views
+    assert min(seen.values()) > 0, seen  # every reader saw rows while the logger ran, so shrinking was checked
     rounds = json.loads((run / S.MANIFEST).read_text())[S.COMPACTED_KEY]
     assert rounds and all(step_counts(run, "tokens", r)[0] == expected(range(60))["tokens"] for r in READERS)
 
@@ -210,6 +215,59 @@ def test_a_compaction_killed_before_its_swap_is_finished_by_the_next_writer(tmp_
     for reader in READERS:
         assert step_counts(run, "tokens", reader)[0] == expected(range(7))["tokens"]
     assert S.validate_run(run) == []
+
+
+def test_the_compactions_folder_swap_leaves_no_moment_without_the_rank_folder(tmp_path):
+    """The swap itself, watched directly: a thread lists each table's live rank folder in a tight loop while
+    compactions swap the staged folders in. At every moment the folder is there and holds the flush files or the
+    compacted file (never neither, never a mix), so a plain reader can never see a table vanish."""
+    if not S.can_exchange(tmp_path):
+        pytest.skip("this file system cannot swap two folders in one step (the compaction does not swap here)")
+    run = tmp_path / "run"
+    log(tmp_path, "run", 0, 5, compact_every=0)
+    folders = {t: run / t / S.rank_dir_name(0) for t in S.TABLES}
+    views: dict[str, set[frozenset[str]]] = {t: set() for t in S.TABLES}
+    gaps: list[str] = []
+    polls, stop = [0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for table, folder in folders.items():
+                try:
+                    names = frozenset(n for n in os.listdir(folder) if n.endswith(".parquet"))
+                except FileNotFoundError:
+                    gaps.append(f"{folder} missing")
+                    continue
+                if not names:
+                    gaps.append(f"{folder} empty")
+                views[table].add(names)
+            polls[0] += 1
+
+    for first, last in ((6, 8), (9, 11)):  # two compactions, each of every flush so far
+        before = {t: frozenset(os.listdir(f)) for t, f in folders.items()}
+        poller = threading.Thread(target=poll)
+        stop.clear()
+        poller.start()
+        try:
+            while polls[0] < 10:
+                time.sleep(0.001)
+            S.compact_logdir(tmp_path, grace_s=0)
+            start = polls[0]
+            while polls[0] < start + 10:
+                time.sleep(0.001)
+        finally:
+            stop.set()
+            poller.join()
+        after = {t: frozenset(os.listdir(f)) for t, f in folders.items()}
+        assert not gaps, gaps[:3]
+        for table in S.TABLES:
+            assert before[table] != after[table] and len(after[table]) == 1, (before[table], after[table])
+            assert views[table] <= {before[table], after[table]}, views[table]  # old files or new, never a mix
+            assert after[table] in views[table], "the poller saw the swap happen"
+            views[table].clear()
+        log(tmp_path, "run", first, last, compact_every=0)
+    for reader in READERS:
+        assert step_counts(run, "tokens", reader)[0] == expected(range(12))["tokens"]
 
 
 def test_old_flat_runs_read_as_before_and_a_resumed_one_stays_flat(tmp_path, legacy_logs):
