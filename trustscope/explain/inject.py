@@ -57,6 +57,7 @@ class InjectConfig:
         lag: the policy lag of the ``stale`` responses.
         token_fraction: the logger's token_fraction (the summaries stay exact).
         seed: random seed.
+        onset: the first step the causes touch (before it the run is clean): a run whose mismatch rises partway.
     """
 
     causes: Mapping[str, float] = field(default_factory=dict)
@@ -73,6 +74,7 @@ class InjectConfig:
     lag: int = 2
     token_fraction: float = 1.0
     seed: int = 0
+    onset: int = 0
 
     def __post_init__(self) -> None:
         for name, share in self.causes.items():
@@ -84,6 +86,8 @@ class InjectConfig:
             raise ValueError(f"InjectConfig.length={self.length} must be an even number >= 4 (two turns)")
         if not 1 <= self.k <= self.vocab:
             raise ValueError(f"InjectConfig.k={self.k} must be in [1, vocab={self.vocab}]")
+        if isinstance(self.onset, bool) or not isinstance(self.onset, int) or self.onset < 0:
+            raise ValueError(f"InjectConfig.onset={self.onset!r} must be a whole step number >= 0")
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -110,7 +114,7 @@ def _step_tokens(rng: np.random.Generator, cfg: InjectConfig, step: int) -> dict
     z = rng.standard_normal((b, t, v)) * cfg.logit_scale  # (B, T, V) the trainer's logits
     log_pi = _log_softmax(z)
     z_engine = z + rng.standard_normal((b, t, v)) * cfg.numerics
-    share = dict(cfg.causes)
+    share = dict(cfg.causes) if step >= cfg.onset else {}  # the same draws either way: only the shares change
 
     def responses(name: str) -> np.ndarray:  # (B,) the responses a cause touches
         return rng.uniform(size=b) < share.get(name, 0.0)
