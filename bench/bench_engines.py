@@ -1,7 +1,7 @@
 """Rollout-engine benchmark on the toy model: start-up time, tokens/s at a realistic batch, weight-sync time.
 
-    .venv/bin/python bench/bench_engines.py                       # 64 prompts x 8 samples x 32 tokens, K = 20
-    .venv/bin/python bench/bench_engines.py --dtype bfloat16 --repeats 2
+    .venv/bin/python -m bench.bench_engines                       # 64 prompts x 8 samples x 32 tokens, K = 20
+    .venv/bin/python -m bench.bench_engines --dtype bfloat16 --repeats 2
 
 Both engines run in this process, one after the other, on the same model, prompts and sampling settings; the
 ratio is against the HF engine (transformers generate), the baseline. By default the model is the toy

@@ -1,6 +1,6 @@
 """Time ``trustscope explain`` on a large run whose summaries exist, against one scan of its token rows.
 
-    .venv/bin/python bench/bench_explain.py --tokens 100_000_000 --fraction 0.01
+    .venv/bin/python -m bench.bench_explain --tokens 100_000_000 --fraction 0.01
 
 The run is built quickly: a few steps with injected causes (stale responses, misrouted tokens; the summaries over
 every token, ``--fraction`` of the responses' token rows kept) are logged for real by
@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 RUN_ID = "big"
 TIMED = {
@@ -58,9 +56,9 @@ BITS_KEY = b"trustscope.blocked_rules"
 
 
 def build(logdir: Path, tokens: int, fraction: float, steps: int) -> dict:
-    import bench_overview
     import pyarrow.parquet as pq
 
+    from bench import bench_overview
     from trustscope.explain.inject import InjectConfig, write_run
 
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Reading cost against the number of files: the same steps flushed every step, every 50 steps, and compacted.
 
-    .venv/bin/python bench/bench_files.py --steps 400                       # one rank, four logs side by side
-    .venv/bin/python bench/bench_files.py --scale --ranks 64 --steps 1000   # the at-scale log, built fast
+    .venv/bin/python -m bench.bench_files --steps 400                       # one rank, four logs side by side
+    .venv/bin/python -m bench.bench_files --scale --ranks 64 --steps 1000   # the at-scale log, built fast
 
 Side by side (``--steps N``): one rank logs the same ``N`` steps (about 580 token rows each, top-8, summaries on)
 four times through :class:`trustscope.logger.TokenLogger`: flushed after every step, flushed every 50 steps, flushed
@@ -37,7 +37,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from trustscope import runformat  # noqa: E402
 
@@ -122,8 +121,7 @@ POLARS_READER = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import polars as pl
-sys.path.insert(0, sys.argv[2])
-from bench_queries import polars_queries
+from bench.bench_queries import polars_queries
 files = json.loads(open(sys.argv[1]).read())
 t1 = time.perf_counter()
 per_step = (pl.scan_parquet(files).group_by("step")
@@ -143,7 +141,7 @@ def polars_scan(files: list[Path]) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as listing:
         json.dump([str(f) for f in files], listing)
     try:
-        out = subprocess.run([sys.executable, "-c", POLARS_READER, listing.name, str(Path(__file__).parent)],
+        out = subprocess.run([sys.executable, "-c", POLARS_READER, listing.name],
                              capture_output=True, text=True, check=True)
     finally:
         os.unlink(listing.name)

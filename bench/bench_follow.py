@@ -1,7 +1,7 @@
 """``trustscope import --follow`` against a one-shot import: catch-up throughput and per-step lag.
 
-    .venv/bin/python bench/bench_follow.py                          # ~1M trained tokens, 8 steps x 2 ranks
-    .venv/bin/python bench/bench_follow.py --tokens 200000          # a quick run
+    .venv/bin/python -m bench.bench_follow                          # ~1M trained tokens, 8 steps x 2 ranks
+    .venv/bin/python -m bench.bench_follow --tokens 200000          # a quick run
 
 The export is ``bench_importers.py``'s (the test suite's ``PrimeRLExporter``, weight-stream layout). Reported:
 
@@ -19,15 +19,12 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_importers import write_big_export
-
+from bench.bench_importers import write_big_export
 from trustscope.importers import follow_run, import_run
 
 

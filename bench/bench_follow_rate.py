@@ -1,8 +1,8 @@
 """``trustscope import --follow`` against a job that writes a 2M-token step a minute: is each step committed
 before the next one is written?
 
-    .venv/bin/python bench/bench_follow_rate.py                               # 3 steps of ~2M tokens, one a minute
-    .venv/bin/python bench/bench_follow_rate.py --tokens 500000 --every 20    # a quick run
+    .venv/bin/python -m bench.bench_follow_rate                               # 3 steps of ~2M tokens, one a minute
+    .venv/bin/python -m bench.bench_follow_rate --tokens 500000 --every 20    # a quick run
 
 One step of a prime-rl token export (``bench_importers.py``'s generator: the test suite's ``PrimeRLExporter``,
 weight-stream layout, 2 ranks) of about ``--tokens`` trained tokens is generated once. A writer thread then
@@ -29,8 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_importers import tree_rss, write_big_export
+from bench.bench_importers import tree_rss, write_big_export
 
 ROOT = Path(__file__).resolve().parents[1]
 

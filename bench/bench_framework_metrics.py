@@ -1,6 +1,6 @@
 """The frameworks' own figures over a log directory: each framework view against a plain scan of the token rows.
 
-    .venv/bin/python bench/bench_framework_metrics.py --logdir sample_logs --repeat 3
+    .venv/bin/python -m bench.bench_framework_metrics --logdir sample_logs --repeat 3
 
 Each query runs in a fresh process (``trustscope.db.connect`` on the log directory, one cursor, the query read into
 Arrow), the queries taking turns, ``--repeat`` times; the figure is the median of the query's own seconds (connect
@@ -41,7 +41,10 @@ with connect(sys.argv[1]) as db:
 """
 
 
-def main() -> None:
+QUICK = ["--repeat", "1"]
+
+
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", default=str(ROOT / "sample_logs"))
     parser.add_argument("--repeat", type=int, default=3)
@@ -56,9 +59,12 @@ def main() -> None:
             seconds[name].append(result["seconds"])
             rows[name] = result["rows"]
     base = statistics.median(seconds["baseline: tokens scan"])
+    figures = {}
     for name in QUERIES:
         median = statistics.median(seconds[name])
         print(f"{name:24s} {median:7.3f} s  {median / base:5.2f}x  ({rows[name]} rows)")
+        figures[name] = {"median_s": median, "x_scan": median / base, "rows": rows[name]}
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Importer throughput: ``trustscope import prime-rl`` on a generated token export, against another trustscope's code.
 
     git archive 99d4cb0 trustscope | (mkdir -p /tmp/base && tar -x -C /tmp/base)   # the importers before step-by-step
-    .venv/bin/python bench/bench_importers.py --baseline /tmp/base                   # ~1.1M trained tokens, 3 rounds
-    .venv/bin/python bench/bench_importers.py --baseline /tmp/base --out /dev/shm --floor   # no disk; each stage alone
-    .venv/bin/python bench/bench_importers.py --tokens 200000 --repeat 1             # a quick run, this code only
+    .venv/bin/python -m bench.bench_importers --baseline /tmp/base                   # ~1.1M trained tokens, 3 rounds
+    .venv/bin/python -m bench.bench_importers --baseline /tmp/base --out /dev/shm --floor   # no disk; each stage alone
+    .venv/bin/python -m bench.bench_importers --tokens 200000 --repeat 1             # a quick run, this code only
 
 ``99d4cb0`` is the code the import throughput target is a multiple of (whole-source reads with orjson, padded
 ``log_step`` calls); ``--also DIR ...`` adds other packages (e.g. another branch's) as variants of their own.

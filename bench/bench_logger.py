@@ -1,7 +1,7 @@
 """Write throughput and size of TokenLogger against polars' and raw pyarrow's Parquet writers on the same rows.
 
-    .venv/bin/python bench/bench_logger.py                 # 10M token rows, K = 20
-    .venv/bin/python bench/bench_logger.py --rows 1000000 --repeat 3  # a quick run
+    .venv/bin/python -m bench.bench_logger                 # 10M token rows, K = 20
+    .venv/bin/python -m bench.bench_logger --rows 1000000 --repeat 3  # a quick run
 
 Reports rows/s, CPU seconds and bytes/row for: polars ``DataFrame.write_parquet`` (zstd, its defaults: the
 target), raw pyarrow (zstd, no dictionary on float columns), TokenLogger with its defaults (every check, exact
@@ -32,8 +32,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from logger_cpu import LoggerCPU
 
+from bench.logger_cpu import LoggerCPU
 from trustscope import divergence
 from trustscope import runformat as S
 from trustscope.logger import TokenLogger

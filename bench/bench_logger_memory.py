@@ -1,7 +1,7 @@
 """Peak memory of a logging loop against a store slower than the trainer, with and without the memory bound.
 
-    .venv/bin/python bench/bench_logger_memory.py                  # 40 steps of 64 x 512 tokens, K = 20
-    .venv/bin/python bench/bench_logger_memory.py --steps 10       # a quick run
+    .venv/bin/python -m bench.bench_logger_memory                  # 40 steps of 64 x 512 tokens, K = 20
+    .venv/bin/python -m bench.bench_logger_memory --steps 10       # a quick run
 
 Each variant runs in its own process (peak RSS, ``VmHWM`` of ``/proc/self/status``, is per process). The trainer
 logs one step every ``--step-ms`` milliseconds; every flush file the store writes takes ``--store-s`` seconds more
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench import common
 
 
 def rss_kb(field: str) -> int:
@@ -93,7 +95,7 @@ def main() -> None:
           f"{args.bound:,} rows")
     out = {}
     for variant in ("unbounded", "block", "drop"):
-        cmd = [sys.executable, __file__, "--child", variant, *sys.argv[1:]]
+        cmd = [*common.module_cmd(__spec__), "--child", variant, *sys.argv[1:]]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         out[variant] = json.loads(line)
     print("| variant | peak RSS over base, MB | buffer peak_rows | rows dropped | s in log_step | s to close |")

@@ -1,7 +1,7 @@
 """The logger at a production step: 2M tokens a step through ``TokenLogger``, what waits on the training thread.
 
-    nice -n 10 .venv/bin/python bench/bench_logger_scale.py                       # 512 x 4,096 tokens, 3 steps
-    nice -n 10 .venv/bin/python bench/bench_logger_scale.py --responses 256 --steps 2 --json out.json
+    nice -n 10 .venv/bin/python -m bench.bench_logger_scale                       # 512 x 4,096 tokens, 3 steps
+    nice -n 10 .venv/bin/python -m bench.bench_logger_scale --responses 256 --steps 2 --json out.json
 
 One step is ``--responses`` x ``--length`` tokens (default 512 x 4,096 = 2,097,152, about a rank's share of a
 100M-token step on 48 ranks), built like ``bench/bench_logger.py``'s data (top-K ids Zipf-distributed over a
@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common
+
+common.one_thread()
 
 CASES = {"baseline-k0": (0, None), "k0-f1": (0, 1.0), "k0-f0.01": (0, 0.01),
          "baseline-k20": (20, None), "k20-f1": (20, 1.0), "k20-f0.01": (20, 0.01)}
@@ -62,7 +62,8 @@ def token_rows(path: Path) -> int:
 def build_step(seed: int, responses: int, length: int, k: int) -> dict:
     """One step's token arrays, ``(responses, length)`` and ``(responses, length, K)``."""
     import numpy as np
-    from bench_logger import make_step
+
+    from bench.bench_logger import make_step
 
     data = make_step(np.random.default_rng(seed), responses, length, max(k, 1))
     if k == 0:
@@ -73,9 +74,10 @@ def build_step(seed: int, responses: int, length: int, k: int) -> dict:
 
 def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict:
     """One case in this fresh process."""
-    import bench_logger  # noqa: F401  (its imports, polars and torch among them, before any timer)
     import numpy as np
     import torch
+
+    import bench.bench_logger  # noqa: F401  (its imports, polars and torch among them, before any timer)
 
     torch.set_num_threads(1)
     k, fraction = CASES[case]
@@ -87,8 +89,7 @@ def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict
                     "steps": steps, "build_s": time.perf_counter() - t0,
                     "array_bytes": sum(a.nbytes for a in data.values()) + mask.nbytes}
     if fraction is not None:
-        from logger_cpu import LoggerCPU
-
+        from bench.logger_cpu import LoggerCPU
         from trustscope.logger import TokenLogger
 
         log_calls, commits, drains = [], [], []
@@ -139,7 +140,7 @@ def main() -> None:
     for case in args.cases:
         tmp = Path(tempfile.mkdtemp(prefix="bench_logger_scale."))
         try:
-            done = subprocess.run([sys.executable, __file__, "--child", case, "--out", str(tmp), "--responses",
+            done = subprocess.run([*common.module_cmd(__spec__), "--child", case, "--out", str(tmp), "--responses",
                                    str(args.responses), "--length", str(args.length), "--steps", str(args.steps)],
                                   capture_output=True, text=True)
         finally:

@@ -1,7 +1,7 @@
 """What logging costs the training thread a step, and the memory it holds when the store is slower than training.
 
-    nice -n 10 .venv/bin/python bench/bench_logger_step_cost.py                 # 512 x 4,096 tokens, 6 steps a case
-    nice -n 10 .venv/bin/python bench/bench_logger_step_cost.py --responses 128 --steps 4 --json out.json
+    nice -n 10 .venv/bin/python -m bench.bench_logger_step_cost                 # 512 x 4,096 tokens, 6 steps a case
+    nice -n 10 .venv/bin/python -m bench.bench_logger_step_cost --responses 128 --steps 4 --json out.json
 
 A step is ``--responses`` x ``--length`` tokens (default 2,097,152: a rank's share of a 100M-token step on 48
 ranks), the arrays of ``bench/bench_logger_scale.py`` without top-K. The training loop is stood in for by a sleep
@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common
+
+common.one_thread()
 
 CASES = ("baseline", "keeps-up", "slow-drop", "slow-block", "slow-unbounded")
 
@@ -48,7 +46,8 @@ CASES = ("baseline", "keeps-up", "slow-drop", "slow-block", "slow-unbounded")
 def child(case: str, responses: int, length: int, steps: int, compute_s: float, slow_s: float, out: Path) -> dict:
     """One case, in this fresh process."""
     import numpy as np
-    from bench_logger_scale import build_step
+
+    from bench.bench_logger_scale import build_step
 
     data = build_step(0, responses, length, 0)
     mask = np.ones((responses, length), dtype=bool)
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory(prefix="ts-stepcost-") as tmp:
-            cmd = [sys.executable, __file__, "--child", case, "--out", tmp, "--responses", str(args.responses),
+            cmd = [*common.module_cmd(__spec__), "--child", case, "--out", tmp, "--responses", str(args.responses),
                    "--length", str(args.length), "--steps", str(args.steps), "--compute-s", str(args.compute_s),
                    "--slow-s", str(args.slow_s)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -1,6 +1,6 @@
 """Cost of the trust-region divergences and of each loss rule, on CPU.
 
-Run:  .venv/bin/python bench/bench_losses.py [--tokens 4096] [--vocab 32768 151936] [--loss-vocab 32768]
+Run:  .venv/bin/python -m bench.bench_losses [--tokens 4096] [--vocab 32768 151936] [--loss-vocab 32768]
           [--k 20] [--repeat 5] [--threads 1]
 
 Part 1, divergences: full-vocabulary TV (softmax of both policies' (N, V) logits) against top-K TV (K ids plus

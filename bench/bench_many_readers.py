@@ -1,9 +1,9 @@
 """Many readers at once: browser sessions walking every dashboard page together over a ~1M-token log while a live
 run keeps logging into it, the server's memory sampled throughout.
 
-    .venv/bin/python bench/bench_many_readers.py                      # 8 sessions, 1M tokens in /tmp, 1 walk each
-    .venv/bin/python bench/bench_many_readers.py --sessions 8 --walks 3 --json /tmp/many.json
-    .venv/bin/python bench/bench_many_readers.py --logdir sample_logs --reuse --no-live
+    .venv/bin/python -m bench.bench_many_readers                      # 8 sessions, 1M tokens in /tmp, 1 walk each
+    .venv/bin/python -m bench.bench_many_readers --sessions 8 --walks 3 --json /tmp/many.json
+    .venv/bin/python -m bench.bench_many_readers --logdir sample_logs --reuse --no-live
 
 What runs, in one command:
 
@@ -50,15 +50,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench import common
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for folder in (ROOT, HERE):
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-
-from bench_dashboard import CHROMIUM, CHROMIUM_ARGS, Server, _wait_drawn, navigate  # noqa: E402
 
 from app.pages import PAGES, Page  # noqa: E402
+from bench.bench_dashboard import CHROMIUM, CHROMIUM_ARGS, Server, _wait_drawn, navigate  # noqa: E402
 
 DEFAULT_LOGDIR = Path("/tmp/trustscope-many-readers/logs")
 LIVE_RUN = "live"
@@ -133,7 +131,7 @@ class LiveWriter:
     def __init__(self, logdir: Path, step_tokens: int, interval_s: float, steps: int = 100_000) -> None:
         self.logdir = logdir
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--write-live", str(logdir), "--live-tokens",
+            [*common.module_cmd(__spec__), "--write-live", str(logdir), "--live-tokens",
              str(step_tokens), "--live-interval", str(interval_s), "--live-steps", str(steps)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

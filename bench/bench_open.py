@@ -1,6 +1,6 @@
 """Opening a run whose logger compacted in the background: this checkout against a baseline checkout.
 
-    .venv/bin/python bench/bench_open.py --baseline /work/main --steps 300 --repeat 5
+    .venv/bin/python -m bench.bench_open --baseline /work/main --steps 300 --repeat 5
 
 For each checkout, in fresh processes whose ``PYTHONPATH`` is that checkout: one rank logs ``--steps`` steps of
 8 x 16 tokens (top-K off, summaries on), flushed after every step, with the logger's default background compaction

@@ -1,7 +1,7 @@
 """Time the Runs overview's queries on a 10M- or 100M-token log whose summaries table exists.
 
-    .venv/bin/python bench/bench_overview.py --tokens 10_000_000
-    .venv/bin/python bench/bench_overview.py --tokens 100_000_000 --rows-baseline   # + the token-rows path
+    .venv/bin/python -m bench.bench_overview --tokens 10_000_000
+    .venv/bin/python -m bench.bench_overview --tokens 100_000_000 --rows-baseline   # + the token-rows path
 
 The log is built quickly: a few steps are logged for real by :class:`trustscope.logger.TokenLogger` (summaries on,
 every token row kept, two micro-batches a step), then their files (tokens, samples, summaries) are written again
@@ -30,7 +30,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,8 +38,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench import common
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from trustscope import runformat  # noqa: E402
 
@@ -256,7 +256,7 @@ def main() -> None:
               flush=True)
         runs = []
         for i in range(args.cold_runs):
-            cmd = [sys.executable, __file__, "--time-once", str(logdir), "--repeat", str(args.repeat)]
+            cmd = [*common.module_cmd(__spec__), "--time-once", str(logdir), "--repeat", str(args.repeat)]
             if args.rows_baseline and i == 0:
                 cmd.append("--rows-baseline")
             start = time.perf_counter()

@@ -1,8 +1,8 @@
 """Trainer-side capture at production shapes: Qwen3 layer shapes, V = 151,936, responses of thousands of tokens.
 
-    .venv/bin/python bench/bench_production_shapes.py                           # 4096-token response, CPU
-    .venv/bin/python bench/bench_production_shapes.py --tokens 4096 8192 --repeats 2 --json out.json
-    .venv/bin/python bench/bench_production_shapes.py --device cuda --dtype bfloat16 --preset qwen3-8b \\
+    .venv/bin/python -m bench.bench_production_shapes                           # 4096-token response, CPU
+    .venv/bin/python -m bench.bench_production_shapes --tokens 4096 8192 --repeats 2 --json out.json
+    .venv/bin/python -m bench.bench_production_shapes --device cuda --dtype bfloat16 --preset qwen3-8b \\
         --layers 2 --tokens 4096 8192 16384 --warmup 1 --json gpu.json
 
 The model is ``transformers.Qwen3ForCausalLM`` built here with random weights (no download): the layer shapes of
@@ -41,12 +41,13 @@ import sys
 import time
 from pathlib import Path
 
+from bench import common
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VOCAB = 151_936
 PROMPT = 64
@@ -146,7 +147,7 @@ def measure(args: argparse.Namespace, case: str, tokens: int) -> dict:
 
 
 def child_command(args: argparse.Namespace, case: str, tokens: int) -> list[str]:
-    cmd = [sys.executable, __file__, "--child", case, "--tokens", str(tokens), "--preset", args.preset,
+    cmd = [*common.module_cmd(__spec__), "--child", case, "--tokens", str(tokens), "--preset", args.preset,
            "--layers", str(args.layers), "--vocab", str(args.vocab), "--k", str(args.k), "--device", args.device,
            "--dtype", args.dtype, "--warmup", str(args.warmup), "--threads", str(args.threads)]
     return cmd + (["--no-backward"] if args.no_backward else [])

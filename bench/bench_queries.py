@@ -1,7 +1,7 @@
 """Time trustscope's named analyses over generated token logs, beside polars (lazy scan) and pandas doing the same.
 
-    .venv/bin/python bench/bench_queries.py --tokens 10_000_000 [--tokens 100_000_000] [--workdir /tmp/ts_queries]
-    .venv/bin/python bench/bench_queries.py --cold-only --tokens 50_000_000 --tokens 100_000_000 --timeout 900
+    .venv/bin/python -m bench.bench_queries --tokens 10_000_000 [--tokens 100_000_000] [--workdir /tmp/ts_queries]
+    .venv/bin/python -m bench.bench_queries --cold-only --tokens 50_000_000 --tokens 100_000_000 --timeout 900
 
 For every log size: a synthetic run (K = 20) is written once under ``workdir`` (reused when present): one base of
 ``--base-tokens`` generated tokens, then copies of its tokens, samples and steps tables under new step numbers until
@@ -31,6 +31,7 @@ import polars as pl
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from bench import common
 from trustscope import db as tsdb
 from trustscope.losses import get_loss
 from trustscope.synthetic import SyntheticConfig, generate_run
@@ -306,7 +307,6 @@ def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: f
     """The first pass alone, DuckDB and polars each in a new process (peak memory apart), polars given
     ``timeout_s``; their per-step blocked counts compared when both answer."""
     import subprocess
-    import sys
 
     logdir = workdir / f"logs_{n_tokens}"
     if not (logdir / "run0" / "run.json").exists():
@@ -317,7 +317,7 @@ def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: f
         out = workdir / f"cold_{engine}_{n_tokens}.parquet"
         out.unlink(missing_ok=True)
         try:
-            subprocess.run([sys.executable, __file__, "--cold-once", engine, str(logdir), str(out)], check=True,
+            subprocess.run([*common.module_cmd(__spec__), "--cold-once", engine, str(logdir), str(out)], check=True,
                            timeout=timeout_s)
         except subprocess.TimeoutExpired:
             print(f"{engine}: no answer within {timeout_s:.0f} s (killed)", flush=True)

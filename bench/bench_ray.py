@@ -1,6 +1,6 @@
 """Time the kept aggregates' first pass over N tokens files here and as Ray tasks, in one process.
 
-    .venv/bin/python bench/bench_ray.py [--tokens 400_000] [--files 16] [--cpus 2] [--repeats 3] [--workdir DIR]
+    .venv/bin/python -m bench.bench_ray [--tokens 400_000] [--files 16] [--cpus 2] [--repeats 3] [--workdir DIR]
 
 A synthetic run (K = 20) of ``--tokens`` tokens in ``--files`` tokens files (one per step) is written once under
 ``workdir`` and reused. Then, in this process: the local first pass (``connect(cache=False)``, then

@@ -1,7 +1,7 @@
 """The integrated trainer at a real vocabulary: what V = 151,936 costs, and which part of it is trustscope's.
 
-    nice -n 10 .venv/bin/python bench/bench_real_vocab_train.py                  # 4 steps, the demo's setting
-    nice -n 10 .venv/bin/python bench/bench_real_vocab_train.py --steps 3 --topk 20 --json out.json
+    nice -n 10 .venv/bin/python -m bench.bench_real_vocab_train                  # 4 steps, the demo's setting
+    nice -n 10 .venv/bin/python -m bench.bench_real_vocab_train --steps 3 --topk 20 --json out.json
 
 The same training, ``trustscope train``'s loop through the real vLLM engine, on two toy worlds that differ only in
 their vocabulary: ``toy-v2`` (V = 78) and ``toy-v2-152k`` (``toy-v2`` widened to V = 151,936,
@@ -40,15 +40,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import common
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+common.one_thread()
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 WORLDS = {"78": "toy-v2", "151936": "toy-v2-152k"}
 HOOKS = ("off", "topk", "on")
@@ -116,7 +117,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.topk, args.logdir)))
         return
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     for world in args.worlds:  # build (or find) both worlds first: no run pays a build
         resolve_model(config(world, "off", args.steps, args.topk, Path(tempfile.gettempdir())))
@@ -126,7 +127,7 @@ def main() -> None:
             tmp = Path(tempfile.mkdtemp(prefix="bench_real_vocab."))
             try:
                 t0 = time.perf_counter()
-                done = subprocess.run([sys.executable, __file__, "--child", world, hooks, "--logdir", str(tmp),
+                done = subprocess.run([*common.module_cmd(__spec__), "--child", world, hooks, "--logdir", str(tmp),
                                        "--steps", str(args.steps), "--topk", str(args.topk)],
                                       capture_output=True, text=True)
                 wall = time.perf_counter() - t0

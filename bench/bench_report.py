@@ -1,7 +1,7 @@
 """Time `trustscope report` against `sql` and `doctor` on the same logs, each in a fresh process.
 
-    .venv/bin/python bench/bench_report.py                      # sample_logs/, 5 rounds
-    .venv/bin/python bench/bench_report.py --logdir runs/demo --rounds 3
+    .venv/bin/python -m bench.bench_report                      # sample_logs/, 5 rounds
+    .venv/bin/python -m bench.bench_report --logdir runs/demo --rounds 3
 
 Each round runs, one after the other so that the machine's load meets them alike: ``sql`` (a count of the token
 rows) and ``doctor`` with a new, empty ``TRUSTSCOPE_CACHE``; ``report`` with a new cache ("cold": logs never opened
@@ -38,6 +38,8 @@ def run_once(args: list[str], cache: Path) -> float:
     if done.returncode not in (0, 2):
         raise RuntimeError(f"trustscope {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
     return seconds
+
+QUICK = ["--rounds", "1"]
 
 
 def one_round(logdir: str, scratch: Path, i: int) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """Routed experts at production shapes: bytes a token on disk, the logger's CPU a step, and what waits on the caller.
 
-    nice -n 10 .venv/bin/python bench/bench_routing_storage.py                      # 64 x 1,024 tokens a case
-    nice -n 10 .venv/bin/python bench/bench_routing_storage.py --actor-tokens 2097152   # + the 2M-token step
-    .venv/bin/python bench/bench_routing_storage.py --shapes qwen3 --json out.json
+    nice -n 10 .venv/bin/python -m bench.bench_routing_storage                      # 64 x 1,024 tokens a case
+    nice -n 10 .venv/bin/python -m bench.bench_routing_storage --actor-tokens 2097152   # + the 2M-token step
+    .venv/bin/python -m bench.bench_routing_storage --shapes qwen3 --json out.json
 
 One step of ``--responses`` x ``--length`` tokens, built like ``bench/bench_logger.py``'s (mu's top-20 over a 152k
 vocabulary: the ~166 bytes a row the rest of a token takes), plus routing at each shape of :data:`SHAPES` (the toy
@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common
+
+common.one_thread()
 
 SHAPES = {"toy": (4, 2, 16), "qwen3": (48, 8, 128), "dsv3": (58, 8, 256)}
 """(MoE layers, top-k, experts): the toy MoE world, Qwen3-30B-A3B, DeepSeek-V3."""
@@ -75,12 +73,12 @@ def routing(rng, n: int, shape: tuple[int, int, int], agreement: float) -> tuple
 
 def child(case: str, shape_name: str, responses: int, length: int, agreement: float, out: Path) -> dict:
     """One case in this fresh process."""
-    import bench_logger  # noqa: F401  (its imports before any timer)
     import numpy as np
     import torch
-    from bench_logger import make_step
-    from logger_cpu import LoggerCPU
 
+    import bench.bench_logger  # noqa: F401  (its imports before any timer)
+    from bench.bench_logger import make_step
+    from bench.logger_cpu import LoggerCPU
     from trustscope.logger import TokenLogger
     from trustscope.logger.experts import default_fraction
 
@@ -103,7 +101,7 @@ def child(case: str, shape_name: str, responses: int, length: int, agreement: fl
         call = time.perf_counter() - t0
         logger.close()
         whole = time.perf_counter() - t0
-    from bench_logger_scale import dir_bytes, token_rows
+    from bench.bench_logger_scale import dir_bytes, token_rows
 
     rows = token_rows(out / "r" / "tokens")
     return {"case": case, "shape": shape_name, "routing_shape": shape, "tokens": n, "agreement": agreement,
@@ -117,8 +115,8 @@ def actor_child(shape_name: str, tokens: int, agreement: float, out: Path) -> di
     and CPU, and the whole write's."""
     import numpy as np
     import torch
-    from logger_cpu import LoggerCPU
 
+    from bench.logger_cpu import LoggerCPU
     from trustscope.logger import TokenLogger
 
     torch.set_num_threads(1)
@@ -152,7 +150,7 @@ def actor_child(shape_name: str, tokens: int, agreement: float, out: Path) -> di
 
 def run_child(args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, __file__, "--child", *args, "--out", tmp], capture_output=True,
+        done = subprocess.run([*common.module_cmd(__spec__), "--child", *args, "--out", tmp], capture_output=True,
                               text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"case {args} failed:\n{done.stderr[-3000:]}")

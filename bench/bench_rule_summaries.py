@@ -1,6 +1,6 @@
 """What the rules' threshold histograms and declared rule settings cost the logger's exact summaries.
 
-    .venv/bin/python bench/bench_rule_summaries.py [--baseline /path/to/a/checkout] [--repeats 5]
+    .venv/bin/python -m bench.bench_rule_summaries [--baseline /path/to/a/checkout] [--repeats 5]
 
 Times :func:`trustscope.logger.summaries.summarize_call` on one call of 256 responses x 256 positions (65,536
 tokens, top-K 8, pi_old given) on the CPU clock, each case in a fresh process: the checkout given as ``--baseline``

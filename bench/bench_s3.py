@@ -1,7 +1,7 @@
 """Logs on object storage: what s3:// costs next to local disk, against a local S3 endpoint (moto, 127.0.0.1).
 
-    .venv/bin/python bench/bench_s3.py                      # 20 steps of 64 x 512 tokens, K = 20
-    .venv/bin/python bench/bench_s3.py --steps 5 --repeat 1  # a quick run
+    .venv/bin/python -m bench.bench_s3                      # 20 steps of 64 x 512 tokens, K = 20
+    .venv/bin/python -m bench.bench_s3 --steps 5 --repeat 1  # a quick run
 
 Reports, per repeat (local and s3 runs interleaved): the logger's wall time from the first ``log_step`` to
 ``close`` for a local directory and for ``s3://``, the time of the open-time check (``TokenLogger`` construction),

@@ -1,7 +1,7 @@
 """What the SQL sandbox costs and whether its limits hold: worker start, per-query overhead against the same
 query on the analyses' own connection, and wall time and peak worker RSS of queries built to exceed the limits.
 
-    .venv/bin/python bench/bench_sql_sandbox.py [--logdir sample_logs] [--memory 1e9]
+    .venv/bin/python -m bench.bench_sql_sandbox [--logdir sample_logs] [--memory 1e9]
 """
 
 from __future__ import annotations

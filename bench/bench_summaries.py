@@ -1,7 +1,7 @@
 """Size and CPU cost of the summaries' dimension rows (position bucket, turn, staleness) per step.
 
-    .venv/bin/python bench/bench_summaries.py                  # B = 64 responses x T = 1024, K = 20, 5 repeats
-    .venv/bin/python bench/bench_summaries.py --tokens 1024 --repeat 3
+    .venv/bin/python -m bench.bench_summaries                  # B = 64 responses x T = 1024, K = 20, 5 repeats
+    .venv/bin/python -m bench.bench_summaries --tokens 1024 --repeat 3
 
 One step of an asynchronous multi-turn rollout (4 turns a response; each response sampled 0-2 versions behind,
 switching to a newer version part-way) goes through the logger's own summaries (``summarize_call``: every
@@ -23,12 +23,13 @@ import io
 import json
 import statistics
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from bench import common
 
 
 def step(B: int, T: int, K: int, turns: bool, seed: int = 0) -> dict[str, np.ndarray]:
@@ -95,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, mode: str, turns: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", mode, "--B", str(args.B), "--tokens", str(args.tokens), "--k",
+    cmd = [*common.module_cmd(__spec__), "--worker", mode, "--B", str(args.B), "--tokens", str(args.tokens), "--k",
            str(args.k), "--calls", str(args.calls)] + (["--turns"] if turns else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

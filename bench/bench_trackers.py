@@ -1,6 +1,6 @@
 """What the tracker metrics and the alerts cost the training thread, per step.
 
-    .venv/bin/python bench/bench_trackers.py [--steps 50] [--tokens 16384]
+    .venv/bin/python -m bench.bench_trackers [--steps 50] [--tokens 16384]
 
 Logs ``--steps`` steps of ``--tokens`` token rows (no top-K) into a TokenLogger in a temporary directory and times,
 on the training thread: ``TokenLogger.step_summaries()`` (no wait), :func:`trustscope.trackers.step_metrics` over
@@ -23,8 +23,10 @@ from trustscope.alerts import Alerts
 from trustscope.logger import TokenLogger
 from trustscope.trackers import EarlyWarning, step_metrics
 
+QUICK = ["--steps", "10"]
 
-def main() -> None:
+
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=16384)
@@ -60,9 +62,13 @@ def main() -> None:
             n_rows, n_metrics = len(latest[1]), len(metrics)
     alerts.close()
     print(f"{args.steps} steps of {b * t} tokens; {n_rows} summary rows -> {n_metrics} metrics a step")
+    figures: dict = {"tokens_per_step": b * t, "summary_rows": n_rows, "metrics": n_metrics}
     for name, values in times.items():
         values = sorted(values)
-        print(f"{name:>15}: median {statistics.median(values):7.3f} ms, p95 {values[int(0.95 * (len(values) - 1))]:7.3f} ms")
+        p95 = values[int(0.95 * (len(values) - 1))]
+        print(f"{name:>15}: median {statistics.median(values):7.3f} ms, p95 {p95:7.3f} ms")
+        figures[name] = {"median_ms": statistics.median(values), "p95_ms": p95}
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Trainer throughput: steps/s and tokens/s with the logger on and off, and against TRL's GRPOTrainer.
 
-    .venv/bin/python bench/bench_train.py [--steps 12] [--warmup 2] [--repeats 2] [--engines hf vllm] [--no-trl]
+    .venv/bin/python -m bench.bench_train [--steps 12] [--warmup 2] [--repeats 2] [--engines hf vllm] [--no-trl]
 
 Everything runs in this one process on the same toy model, task (``add1``) and batch (8 prompts x 8 responses,
 8 new tokens at most, one optimizer update per step). Reported per configuration: the median wall time and the median
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +30,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from logger_cpu import LoggerCPU  # bench/, this script's folder
+from bench.logger_cpu import LoggerCPU  # bench/, this script's folder
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 8, 1e-4
 

@@ -1,6 +1,6 @@
 """What ``trustscope.integrations.trl.attach`` adds to a TRL GRPOTrainer step, on the toy model.
 
-    .venv/bin/python bench/bench_trl_attach.py [--pairs 10] [--steps 30] [--warmup 3] [--threads 1] [--topk 0]
+    .venv/bin/python -m bench.bench_trl_attach [--pairs 10] [--steps 30] [--warmup 3] [--threads 1] [--topk 0]
 
 Everything runs in this one process: the toy model, task ``add1``, 8 prompts x 8 completions of at most 8 tokens
 a step, one optimizer update per step, TRL's transformers generation. Each pair is two fresh trainers run one after
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -31,9 +30,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from logger_cpu import LoggerCPU  # bench/, this script's folder
+from bench.logger_cpu import LoggerCPU  # bench/, this script's folder
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 8, 8, 1e-4
 

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer with ``attach(topk=K)`` against ``attach(topk=0)`` at Qwen3's vocabulary, V = 151,936.
 
-    .venv/bin/python bench/bench_trl_real_vocab.py                        # 4 completions x 128 tokens, 2 steps
-    .venv/bin/python bench/bench_trl_real_vocab.py --tokens 384 --topk 0 20 --steps 2
+    .venv/bin/python -m bench.bench_trl_real_vocab                        # 4 completions x 128 tokens, 2 steps
+    .venv/bin/python -m bench.bench_trl_real_vocab --tokens 384 --topk 0 20 --steps 2
 
 A ``Qwen3ForCausalLM`` with Qwen3-0.6B's layer shapes (``--layers`` of them, random weights) and V = 151,936 is
 built and saved here with the toy's character tokenizer (ids past the tokenizer's are sampled and decode to
@@ -25,13 +25,14 @@ import time
 import warnings
 from pathlib import Path
 
+from bench import common
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 VOCAB = 151_936
 
 
@@ -102,7 +103,7 @@ def main() -> None:
         build(Path(tmp), args.layers)
         rows = []
         for k in args.topk:
-            done = subprocess.run([sys.executable, __file__, "--child", tmp, str(k), "--steps", str(args.steps),
+            done = subprocess.run([*common.module_cmd(__spec__), "--child", tmp, str(k), "--steps", str(args.steps),
                                    "--tokens", str(args.tokens), "--completions", str(args.completions)],
                                   capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             if done.returncode != 0:

@@ -1,8 +1,8 @@
 """Time what trustscope's verl pieces add on the actor's thread, against the same step without them and against
 a real architecture's forward and backward on the same shapes.
 
-    .venv/bin/python bench/bench_verl.py                 # B = 32 responses of T = 1024 tokens, micro-batches of 8
-    .venv/bin/python bench/bench_verl.py --batch 8 --tokens 2048 --micro 2 --model   # 4,096-token micro-batches,
+    .venv/bin/python -m bench.bench_verl                 # B = 32 responses of T = 1024 tokens, micro-batches of 8
+    .venv/bin/python -m bench.bench_verl --batch 8 --tokens 2048 --micro 2 --model   # 4,096-token micro-batches,
                                                          # and a Qwen3-shaped model's forward + backward on them
 
 Per step (one actor update over the batch), through verl 0.9.1's ``ppo_loss`` with forward and backward on pi:
@@ -31,7 +31,6 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402

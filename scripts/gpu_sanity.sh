@@ -50,11 +50,11 @@ bench() {
     mkdir -p "$out"
     local start
     start=$(date +%s)
-    "$PY" bench/bench_production_shapes.py --device cuda --dtype bfloat16 --preset qwen3-8b --layers 2 \
+    "$PY" -m bench.bench_production_shapes --device cuda --dtype bfloat16 --preset qwen3-8b --layers 2 \
         --tokens 4096 8192 16384 --repeats 3 --warmup 1 --json "$out/production_shapes.json"
-    "$PY" bench/bench_engine_logprobs.py --dtype bfloat16 --hidden 1024 --layers 2 --prompts 256 \
+    "$PY" -m bench.bench_engine_logprobs --dtype bfloat16 --hidden 1024 --layers 2 --prompts 256 \
         --max-tokens 1024 --repeats 3 --json "$out/engine_logprobs.json"
-    "$PY" bench/bench_real_vocab_train.py --steps 5 --topk 20 --json "$out/real_vocab_train.json"
+    "$PY" -m bench.bench_real_vocab_train --steps 5 --topk 20 --json "$out/real_vocab_train.json"
     "$PY" - "$out" <<'JSON'
 import json, platform, sys
 from pathlib import Path
