@@ -60,16 +60,33 @@ def make_step(rng: np.random.Generator, *, temperature: float = 1.0, pi_temperat
 TURNS = np.repeat(np.arange(3), T // 3).astype(np.int32)  # (T,) three model turns of T / 3 tokens each
 
 
+REPLACED = 0.05
+"""The share of the router's own (layer, slot) choices a clean replayed run's replay replaces."""
+
+
+def _router_pick(rng: np.random.Generator, engine: np.ndarray, share: float = REPLACED) -> np.ndarray:
+    """The router's own pick under replay: ``engine`` ``(B, T, L, k)`` with ``share`` of the choices another expert
+    outside the layer's set (the engine's experts replaced them)."""
+    own = engine.copy()
+    flat = own.reshape(-1, own.shape[-1])  # (rows, k)
+    for row, slots in zip(flat, rng.random(flat.shape) < share, strict=True):
+        row[slots] = rng.permutation(np.setdiff1d(np.arange(4), row))[:slots.sum()]  # top-2 of 4: 2 outside
+    return own
+
+
 def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu_source: str = "engine",
               ranks: int = 1, sample_offsets: bool = True, drop: tuple[str, ...] = (), seed: int = 0,
               steps: int = STEPS, multi_turn: bool = False, max_staleness: int | None = None,
-              equal_rewards: bool = False, replayed: bool = False, **step_options) -> Path:
+              equal_rewards: bool = False, replayed: bool = False, replaced: float = REPLACED,
+              **step_options) -> Path:
     """A log of ``steps`` steps per rank; ``breaks(step_columns[, step=step])`` edits each step's columns in place.
     ``multi_turn``: each response has three turns, half the responses were sampled a version behind
     (``policy_version``), and the engine's token ids are logged; ``equal_rewards``: every group's rewards equal;
-    ``replayed``: a mixture-of-experts run declared replayed, both sides' experts logged and equal."""
+    ``replayed``: a mixture-of-experts run declared replayed, both sides' experts logged and equal, and the trainer
+    router's own pick (``router_experts``) replaced by the engine's on ``replaced`` of the choices."""
     rng = np.random.default_rng(seed)
     rewards = np.random.default_rng(seed + 1000)
+    replace = np.random.default_rng(seed + 2000)
     sampling = {"temperature": step_options.get("temperature", 1.0), "top_p": 1.0} if sampling is None else sampling
     loggers = [TokenLogger(root, run_id, sampling=sampling, vocab=[f"t{i}" for i in range(V)] if r == 0 else None,
                            loss_rule="ppo_clip", mu_source=mu_source, rank=r, fsync=False,
@@ -87,6 +104,7 @@ def write_log(root: Path, run_id: str = "run", *, breaks=None, sampling=None, mu
                 cols["engine_experts"] = np.stack([rng.permutation(4)[:2] for _ in range(B * T * 2)]).reshape(
                     B, T, 2, 2)
                 cols["trainer_experts"] = cols["engine_experts"][..., ::-1].copy()  # order within a layer is free
+                cols["router_experts"] = _router_pick(replace, cols["engine_experts"], replaced)
             if breaks is not None:
                 breaks(cols, **({"step": step} if "step" in inspect.signature(breaks).parameters else {}))
             sample_id = np.arange(B) + (r * B if sample_offsets else 0)
@@ -226,6 +244,7 @@ VARIANTS: dict[str, dict] = {
     "retokenized": {"multi_turn": True, "breaks": _retokenized},
     "equal_rewards": {"equal_rewards": True},
     "replay_corrupted": {"replayed": True, "breaks": _replay_buffer_one_position_off},
+    "replay_drifted": {"replayed": True, "replaced": 0.7},
 }
 """One run per variant, all in one log directory: a clean log, and logs each broken the way an integration breaks."""
 
@@ -249,6 +268,8 @@ def test_clean_log_passes_every_check(doctored):
     got = doctored["clean"]
     assert list(got) == list(D.CHECKS)
     assert {name: f.verdict for name, f in got.items()} == dict.fromkeys(D.CHECKS, "ok"), got
+    assert got["routing_replace_rate"].evidence["replace_rate"] == pytest.approx(REPLACED, abs=0.02)
+    assert got["routing_fallbacks"].evidence["n_fallback"] == 0
 
 
 def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
@@ -258,7 +279,9 @@ def test_clean_log_at_temperature_one_skips_what_cannot_apply(doctored):
     assert got["rank_collisions"].verdict == "skipped"
     unlogged = {"turn_alignment": "no turns", "staleness_bound": "no policy_version", "token_drift": "no engine_token_id",
                 "routing_replay": "not declared replayed", "cause_staleness": "needs `policy_version`",
-                "cause_token_drift": "needs `engine_token_id`", "cause_routing": "needs `routing_agreement`"}
+                "cause_token_drift": "needs `engine_token_id`", "cause_routing": "needs `routing_agreement`",
+                "routing_replace_rate": "no router's own pick", "routing_fallbacks": "no routed experts",
+                "routing_alignment": "no routed experts"}
     for name, reason in unlogged.items():  # what a single-turn, synchronous run does not log
         assert got[name].verdict == "skipped" and reason in got[name].summary, name
     assert all(f.verdict == "ok" for name, f in got.items()
@@ -592,3 +615,12 @@ def test_replayed_run_with_a_misaligned_replay_buffer_fails(doctored):
     assert len(got.examples) == 3 and all(e["routing_agreement"] < 1 for e in got.examples)
     assert "misaligned" in got.cause
     assert doctored["clean"]["routing_replay"].evidence["n_disagree"] == 0
+
+
+def test_a_replay_that_replaces_most_of_the_routers_choices_warns(doctored):
+    got = doctored["replay_drifted"]["routing_replace_rate"]
+    assert got.verdict == "warn" and got.evidence["replace_rate"] == pytest.approx(0.7, abs=0.03)
+    assert got.evidence["replace_rate"] > D.REPLACE_RATE_WARN and "replaced" in got.cause
+    assert {f"replace_rate_layer{layer}" for layer in range(2)} <= set(got.evidence)
+    assert [e["step"] for e in got.examples] and all(e["replace_rate"] > D.REPLACE_RATE_WARN for e in got.examples)
+    assert doctored["replay_drifted"]["routing_replay"].verdict == "ok"  # the experts used are the engine's

@@ -595,6 +595,11 @@ def judge_routing_replace_rate(m: Mapping[str, Any]) -> Judgement:
                      "differences in the router's logits).")
 
 
+NO_ROUTING_HEALTH = ("the run logs no routed experts with their health (engine_experts, routing_fault): a dense "
+                     "model, routing not logged, or a log older than tokens version 4")
+"""Why the replay health checks are skipped where they cannot apply."""
+
+
 @register_check("routing_fallbacks", sql="routing_health.sql",
                 about="tokens the engine reported no routing for", manifest_field="routing_replay")
 def judge_routing_fallbacks(m: Mapping[str, Any], replayed: Any) -> Judgement:
@@ -602,7 +607,7 @@ def judge_routing_fallbacks(m: Mapping[str, Any], replayed: Any) -> Judgement:
     falls back to the router's own pick there (NeMo-RL's R3 trace check counts such rows). ``fail`` in a run
     declared replayed, ``warn`` otherwise."""
     if not (m or {}).get("has_faults"):
-        return Judgement("skipped", "the run logs no engine routing health (routing_fault)", {})
+        return Judgement("skipped", NO_ROUTING_HEALTH, {})
     n = int(m["n_fallback"])
     evidence = _pick(m, "n_agreement", "n_replaced", "n_fallback")
     summary = f"{n:,} token(s) with no engine routing"
@@ -622,7 +627,7 @@ def judge_routing_alignment(m: Mapping[str, Any]) -> Judgement:
     the next or previous position than at their own: ``routing_fault`` bit 2) or repeat another response's with
     other tokens (bit 4): a replay buffer shifted by one position or reused across samples."""
     if not (m or {}).get("has_faults"):
-        return Judgement("skipped", "the run logs no engine routing health (routing_fault)", {})
+        return Judgement("skipped", NO_ROUTING_HEALTH, {})
     evidence = _pick(m, "n_shifted", "n_reused", "n_responses_shifted", "n_responses_reused")
     summary = (f"{int(m['n_shifted']):,} token(s) in {int(m['n_responses_shifted'] or 0)} response(s) with engine "
                f"experts one position off, {int(m['n_reused']):,} token(s) in {int(m['n_responses_reused'] or 0)} "
