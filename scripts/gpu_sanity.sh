@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sanity test at a larger scale, on a GPU machine: plain vLLM (CUDA) rollouts in bf16 against the fp32 trainer,
 # the 20M-parameter `toy-gpu` model built and warm-started locally on the GPU (no download), three-digit column
-# addition, 8 rules x 3 seeds plus the anchoring probe (preset `sanity-gpu` of scripts/experiments.py).
+# addition, 8 rules x 3 seeds plus the anchoring probe (preset `sanity-gpu` of studies/experiments.py).
 #
 #   bash scripts/gpu_sanity.sh                  # everything: setup, model, sweep, summary, figures
 #   bash scripts/gpu_sanity.sh --calibrate      # 30 steps of PG-IS and DPPO binary TV, seed 0: check the setting first
@@ -88,16 +88,16 @@ print(path, meta['parameters'], 'parameters, warm start', meta['warm_start']['st
 start=$(date +%s)
 if [[ $calibrate == 1 ]]; then
     logdir=runs/sanity-gpu-calibrate
-    "$PY" scripts/experiments.py run --preset sanity-gpu --logdir "$logdir" --rules pg_is dppo_binary_tv --seeds 0 \
+    "$PY" -m studies.experiments run --preset sanity-gpu --logdir "$logdir" --rules pg_is dppo_binary_tv --seeds 0 \
         --no-probe --set steps=30 eval_every=10 "${sets[@]}"
 else
     logdir=runs/sanity-gpu
-    "$PY" scripts/experiments.py run --preset sanity-gpu --logdir "$logdir" --set "${sets[@]}"
+    "$PY" -m studies.experiments run --preset sanity-gpu --logdir "$logdir" --set "${sets[@]}"
 fi
 echo "gpu_sanity.sh: runs took $(( $(date +%s) - start )) s" >&2
-"$PY" scripts/experiments.py summarize --logdir "$logdir" | tee "$logdir/calibration.md"
+"$PY" -m studies.experiments summarize --logdir "$logdir" | tee "$logdir/calibration.md"
 if [[ $calibrate == 0 ]]; then
-    "$PY" scripts/experiments.py plot --logdir "$logdir" --out "$logdir/img" | tee "$logdir/summary.md"
+    "$PY" -m studies.experiments plot --logdir "$logdir" --out "$logdir/img" | tee "$logdir/summary.md"
 fi
 [[ $calibrate == 1 ]] || bench
 echo "gpu_sanity.sh: done; open the runs with: $PY -m trustscope.cli dashboard $logdir" >&2

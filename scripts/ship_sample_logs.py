@@ -7,7 +7,7 @@ How it was run (2026-12-04, two busy CPU cores, about 20 min): ``.venv/bin/pytho
 
 Steps, each repeatable:
 
-1. Train :data:`RULES` x :data:`SEEDS` with ``scripts/experiments.py run --preset sanity-climb-stale --no-probe
+1. Train :data:`RULES` x :data:`SEEDS` with ``studies/experiments.py run --preset sanity-climb-stale --no-probe
    --seeds 0 1 --rules pg_is ppo_clip dppo_binary_tv grpo --set log_token_fraction=0.05`` into the staging folder,
    one process; runs already finished there are skipped (``--no-train`` ships what staging holds).
 2. Copy them next to the destination and normalise each ``run.json`` (:func:`normalise`): the model is named by its

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
 
+from studies import eval_early_warning as ew
 from trustscope import db as tsdb
 from trustscope.synthetic import SyntheticConfig, generate_run
-
-SPEC = importlib.util.spec_from_file_location(
-    "eval_early_warning", Path(__file__).resolve().parents[1] / "bench" / "eval_early_warning.py")
-ew = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(ew)
 
 
 def test_a_collapse_is_the_first_step_at_half_the_best_ten_step_mean():

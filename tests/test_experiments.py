@@ -1,26 +1,19 @@
-"""The sweep presets of ``scripts/experiments.py`` and the headline judgement of ``scripts/findings.py``."""
+"""The sweep presets of ``studies/experiments.py`` and the headline judgement of ``studies/findings.py``."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
 
 @pytest.fixture(scope="module")
 def scripts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import experiments
-        import findings
-        yield experiments, findings
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    from studies import experiments, findings
+
+    return experiments, findings
 
 
 def test_the_collapse_preset_is_the_warm_climb_with_more_updates_a_step(scripts):

@@ -4,7 +4,7 @@ detector, step by step over a run's overview figures.
 :func:`collapse_warnings` is the one computation the report, the dashboard's badge, the trainer's and the
 integrations' live warning (:class:`trustscope.trackers.EarlyWarning`) read; :func:`first_warnings` says in one
 line when and why a run first warned. ``docs/experiments.md`` measures the lines and fits the detectors
-(``bench/eval_early_warning.py``, ``bench/eval_relative_detector.py``).
+(``studies/eval_early_warning.py``, ``studies/eval_relative_detector.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class WarningLines:
 
     The defaults are twice the paper's 0.5% (on ~400 tokens per window half a percent is two tokens, noise);
     ``docs/experiments.md`` measures how the lines fare on the toy-v2 sample logs (those ``sample_logs/`` held up
-    to commit d114d27, ``bench/eval_collapse_warning.py``).
+    to commit d114d27, ``studies/eval_collapse_warning.py``).
 
     ``relative_z``: the lines against the run's own baseline instead, so that one setting means the same on a
     model whose normal mismatch is ten times the toy's or a tenth: a step warns when the last ``window`` steps'
@@ -87,7 +87,7 @@ class Detector:
     the score reaches ``threshold``.
 
     :data:`DETECTOR` is the one fitted on collapsing toy runs and judged on held-out ones (``docs/experiments.md``,
-    "An early warning fitted on collapsing runs"; ``bench/eval_early_warning.py`` fits it); it warns on the runs
+    "An early warning fitted on collapsing runs"; ``studies/eval_early_warning.py`` fits it); it warns on the runs
     whose logs carry its signals, and :class:`WarningLines` on the others (logged before the importance-weight
     summaries)."""
 
@@ -265,7 +265,7 @@ def first_warnings(warnings: pd.DataFrame, detector: Detector | None = None) -> 
 
 
 COLLAPSE_WINDOW = 10
-"""The steps of the reward mean a collapse is judged on (the findings' definition, ``scripts/findings.py``)."""
+"""The steps of the reward mean a collapse is judged on (the findings' definition, ``studies/findings.py``)."""
 
 
 def collapse_step(one_run: pd.DataFrame, window: int = COLLAPSE_WINDOW) -> tuple[int, float, float] | None:

@@ -4,7 +4,7 @@
 tokens) with a supervised warm start that runs until the expected temperature-1 accuracy of the canonical worked
 answer reaches 0.6 instead of 0.3 (the check runs every 25 steps: it stops at 0.74, after 375 steps against
 toy-v2's 325), so that RL starts from a model that already solves most problems, as the paper's sanity set does.
-It is the world of the ``sanity-climb-warm`` sweep (``scripts/experiments.py``, docs/experiments.md), where every
+It is the world of the ``sanity-climb-warm`` sweep (``studies/experiments.py``, docs/experiments.md), where every
 trust-region rule climbs to a 10-step reward of 0.9, of its ``sanity-climb-stale`` variant that the shipped
 ``sample_logs/`` runs come from, and of ``trustscope demo``.
 

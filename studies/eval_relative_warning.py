@@ -2,7 +2,7 @@
 own baseline (``WarningLines(relative_z=...)``), on synthetic runs at 0.1x, 1x and 10x the synthetic toy's
 mu -> pi_old mismatch, each quiet (pi stays at pi_old) and collapsing (pi drifts from pi_old, more every step).
 
-    .venv/bin/python bench/eval_relative_warning.py [--steps 40] [--tokens 20000] [--window 10] [--z 6]
+    .venv/bin/python -m studies.eval_relative_warning [--steps 40] [--tokens 20000] [--window 10] [--z 6]
 
 Prints, per run and line set, the warning steps, the first one, and which line fired (docs/experiments.md,
 "Warnings relative to the run").
@@ -11,14 +11,12 @@ Prints, per run and line set, the warning steps, the first one, and which line f
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from trustscope import report  # noqa: E402
 from trustscope.db import connect  # noqa: E402

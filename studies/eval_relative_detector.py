@@ -1,13 +1,13 @@
 """The early-warning detector refitted in the run's own terms, judged on held-out runs of other mismatch scales
 (docs/experiments.md, "The detector in the run's own terms").
 
-    .venv/bin/python bench/eval_relative_detector.py --fit runs/cal --held runs/climb-v2w sample_logs [--baseline 10]
+    .venv/bin/python -m studies.eval_relative_detector --fit runs/cal --held runs/climb-v2w sample_logs [--baseline 10]
         [--z 3 6] [--by-folder]
 
 Every run under the ``--fit`` folders is a fitting run, every run under ``--held`` a held-out one. Each signal of
 the ``early_signals`` view enters the relative detector as :func:`trustscope.report.relative_signals` gives it:
 the mean of its last 5 steps in robust deviations above the run's first ``--baseline`` steps. The detector is
-fitted as the absolute one was (``bench/eval_early_warning.py``: forward selection of up to three signals by the
+fitted as the absolute one was (``studies/eval_early_warning.py``: forward selection of up to three signals by the
 fitting runs' log-loss, a logistic fit, the most permissive threshold with at most one false alarm per four
 fitting runs) and judged on the held-out runs beside: the shipped absolute detector (``report.DETECTOR``), an
 absolute detector refitted on the same fitting runs (so that "relative" and "fitted on other runs" are told
@@ -20,14 +20,11 @@ relative detector). Collapses, leads and false alarms are counted as in ``eval_e
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import eval_early_warning as ew  # noqa: E402
+from studies import eval_early_warning as ew  # noqa: E402
 
 RELATIVE = ("mismatch_mean", "ess_frac", "seq_log_ratio_p99", "log_ratio_std", "entropy_mean", "grad_norm",
             "bad_negative_rate")

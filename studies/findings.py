@@ -1,9 +1,9 @@
 """The findings of the v2 sanity test, figure by figure, from the runs' own numbers.
 
-    .venv/bin/python scripts/findings.py [--logdir runs/sanity-v2] [--out docs/img]
+    .venv/bin/python -m studies.findings [--logdir runs/sanity-v2] [--out docs/img]
 
 Reads every run of the log directory (the sweep's ``sanity-<rule>-s<seed>`` runs and the anchoring probe's
-``anchor-<mu|pi_old>-lag<L>-s<seed>`` runs of ``scripts/experiments.py run --preset sanity-v2``) and writes the
+``anchor-<mu|pi_old>-lag<L>-s<seed>`` runs of ``studies/experiments.py run --preset sanity-v2``) and writes the
 ``v2_*.png`` figures plus, on stdout, the Markdown tables docs/experiments.md quotes. Every per-step figure but
 the entropy of clipped tokens comes from the exact ``summaries`` table (taken by the logger over every token,
 whatever ``log_token_fraction`` kept) or from the trainer's step scalars; the clipped tokens' entropy and the
@@ -12,7 +12,7 @@ ratio's spread by mu bucket come from the logged token rows (a 25% sample of eac
 Definitions (shared by the tables and the figures):
 
 - a run's **first dip**: the first step where its 10-step mean training reward is 0.15 or more below its best
-  10-step mean so far (the reward-dip definition of ``bench/eval_collapse_warning.py``); none if it never is;
+  10-step mean so far (the reward-dip definition of ``studies/eval_collapse_warning.py``); none if it never is;
 - a run's **steps to 0.9**: the first step where its 10-step mean training reward reaches ``TARGET`` (0.9); a run
   that never does counts as its length plus one (censored: it did not get there within its steps);
 - a run's **reward area**: its mean training reward over all its steps (the area under the curve over its length);
@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from experiments import LABELS, step_scalars  # noqa: E402  (this script's own directory)
-
+from studies.experiments import LABELS, step_scalars  # noqa: E402
 from trustscope.db import connect  # noqa: E402
 
 DIP_WINDOW, DIP_DEPTH, COLLAPSE_SHARE = 10, 0.15, 0.5
@@ -100,7 +97,7 @@ def load(logdir: Path) -> dict[str, pd.DataFrame]:
     runs = sorted(p for p in logdir.iterdir() if (p / "run.json").exists()
                   and json.loads((p / "run.json").read_text()).get("status") == "finished")
     if not runs:
-        raise SystemExit(f"no finished runs under {logdir}; run `scripts/experiments.py run --preset sanity-v2`")
+        raise SystemExit(f"no finished runs under {logdir}; run `studies/experiments.py run --preset sanity-v2`")
     wide = step_scalars(runs)
     with connect(runs) as db:
         s = db.summaries()

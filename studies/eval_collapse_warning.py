@@ -1,7 +1,7 @@
 """How well the collapse early warning (trustscope.report.WarningLines) anticipates reward dips on a log directory.
 
-    .venv/bin/python bench/eval_collapse_warning.py [LOGDIR]          # default: sample_logs/
-    .venv/bin/python bench/eval_collapse_warning.py [LOGDIR] --relative   # also the lines against each run's start
+    .venv/bin/python -m studies.eval_collapse_warning [LOGDIR]          # default: sample_logs/
+    .venv/bin/python -m studies.eval_collapse_warning [LOGDIR] --relative   # also the lines against each run's start
 
 A reward dip is a step where the reward's moving average over ``--dip-window`` steps falls ``--dip`` or more below
 its best so far (its first step counts; the dip lasts until the average recovers). For each warning line it
@@ -12,13 +12,11 @@ steps, and the warning episodes (consecutive warning steps) followed by no dip w
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from trustscope import db, report  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The early-warning study on toy world v2: a sweep where collapses are common, a detector fitted on some runs and
 judged on others (docs/experiments.md, "An early warning fitted on collapsing runs").
 
-    .venv/bin/python bench/eval_early_warning.py sweep [--logdir runs/ew-v2] [--shard 0/2] [--steps 80]
-    .venv/bin/python bench/eval_early_warning.py eval  [--logdir runs/ew-v2] [--out docs/img]
+    .venv/bin/python -m studies.eval_early_warning sweep [--logdir runs/ew-v2] [--shard 0/2] [--steps 80]
+    .venv/bin/python -m studies.eval_early_warning eval  [--logdir runs/ew-v2] [--out docs/img]
 
 ``sweep`` trains the runs of :data:`FIT` and :data:`HELD_OUT` (``--shard i/n``: every n-th, from the i-th, so two
 processes share the list), skipping finished ones, each at one torch thread. ``eval`` reads the runs' exact
@@ -13,12 +13,9 @@ single signal and the shipped warning on the held-out runs.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 FIT = (("pg_is", 2e-4, 2), ("pg_is", 3e-4, 1), ("cispo", 3e-4, 2), ("grpo", 2.5e-4, 4),
        ("dppo_binary_tv", 2e-4, 1), ("ppo_clip", 2e-4, 1))
@@ -199,7 +196,7 @@ def operating_point(flags_at, levels, n_runs: int, collapses: dict) -> float | N
 
 
 def sweep(logdir: Path, shard: tuple[int, int], steps: int, only: list[str] | None = None) -> None:
-    import experiments
+    from studies import experiments
 
     runs = [(rid, change) for i, (rid, _, change) in enumerate(plan()) if i % shard[1] == shard[0]]
     if only:

@@ -1,11 +1,11 @@
 """The paper's sanity test at toy scale: every baseline rule against DPPO, same seeds, same budget.
 
-    .venv/bin/python scripts/experiments.py run  [--preset sanity] [--logdir runs/sanity-v1] [--seeds 0 1 2] [--rules ...]
+    .venv/bin/python -m studies.experiments run  [--preset sanity] [--logdir runs/sanity-v1] [--seeds 0 1 2] [--rules ...]
                                                  [--set lr=1e-4 ...] [--no-probe] [--dry-run]
-    .venv/bin/python scripts/experiments.py run  --preset sanity-v2          # the larger toy world, runs/sanity-v2
+    .venv/bin/python -m studies.experiments run  --preset sanity-v2          # the larger toy world, runs/sanity-v2
     bash scripts/gpu_sanity.sh                                                # preset sanity-gpu, on a GPU machine
-    .venv/bin/python scripts/experiments.py summarize --logdir runs/sanity-v2   # one calibration row per run
-    .venv/bin/python scripts/experiments.py plot [--logdir runs/sanity-v1 runs/sanity-extra] [--out docs/img]
+    .venv/bin/python -m studies.experiments summarize --logdir runs/sanity-v2   # one calibration row per run
+    .venv/bin/python -m studies.experiments plot [--logdir runs/sanity-v1 runs/sanity-extra] [--out docs/img]
 
 ``run`` trains each run of the preset in turn in this one process (vLLM is imported once), skipping runs that
 already finished, so an interrupted sweep picks up where it stopped. ``plot`` reads the runs' ``steps`` tables and
@@ -20,7 +20,7 @@ Presets (docs/experiments.md says why each setting):
   tokens), 8 rules x 3 seeds, plus the anchoring probe: DPPO binary TV anchored on mu against the same mask anchored
   on a recomputed pi_old (``dppo_decoupled``), under growing ``policy_lag``.
 - ``sanity-climb``: toy world v2 at lr 1e-4, 150 steps, 6 rules x 8 seeds: the headline (DPPO against GRPO and
-  Clip-Higher) on pre-stated measures, judged by ``scripts/findings.py --logdir runs/sanity-climb``.
+  Clip-Higher) on pre-stated measures, judged by ``studies/findings.py --logdir runs/sanity-climb``.
 - ``sanity-climb-warm``: the climb test on ``toy-v2-warm`` (toy-v2 warm-started further, :data:`WORLDS`), where
   every rule reaches 0.9; DPPO, GRPO, Clip-Higher, PG-IS and CISPO x 8 seeds.
 - ``sanity-climb-collapse``: ``sanity-climb-warm`` with eight mini-batch updates a step, where the trust-region
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 RULES = ("pg_is", "cispo", "ppo_clip", "minirl", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv")
 """The paper's sanity-test line-up: no trust region, truncated IS, GRPO Clip-Higher, decoupled PPO, DPPO."""
@@ -138,7 +136,7 @@ mini-batches) at lr 1e-4 for 150 steps. Measured (docs/experiments.md, "The clim
 TV climbs from ~0.47 over the first five steps to a 10-step mean of 0.69-0.71 at step 150 (best 0.71-0.79, greedy
 held-out accuracy 0.86-0.96), short of the 0.9 of the paper's sanity test, and PG-IS does not collapse here (0.66-0.72
 at step 150). The sweep (8 seeds a rule) is the
-headline's test on the pre-stated measures of ``scripts/findings.py`` (steps to 0.9, reward area, final held-out
+headline's test on the pre-stated measures of ``studies/findings.py`` (steps to 0.9, reward area, final held-out
 accuracy, collapses)."""
 
 WORLDS = {"toy-v2-warm": ("toy-v2", {"target_accuracy": 0.6})}
@@ -393,7 +391,7 @@ def load(logdirs: list[Path]) -> tuple:
 
     runs = sorted(p for d in logdirs for p in d.glob("sanity-*") if (p / "run.json").exists())
     if not runs:
-        raise SystemExit(f"no sanity-* runs under {logdirs}; run `scripts/experiments.py run` first")
+        raise SystemExit(f"no sanity-* runs under {logdirs}; run `studies/experiments.py run` first")
     wide = step_scalars(runs)
     with connect(runs) as db:
         summary = db.step_summary()
