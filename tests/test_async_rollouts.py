@@ -13,7 +13,8 @@ import torch
 from trustscope.engines import make_engine
 from trustscope.engines.base import Rollout
 from trustscope.train.config import ConfigError, TrainConfig, staleness_bound
-from trustscope.train.loop import PartialRollouts, train
+from trustscope.train.loop import train
+from trustscope.train.rollouts import PartialRollouts
 from trustscope.train.tasks import get_task
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_the_path_check_catches_what_it_is_for():
 
 
 def test_the_manifest_records_portable_paths(tmp_path, monkeypatch):
-    from trustscope.train.loop import portable
+    from trustscope.train.models import portable
 
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -91,7 +91,7 @@ def test_toy_worlds_are_named_models(monkeypatch):
     import trustscope.train.toy as toy
     import trustscope.train.toy_models as toy_models
     from trustscope.train.config import TrainConfig
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     built, seeded = [], []
     monkeypatch.setattr(toy, "build_toy_model", lambda config, **kw: built.append((config, kw)) or Path("m"))
@@ -111,7 +111,7 @@ def test_an_unknown_toy_world_or_a_warm_start_short_of_its_target_is_refused(mon
     import trustscope.train.toy as toy
     import trustscope.train.toy_models as toy_models
     from trustscope.train.config import ConfigError, TrainConfig
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     for name in ("toy-v3", "toy_v2", "toy-V2"):
         with pytest.raises(ConfigError, match=rf"model='{name}': no toy world of that name.*toy-v2"):

@@ -103,10 +103,11 @@ def generated_blocks() -> dict[tuple[str, str], str]:
     """(docs page, block name) -> the text the block must hold."""
     from trustscope.columns import TABLE_COLUMNS, columns_markdown, dimensions_markdown
     from trustscope.losses import catalogue_markdown
+    from trustscope.train.worlds import world_table
 
     return {("rules.md", "rule catalogue"): catalogue_markdown(), ("cli.md", "cli reference"): cli_markdown(),
             **{("logging.md", f"{table} columns"): columns_markdown(table) for table in TABLE_COLUMNS},
-            ("logging.md", "summary dimensions"): dimensions_markdown()}
+            ("logging.md", "summary dimensions"): dimensions_markdown(), ("train.md", "toy worlds"): world_table()}
 
 
 def block(text: str, name: str) -> str | None:

@@ -101,7 +101,8 @@ def test_tool_rollout_splices_the_replies_as_ids_and_masks_them():
 
 
 def test_a_rank_share_keeps_each_tokens_turn_and_engine_id():
-    from trustscope.train.loop import StepRollouts, shard_batch
+    from trustscope.train.ranks import shard_batch
+    from trustscope.train.rollouts import StepRollouts
 
     tok = toy_tokenizer()
     problems = [p for p in TASK.problems if p.prompt in ("7*8+5=", "0*3+9=")]

@@ -31,7 +31,7 @@ def test_toy_v2_warm_is_the_climb_sweep_s_world_and_leaves_toy_v2_alone():
 
 
 def test_a_run_names_the_warm_world_and_it_is_built_on_the_run_s_task(monkeypatch, tmp_path):
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
     built = []
@@ -41,7 +41,7 @@ def test_a_run_names_the_warm_world_and_it_is_built_on_the_run_s_task(monkeypatc
 
 
 def test_an_unknown_world_name_is_refused_naming_the_known_ones():
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     with pytest.raises(ValueError, match=r"toy world 'toy-v2-hot': no warm world of that name; known: toy-v2-warm"):
         warm_config("toy-v2-hot")

@@ -68,7 +68,7 @@ def test_bad_configurations_are_refused(field, value, message):
 
 def test_the_trainer_knows_the_preset():
     from trustscope.train.config import ConfigError, TrainConfig
-    from trustscope.train.loop import resolve_model
+    from trustscope.train.models import resolve_model
 
     assert "toy-v2-152k" in toy_wide.WIDE_PRESETS
     with pytest.raises(ConfigError, match="toy-v2-152k"):  # the list of worlds names it

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from trustscope.cli import app
 from trustscope.runformat.validation import validate_run
+from trustscope.train.checkpoints import latest_checkpoint
 from trustscope.train.config import TrainConfig
-from trustscope.train.loop import group_advantages, latest_checkpoint, lr_lambda, train
+from trustscope.train.loop import group_advantages, lr_lambda, train
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "6", "--topk", "5", "--mini-batches", "2",
          "--eval-every", "2", "--eval-problems", "16", "--threads", "1", "--lr", "1e-3"]

@@ -24,7 +24,9 @@ from trustscope.cli import app
 from trustscope.db import connect
 from trustscope.losses import AGGREGATIONS, aggregate
 from trustscope.train.config import ConfigError, TrainConfig, check_world
-from trustscope.train.loop import aggregate_weight, local_rows, step_seed, train
+from trustscope.train.loop import train
+from trustscope.train.ranks import aggregate_weight, local_rows
+from trustscope.train.rollouts import step_seed
 
 # token_mean: the aggregation a plain DDP average gets wrong when the ranks hold different token counts;
 # mini_batches=4 (4 of the 16 samples each, shuffled over the whole step) gives the ranks unequal shares of a

@@ -223,19 +223,12 @@ def parity(
         texts = read_prompts(prompts)[:max_prompts]
         model_dir = model
         if not Path(model).exists():
-            from trustscope.train.toy import TOY_PRESETS, build_toy_model
-            from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
+            from trustscope.train.worlds import get_world, worlds
 
-            if model in MOE_PRESETS:
-                model_dir = str(build_toy_moe_model(MOE_PRESETS[model]))
-            elif model in TOY_PRESETS:
-                from trustscope.train.toy_models import seed_cache
-
-                seed_cache(TOY_PRESETS[model])  # a build shipped with trustscope (toy-v2), when the cache lacks it
-                model_dir = str(build_toy_model(TOY_PRESETS[model]))
-            else:
-                raise ParityInputError(f"--model {model}: no such directory, nor a toy preset "
-                                       f"({sorted(TOY_PRESETS) + sorted(MOE_PRESETS)})")
+            world = get_world(model)
+            if world is None:
+                raise ParityInputError(f"--model {model}: no such directory, nor a toy preset ({sorted(worlds())})")
+            model_dir = str(world.build())  # cached, or copied from a build shipped with trustscope
         result = run_parity(model_dir, texts, engine=engine, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
                             n=n, max_tokens=max_tokens, seed=seed)
     except ParityInputError as exc:

@@ -17,7 +17,6 @@ moves its key it is built there instead (a warm start: 4-7 minutes on two busy c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import sys
@@ -49,7 +48,7 @@ DEMO_SETTING: dict[str, Any] = dict(
     eval_problems=50,
     log_topk_precision="float16",
 )
-"""The ``sanity-climb-warm`` setting (``scripts/experiments.py``) in ``toy-v2-warm``, made to rise within the demo's
+"""The ``sanity-climb-warm`` setting (``studies/experiments.py``) in ``toy-v2-warm``, made to rise within the demo's
 steps: its mismatch knobs (bf16 rollouts against the fp32 trainer, ``policy_lag`` 1), 16 prompts x 16 responses
 and linear decay, but half its peak lr (1e-4, reached after 5 steps, 0 at the last step) and eight mini-batch
 updates a step instead of four. At the sweep's 2e-4 every rule's reward rises for 15-20 steps and dips when the lr
@@ -80,12 +79,14 @@ def toy_ready(cfg: TrainConfig) -> bool:
     """Whether the toy world of ``cfg`` needs no build: it is in the trustscope cache, or ships built
     (:mod:`trustscope.train.toy_models`)."""
     from trustscope.paths import cache_root
-    from trustscope.train.toy import META_FILE, TOY_PRESETS
+    from trustscope.train.toy import META_FILE
     from trustscope.train.toy_models import entry_name, shipped
-    from trustscope.train.toy_warm import WARM_PRESETS, warm_config
+    from trustscope.train.worlds import get_world
 
-    toy = (warm_config(cfg.model, cfg.task) if cfg.model in WARM_PRESETS
-           else dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task))
+    world = get_world(cfg.model)
+    if world is None:
+        raise ValueError(f"model={cfg.model!r}: the demo trains a registered toy world")
+    toy = world.config(cfg.task)
     return (cache_root() / "toy" / entry_name(toy) / META_FILE).exists() or shipped(toy) is not None
 
 
@@ -262,7 +263,8 @@ def run_demo(logdir: Path, steps: int = DEMO_STEPS, serve: bool = True, port: in
     first and, when ``serve``, replace this process with the dashboard over ``logdir`` (its port checked first)."""
     import warnings
 
-    from trustscope.train.loop import resolve_model, train_with_progress
+    from trustscope.train.loop import train_with_progress
+    from trustscope.train.models import resolve_model
 
     if serve:
         check_port("127.0.0.1", port)

@@ -45,15 +45,10 @@ Where it departs from the paper's recipe (verl, DAPO data, 16 responses per prom
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
-import random
-import re
-import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,37 +63,20 @@ try:
 except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
     missing(exc, "trustscope.train.loop")
 
-from trustscope import runformat
 from trustscope.capture import Capture, capture
 from trustscope.divergence import binary_tv
-from trustscope.engines import DTYPES, Rollout, make_engine
-from trustscope.logger import NullLogger, TokenLogger, drop_steps_after
+from trustscope.engines import DTYPES, make_engine
+from trustscope.logger import NullLogger, TokenLogger
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.trackers import RunReporting, parse_report_to
 from trustscope.train import moe
+from trustscope.train.checkpoints import Start, restore, save_checkpoint, snapshot, with_weights
 from trustscope.train.config import TrainConfig, check_world, staleness_bound
-from trustscope.train.multiturn import evaluate_tool, tool_rollout, turn_summary
-from trustscope.train.tasks import Problem, Task, get_task
-
-CHECKPOINTS = "checkpoints"
-
-
-@dataclass
-class StepRollouts:
-    """One step's rollouts: the problems (one per group), the engine's samples and their rewards."""
-
-    weights_step: int  # the trainer step whose weights the engine sampled with (older when lagging)
-    problems: list[Problem]  # (prompts_per_step,), or this rank's share of them
-    rollout: Rollout  # B = len(problems) * group_size samples, grouped by problem
-    rewards: torch.Tensor  # (B,) float32
-    first_group: int = 0  # the step-wide index of problems[0]: its samples start at first_group * group_size
-    versions: list[list[int]] | None = None  # per sample, per token: the weight version that sampled it
-    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler's own scalars (async/*)
-
-
-def step_seed(seed: int, step: int, salt: int) -> int:
-    """A 31-bit seed for one purpose (``salt``) at one step: no RNG state to checkpoint, resumes are exact."""
-    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] >> 1)
+from trustscope.train.models import portable, resolve_device, resolve_model
+from trustscope.train.multiturn import evaluate_tool, turn_summary
+from trustscope.train.ranks import Ranks, aggregate_weight, join_ranks, local_rows, reduce_metrics
+from trustscope.train.rollouts import PartialRollouts, StepRollouts, rollout_stream, step_seed
+from trustscope.train.tasks import Task, get_task
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool) -> torch.Tensor:
@@ -126,312 +104,6 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return f
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# rollouts
-
-
-def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int) -> StepRollouts:
-    """Sample the rollouts of step ``step`` while the trainer is at step ``now``: ``prompts_per_step`` problems,
-    ``group_size`` responses each. The engine holds the weights of the last sync, step ``now - now % sync_every``."""
-    problems = task.sample(random.Random(step_seed(cfg.seed, step, 1)), cfg.prompts_per_step, "train")
-    if task.tool is not None:  # multi-turn: the model calls the task's tool, the environment answers
-        rollout = tool_rollout(engine, task, problems, n=cfg.group_size, max_tokens=cfg.max_tokens,
-                               temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
-                               seed=step_seed(cfg.seed, step, 2))
-    else:
-        rollout = engine.generate([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
-                                  seed=step_seed(cfg.seed, step, 2))
-    per_sample = [problems[i] for i in rollout.prompt_index]
-    rewards = task.score(per_sample, rollout.texts, rollout.finish_reasons)
-    return StepRollouts(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
-
-
-def rollout_stream(engine: Any, task: Task, cfg: TrainConfig, step: int,
-                   pending: deque[StepRollouts]) -> Iterator[StepRollouts]:
-    """Yield the batch of each step from ``step`` on. ``pending`` holds batches sampled ahead: with
-    ``policy_lag = k`` the batch of step s was sampled k steps earlier, with the weights the engine had then
-    (asynchronous RL's staleness; the first k steps train on the initial weights' rollouts)."""
-    while True:
-        while len(pending) <= cfg.policy_lag:
-            pending.append(sample_batch(engine, task, cfg, step + len(pending), now=step))
-        yield pending.popleft()
-        step += 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# asynchronous partial rollouts
-
-
-@dataclass
-class Partial:
-    """One response being generated across engine calls: its ids so far, mu's logprob and top-K at each, and the
-    weight version that sampled each token. ``finish`` is None while in flight."""
-
-    prompt_ids: list[int]
-    ids: list[int] = dataclasses.field(default_factory=list)
-    mu: list[float] = dataclasses.field(default_factory=list)
-    topk_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    topk_lps: list[list[float]] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None
-
-
-@dataclass
-class AsyncState:
-    """The sampler's state between steps (and in a checkpoint): the groups started and not yet trained, in the
-    order they started, the weight version the engine holds, and counters."""
-
-    groups: list[tuple[int, Problem, list[Partial]]] = dataclasses.field(default_factory=list)  # (index, ., G)
-    version: int = 0  # the trainer step whose weights the engine holds
-    started: int = 0  # groups started so far (the next group's index)
-    calls: int = 0  # engine calls so far
-    dropped_groups: int = 0  # over the run
-    dropped_tokens: int = 0  # tokens sampled for dropped groups, over the run
-
-
-class PartialRollouts:
-    """Asynchronous partial rollouts, interleaved in one process (``async_chunk_tokens > 0``).
-
-    The engine keeps ``async_batches * prompts_per_step`` groups started and not yet trained. One engine call
-    extends every response in flight by at most ``async_chunk_tokens`` tokens, continuing from its sampled ids
-    (:meth:`Engine.extend`), each new token tagged with the version the engine holds. Between two calls the trainer
-    takes at most one step: once ``prompts_per_step`` groups have finished, the oldest of them are the step's batch;
-    the trainer updates and syncs the engine (``version``), and the responses still in flight continue under the new
-    weights, so one response spans versions. With ``max_staleness = k >= 0``, a group holding a token sampled more
-    than k versions before the step that would train it is dropped at once (it could never be trained) and a new
-    group takes its place: dropped, not regenerated from the same prompt.
-
-    What is interleaved rather than concurrent: sampling and training alternate in one process, the trainer's step
-    taking the time of one engine call; a real asynchronous trainer runs them at once and the number of versions a
-    response spans depends on their relative speeds.
-    """
-
-    def __init__(self, engine: Any, task: Task, cfg: TrainConfig, state: AsyncState | None = None) -> None:
-        self.engine, self.task, self.cfg = engine, task, cfg
-        self.state = state or AsyncState()
-
-    def _start_groups(self) -> None:
-        """Start new groups until ``async_batches`` steps' worth are started and not yet trained."""
-        st, cfg = self.state, self.cfg
-        while len(st.groups) < cfg.async_batches * cfg.prompts_per_step:
-            problem = self.task.sample(random.Random(step_seed(cfg.seed, st.started, 101)), 1, "train")[0]
-            prompt_ids = self.engine.encode([problem.prompt])[0]
-            st.groups.append((st.started, problem, [Partial(list(prompt_ids)) for _ in range(cfg.group_size)]))
-            st.started += 1
-
-    def _call(self) -> None:
-        """One engine call: every response in flight gains at most ``async_chunk_tokens`` tokens."""
-        st, cfg = self.state, self.cfg
-        live = [r for _, _, rs in st.groups for r in rs if r.finish is None]
-        st.calls += 1
-        if not live:
-            return
-        budgets = [min(cfg.async_chunk_tokens, cfg.max_tokens - len(r.ids)) for r in live]
-        out = self.engine.extend([r.prompt_ids + r.ids for r in live], budgets, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, topk=cfg.topk, seed=step_seed(cfg.seed, st.calls, 102))
-        for i, r in enumerate(live):
-            r.ids += out.response_ids[i]
-            r.mu += out.mu_logprobs[i]
-            r.topk_ids += out.mu_topk_ids[i]
-            r.topk_lps += out.mu_topk_logprobs[i]
-            r.versions += [st.version] * len(out.response_ids[i])
-            if out.finish_reasons[i] == "stop":
-                r.finish = "stop"
-            elif len(r.ids) >= cfg.max_tokens:
-                r.finish = "length"
-
-    def _drop_stale(self, step: int) -> int:
-        """Drop the groups that step ``step`` or any later one could not train under ``max_staleness``."""
-        st, k = self.state, self.cfg.max_staleness
-        if k < 0:
-            return 0
-        keep = []
-        for group in st.groups:
-            oldest = min((min(r.versions) for r in group[2] if r.versions), default=step)
-            if step - oldest > k:
-                st.dropped_groups += 1
-                st.dropped_tokens += sum(len(r.ids) for r in group[2])
-            else:
-                keep.append(group)
-        dropped = len(st.groups) - len(keep)
-        st.groups = keep
-        return dropped
-
-    def batch(self, step: int) -> StepRollouts:
-        """The batch of step ``step``: engine calls (at least one since the last batch) until ``prompts_per_step``
-        groups have finished; the oldest finished ones, in the order they started."""
-        cfg, st = self.cfg, self.state
-        calls0, dropped = st.calls, 0
-        while True:
-            dropped += self._drop_stale(step)
-            done = [g for g in st.groups if all(r.finish is not None for r in g[2])]
-            if st.calls > calls0 and len(done) >= cfg.prompts_per_step:
-                break
-            self._start_groups()
-            self._call()
-        chosen = done[: cfg.prompts_per_step]
-        taken = {g[0] for g in chosen}
-        st.groups = [g for g in st.groups if g[0] not in taken]
-        return self._assemble(step, chosen, dropped, st.calls - calls0)
-
-    def _assemble(self, step: int, chosen: list[tuple[int, Problem, list[Partial]]], dropped: int,
-                  calls: int) -> StepRollouts:
-        """A :class:`StepRollouts` of the chosen groups, with their per-token versions and the sampler's scalars."""
-        cfg = self.cfg
-        problems = [p for _, p, _ in chosen]
-        rs = [r for _, _, group in chosen for r in group]
-        texts = self.engine.tokenizer.batch_decode([r.ids for r in rs], skip_special_tokens=True)
-        rollout = Rollout(
-            prompts=[p.prompt for p in problems], n=cfg.group_size, topk=cfg.topk,
-            prompt_index=[i for i in range(len(problems)) for _ in range(cfg.group_size)],
-            prompt_ids=[r.prompt_ids for r in rs], response_ids=[r.ids for r in rs], mu_logprobs=[r.mu for r in rs],
-            mu_topk_ids=[r.topk_ids for r in rs], mu_topk_logprobs=[r.topk_lps for r in rs],
-            finish_reasons=[r.finish or "length" for r in rs], texts=texts, sampling=self.engine.sampling_info())
-        per_sample = [problems[i] for i in rollout.prompt_index]
-        rewards = torch.tensor(self.task.score(per_sample, texts, rollout.finish_reasons), dtype=torch.float32)
-        versions = [v for r in rs for v in r.versions]
-        stale = [step - v for v in versions]
-        stats = {
-            "async/staleness_mean": float(np.mean(stale)) if stale else 0.0,
-            "async/staleness_max": float(max(stale, default=0)),
-            "async/spanning_frac": float(np.mean([len(set(r.versions)) > 1 for r in rs])),
-            "async/engine_calls": float(calls),
-            "async/dropped_groups": float(dropped),
-            "async/dropped_groups_total": float(self.state.dropped_groups),
-            "async/dropped_tokens_total": float(self.state.dropped_tokens),
-            "async/in_flight_groups": float(len(self.state.groups)),
-        }
-        return StepRollouts(min(versions, default=self.state.version), problems, rollout, rewards,
-                            versions=[list(r.versions) for r in rs], stats=stats)
-
-    def stream(self, step: int) -> Iterator[StepRollouts]:
-        """Yield the batch of each step from ``step`` on (the trainer sets ``state.version`` when it syncs)."""
-        while True:
-            yield self.batch(step)
-            step += 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# data parallelism (torchrun)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a data-parallel run: ``rank`` of ``world`` (0 of 1 in a plain run).
-
-    Every collective is the identity when ``world == 1``, so one code path trains both, and a one-rank run computes
-    exactly what it computed before data parallelism existed.
-    """
-
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        """Rank 0: the one that samples rollouts, evaluates, logs the step scalars and writes checkpoints."""
-        return self.rank == 0
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the ranks (a new tensor when ``world > 1``)."""
-        if self.world == 1:
-            return x
-        x = x.detach().clone()
-        dist.all_reduce(x)
-        return x
-
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``'s element-wise maximum over the ranks."""
-        if self.world == 1:
-            return x
-        x = x.detach().clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return x
-
-    def barrier(self) -> None:
-        """Wait until every rank gets here."""
-        if self.world > 1:
-            dist.barrier()
-
-    def from_main(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled; for small things such as the run id)."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def share(self, batch: StepRollouts | None) -> StepRollouts:
-        """This rank's share of rank 0's step batch (``batch`` is None on the other ranks): see :func:`shard_batch`."""
-        if self.world == 1:
-            assert batch is not None
-            return batch
-        parts = [shard_batch(batch, r, self.world) for r in range(self.world)] if self.main else None
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, parts, src=0)
-        return box[0]
-
-
-def join_ranks(device: torch.device) -> tuple[Ranks, torch.device, bool]:
-    """Join the data-parallel group: an initialised ``torch.distributed`` group as it is, else under torchrun
-    (``WORLD_SIZE > 1``) a new one, NCCL on GPU and gloo on CPU; else a plain one-rank run. Returns the ranks, the
-    trainer's device (``cuda:<LOCAL_RANK>`` on GPU) and whether this call created the group (and must destroy it)."""
-    created = False
-    if not dist.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            return Ranks(), device, False
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        created = True
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    return Ranks(dist.get_rank(), dist.get_world_size()), device, created
-
-
-def shard_batch(batch: StepRollouts, rank: int, world: int) -> StepRollouts:
-    """Rank ``rank``'s share of a step batch: the ``rank``-th of ``world`` equal contiguous blocks of whole groups
-    (``prompts_per_step % world == 0``, checked at start), so every group's advantages are those of the one-rank
-    run. The block's samples are rows ``first_group * group_size ..`` of the step."""
-    per_rank = len(batch.problems) // world
-    g0 = rank * per_rank  # first group of the block, within the batch
-    s0, s1 = g0 * batch.rollout.n, (g0 + per_rank) * batch.rollout.n  # its sample rows
-    ro = batch.rollout
-    rollout = Rollout(prompts=ro.prompts[g0 : g0 + per_rank], n=ro.n, topk=ro.topk,
-                      prompt_index=[i - g0 for i in ro.prompt_index[s0:s1]], prompt_ids=ro.prompt_ids[s0:s1],
-                      response_ids=ro.response_ids[s0:s1], mu_logprobs=ro.mu_logprobs[s0:s1],
-                      mu_topk_ids=ro.mu_topk_ids[s0:s1], mu_topk_logprobs=ro.mu_topk_logprobs[s0:s1],
-                      finish_reasons=ro.finish_reasons[s0:s1], texts=ro.texts[s0:s1], sampling=ro.sampling,
-                      routed_experts=None if ro.routed_experts is None else ro.routed_experts[s0:s1],
-                      **{name: getattr(ro, name)[s0:s1] for name in ("sampled", "turns", "engine_ids")
-                         if getattr(ro, name) is not None})
-    return StepRollouts(batch.weights_step, batch.problems[g0 : g0 + per_rank], rollout, batch.rewards[s0:s1],
-                 first_group=batch.first_group + g0,
-                 versions=None if batch.versions is None else batch.versions[s0:s1], stats=batch.stats)
-
-
-def aggregate_weight(mode: str, mask: torch.Tensor, max_len: int) -> float:
-    """What ``aggregate(loss, mask, mode, max_len)`` divides its masked sum by (before its clamp at 1): tokens,
-    sequences with tokens, or sequences (times ``max_len``). ``mask`` ``(b, T)``.
-
-    A mini-batch split over ranks is aggregated exactly by weighting each rank's ``aggregate`` with its weight
-    over the ranks' total: ``sum_r aggregate_r * w_r / sum_r w_r`` is the one-rank ``aggregate`` of the whole.
-    """
-    if mode == "token_mean":
-        return float(mask.sum())
-    if mode == "seq_mean_token_mean":
-        return float((mask.sum(-1) > 0).sum())
-    if mode in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
-        return float(mask.shape[0] * (max_len if mode == "seq_mean_token_sum_norm" else 1))
-    raise ValueError(f"aggregate_weight: mode={mode!r} has no known weight; add it next to AGGREGATIONS' entry")
-
-
-def local_rows(idx: torch.Tensor, rank: int, b: int) -> torch.Tensor:
-    """The rows of this rank's block among a mini-batch's step-wide sample indices ``idx``, in ``idx``'s order.
-    The rank holds step rows ``rank * b .. rank * b + b - 1``; the result indexes its own ``(b, ...)`` tensors."""
-    mine = idx[(idx >= rank * b) & (idx < rank * b + b)]
-    return mine - rank * b
-
-
 def policy_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], response_ids: torch.Tensor,
                    topk_ids: torch.Tensor | None, rows: torch.Tensor, temperature: float) -> Capture:
     """pi at the sampled tokens (differentiable), at mu's top-K ids, and its entropy, for batch rows ``rows``.
@@ -450,7 +122,7 @@ def policy_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], resp
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# evaluation and checkpoints
+# evaluation
 
 
 @torch.no_grad()
@@ -480,148 +152,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, task: Task, cfg: TrainConfi
     return {"eval/reward": float(np.mean(rewards)) if rewards else float("nan"), "eval/problems": len(rewards)}
 
 
-def save_checkpoint(cfg: TrainConfig, step: int, model: torch.nn.Module, tokenizer: Any, optimizer: Any,
-                    scheduler: Any, pending: deque[StepRollouts], engine_state: dict[str, torch.Tensor] | None,
-                    async_state: AsyncState | None = None) -> Path:
-    """Write ``checkpoints/step_<step>/``: a loadable HF model dir plus the trainer state; keep the newest few."""
-    root = cfg.run_dir / CHECKPOINTS
-    final = root / f"step_{step:06d}"
-    tmp = root / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "pending": list(pending), "engine_state": engine_state, "config": cfg.to_dict(),
-                "async_state": async_state}, tmp / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in sorted(root.glob("step_*"))[: -cfg.keep_checkpoints]:
-        shutil.rmtree(old)
-    return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest ``checkpoints/step_*`` of a run, or None."""
-    found = sorted((run_dir / CHECKPOINTS).glob("step_*"))
-    return found[-1] if found else None
-
-
-def drop_log_after(run_dir: Path, step: int) -> int:
-    """Remove log files written after checkpoint ``step`` (a crashed continuation); return how many.
-
-    The trainer flushes the logger at every checkpoint, so each flush holds steps either all <= or all > it;
-    :func:`trustscope.logger.drop_steps_after` removes the later flushes and recounts the manifests. A rank whose
-    log ends before the checkpoint, or a run of another schema version, is refused naming the run, the rank and
-    the steps (:class:`~trustscope.logger.ResumeError`).
-    """
-    return drop_steps_after(run_dir, step, resume=True)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the run
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' but torch sees no GPU; set device=cpu or device=auto")
-    return torch.device(name)
-
-
-TOY_NAME = re.compile(r"toy([-_.][\w.-]*)?")
-"""A model name read as a toy world's (``toy``, ``toy-v2``, ``toy-v3``): one in neither ``TOY_PRESETS`` nor
-``MOE_PRESETS`` is refused rather than looked up on the hub."""
-
-
-def resolve_model(cfg: TrainConfig) -> Path | str:
-    """The model directory: a toy world (``toy``, ``toy-v2``, ``toy-gpu``: that preset of
-    :data:`trustscope.train.toy.TOY_PRESETS`; ``toy-moe``, :data:`trustscope.train.toy_moe.MOE_PRESETS`;
-    ``toy-v2-152k``, :data:`trustscope.train.toy_wide.WIDE_PRESETS`; ``toy-v2-warm``,
-    :data:`trustscope.train.toy_warm.WARM_PRESETS`; warm-started on ``cfg.task``, built and cached on first use, or
-    copied from :mod:`trustscope.train.toy_models` where it ships built) or ``cfg.model`` as given."""
-    from trustscope.train.config import ConfigError
-    from trustscope.train.toy import TOY_PRESETS, build_toy_model
-    from trustscope.train.toy_models import seed_cache
-
-    if cfg.model in TOY_PRESETS:
-        toy = dataclasses.replace(TOY_PRESETS[cfg.model], task=cfg.task)
-        seed_cache(toy)  # a build shipped with trustscope (toy-v2), when the cache lacks it
-        try:
-            return build_toy_model(toy)
-        except RuntimeError as exc:  # the warm start fell short of its target: name the world and the task
-            if "target_accuracy" not in str(exc):
-                raise
-            raise ConfigError(f"model={cfg.model!r} with task={cfg.task!r}: {exc}") from None
-    from trustscope.train.toy_warm import WARM_PRESETS, build_warm_model
-
-    if cfg.model in WARM_PRESETS:  # toy-v2-warm: a preset warm-started further
-        return build_warm_model(cfg.model, cfg.task)
-    from trustscope.train.toy_moe import MOE_PRESETS, build_toy_moe_model
-
-    if cfg.model in MOE_PRESETS:  # toy-moe: the mixture-of-experts toy world
-        return build_toy_moe_model(dataclasses.replace(MOE_PRESETS[cfg.model], task=cfg.task))
-    from trustscope.train.toy_tool import TOOL_PRESETS, build_toy_tool_model
-    from trustscope.train.toy_wide import WIDE_PRESETS, build_wide_toy_model
-
-    if cfg.model in TOOL_PRESETS:  # toy-tool: the multi-turn toy world
-        return build_toy_tool_model(dataclasses.replace(TOOL_PRESETS[cfg.model], task=cfg.task))
-    if cfg.model in WIDE_PRESETS:  # toy-v2-152k: a toy world at a real vocabulary
-        return build_wide_toy_model(dataclasses.replace(WIDE_PRESETS[cfg.model], task=cfg.task))
-    if TOY_NAME.fullmatch(cfg.model) and not Path(cfg.model).exists():
-        raise ConfigError(f"model={cfg.model!r}: no toy world of that name; set model to one of "
-                          f"{', '.join([*TOY_PRESETS, *WARM_PRESETS, *MOE_PRESETS, *TOOL_PRESETS, *WIDE_PRESETS])}, or to a "
-                          "Hugging Face model directory or hub name")
-    return cfg.model
-
-
-def portable(path: Path | str) -> str:
-    """``path`` as a run manifest records it, naming no directory of the machine that wrote it: a build in the
-    trustscope cache (a toy world) by its place in the cache (``toy/<task>-<key>``), a path under the working
-    directory relative to it, anything else (a hub name, a model elsewhere) as given."""
-    from trustscope.paths import cache_root
-
-    text = str(path)
-    if not os.path.isabs(text):
-        return text
-    resolved = Path(text).resolve()
-    for root in (cache_root(), Path.cwd()):
-        root = root.resolve()
-        if resolved.is_relative_to(root) and resolved != root:
-            return resolved.relative_to(root).as_posix()
-    return text
-
-
-@dataclass
-class Start:
-    """Where a run starts: a new run from the model at step 0, a resumed one from its newest checkpoint."""
-
-    step: int  # the first step to train
-    weights_dir: Path | str  # the weights (and tokenizer) the trainer loads
-    pending: deque[StepRollouts]  # rollouts sampled ahead (policy_lag > 0)
-    engine_state: dict[str, torch.Tensor] | None  # a lagging engine's weights at the checkpoint
-    trainer_state: dict[str, Any] | None  # the optimizer's and the scheduler's state at the checkpoint
-    async_state: AsyncState | None = None  # asynchronous partial rollouts' groups in flight at the checkpoint
-
-
-def restore(cfg: TrainConfig, model_dir: Path | str, main: bool = True) -> Start:
-    """A new run (refused when its log exists already) or, with ``resume``, the newest checkpoint's state; log
-    files written after that checkpoint (a crashed continuation) are dropped, by rank 0 (``main``) for all ranks."""
-    if not cfg.resume:
-        if (cfg.run_dir / runformat.MANIFEST).exists():
-            raise FileExistsError(f"run {cfg.run_id!r} already exists in {cfg.logdir}; set resume=true to continue "
-                                  f"it, or another run_id")
-        return Start(0, model_dir, deque(), None, None)
-    ckpt = latest_checkpoint(cfg.run_dir)
-    if ckpt is None:
-        raise FileNotFoundError(f"resume=true but {cfg.run_dir / CHECKPOINTS} holds no checkpoint; set save_every > 0 "
-                                f"in the first run, or resume=false")
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    if main:
-        drop_log_after(cfg.run_dir, state["step"])
-    return Start(state["step"] + 1, ckpt, deque(state["pending"]), state["engine_state"], state,
-                 state.get("async_state"))
 
 
 def build_policy(cfg: TrainConfig, start: Start, device: torch.device) -> tuple[Any, torch.nn.Module, Any, Any]:
@@ -741,20 +274,6 @@ def update_policy(model: torch.nn.Module, optimizer: Any, rule: Any, cfg: TrainC
     return up
 
 
-def reduce_metrics(metrics: dict[str, torch.Tensor], n_valid: float, ranks: Ranks) -> dict[str, float]:
-    """One update's rule metrics over the ranks: means weighted by each rank's valid tokens ``n_valid``, the
-    maximum for ``*_max`` names; as they are on one rank."""
-    if ranks.world == 1:
-        return {name: float(value) for name, value in metrics.items()}
-    names = sorted(metrics)
-    maxes = [n for n in names if n.endswith("_max")]
-    means = [n for n in names if not n.endswith("_max")]
-    weighted = ranks.sum(torch.tensor([n_valid, *(float(metrics[n]) * n_valid for n in means)], dtype=torch.float64))
-    top = ranks.max(torch.tensor([float(metrics[n]) if n_valid else -math.inf for n in maxes], dtype=torch.float64))
-    n = max(float(weighted[0]), 1.0)
-    return {**{name: float(v) / n for name, v in zip(means, weighted[1:], strict=True)},
-            **{name: float(v) for name, v in zip(maxes, top, strict=True)}}
-
 
 def step_totals(x: StepInputs, up: Update, ranks: Ranks) -> dict[str, float]:
     """The step's token sums over all ranks: tokens, entropy and (when recomputed) the pi_old-mu mismatch."""
@@ -861,7 +380,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
     trained = model if ranks.world == 1 else torch.nn.parallel.DistributedDataParallel(model)
     keep_engine_copy = cfg.sync_every > 1 and cfg.save_every > 0  # an exact resume needs the engine's weights
     engine_copy = start.engine_state if start.engine_state is not None else (
-        _snapshot(model) if keep_engine_copy else None)
+        snapshot(model) if keep_engine_copy else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scalars: dict[str, float] = {}
 
@@ -874,7 +393,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                                                        seed=cfg.seed, **cfg.engine_options,
                                                        **moe.engine_kwargs(routing, cfg)))
             if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
-                engine.update_weights(_with_weights(start.weights_dir, cfg, start.engine_state))
+                engine.update_weights(with_weights(start.weights_dir, cfg, start.engine_state))
             partial = PartialRollouts(engine, task, cfg, start.async_state) if cfg.async_chunk_tokens else None
             stream = (partial.stream(start.step) if partial is not None
                       else rollout_stream(engine, task, cfg, start.step, start.pending))
@@ -904,7 +423,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             synced = (step + 1) % cfg.sync_every == 0
             if synced and engine is not None:
                 engine.update_weights(model)
-                engine_copy = _snapshot(model) if keep_engine_copy else None
+                engine_copy = snapshot(model) if keep_engine_copy else None
                 if partial is not None:  # responses in flight continue under the new version
                     partial.state.version = step + 1
             t_sync = time.perf_counter() - t2
@@ -933,19 +452,6 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
                 on_step(step, scalars)
     return scalars
 
-
-def _with_weights(model_dir: Path | str, cfg: TrainConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A CPU copy of the model with the weights ``state`` (to hand a lagging engine its weights on resume)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[cfg.trainer_dtype])
-    model.load_state_dict(state)
-    return model
-
-
-def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of the model's weights."""
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer: Any, model: torch.nn.Module,
