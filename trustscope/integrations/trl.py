@@ -72,12 +72,13 @@ try:
 except ModuleNotFoundError as exc:  # a reader's install: the [trl] extra brings torch and trl
     missing(exc, "trustscope.integrations.trl", extra="trl")
 
-from trustscope.alerts import Alerts, check_webhook_url
+from trustscope.alerts import Alerts
 from trustscope.capture import fused_head_forward, logprobs_from_hidden, top_k_from_hidden
 from trustscope.columns import turns_from_mask
 from trustscope.divergence import force_sampled_into_topk
+from trustscope.integrations.wiring import WarningWiring
 from trustscope.logger import LogWarning, TokenLogger
-from trustscope.trackers import LiveTrackerAlerts, StepReporter
+from trustscope.trackers import StepReporter
 
 TESTED_TRL = "1.16.0"
 """The newest TRL release this module is tested with (the main test environment's)."""
@@ -918,11 +919,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     """
     import trl
 
-    from trustscope.early_warning import WarningLines
-
     check_trainer(trainer)
-    alerts_url = None if webhook is None else check_webhook_url(webhook)
-    lines = WarningLines(relative_z=warn_relative)  # a bad value fails here, naming it
+    warning = WarningWiring.check(webhook, warn_relative)  # a bad value fails here, naming it
     if isinstance(metrics_wait_s, bool) or not isinstance(metrics_wait_s, int | float) \
             or not 0 <= metrics_wait_s < math.inf:
         raise ValueError(f"metrics_wait_s must be a finite number of seconds >= 0, got {metrics_wait_s!r}")
@@ -975,10 +973,8 @@ def attach(trainer: Any, logdir: str, topk: int = 0, *, topk_forward: bool = Fal
     options["config"] = {"trl": settings, **({"user": dict(user_config)} if user_config else {})}
     logger = TokenLogger(logdir, mu_source=mu_source, **options)
     main = getattr(trainer.accelerator, "is_main_process", True)
-    in_trackers = LiveTrackerAlerts(getattr(trainer.args, "report_to", None) or [])  # W&B / trackio alerts
-    alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)  # one process posts
-              if main and metrics and (alerts_url is not None or in_trackers.names) else None)
-    reporter = StepReporter(logger, wait_s=metrics_wait_s, alerts=alerts, lines=lines) if metrics else None
+    reporter, alerts = warning.build(logger, getattr(trainer.args, "report_to", None), metrics=metrics,
+                                     posts=main, wait_s=metrics_wait_s)  # one process posts; W&B / trackio alerts
     attachment = Attachment(trainer, logger, topk, topk_forward and not trainer.use_vllm, reporter, alerts)
     if trainer.use_vllm and topk:
         attachment.engine_logprobs = trainer.vllm_generation.logprobs
