@@ -335,12 +335,9 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
     the run's own terms (:class:`trustscope.early_warning.WarningLines` ``relative_z`` robust deviations, and the relative
     detector); None keeps the absolute lines.
     """
-    from trustscope.alerts import Alerts, check_webhook_url
-    from trustscope.early_warning import WarningLines
-    from trustscope.trackers import LiveTrackerAlerts, StepReporter
+    from trustscope.integrations.wiring import WarningWiring
 
-    alerts_url = None if webhook is None else check_webhook_url(webhook)
-    lines = WarningLines(relative_z=warn_relative)  # a bad value fails here, naming it
+    warning = WarningWiring.check(webhook, warn_relative)  # a bad value fails here, naming it
     version = verl_version()
     check_release(version)
     require_attrs(trainer, f"trainer {type(trainer).__name__}", ("_update_actor", "config", "global_steps"))
@@ -421,10 +418,8 @@ def attach(trainer: Any, logdir: str | os.PathLike, run_id: str | None = None, *
                         logger_options=options, own_is_weights=rule is None)
     trainer.actor_rollout_wg.set_loss_fn(hook)
     loggers = cfg.trainer.get("logger", None)  # verl's trackers: W&B / trackio get the warning as an alert
-    in_trackers = LiveTrackerAlerts([loggers] if isinstance(loggers, str) else list(loggers or []))
-    alerts = (Alerts(alerts_url, logger=logger, trackers=in_trackers)
-              if metrics and (alerts_url is not None or in_trackers.names) else None)
-    reporter = StepReporter(logger, alerts=alerts, lines=lines) if metrics else None
+    reporter, alerts = warning.build(logger, loggers if isinstance(loggers, str) else list(loggers or []),
+                                     metrics=metrics)
     correction = cfg.algorithm.get("rollout_correction", None) or {}
     rejection = RejectionMask(trainer, v1) if correction.get("rollout_rs", None) and not bypass else None
     handle = (VerlV1Logging if v1 else VerlLogging)(
