@@ -587,6 +587,8 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
     ``routing_agreement`` rows), the tokens with a disagreement and their share of |log pi/mu|, the mean
     |log pi/mu| with full agreement against the rest, by first disagreeing layer, by position, and what the run's
     own rule blocks by agreement; one sentence for the runs without routing."""
+    from trustscope.routing import replace_rate_lines
+
     lines = []
     for run in run_ids:
         rows = mismatch[mismatch["run_id"] == run]
@@ -599,6 +601,7 @@ def routing_lines(mismatch: pd.DataFrame, blocked: pd.DataFrame, run_ids: list[s
             lines.append(f"{run}: {whole['agreement'].iloc[0]:.2%} of (layer, slot) expert choices agree over "
                          f"{int(whole['n_tokens'].iloc[0]):,} tokens (exact, every token); by layer: "
                          + ", ".join(f"{int(r.bucket)}: {r.agreement:.2%}" for r in layers.itertuples()))
+            lines += replace_rate_lines(mine)  # routing replay's replace rate, where the router's own pick is logged
         agree = rows[rows["split"] == "agreement"].set_index("bucket")
         n = int(agree["n_tokens"].sum())
         bad = agree.loc[1] if 1 in agree.index else None

@@ -378,3 +378,18 @@ class RouterReplay:
 
         with forward_hooks(tr.modules, hook):
             yield tr
+
+
+def replace_rate_lines(exact: Any) -> list[str]:
+    """The report's replace-rate line of one run from its ``routing_agreement`` query rows (``exact``, a frame with
+    ``dimension``, ``bucket`` and ``replace_rate``): the share of the router's own (layer, slot) choices routing
+    replay replaced, overall and per MoE layer, exact over every token; none where the run logs no router's own pick
+    (``router_experts``)."""
+    if "replace_rate" not in exact:
+        return []
+    whole = exact[exact["dimension"] == "all"]
+    if whole.empty or whole["replace_rate"].isna().all():
+        return []
+    layers = exact[exact["dimension"] == "layer"].sort_values("bucket")
+    return [f"  routing replay replaced {whole['replace_rate'].iloc[0]:.2%} of the router's own choices; by layer: "
+            + ", ".join(f"{int(r.bucket)}: {r.replace_rate:.2%}" for r in layers.itertuples())]
