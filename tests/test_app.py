@@ -583,7 +583,9 @@ def test_mismatch_where_page(monkeypatch, async_logdir):
     at.selectbox(key="run_picker").set_value("async-lag3").run()
     at.multiselect(key="mismatch_runs").set_value(["async-lag1", "sync-single-turn"]).run()
     _ok(at, "Where the mismatch lives")
-    assert [t.label for t in at.tabs] == ["By position", "By turn", "By staleness"]
+    from trustscope.columns import DIMENSIONS
+
+    assert [t.label for t in at.tabs] == [f"By {d.name}" for d in DIMENSIONS]  # routing: no row on a dense run
     charts = [json.loads(c.proto.spec) for c in _charts(at)]
     assert len(charts) == 6  # mismatch and ESS, then blocked fractions, for each dimension
     by_staleness = charts[4]
