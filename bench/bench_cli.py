@@ -7,7 +7,7 @@ For each command: the median wall seconds of ``--repeat`` fresh processes (``tru
 runs it), each with a new, empty ``TRUSTSCOPE_CACHE`` ("cold": a log never opened before), and for ``sql`` and
 ``report`` also with the cache the previous run left ("warm"). The baseline, run in the same command and
 interleaved with the others so that the machine's load meets both alike: a fresh Python process asking DuckDB the
-same query over the same Parquet files (``select count(*) from '<logdir>/*/tokens/*.parquet'``). ``sql`` is
+same query over the same Parquet files (``select count(*) from '<logdir>/*/tokens/**/*.parquet'``). ``sql`` is
 reported as a ratio to it. The machine's load average is printed with the figures: on a busy machine every figure
 grows, the ratios less.
 """
@@ -29,7 +29,7 @@ TRUSTSCOPE = Path(sys.executable).parent / "trustscope"
 
 QUICK = ["--repeat", "1"]
 
-BASELINE = "import duckdb, sys; duckdb.sql(f\"select count(*) from '{sys.argv[1]}/*/tokens/*.parquet'\").fetchall()"
+BASELINE = "import duckdb, sys; duckdb.sql(f\"select count(*) from '{sys.argv[1]}/*/tokens/**/*.parquet'\").fetchall()"
 
 
 def timed(cmd: list[str], cache: Path) -> float:

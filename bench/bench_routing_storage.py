@@ -110,9 +110,9 @@ def child(case: str, shape_name: str, responses: int, length: int, agreement: fl
             "write_s": whole, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def actor_child(shape_name: str, tokens: int, agreement: float, out: Path) -> dict:
-    """A step of ``tokens`` tokens with both sides' lists (a block of distinct routing tiled): ``log_step``'s wall
-    and CPU, and the whole write's."""
+def actor_child(shape_name: str, tokens: int, agreement: float, out: Path, routed: bool = True) -> dict:
+    """A step of ``tokens`` tokens with both sides' lists (a block of distinct routing tiled; ``routed`` False: the
+    same step without them, the baseline): ``log_step``'s wall and CPU, and the whole write's."""
     import numpy as np
     import torch
 
@@ -133,17 +133,18 @@ def actor_child(shape_name: str, tokens: int, agreement: float, out: Path) -> di
     data = {"token_id": rng.integers(0, 151_936, (responses, length), dtype=np.int32), "mu_logprob": mu,
             "pi_logprob": mu, "advantage": np.repeat(rng.standard_normal(responses).astype(np.float32)[:, None],
                                                      length, 1),
-            "engine_experts": engine, "trainer_experts": trainer}
+            **({"engine_experts": engine, "trainer_experts": trainer} if routed else {})}
     samples = {"sample_id": np.arange(responses), "prompt_id": np.arange(responses) // 16}
     with LoggerCPU() as cpu:
-        logger = TokenLogger(out, "r", loss_rule="dppo_binary_tv", routing_shape=shape,
-                             max_buffered_rows=2 * tokens)
+        logger = TokenLogger(out, "r", loss_rule="dppo_binary_tv", max_buffered_rows=2 * tokens,
+                             **({"routing_shape": shape} if routed else {}))
         c0, t0 = time.thread_time(), time.perf_counter()
         logger.log_step(0, tokens=data, mask=np.ones((responses, length), bool), samples=samples)
         call, call_cpu = time.perf_counter() - t0, time.thread_time() - c0
         logger.close()
         whole = time.perf_counter() - t0
-    return {"case": "actor", "shape": shape_name, "tokens": tokens, "input_gib": (engine.nbytes * 2) / 2**30,
+    return {"case": "actor" if routed else "actor-base", "shape": shape_name, "tokens": tokens,
+            "input_gib": (engine.nbytes * 2) / 2**30 if routed else 0.0,
             "log_step_s": call, "log_step_cpu_s": call_cpu, "write_s": whole, "cpu_s": cpu.seconds(),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -171,7 +172,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         if args.child[0] == "actor":
-            print(json.dumps(actor_child(args.child[1], int(args.child[2]), float(args.child[3]), args.out)))
+            print(json.dumps(actor_child(args.child[1], int(args.child[2]), float(args.child[3]), args.out,
+                                         routed=args.child[4] == "routed")))
         else:
             case, shape = args.child[:2]
             print(json.dumps(child(case, shape, args.responses, args.length, args.agreement, args.out)))
@@ -199,12 +201,14 @@ def main() -> None:
                   f"{cpu['encoders']:9.2f} {total - base[1]:7.2f}")
     if args.actor_tokens:
         for shape in args.actor_shapes:
-            r = run_child(["actor", shape, str(args.actor_tokens), str(args.agreement)])
-            results.append(r)
-            print(f"{shape}: a {r['tokens']:,}-token step with both sides' lists ({r['input_gib']:.2f} GiB): "
-                  f"log_step {r['log_step_s']:.2f} s wall, {r['log_step_cpu_s']:.2f} s CPU on the caller; the whole "
-                  f"write {r['write_s']:.1f} s (writer thread {r['cpu_s']['writer thread']:.1f} CPU s, encoders "
-                  f"{r['cpu_s']['encoders']:.1f}); peak RSS {r['peak_rss_gib']:.1f} GiB")
+            for kind in ("base", "routed"):  # the same step without routing first: the baseline
+                r = run_child(["actor", shape, str(args.actor_tokens), str(args.agreement), kind])
+                results.append(r)
+                what = "both sides' lists" if kind == "routed" else "no routing (baseline)"
+                print(f"{shape}: a {r['tokens']:,}-token step with {what} ({r['input_gib']:.2f} GiB of lists): "
+                      f"log_step {r['log_step_s']:.2f} s wall, {r['log_step_cpu_s']:.2f} s CPU on the caller; the "
+                      f"whole write {r['write_s']:.1f} s (writer thread {r['cpu_s']['writer thread']:.1f} CPU s, "
+                      f"encoders {r['cpu_s']['encoders']:.1f}); peak RSS {r['peak_rss_gib']:.1f} GiB")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

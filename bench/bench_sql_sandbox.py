@@ -31,6 +31,9 @@ def _median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+QUICK = ["--repeat", "1"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--logdir", type=Path, default=Path(__file__).resolve().parent.parent / "sample_logs")
