@@ -77,3 +77,13 @@ def test_a_causeless_line_is_left_as_it_is():
     assert name_causes({"a": "collapse warning from step 3 (x)"}, {}) == {"a": "collapse warning from step 3 (x)"}
     with pytest.raises(ValueError, match="window=0"):
         warning_causes(None, None, 0)
+
+
+def test_the_report_line_names_the_cause(logdir):
+    from trustscope import report
+
+    with connect(logdir, cache=False) as db:
+        reports = {r.run_id: r for r in report.build(db, WarningLines(window=WINDOW))}
+    for run_id, (_, want) in RUNS.items():
+        if want is not None:
+            assert f"driven by {_title(want)}" in reports[run_id].collapse_warning

@@ -231,6 +231,9 @@ def build(db: LogDB, lines: WarningLines | None = None, overview: Overview | Non
     run_ids = sorted(summary["run_id"].unique())
     warned = collapse_warnings(overview, run_ids, lines, signals=db.query("early_signals", run_ids=run_ids))
     alerts = first_warnings(warned)
+    from trustscope.explain.warning import name_causes, warning_causes  # each warning names its driving cause
+
+    alerts = name_causes(alerts, warning_causes(db, warned, (lines or WarningLines()).window))
     totals = overview.blocked_totals()
     reports = []
     for run_id, steps in summary.groupby("run_id", sort=True):
@@ -769,6 +772,8 @@ def _kept_key(db: LogDB, lines: WarningLines | None, budget: float | None) -> st
              f"{json.dumps(db.rule_params, sort_keys=True, default=str)}".encode())
     for module in (__file__, early_warning.__file__, budget_module.__file__):
         h.update(Path(module).read_bytes())
+    for name in ("warning.py", "analysis.py", "allocate.py"):  # the warning's cause (trustscope.explain.warning)
+        h.update((Path(__file__).parent / "explain" / name).read_bytes())
     return h.hexdigest()
 
 

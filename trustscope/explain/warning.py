@@ -12,11 +12,13 @@ whose rise no detector sees names it ("no known cause").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from trustscope.explain.analysis import Scope, Share, explain
-from trustscope.explain.causes import UNEXPLAINED
+import numpy as np
+
+from trustscope.explain.analysis import Scope, Share, Thresholds, _scope
+from trustscope.explain.causes import CAUSES, UNEXPLAINED
 
 
 @dataclass(frozen=True)
@@ -85,31 +87,45 @@ def driving_cause(run_id: str, step: int, baseline: Scope, warned: Scope) -> War
                         (warned.first_step, warned.last_step))
 
 
-def warning_causes(db: Any, warnings: Any, window: int) -> dict[str, WarningCause]:
+def warning_causes(db: Any, warnings: Any, window: int, thresholds: Thresholds | None = None) -> dict[str, WarningCause]:
     """run_id -> what drives its collapse warning, for each run of ``warnings`` (rows of
     :func:`~trustscope.early_warning.collapse_warnings`) that warns and has token rows to explain (a run without
-    them is left out: nothing to name). ``window``: the warning lines' steps (:class:`WarningLines.window`)."""
+    them is left out: nothing to name). ``window``: the warning lines' steps (:class:`WarningLines.window`): the
+    baseline is the run's first ``window`` logged steps, the warning's window the ``window`` logged steps ending at
+    its first warning step. One ``explain_patterns`` query for every warned run; the allocation of each window as
+    :func:`~trustscope.explain.analysis.explain` makes it (no bootstrap: the point shares)."""
+    from trustscope.db import LogDB, connect
+
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"warning_causes: window={window!r} must be a whole number of steps >= 1")
-    from trustscope.db import LogDB, connect
-    from trustscope.doctor import run_manifests
-
     if not isinstance(db, LogDB):
         with connect(db, cache=False) as opened:
-            return warning_causes(opened, warnings, window)
+            return warning_causes(opened, warnings, window, thresholds)
     warned = warnings[warnings["warning"].astype(bool)]
-    known = run_manifests(db)
-    steps = {str(r): int(s) for r, s in warned.groupby("run_id")["step"].min().items() if str(r) in known}
+    steps = {str(r): int(s) for r, s in warned.groupby("run_id")["step"].min().items()}
     if not steps:
         return {}
-    baselines = {r.run_id: r.windows[0] for r in explain(db, sorted(steps), window=window, replicates=0).runs}
+    patterns = db.query("explain_patterns", run_ids=sorted(steps), first_step=None,
+                        **asdict(thresholds or Thresholds()))
     out = {}
-    for run_id, baseline in baselines.items():
-        start = max(steps[run_id] - window + 1, baseline.first_step)
-        late = explain(db, [run_id], window=window, first_step=start, replicates=0).runs
-        if late:
-            out[run_id] = driving_cause(run_id, steps[run_id], baseline, late[0].windows[0])
+    for run_id, rows in patterns.groupby("run_id", sort=True):
+        run_id = str(run_id)
+        logged = np.sort(rows["step"].unique())
+        unmeasured = {c.source: "not measurable" for c in CAUSES if rows[c.column].isna().all()}
+        upto = logged[logged <= steps[run_id]]
+        out[run_id] = driving_cause(run_id, steps[run_id], _steps_scope(rows, logged[:window], unmeasured),
+                                    _steps_scope(rows, upto[-window:], unmeasured))
     return out
+
+
+def _steps_scope(rows: Any, chosen: np.ndarray, unmeasured: dict[str, str]) -> Scope:
+    """The mismatch of ``rows`` (``explain_patterns``) over the steps ``chosen`` allocated to the causes."""
+    import pandas as pd
+
+    part = rows[rows["step"].isin(chosen)].assign(n_signed=0)  # no rule: nothing blocked to allocate
+    no_totals = pd.DataFrame({"metric": pd.Series(dtype=str), "count": pd.Series(dtype="int64"),
+                              "sum": pd.Series(dtype=float), "rule": pd.Series(dtype=str)})
+    return _scope(part, part, {}, no_totals, int(chosen[0]), int(chosen[-1]), unmeasured, 0, 0)
 
 
 def name_causes(first: dict[str, str], causes: dict[str, WarningCause]) -> dict[str, str]:
