@@ -109,7 +109,10 @@ def chart(fig: go.Figure | dict, key: str, empty: str) -> None:
 
 
 def warning_badge(run_ids: list[str]) -> None:
-    """A red badge per run whose collapse early warning fired (first step and why), in an expander when many."""
+    """A red badge per run whose collapse early warning holds (:func:`trustscope.early_warning.warning_outcome`:
+    the reward then collapsed, or it is still on at the last step), with the first step, why it fired and why it
+    holds; a grey line per run whose warning fired but was not borne out, with the figures that say so (the
+    report's ``!`` marks the same runs). In an expander when many."""
     if not run_ids:
         return
     warnings = data.collapse_warnings(run_ids)
@@ -124,12 +127,20 @@ def warning_badge(run_ids: list[str]) -> None:
     if not firsts:
         st.caption(f"No collapse warning. A step warns when {', or '.join(how)}.")
         return
-    where = st.expander(f":material/warning: Collapse warning on {len(firsts)} of {len(run_ids)} runs",
-                        expanded=len(firsts) <= 2) if len(firsts) > 1 else st.container()
+    outcomes = {run_id: early_warning.warning_outcome(warnings, run_id) or (True, "") for run_id in firsts}
+    held = [r for r in firsts if outcomes[r][0]]
+    title = (f":material/warning: Collapse warning holds on {len(held)} of {len(run_ids)} runs" if held else
+             f":material/info: No collapse warning holds ({len(firsts)} of {len(run_ids)} runs warned, not borne out)")
+    if held and len(held) < len(firsts):
+        title += f" ({len(firsts) - len(held)} more warned, not borne out)"
+    where = st.expander(title, expanded=0 < len(held) <= 2) if len(firsts) > 1 else st.container()
     with where:
-        for run_id, text in firsts.items():
-            st.badge(f"{run_id}: {text}", icon=":material/warning:", color="red")
-        st.caption(f"A step warns when {', or '.join(how)}. A prompt to look, not a verdict: "
+        for run_id in held:
+            st.badge(f"{run_id}: {firsts[run_id]}: {outcomes[run_id][1]}", icon=":material/warning:", color="red")
+        for run_id in (r for r in firsts if r not in held):
+            st.caption(f"{run_id}: {firsts[run_id]}, {outcomes[run_id][1]}.")
+        st.caption(f"A step warns when {', or '.join(how)}. A warning holds where the reward then fell to half its "
+                   "best or the warning is still on at the last step. A prompt to look, not a verdict: "
                    "docs/experiments.md counts how often each warning came before a collapse and how often it "
                    "was a false alarm.")
 
