@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -348,6 +349,43 @@ def test_follow_refuses_another_run_and_bad_options(tmp_path):
     assert result.exit_code == 2 and "--poll is an option of --follow" in result.stderr
     with pytest.raises(ImportUsageError, match="takes no option allow_pickle"):
         follow_run("nemo-rl", src, tmp_path / "logs", allow_pickle=True, stop_after_idle_s=0, **FAST)
+
+
+def test_follow_reads_the_one_importer_registry(tmp_path):
+    """A format registered with ``finished=`` is followed with nothing else added anywhere; one registered without
+    it is refused naming the formats that can be; every built-in format declares how its writer finishes a step."""
+    from trustscope.importers import IMPORTERS, register_importer
+    from trustscope.importers.follow import followed_formats
+
+    assert followed_formats() == list(IMPORTERS) and all(f.finished for f in IMPORTERS.values())
+    nemo = IMPORTERS["nemo-rl"]
+    src = tmp_path / "exp"
+    src.mkdir()
+    job = NemoRLJob(src)
+    job.write(1)
+    job.write(2)
+    polled = []
+
+    def finished(path, settle_s, now):  # the format's own knowledge of a finished step, here NeMo-RL's, counted
+        polled.append(path)
+        return nemo.finished(path, settle_s, now)
+
+    try:
+        register_importer("nemo-rl-copy", reads="the same", steps=nemo.steps, combine=nemo.combine,
+                          finished=finished)(nemo.read)
+        register_importer("nemo-rl-unfollowed", reads="the same")(nemo.read)
+        assert followed_formats() == [*list(IMPORTERS)[:-2], "nemo-rl-copy"]
+        result = follow_run("nemo-rl-copy", src, tmp_path / "logs", run_id="copy", stop_after_idle_s=0, **FAST)
+        assert result.imported == [1, 2] and polled and polled[0] == src
+        followed = ", ".join(followed_formats())
+        assert followed.endswith("miles, nemo-rl-copy")
+        with pytest.raises(ImportFormatError, match=re.escape(f"'nemo-rl-unfollowed' cannot be followed (followed: "
+                                                              f"{followed})")):
+            follow_run("nemo-rl-unfollowed", src, tmp_path / "logs", stop_after_idle_s=0, **FAST)
+    finally:
+        IMPORTERS.pop("nemo-rl-copy", None)
+        IMPORTERS.pop("nemo-rl-unfollowed", None)
+    assert rows_per_step(tmp_path / "logs") == one_shot("nemo-rl", src, tmp_path)
 
 
 def test_ctrl_c_finishes_the_step_being_imported(tmp_path):

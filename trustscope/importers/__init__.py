@@ -7,6 +7,8 @@ prints them. :func:`import_run` then writes the run through ``TokenLogger`` with
 source framework in ``run.json``, all or nothing.
 
 A new format: a module here with ``@register_importer("name", reads="...")`` on its ``read``, imported below.
+The registry is the only list of formats: ``trustscope import`` and ``--follow`` (:mod:`trustscope.importers.follow`,
+which follows the formats that declare ``finished=``) both read it.
 """
 
 from __future__ import annotations
@@ -18,40 +20,21 @@ from trustscope.importers import nemo_rl, prime_rl, slime  # noqa: F401  (each r
 from trustscope.importers.base import (
     IMPORTERS,
     ImportedRun,
-    ImportFormat,
     ImportFormatError,
     ImportUsageError,
+    checked_options,
     combine,
+    format_for,
     name_unknown,
     read_steps,
     register_importer,
     write_run,
     write_steps,
 )
+from trustscope.importers.follow import follow as _follow  # (the package keeps .follow, the module)
 
 __all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "checked_options", "follow_run", "format_for",
            "import_run", "load_vocab", "read_source", "register_importer"]
-
-
-def format_for(name: str) -> ImportFormat:
-    """The registered format ``name``; :class:`ImportUsageError` listing the known ones when there is none."""
-    if name not in IMPORTERS:
-        raise ImportUsageError(f"unknown format {name!r}; known: {', '.join(IMPORTERS)}")
-    return IMPORTERS[name]
-
-
-def checked_options(fmt: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of ``options`` that are set (not ``None`` or ``False``); :class:`ImportUsageError` when format
-    ``fmt`` does not take one of them, naming the formats that do."""
-    importer = format_for(fmt)
-    given = {name: value for name, value in options.items() if value not in (None, False)}
-    foreign = sorted(set(given) - set(importer.options))
-    if foreign:
-        takers = {name: [f.name for f in IMPORTERS.values() if name in f.options] for name in foreign}
-        raise ImportUsageError(f"format {fmt!r} takes no option {', '.join(foreign)} ("
-                               + "; ".join(f"{name}: {', '.join(fs) or 'no format'}" for name, fs in takers.items())
-                               + ")")
-    return given
 
 
 def read_source(fmt: str, src: str | Path, *, version: str | None = None, **options: Any) -> ImportedRun:
@@ -109,9 +92,7 @@ def follow_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
     """Follow a running job's ``src`` into one run under ``logdir``, step by step as its writer finishes them
     (:func:`trustscope.importers.follow.follow`, whose docstring says when a step is finished); returns its
     :class:`~trustscope.importers.follow.FollowResult`."""
-    from trustscope.importers.follow import follow
-
-    return follow(fmt, src, logdir, run_id=run_id, version=version, vocab=load_vocab(tokenizer), poll_s=poll_s,
+    return _follow(fmt, src, logdir, run_id=run_id, version=version, vocab=load_vocab(tokenizer), poll_s=poll_s,
                   settle_s=settle_s, stop_after_idle_s=stop_after_idle_s, on_step=on_step, options=options,
                   should_stop=should_stop, token_fraction=token_fraction)
 

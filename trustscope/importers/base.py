@@ -48,8 +48,9 @@ from trustscope.columns import turns_from_mask
 from trustscope.runformat.layout import LOGPROB_TOLERANCE
 
 __all__ = ["IMPORTERS", "ImportFormat", "ImportFormatError", "ImportUsageError", "ImportedRun", "Importer",
-           "SameThroughout", "Sequence", "combine", "json_lines", "keep_unknown", "log_step", "name_unknown",
-           "read_steps", "register_importer", "unscored", "write_run", "write_steps"]
+           "Listing", "SameThroughout", "Sequence", "SourceGone", "checked_options", "combine", "format_for",
+           "json_lines", "keep_unknown", "log_step", "name_unknown", "read_steps", "register_importer", "unscored",
+           "write_run", "write_steps"]
 
 
 class ImportFormatError(ValueError):
@@ -58,6 +59,18 @@ class ImportFormatError(ValueError):
 
 class ImportUsageError(ValueError):
     """A format no importer is registered for, or an option the format does not take."""
+
+
+class SourceGone(ImportFormatError):
+    """A followed source that disappeared."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a poll of a followed source found: every step it holds, and those whose writer has finished them."""
+
+    steps: frozenset[int]
+    finished: frozenset[int]
 
 
 class Importer(Protocol):
@@ -88,6 +101,10 @@ class ImportFormat:
     combine: Callable[[ImportedRun, ImportedRun], ImportedRun] | None = None
     """``combine(so_far, step)``: the run's description (format, version, notes, loss rule, unknown fields) from
     the steps read so far and the next one, refusing what the steps must agree on; default :func:`combine`."""
+    finished: Callable[[Path, float, float], Listing] | None = None
+    """``finished(src, settle_s, now)``: the steps of a source still being written and those its writer has
+    finished (:class:`Listing`; :class:`SourceGone` when the source is gone); a format that has it can be followed
+    (``trustscope import --follow``, :mod:`trustscope.importers.follow`)."""
 
 
 IMPORTERS: dict[str, ImportFormat] = {}
@@ -97,23 +114,45 @@ ones."""
 
 def register_importer(name: str, *, reads: str, options: Mapping[str, str] | None = None,
                       steps: Callable[..., list[int]] | None = None,
-                      combine: Callable[[ImportedRun, ImportedRun], ImportedRun] | None = None
+                      combine: Callable[[ImportedRun, ImportedRun], ImportedRun] | None = None,
+                      finished: Callable[[Path, float, float], Listing] | None = None
                       ) -> Callable[[Importer], Importer]:
     """Register the decorated function as the importer of format ``name``.
 
     ``reads``: what the format's files are, in one line (``trustscope import --help`` lists it). ``options``: the
     keyword flags the importer takes beyond ``version``, each with what it does (the CLI's ``--allow-pickle`` is
-    ``allow_pickle``); an option given for a format that does not declare it is refused. ``steps`` and
-    ``combine``: see :class:`ImportFormat`.
+    ``allow_pickle``); an option given for a format that does not declare it is refused. ``steps``, ``combine``
+    and ``finished``: see :class:`ImportFormat`.
     """
 
     def add(read: Importer) -> Importer:
         if name in IMPORTERS:
             raise ValueError(f"import format {name!r} is registered twice")
-        IMPORTERS[name] = ImportFormat(name, read, reads, dict(options or {}), steps, combine)
+        IMPORTERS[name] = ImportFormat(name, read, reads, dict(options or {}), steps, combine, finished)
         return read
 
     return add
+
+
+def format_for(name: str) -> ImportFormat:
+    """The registered format ``name``; :class:`ImportUsageError` listing the known ones when there is none."""
+    if name not in IMPORTERS:
+        raise ImportUsageError(f"unknown format {name!r}; known: {', '.join(IMPORTERS)}")
+    return IMPORTERS[name]
+
+
+def checked_options(fmt: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``options`` that are set (not ``None`` or ``False``); :class:`ImportUsageError` when format
+    ``fmt`` does not take one of them, naming the formats that do."""
+    importer = format_for(fmt)
+    given = {name: value for name, value in options.items() if value not in (None, False)}
+    foreign = sorted(set(given) - set(importer.options))
+    if foreign:
+        takers = {name: [f.name for f in IMPORTERS.values() if name in f.options] for name in foreign}
+        raise ImportUsageError(f"format {fmt!r} takes no option {', '.join(foreign)} ("
+                               + "; ".join(f"{name}: {', '.join(fs) or 'no format'}" for name, fs in takers.items())
+                               + ")")
+    return given
 
 
 T = TypeVar("T")

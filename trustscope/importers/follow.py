@@ -1,20 +1,10 @@
 """Follow a running job: ``trustscope import --follow FORMAT SRC LOGDIR`` appends each step of another framework's
 dump to one trustscope run once its writer has finished it, so the dashboard is live on that job.
 
-When a step is finished (each format's writer says so its own way, :data:`FINISHED`):
-
-- prime-rl: the trainer touches ``STABLE`` in ``token_exports/step_<N>/`` once every rank has flushed the step
-  (``TokenExporter.mark_stable``, after a barrier). Exports of writers before ``STABLE`` existed (#2641): a step is
-  finished once a later step's directory exists.
-- NeMo-RL: ``Logger.log_batched_dict_as_jsonl`` writes ``train_data_step<N>.jsonl`` in one ``open(..., "w")``,
-  one line per sample, and writes no marker: the file is finished once a later step's file exists, or once it
-  ends with a closed line and has not changed for ``settle_s``.
-- slime / miles: ``torch.save`` straight to ``rollout_data/<id>.pt`` and ``train_data/<id>[_<rank>].pt`` (no
-  rename, so a file may be half written): the step is finished once both sides exist and a later rollout has
-  train data, or none of the step's files has changed for ``settle_s``.
-
-A finished prime-rl step also waits ``settle_s`` after ``STABLE``, for the trainer's ``metrics.jsonl`` row of
-the step. Steps are imported in order, each only once the steps before it in the source are (a step finished
+When a step is finished is each format's own knowledge, declared with its importer: ``finished=`` of
+:func:`~trustscope.importers.base.register_importer` (e.g. prime-rl's ``STABLE`` marker, NeMo-RL's closed last
+line, slime's later rollout; see each format's ``finished_steps``). A format that declares none cannot be
+followed. Steps are imported in order, each only once the steps before it in the source are (a step finished
 before an earlier one waits for it).
 
 Each step is read by the format's importer alone (``steps={n}``), checked, and logged through one
@@ -43,103 +33,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trustscope.importers import nemo_rl, prime_rl, slime
 from trustscope.importers.base import (
+    IMPORTERS,
     ImportedRun,
     ImportFormatError,
+    Listing,
+    SourceGone,
     check_routing,
     check_values,
+    checked_options,
+    format_for,
     log_step,
     name_unknown,
     routing_shape,
     unscored,
 )
 
-__all__ = ["FINISHED", "FollowResult", "SourceGone", "follow"]
+__all__ = ["FollowResult", "SourceGone", "follow", "followed_formats"]
 
 UNSCORED_SCALAR = "import/unscored_tokens"
 """The per-step scalar counting the trained tokens left out as unscored (a one-shot import counts them in
 ``config.import.unscored_tokens``)."""
 
 
-class SourceGone(ImportFormatError):
-    """The followed source disappeared."""
-
-
-@dataclass(frozen=True)
-class Listing:
-    """What a poll of the source found: every step it holds, and those whose writer has finished them."""
-
-    steps: frozenset[int]
-    finished: frozenset[int]
-
-
-def _mtime(path: Path) -> float:
-    return path.stat().st_mtime
-
-
-def _prime_rl(src: Path, settle_s: float, now: float) -> Listing:
-    root = prime_rl.export_root(src)
-    dirs = prime_rl.step_dirs(root)
-    marked = {n for n, d in dirs.items() if (d / "STABLE").exists()}
-    finished = set()
-    for n, d in dirs.items():
-        if n in marked:
-            if now - _mtime(d / "STABLE") >= settle_s:
-                finished.add(n)
-        elif not marked and any(m > n for m in dirs):  # a writer from before STABLE: the next step began
-            finished.add(n)
-    return Listing(frozenset(dirs), frozenset(finished))
-
-
-def _nemo_rl(src: Path, settle_s: float, now: float) -> Listing:
-    if src.is_file():
-        files = nemo_rl.step_files(src)
-    elif src.is_dir():
-        files = sorted((int(m.group(1)), p) for p in src.iterdir() if (m := nemo_rl._FILE.match(p.name)))
-    else:
-        raise SourceGone(f"{src}: no such file or directory")
-    finished = set()
-    for i, (n, path) in enumerate(files):
-        if i + 1 < len(files):  # the writer writes the steps in order, each file in one go
-            finished.add(n)
-            continue
-        stat = path.stat()
-        if stat.st_size and now - stat.st_mtime >= settle_s:
-            with path.open("rb") as f:
-                f.seek(-1, 2)
-                if f.read(1) == b"\n":
-                    finished.add(n)
-    return Listing(frozenset(n for n, _ in files), frozenset(finished))
-
-
-def _slime(src: Path, settle_s: float, now: float) -> Listing:
-    if not src.is_dir():
-        raise SourceGone(f"{src}: not a directory (expected a --dump-details directory)")
-    rollouts: dict[int, Path] = {}
-    if (src / "rollout_data").is_dir():
-        for p in (src / "rollout_data").iterdir():
-            if m := slime._ROLLOUT_FILE.match(p.name):
-                rollouts[int(m.group(1))] = p
-    trains: dict[int, list[Path]] = {}
-    if (src / "train_data").is_dir():
-        for p in (src / "train_data").iterdir():
-            if m := slime._TRAIN_FILE.match(p.name):
-                trains.setdefault(int(m.group(1)), []).append(p)
-    finished = set()
-    for rid, path in rollouts.items():
-        if rid not in trains:
-            continue
-        later = any(other > rid for other in trains)
-        if later or now - max(_mtime(p) for p in (path, *trains[rid])) >= settle_s:
-            finished.add(rid)
-    return Listing(frozenset(rollouts), frozenset(finished))
-
-
-FINISHED: dict[str, Callable[[Path, float, float], Listing]] = {
-    "prime-rl": _prime_rl, "nemo-rl": _nemo_rl, "slime": _slime, "miles": _slime,
-}
-"""Per format: ``(src, settle_s, now) -> Listing``: the steps of the source, and those its writer finished."""
+def followed_formats() -> list[str]:
+    """The registered formats that can be followed (those that declare ``finished``)."""
+    return [name for name, fmt in IMPORTERS.items() if fmt.finished is not None]
 
 
 @dataclass
@@ -296,11 +215,9 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
     that does not parse raises :class:`ImportFormatError` (file and line first), a vanished source
     :class:`SourceGone`; in both cases the steps committed before stay, named in the message.
     """
-    from trustscope.importers import checked_options, format_for
-
     importer = format_for(fmt)
-    if fmt not in FINISHED:
-        raise ImportFormatError(f"format {fmt!r} cannot be followed (followed: {', '.join(FINISHED)})")
+    if importer.finished is None:
+        raise ImportFormatError(f"format {fmt!r} cannot be followed (followed: {', '.join(followed_formats())})")
     for name, value in (("poll_s", poll_s), ("settle_s", settle_s)):
         if not value >= 0:
             raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -324,7 +241,7 @@ def follow(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | None 
     try:
         while True:
             try:
-                listing = FINISHED[fmt](src, settle_s, time.time())
+                listing = importer.finished(src, settle_s, time.time())
             except (FileNotFoundError, NotADirectoryError, ImportFormatError) as err:
                 if not src.exists():
                     raise SourceGone(f"{src}: disappeared while followed; {kept()}") from None

@@ -36,8 +36,10 @@ import numpy as np
 from trustscope.importers.base import (
     ImportedRun,
     ImportFormatError,
+    Listing,
     SameThroughout,
     Sequence,
+    SourceGone,
     floats,
     ints,
     json_lines,
@@ -173,8 +175,33 @@ def combine(so_far: ImportedRun, step: ImportedRun) -> ImportedRun:
     return merged
 
 
+def finished_steps(src: Path, settle_s: float, now: float) -> Listing:
+    """The steps of a running job's train data and those its writer finished (``--follow``):
+    ``Logger.log_batched_dict_as_jsonl`` writes ``train_data_step<N>.jsonl`` in one ``open(..., "w")``, one line
+    per sample, and writes no marker: the file is finished once a later step's file exists, or once it ends with
+    a closed line and has not changed for ``settle_s``."""
+    if src.is_file():
+        files = step_files(src)
+    elif src.is_dir():
+        files = sorted((int(m.group(1)), p) for p in src.iterdir() if (m := _FILE.match(p.name)))
+    else:
+        raise SourceGone(f"{src}: no such file or directory")
+    finished = set()
+    for i, (n, path) in enumerate(files):
+        if i + 1 < len(files):  # the writer writes the steps in order, each file in one go
+            finished.add(n)
+            continue
+        stat = path.stat()
+        if stat.st_size and now - stat.st_mtime >= settle_s:
+            with path.open("rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) == b"\n":
+                    finished.add(n)
+    return Listing(frozenset(n for n, _ in files), frozenset(finished))
+
+
 @register_importer("nemo-rl", reads="train_data_step<N>.jsonl (GRPO's per-step training data, in its log_dir)",
-                   steps=list_steps, combine=combine)
+                   steps=list_steps, combine=combine, finished=finished_steps)
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
     """Parse and check every step file (of ``steps`` when given); see the module docstring for the mapping."""
     src = Path(src)

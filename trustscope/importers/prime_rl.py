@@ -71,6 +71,7 @@ import numpy as np
 from trustscope.importers.base import (
     ImportedRun,
     ImportFormatError,
+    Listing,
     SameThroughout,
     Sequence,
     floats,
@@ -519,8 +520,27 @@ def _take(record: Any, step: int, rank: int, where: str, run: ImportedRun,
     return layout, _sequence(record, layout, step, rank, where, run, extra)
 
 
+def finished_steps(src: Path, settle_s: float, now: float) -> Listing:
+    """The steps of a running export and those its trainer finished (``--follow``): the trainer touches
+    ``STABLE`` in ``token_exports/step_<N>/`` once every rank has flushed the step (``TokenExporter.mark_stable``,
+    after a barrier); the step is taken ``settle_s`` after, for the trainer's ``metrics.jsonl`` row of the step.
+    Exports of writers before ``STABLE`` existed (#2641): a step is finished once a later step's directory
+    exists."""
+    dirs = step_dirs(export_root(src))
+    marked = {n for n, d in dirs.items() if (d / "STABLE").exists()}
+    finished = set()
+    for n, d in dirs.items():
+        if n in marked:
+            if now - (d / "STABLE").stat().st_mtime >= settle_s:
+                finished.add(n)
+        elif not marked and any(m > n for m in dirs):  # a writer from before STABLE: the next step began
+            finished.add(n)
+    return Listing(frozenset(dirs), frozenset(finished))
+
+
 @register_importer("prime-rl", reads="token_exports/step_<N>/rank_<R>.jsonl (the trainer's token export), "
-                                     "or the run directory holding it", steps=list_steps, combine=combine)
+                                     "or the run directory holding it", steps=list_steps, combine=combine,
+                   finished=finished_steps)
 def read(src: Path, *, version: str | None = None, steps: Collection[int] | None = None) -> ImportedRun:
     """Parse and check every export file under ``src`` (of ``steps`` when given); see the module docstring for
     the mapping."""

@@ -59,8 +59,10 @@ import numpy as np
 from trustscope.importers.base import (
     ImportedRun,
     ImportFormatError,
+    Listing,
     SameThroughout,
     Sequence,
+    SourceGone,
     register_importer,
 )
 
@@ -467,8 +469,35 @@ def weight_versions(value: Any, step: int, where: str) -> tuple[int | None, int 
     return steps[0], steps[-1]
 
 
+def finished_steps(src: Path, settle_s: float, now: float) -> Listing:
+    """The rollouts of a running job's dump and those it finished (``--follow``): ``torch.save`` writes straight
+    to ``rollout_data/<id>.pt`` and ``train_data/<id>[_<rank>].pt`` (no rename, so a file may be half written):
+    a rollout is finished once both sides exist and a later rollout has train data, or none of its files has
+    changed for ``settle_s``."""
+    if not src.is_dir():
+        raise SourceGone(f"{src}: not a directory (expected a --dump-details directory)")
+    rollouts: dict[int, Path] = {}
+    if (src / "rollout_data").is_dir():
+        for p in (src / "rollout_data").iterdir():
+            if m := _ROLLOUT_FILE.match(p.name):
+                rollouts[int(m.group(1))] = p
+    trains: dict[int, list[Path]] = {}
+    if (src / "train_data").is_dir():
+        for p in (src / "train_data").iterdir():
+            if m := _TRAIN_FILE.match(p.name):
+                trains.setdefault(int(m.group(1)), []).append(p)
+    finished = set()
+    for rid, path in rollouts.items():
+        if rid not in trains:
+            continue
+        later = any(other > rid for other in trains)
+        if later or now - max(p.stat().st_mtime for p in (path, *trains[rid])) >= settle_s:
+            finished.add(rid)
+    return Listing(frozenset(rollouts), frozenset(finished))
+
+
 @register_importer("slime", reads="a --dump-details directory: rollout_data/ and train_data/ .pt files",
-                   options=ALLOW_PICKLE)
+                   options=ALLOW_PICKLE, finished=finished_steps)
 def read_slime(src: Path, *, version: str | None = None, steps: Collection[int] | None = None,
                allow_pickle: bool = False) -> ImportedRun:
     """slime's ``--dump-details`` directory."""
@@ -476,7 +505,7 @@ def read_slime(src: Path, *, version: str | None = None, steps: Collection[int] 
 
 
 @register_importer("miles", reads="the same for miles (per-rank train files, context-parallel slices joined)",
-                   options=ALLOW_PICKLE)
+                   options=ALLOW_PICKLE, finished=finished_steps)
 def read_miles(src: Path, *, version: str | None = None, steps: Collection[int] | None = None,
                allow_pickle: bool = False) -> ImportedRun:
     """miles' ``--dump-details`` directory."""
