@@ -39,14 +39,15 @@ ADDED_COLUMNS: dict[str, frozenset[str]] = C.added_columns()
 
 
 KEYS: dict[str, tuple[str, ...]] = {
-    "tokens": ("run_id", "step", "sample_id", "pos"),
+    "tokens": ("run_id", "step", "sample_id", "pos", "update_index"),
     "samples": ("run_id", "step", "sample_id"),
     "steps": ("run_id", "step", "rank", "name"),
     "summaries": ("run_id", "step", "rank", "part", "metric", "rule", "advantage_sign", "mu_low", "bin_low",
                   "dimension", "bucket"),
     "vocab": ("token_id",),
 }
-"""Columns that together are unique in each table (over all files and ranks of a run)."""
+"""Columns that together are unique in each table (over all files and ranks of a run). A response trained by several
+updates of one step has its rows once per ``update_index`` (null, one value of the key, in logs without it)."""
 
 
 @dataclass(frozen=True)
