@@ -33,37 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import make_step
 from bench.logger_cpu import LoggerCPU
 from trustscope import divergence
 from trustscope import runformat as S
 from trustscope.logger import TokenLogger
 
-V = 152_064
-
-
-def make_step(rng: np.random.Generator, B: int, T: int, K: int) -> dict[str, np.ndarray]:
-    """One padded step of rollout-like data, every position real. Shapes (B, T) and (B, T, K)."""
-    logits = rng.standard_normal((B, T, K)).astype(np.float32) * 2.0 + np.linspace(4, 0, K, dtype=np.float32)
-    logits = -np.sort(-logits, axis=-1)  # (B, T, K) descending
-    tail = rng.uniform(0.0, 0.3, (B, T, 1)).astype(np.float32)  # probability mass outside the top-K
-    topk = np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * (1 - tail))  # (B, T, K)
-    ids = np.minimum(rng.zipf(1.3, (B, T, K)), V) - 1  # (B, T, K)
-    pi_topk = np.minimum(topk + rng.normal(0, 1e-3, topk.shape).astype(np.float32), 0)  # (B, T, K)
-    mu_t, pi_t = torch.from_numpy(topk), torch.from_numpy(pi_topk)
-    return {
-        "token_id": ids[..., 0].astype(np.int32),
-        "mu_logprob": topk[..., 0],
-        "old_logprob": topk[..., 0],
-        "pi_logprob": pi_topk[..., 0],
-        "advantage": np.repeat(rng.standard_normal((B, 1)).astype(np.float32), T, axis=1),
-        "entropy": rng.exponential(1.0, (B, T)).astype(np.float32),
-        "mu_topk_ids": ids.astype(np.int32),
-        "mu_topk_logprobs": topk,
-        "pi_topk_logprobs": pi_topk,
-        "topk_tv": divergence.topk_tv(mu_t, pi_t).numpy(),
-        "topk_kl": divergence.topk_kl(mu_t, pi_t).numpy(),
-        "kept": np.ones((B, T), dtype=bool),
-    }
+QUICK = ["--rows", "262144", "--batch", "64", "--seq", "256"]
 
 
 def raw_table(step: int, data: dict[str, np.ndarray], run_id: str) -> pa.Table:

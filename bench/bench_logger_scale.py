@@ -43,33 +43,9 @@ from bench import common
 
 common.one_thread()
 
+QUICK = ["--responses", "16", "--length", "256", "--steps", "2"]
 CASES = {"baseline-k0": (0, None), "k0-f1": (0, 1.0), "k0-f0.01": (0, 0.01),
          "baseline-k20": (20, None), "k20-f1": (20, 1.0), "k20-f0.01": (20, 0.01)}
-TOPK_COLUMNS = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs", "topk_tv", "topk_kl")
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def token_rows(path: Path) -> int:
-    """Token rows in the Parquet files under ``path`` (from their footers)."""
-    import pyarrow.parquet as pq
-
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in path.rglob("*.parquet")) if path.exists() else 0
-
-
-def build_step(seed: int, responses: int, length: int, k: int) -> dict:
-    """One step's token arrays, ``(responses, length)`` and ``(responses, length, K)``."""
-    import numpy as np
-
-    from bench.bench_logger import make_step
-
-    data = make_step(np.random.default_rng(seed), responses, length, max(k, 1))
-    if k == 0:
-        for name in TOPK_COLUMNS:
-            del data[name]
-    return data
 
 
 def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict:
@@ -84,7 +60,7 @@ def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict
     samples = {"sample_id": np.arange(responses), "prompt_id": np.arange(responses) // 16}
     mask = np.ones((responses, length), dtype=bool)
     t0 = time.perf_counter()
-    data = build_step(0, responses, length, k)
+    data = common.build_step(0, responses, length, k)
     result: dict = {"case": case, "k": k, "token_fraction": fraction, "tokens_per_step": responses * length,
                     "steps": steps, "build_s": time.perf_counter() - t0,
                     "array_bytes": sum(a.nbytes for a in data.values()) + mask.nbytes}
@@ -108,15 +84,15 @@ def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict
             logger.close()
         roles = cpu.seconds()
         tokens_dir = out / "scale" / "tokens"
-        logged = token_rows(tokens_dir)
+        logged = common.token_rows(tokens_dir)
         waits = [a + b for a, b in zip(log_calls, commits, strict=True)]
         result.update({
             "logger_cpu_s_per_step": {name: s / steps for name, s in roles.items()},
             "log_step_s": log_calls, "commit_step_s": commits, "writer_wall_s": drains, "wait_s": waits,
             "wait_median_s": statistics.median(waits), "wait_max_s": max(waits),
             "writer_wall_median_s": statistics.median(drains),
-            "logged_rows": logged, "token_bytes": dir_bytes(tokens_dir) if tokens_dir.exists() else 0,
-            "run_bytes": dir_bytes(out / "scale")})
+            "logged_rows": logged, "token_bytes": common.dir_bytes(tokens_dir) if tokens_dir.exists() else 0,
+            "run_bytes": common.dir_bytes(out / "scale")})
         result["bytes_per_logged_row"] = result["token_bytes"] / max(logged, 1)
         result["run_bytes_per_step"] = result["run_bytes"] / steps
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

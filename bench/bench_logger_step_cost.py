@@ -47,7 +47,7 @@ def child(case: str, responses: int, length: int, steps: int, compute_s: float, 
     """One case, in this fresh process."""
     import numpy as np
 
-    from bench.bench_logger_scale import build_step
+    from bench.common import build_step
 
     data = build_step(0, responses, length, 0)
     mask = np.ones((responses, length), dtype=bool)

@@ -3,6 +3,8 @@
     nice -n 10 .venv/bin/python -m bench.bench_routing_storage                      # 64 x 1,024 tokens a case
     nice -n 10 .venv/bin/python -m bench.bench_routing_storage --actor-tokens 2097152   # + the 2M-token step
     .venv/bin/python -m bench.bench_routing_storage --shapes qwen3 --json out.json
+    .venv/bin/python -m bench.bench_routing_storage --shapes qwen3 dsv3 --cases base lists-both default-both
+    .venv/bin/python -m bench.bench_routing_storage --shapes --actor-tokens 2097152   # the 2M-token step alone
 
 One step of ``--responses`` x ``--length`` tokens, built like ``bench/bench_logger.py``'s (mu's top-20 over a 152k
 vocabulary: the ~166 bytes a row the rest of a token takes), plus routing at each shape of :data:`SHAPES` (the toy
@@ -20,9 +22,10 @@ Reported per case: bytes a token row of the ``tokens`` files and what routing ad
 the logger's CPU a step by thread (:class:`logger_cpu.LoggerCPU`: the caller inside ``log_step``, the writer
 thread, the encoders) and what it adds over ``base``, scaled to a 2M-token step (linear in tokens).
 
-``--actor-tokens N``: one more case per shape of ``--actor-shapes``: a step of N tokens with both sides' lists
-(int16 numpy arrays, the caller's memory: ``log_step`` copies them), the wall and CPU time of ``log_step`` alone
-(the checks and the copy, what waits on the training thread), and of the step's whole write.
+``--actor-tokens N``: two more cases per shape of ``--actor-shapes``: a step of N tokens without routing (the
+baseline), then the same step with both sides' lists (int16 numpy arrays, the caller's memory: ``log_step`` copies
+them); the wall and CPU time of ``log_step`` alone (the checks and the copy, what waits on the training thread),
+and of the step's whole write.
 ``--json`` writes every measurement.
 """
 
@@ -39,6 +42,9 @@ from pathlib import Path
 from bench import common
 
 common.one_thread()
+
+QUICK = ["--shapes", "toy", "--responses", "8", "--length", "256", "--cases", "base", "default-both"]
+"""The small run: the toy shape, a 2,048-token step, the baseline and the default layout."""
 
 SHAPES = {"toy": (4, 2, 16), "qwen3": (48, 8, 128), "dsv3": (58, 8, 256)}
 """(MoE layers, top-k, experts): the toy MoE world, Qwen3-30B-A3B, DeepSeek-V3."""
@@ -77,7 +83,7 @@ def child(case: str, shape_name: str, responses: int, length: int, agreement: fl
     import torch
 
     import bench.bench_logger  # noqa: F401  (its imports before any timer)
-    from bench.bench_logger import make_step
+    from bench.common import make_step
     from bench.logger_cpu import LoggerCPU
     from trustscope.logger import TokenLogger
     from trustscope.logger.experts import default_fraction
@@ -101,7 +107,7 @@ def child(case: str, shape_name: str, responses: int, length: int, agreement: fl
         call = time.perf_counter() - t0
         logger.close()
         whole = time.perf_counter() - t0
-    from bench.bench_logger_scale import dir_bytes, token_rows
+    from bench.common import dir_bytes, token_rows
 
     rows = token_rows(out / "r" / "tokens")
     return {"case": case, "shape": shape_name, "routing_shape": shape, "tokens": n, "agreement": agreement,
@@ -164,6 +170,8 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=64)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--agreement", type=float, default=0.95, help="share of (layer, slot) choices kept")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                        help="the cases run per shape (base, the baseline, always first)")
     parser.add_argument("--actor-tokens", type=int, default=0, help="also time log_step at a step this large")
     parser.add_argument("--actor-shapes", nargs="+", default=["qwen3"], choices=list(SHAPES))
     parser.add_argument("--json", type=Path)
@@ -186,7 +194,7 @@ def main() -> None:
           f"{'writer s':>9} {'encode s':>9} {'+CPU s':>7}")
     for shape in args.shapes:
         base = None
-        for case in CASES:
+        for case in ["base", *(c for c in args.cases if c != "base")]:
             r = run_child([case, shape, *common])
             results.append(r)
             scale = STEP_TOKENS / r["tokens"]

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+V = 152_064
+"""The vocabulary the generated top-K ids are drawn from (Qwen's)."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -34,6 +36,54 @@ def module_cmd(spec, *args: str) -> list[str]:
     if spec is None:
         raise RuntimeError("run benchmarks as modules: python -m bench run NAME, or python -m bench.bench_NAME")
     return [sys.executable, "-m", spec.name, *map(str, args)]
+
+
+def make_step(rng, B: int, T: int, K: int) -> dict:
+    """One padded step of rollout-like token arrays, every position real: mu's top-K log-probs (a descending
+    softmax with 0-30 % of the mass outside the top-K), pi's the same plus noise of 1e-3, top-K ids Zipf-distributed
+    over :data:`V`, one advantage a response, the top-K TV and KL computed as the trainer does. Shapes (B, T) and
+    (B, T, K)."""
+    import numpy as np
+    import torch
+
+    from trustscope import divergence
+
+    logits = rng.standard_normal((B, T, K)).astype(np.float32) * 2.0 + np.linspace(4, 0, K, dtype=np.float32)
+    logits = -np.sort(-logits, axis=-1)  # (B, T, K) descending
+    tail = rng.uniform(0.0, 0.3, (B, T, 1)).astype(np.float32)  # probability mass outside the top-K
+    topk = np.log(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * (1 - tail))  # (B, T, K)
+    ids = np.minimum(rng.zipf(1.3, (B, T, K)), V) - 1  # (B, T, K)
+    pi_topk = np.minimum(topk + rng.normal(0, 1e-3, topk.shape).astype(np.float32), 0)  # (B, T, K)
+    mu_t, pi_t = torch.from_numpy(topk), torch.from_numpy(pi_topk)
+    return {
+        "token_id": ids[..., 0].astype(np.int32),
+        "mu_logprob": topk[..., 0],
+        "old_logprob": topk[..., 0],
+        "pi_logprob": pi_topk[..., 0],
+        "advantage": np.repeat(rng.standard_normal((B, 1)).astype(np.float32), T, axis=1),
+        "entropy": rng.exponential(1.0, (B, T)).astype(np.float32),
+        "mu_topk_ids": ids.astype(np.int32),
+        "mu_topk_logprobs": topk,
+        "pi_topk_logprobs": pi_topk,
+        "topk_tv": divergence.topk_tv(mu_t, pi_t).numpy(),
+        "topk_kl": divergence.topk_kl(mu_t, pi_t).numpy(),
+        "kept": np.ones((B, T), dtype=bool),
+    }
+
+
+TOPK_COLUMNS = ("mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs", "topk_tv", "topk_kl")
+
+
+def build_step(seed: int, responses: int, length: int, k: int) -> dict:
+    """:func:`make_step` from ``seed``, ``(responses, length)`` and ``(responses, length, k)``; at ``k = 0``
+    without the top-K columns."""
+    import numpy as np
+
+    data = make_step(np.random.default_rng(seed), responses, length, max(k, 1))
+    if k == 0:
+        for name in TOPK_COLUMNS:
+            del data[name]
+    return data
 
 
 def dir_bytes(path: Path) -> int:
