@@ -99,3 +99,25 @@ def test_the_demo_reads_its_world_from_the_registry(fake_family, monkeypatch):
     assert demo.toy_ready(cfg)  # toy-v2-warm ships built
     with pytest.raises(ValueError, match="model='toy-nothing': the demo trains a registered toy world"):
         demo.toy_ready(dataclasses.replace(cfg, model="toy-nothing"))
+
+
+def test_the_extending_recipe_registers_a_family_the_trainer_finds(monkeypatch):
+    """docs/extending.md's toy-world recipe, run as written: its worlds are registered, configured for a task and
+    named when a near name is refused."""
+    import re
+
+    from trustscope.train.models import resolve_model
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    section = text.split("## A toy world\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    module = types.ModuleType("tiny_worlds")
+    monkeypatch.setitem(sys.modules, "tiny_worlds", module)
+    monkeypatch.setattr(w, "FAMILIES", dict(w.FAMILIES))
+    exec(compile(code, "docs/extending.md", "exec"), module.__dict__)
+    assert list(w.worlds())[-2:] == ["toy-tiny", "toy-tiny-deep"]
+    world = w.get_world("toy-tiny-deep")
+    assert world.family.build is module.build_tiny and world.family.name == "tiny"
+    assert world.config("add2") == module.TinyConfig(task="add2", layers=4)
+    with pytest.raises(ConfigError, match=r"no toy world of that name.*toy-tiny, toy-tiny-deep"):
+        resolve_model(TrainConfig(run_id="x", model="toy-tinyy"))
