@@ -309,13 +309,8 @@ def test_the_production_shapes_bench_measures_on_the_device_it_is_given(case):
     """bench/bench_production_shapes.py's measurement at a toy size, --device cpu (scripts/gpu_sanity.sh runs it on
     cuda): it checks pi's top-K it computed is finite and of shape (1, T, K)."""
     import argparse
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_production_shapes.py"
-    spec = importlib.util.spec_from_file_location("bench_production_shapes", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import bench_production_shapes as bench
     args = argparse.Namespace(vocab=500, layers=1, preset="qwen3-0.6b", k=4, device="cpu", dtype="float32",
                               warmup=0, threads=0, no_backward=False)
     result = bench.measure(args, case, 16)
