@@ -191,6 +191,9 @@ def bench_losses(n: int, v: int, k: int, repeat: int) -> None:
               f"{alone[name] * 1e3:10.2f}{alone_x[name]:12.2f}{mb(peak):>14}")
 
 
+QUICK = ["--repeat", "1", "--vocab", "32768", "--loss-vocab", "32768"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)

@@ -229,6 +229,9 @@ def time_once(logdir: Path, repeat: int, rows: bool) -> dict:
     return out
 
 
+QUICK = ["--tokens", "2000000", "--tokens-per-step", "500000", "--repeat", "1", "--cold-runs", "1"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=10_000_000, help="token rows of the log")

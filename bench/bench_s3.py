@@ -52,6 +52,9 @@ def log(logdir, run_id: str, steps: list[dict]) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+QUICK = ["--steps", "4", "--batch", "16", "--tokens", "128", "--repeat", "1"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)

@@ -102,6 +102,9 @@ def run(args: argparse.Namespace, mode: str, turns: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+QUICK = ["--B", "16", "--tokens", "256", "--repeat", "1"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--B", type=int, default=64, help="responses in the step")

@@ -147,6 +147,11 @@ def figures_markdown(results: Path = RESULTS) -> str:
             parts.append("| figure | value |\n|---|---|\n" + "".join(f"| {k} | {_cell(v)} |\n" for k, v in rows))
         else:
             parts.append("```text\n" + r["output"].rstrip("\n") + "\n```\n")
+    stored = {p.stem for p in results.glob("*.json")}
+    missing = [name for name in known if name not in stored]
+    if missing:
+        parts.append("No stored result (their figures in the sections below stand as measured by the commands there, "
+                     "not re-measured here): " + ", ".join(f"`{name}`" for name in missing) + ".\n")
     return "\n".join(parts)
 
 

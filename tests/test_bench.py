@@ -83,6 +83,7 @@ def test_the_generated_figures_show_each_stored_result(tmp_path):
     assert "#### cli (--quick)" in text and "`python -m bench run cli --quick`" in text
     assert "2 x CPU X, load average 0.5 at the start, 0.7 at the end" in text and "commit aaaaaaaaaa" in text
     assert "| sql.median_s | 0.25 |" in text and "| sql.x_duckdb | 2.5 |" in text
+    assert "not re-measured here): `dashboard`, " in text and "`cli`" not in text.split("No stored result")[1]
     printed = {**record, "figures": None, "output": "a table it printed\n"}
     (tmp_path / "cli.json").write_text(json.dumps(printed))
     assert "```text\na table it printed\n```" in runner.figures_markdown(tmp_path)
