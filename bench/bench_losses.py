@@ -191,7 +191,7 @@ def bench_losses(n: int, v: int, k: int, repeat: int) -> None:
               f"{alone[name] * 1e3:10.2f}{alone_x[name]:12.2f}{mb(peak):>14}")
 
 
-QUICK = ["--repeat", "1", "--vocab", "32768", "--loss-vocab", "32768"]
+QUICK = ["--tokens", "1024", "--vocab", "32768", "--loss-vocab", "8192", "--repeat", "1"]
 
 
 def main() -> None:
