@@ -16,7 +16,7 @@ from test_summaries import log_run, rollout
 
 from app.launch import LOGDIR_ENV
 from trustscope import db as tsdb
-from trustscope import report
+from trustscope import report, report_html
 from trustscope.logger import TokenLogger
 
 MAIN = Path(__file__).resolve().parent.parent / "app" / "main.py"
@@ -123,10 +123,10 @@ def test_report_reads_the_summaries_and_labels_the_fallback(db):
 
 
 def test_html_report_captions_say_where_the_figures_come_from(db, tmp_path):
-    captions = [caption for _, caption, _ in report.figures_for(db)]
+    captions = [caption for _, caption, _ in report_html.figures_for(db)]
     assert any("exact: every token (summaries table) for full, tenth" in c for c in captions)
     assert any("a sample of 10% of tokens for rows" in c for c in captions)
-    page = report.write_html(db, tmp_path / "report.html").read_text()
+    page = report_html.write_html(db, tmp_path / "report.html").read_text()
     assert "from logged rows: a sample of 10% of tokens" in page
 
 

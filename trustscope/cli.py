@@ -383,7 +383,8 @@ def report(
     from trustscope.db import NoRunsFound, connect_readable
     from trustscope.distributed import RayUnavailable, RayUnavailableWarning
     from trustscope.early_warning import WarningLines
-    from trustscope.report import print_json, print_report, write_html
+    from trustscope.report import print_json, print_report
+    from trustscope.report_html import write_html
     from trustscope.runformat.retry import StorageError
 
     if logdir is None:
