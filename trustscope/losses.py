@@ -20,8 +20,8 @@ form registers its own function with the decorator form, ``@register_loss(name, 
 The catalogue is one place: :func:`list_losses` feeds the trainer, the ``blocks_<rule>`` columns of the SQL view
 ``rule_blocks`` and every per-rule aggregate, the data contracts, the SQL parity tests and the docs' rule table.
 This module reads no tensor itself: the masks and weights use tensor methods on the terms they are handed, and
-torch is imported by :mod:`trustscope.policy` when a rule is called. ``PolicyBatch``, ``LossOutput``,
-``MaskTerms``, ``keep_masks`` and ``aggregate`` live there (and are reachable here by name, imported on first use).
+torch is imported by :mod:`trustscope.policy` (the layer below, which knows no registry) when a rule is called or
+:func:`keep_masks` runs. ``PolicyBatch``, ``LossOutput``, ``MaskTerms`` and ``aggregate`` live there.
 
 **The A = 0 convention** (one for every rule, the paper authors'): a token with zero advantage takes the negative
 branch of a mask (``A <= 0``); DPPO's mask says so in PAPER.md, and the ratio rules follow it. Such a token carries
@@ -42,7 +42,7 @@ import importlib
 import inspect
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +57,8 @@ MaskFn = Callable[..., "Tensor"]
 WeightFn = Callable[..., "Tensor"]
 """``weight(terms: MaskTerms, **params) -> (B, T)``: the importance weight ``w``, detached."""
 
-POLICY_NAMES = frozenset({"PolicyBatch", "LossOutput", "MaskTerms", "keep_masks", "rules_with_inputs", "aggregate",
-                          "AGGREGATIONS", "policy_loss", "is_weight", "trust_region_metrics", "rule_loss"})
+POLICY_NAMES = frozenset({"PolicyBatch", "LossOutput", "MaskTerms", "aggregate", "AGGREGATIONS", "policy_loss",
+                          "is_weight", "trust_region_metrics", "rule_loss"})
 """The torch side of the catalogue (:mod:`trustscope.policy`), reachable from here by name."""
 
 
@@ -146,12 +146,12 @@ def _harmful(t: MaskTerms, anchor_logprob: Tensor) -> Tensor:
 
 def score_dppo(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
     """DPPO anchored on mu: D / delta where pi moved the harmful way."""
-    return (t.divergence(divergence) / delta).where(_harmful(t, t.mu_logprob), math.nan)
+    return (divergence_term(t, divergence) / delta).where(_harmful(t, t.mu_logprob), math.nan)
 
 
 def score_dppo_old(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
     """DPPO anchored on pi_old: D(pi_old, pi) / delta where pi moved the harmful way from pi_old."""
-    return (t.divergence(divergence, "old") / delta).where(_harmful(t, t.old_logprob), math.nan)
+    return (divergence_term(t, divergence, "old") / delta).where(_harmful(t, t.old_logprob), math.nan)
 
 
 def _clip_score(t: MaskTerms, r: Tensor, eps_low: float, eps_high: float) -> Tensor:
@@ -716,10 +716,15 @@ minirl_tis = register_loss("minirl_tis", like=minirl, is_cap=TIS_CAP,
                            doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.")
 
 
+def divergence_term(t: MaskTerms, name: str, anchor: str = "mu") -> Tensor:
+    """The divergence ``name`` (:data:`DIVERGENCES`) between ``anchor`` ('mu' or 'old') and pi, from the terms."""
+    return getattr(t, DIVERGENCES[name][anchor == "old"])
+
+
 def mask_dppo(t: MaskTerms, divergence: str, delta: float) -> Tensor:
     """DPPO's mask on D(mu, pi) with mu as the anchor: block a token only when D(mu, pi) > delta and pi moved past
     mu the way A pushes."""
-    return dppo_keep(t.divergence(divergence), t.pi_logprob, t.mu_logprob, t.advantage, delta)
+    return dppo_keep(divergence_term(t, divergence), t.pi_logprob, t.mu_logprob, t.advantage, delta)
 
 
 dppo = register_loss("dppo_binary_tv", sql=DPPO_MU, mask=mask_dppo, divergence=divergence("binary_tv"),
@@ -734,7 +739,7 @@ register_loss("dppo_topk_kl", like=dppo, needs=("mu_topk_logprobs", "pi_topk_log
 
 def mask_dppo_decoupled(t: MaskTerms, divergence: str, delta: float) -> Tensor:
     """DPPO's mask with the divergence and the anchor taken against pi_old."""
-    return dppo_keep(t.divergence(divergence, "old"), t.pi_logprob, t.old_logprob, t.advantage, delta)
+    return dppo_keep(divergence_term(t, divergence, "old"), t.pi_logprob, t.old_logprob, t.advantage, delta)
 
 
 dppo_decoupled = register_loss(
@@ -900,3 +905,50 @@ drpo = register_loss("drpo", sql=DRPO_PENALTY, mask=mask_drpo, weight=weight_drp
               doc="DRPO: DPPO's binary-TV geometry as a smooth advantage-weighted penalty, not a hard mask.")
 BUILTIN_RULES = frozenset(_REGISTRY)
 """The rules trustscope ships (a user's rules register after this module is imported)."""
+
+
+def rules_with_inputs(batch: PolicyBatch, given: dict[str, Tensor] | None = None) -> list[str]:
+    """The registered rules whose inputs ``batch`` (with ``given``, see :class:`~trustscope.policy.MaskTerms`)
+    holds, sorted."""
+    from trustscope.policy import present_fields
+
+    present = present_fields(batch, given)
+    return [name for name in list_losses() if get_loss(name).needs <= present]
+
+
+def keep_masks(batch: PolicyBatch, rules: Iterable[str] | None = None, *,
+               params: dict[str, dict[str, Any]] | None = None,
+               given: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Every named rule's keep-mask M ``(B, T)`` (padding False) on one batch, without its loss or metrics.
+
+    The same masks as ``get_loss(name)(batch, **params[name]).keep``, computed under ``torch.no_grad`` (not
+    ``inference_mode``: a caller may use the masks in a loss it backpropagates) from one
+    :class:`~trustscope.policy.MaskTerms`, so the rules share their ratios, divergences and sequence context (the
+    summaries compute every registered rule's mask over every logged token this way). ``rules``: registered names
+    (default: all); ``params``: per rule, overrides of its defaults; ``given``: see
+    :class:`~trustscope.policy.MaskTerms`. The batch is checked once; a rule registered without a mask function
+    runs whole, its ``keep`` taken.
+    """
+    import torch
+
+    from trustscope.policy import MaskTerms, check_batch, present_fields, rule_loss
+
+    names = list_losses() if rules is None else list(rules)
+    params = params or {}
+    chosen = {name: get_loss(name) for name in names}
+    check_batch(batch)
+    present = present_fields(batch, given)
+    out = {}
+    with torch.no_grad():
+        terms = MaskTerms(batch, given)
+        for name, rule in chosen.items():
+            merged = rule.resolve(**params.get(name, {}))
+            missing = sorted(rule.needs - (present if rule.mask is not None else present_fields(batch, None)))
+            if missing:
+                raise ValueError(f"loss rule {name!r} needs PolicyBatch.{missing[0]}, which is None")
+            if rule.mask is None:
+                out[name] = rule_loss(rule, batch, merged).keep
+                continue
+            keep = rule.mask(terms, **{p: merged[p] for p in rule.mask_params})
+            out[name] = keep & terms.valid
+    return out

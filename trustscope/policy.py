@@ -1,10 +1,11 @@
 """The torch side of the rule catalogue: the batch a rule reads, the terms its mask reads, the shared loss form,
-every rule's mask on one batch, and aggregation.
+and aggregation.
 
 The catalogue itself (:mod:`trustscope.losses`: names, SQL mask families, parameters and their bounds, the masks as
-pure functions over :class:`MaskTerms`) imports no torch, so the query layer, the CLI and the dashboard read it
-without torch. This module is imported where tensors are touched: calling a rule (``get_loss(name)(batch)``),
-:func:`keep_masks`, :func:`aggregate`.
+pure functions over :class:`MaskTerms`, every rule's mask on one batch) imports no torch, so the query layer, the
+CLI and the dashboard read it without torch. This module sits below it and knows no registry: it takes a rule
+object, never a rule's name. It is imported where tensors are touched: calling a rule (``get_loss(name)(batch)``),
+:func:`trustscope.losses.keep_masks`, :func:`aggregate`.
 
 Every built-in rule's loss is the one form the paper's authors implement::
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trustscope.extras import missing
 
@@ -30,10 +31,6 @@ except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brin
     missing(exc, "trustscope.policy")
 
 from trustscope import divergence as D
-from trustscope.losses import DIVERGENCES, get_loss, list_losses
-
-if TYPE_CHECKING:
-    from trustscope.losses import LossRule
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,7 @@ class LossOutput:
 
 
 
-def _check_batch(batch: PolicyBatch) -> None:
+def check_batch(batch: PolicyBatch) -> None:
     """Shapes agree and valid positions hold no NaN; errors name the field."""
     shape = batch.pi_logprob.shape
     for name in ("mu_logprob", "advantages", "mask", "old_logprob"):
@@ -107,14 +104,14 @@ def _check_batch(batch: PolicyBatch) -> None:
             raise ValueError(f"PolicyBatch.{name} holds NaN on {int(nan.sum())} unmasked token(s)")
 
 
-def rule_loss(rule: LossRule, batch: PolicyBatch, params: dict[str, Any], metrics: bool = True) -> LossOutput:
-    """Rule ``rule``'s loss on ``batch`` at ``params`` (already resolved): its own loss function when it has one,
+def rule_loss(rule: Any, batch: PolicyBatch, params: dict[str, Any], metrics: bool = True) -> LossOutput:
+    """Rule ``rule``'s (a :class:`trustscope.losses.LossRule`) loss on ``batch`` at ``params`` (already resolved): its own loss function when it has one,
     else the shared form from its mask and weight (:func:`policy_loss`; ``metrics=False`` leaves its statistics
     out, for a caller whose logger computes them from the logged rows)."""
     for name in sorted(rule.needs):
         if getattr(batch, name) is None:
             raise ValueError(f"loss rule {rule.name!r} needs PolicyBatch.{name}, which is None")
-    _check_batch(batch)
+    check_batch(batch)
     if rule.loss is not None:
         return rule.loss(batch, **params)
     terms = MaskTerms(batch)
@@ -282,57 +279,14 @@ class MaskTerms:
         """Per-sequence mean of log(pi / mu): the log of the geometric-mean ratio (one value per row)."""
         return _seq_mean(D.log_ratio(self.pi_logprob, self.mu_logprob), self.valid)
 
-    def divergence(self, name: str, anchor: str = "mu") -> Tensor:
-        """The divergence ``name`` (:data:`DIVERGENCES`) between ``anchor`` ('mu' or 'old') and pi."""
-        return getattr(self, DIVERGENCES[name][anchor == "old"])
 
-
-def _present(batch: PolicyBatch, given: dict[str, Tensor] | None) -> set[str]:
+def present_fields(batch: PolicyBatch, given: dict[str, Tensor] | None) -> set[str]:
     """The PolicyBatch fields a mask can read: those not None, and the top-K lists when both top-K divergences are
     given (then the lists are not read)."""
     present = {f for f in PolicyBatch.__dataclass_fields__ if getattr(batch, f) is not None}
     if set(given or {}) >= MaskTerms.GIVEN:
         present |= {"mu_topk_logprobs", "pi_topk_logprobs"}
     return present
-
-
-def rules_with_inputs(batch: PolicyBatch, given: dict[str, Tensor] | None = None) -> list[str]:
-    """The registered rules whose inputs ``batch`` (with ``given``, see :class:`MaskTerms`) holds, sorted."""
-    present = _present(batch, given)
-    return [name for name in list_losses() if get_loss(name).needs <= present]
-
-
-def keep_masks(batch: PolicyBatch, rules: Iterable[str] | None = None, *,
-               params: dict[str, dict[str, Any]] | None = None,
-               given: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """Every named rule's keep-mask M ``(B, T)`` (padding False) on one batch, without its loss or metrics.
-
-    The same masks as ``get_loss(name)(batch, **params[name]).keep``, computed under ``torch.no_grad`` (not
-    ``inference_mode``: a caller may use the masks in a loss it backpropagates) from one :class:`MaskTerms`, so
-    the rules share their ratios, divergences and sequence context (the summaries compute every registered rule's
-    mask over every logged token this way). ``rules``: registered names (default: all); ``params``: per rule,
-    overrides of its defaults; ``given``: see :class:`MaskTerms`. The batch is checked once; a rule registered
-    without a mask function runs whole, its ``keep`` taken.
-    """
-    names = list_losses() if rules is None else list(rules)
-    params = params or {}
-    chosen = {name: get_loss(name) for name in names}
-    _check_batch(batch)
-    present = _present(batch, given)
-    out = {}
-    with torch.no_grad():
-        terms = MaskTerms(batch, given)
-        for name, rule in chosen.items():
-            merged = rule.resolve(**params.get(name, {}))
-            missing = sorted(rule.needs - (present if rule.mask is not None else _present(batch, None)))
-            if missing:
-                raise ValueError(f"loss rule {name!r} needs PolicyBatch.{missing[0]}, which is None")
-            if rule.mask is None:
-                out[name] = rule_loss(rule, batch, merged).keep
-                continue
-            keep = rule.mask(terms, **{p: merged[p] for p in rule.mask_params})
-            out[name] = keep & terms.valid
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
