@@ -18,6 +18,7 @@ from trustscope import columns as C
 from trustscope import runformat as S
 from trustscope.logger.batch import Batch
 from trustscope.logger.experts import RoutingPlan, check_fraction
+from trustscope.logger.sampling import keep_hash
 from trustscope.runformat.errors import LogWarning, SchemaError
 
 TOKEN_INPUTS = tuple(c.name for c in C.TOKEN_COLUMNS if c.given != "logger")
@@ -121,18 +122,6 @@ def check_text(values: list[Any], name: str, where: str = "row", ids: Any = None
                 at = f"{where} {i if ids is None else ids[i]}"
                 raise Rejected(f"{name} at {at} is not valid UTF-8 text ({err.reason} at character {err.start}: "
                                f"{value[max(0, err.start - 10): err.start + 10]!r})") from None
-
-
-def keep_hash(seed: int, step: int, sample_id: np.ndarray) -> np.ndarray:
-    """A uniform value in [0, 1) per sample, from (seed, step, sample_id) alone (splitmix64), so ranks agree:
-    ``token_fraction`` keeps a sample's tokens below it, ``text_fraction`` its texts (so the one sample holds the
-    other when it is the larger)."""
-    with np.errstate(over="ignore"):
-        z = sample_id.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % 2**64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
 def _within(arr: np.ndarray, low: float, high: float, finite: bool = False) -> bool:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trustscope.logger.sampling import keep_hash
+
 SIDES = ("engine_experts", "trainer_experts", "router_experts")
 """The routed-expert list columns, ``(N, L, k)`` int16 in a call's columns."""
 
@@ -119,8 +121,6 @@ def derive(cols: dict[str, np.ndarray], step: int, plan: RoutingPlan) -> None:
     and the router's; faults with the engine's and the router's own pick, else the trainer's) and :data:`KEEP`.
     Rows whose engine routing is missing (all -1) get NaN agreement and replace rate (null on disk), first layer
     -2 and the ``fallback`` fault."""
-    from trustscope.logger.checks import keep_hash
-
     given = [s for s in SIDES if s in cols]
     if not given:
         return

@@ -862,7 +862,8 @@ class Writer:
     def _texts(self, step: int, s: dict[str, Any], n: int) -> dict[str, list[str | None]]:
         """The prompt and response texts the ``text_fraction`` sample keeps (the others None), decoded here from
         token ids where the call gave ids (:data:`trustscope.logger.checks.TEXT_IDS`)."""
-        from trustscope.logger.checks import TEXT_IDS, keep_hash
+        from trustscope.logger.checks import TEXT_IDS
+        from trustscope.logger.sampling import keep_hash
 
         keep = (np.flatnonzero(keep_hash(self.seed, step, np.asarray(s["sample_id"])) < self.text_fraction)
                 if self.text_fraction < 1.0 else np.arange(n))
