@@ -113,7 +113,7 @@ def replicate(run: Path, total_steps: int) -> None:
         for table, parts in by_step[logged[step % len(logged)]].items():
             for f, data in parts:
                 part = f.stem.rsplit("-p", 1)[1] if "-p" in f.stem else None
-                target = run / table / runformat.data_file_name(0, step, step, flush, None if part is None else int(part))
+                target = f.parent / runformat.data_file_name(0, step, step, flush, None if part is None else int(part))
                 column = data.schema.get_field_index("step")
                 moved = data.set_column(column, data.schema.field(column), pa.array(np.full(len(data), step)))
                 pq.write_table(moved, target, compression="zstd", row_group_size=131_072)
@@ -160,7 +160,7 @@ def polars_overview(run: Path):
     """The same per-step figures from the summaries and samples files, by polars (the baseline)."""
     import polars as pl
 
-    summ = pl.scan_parquet(str(run / "summaries" / "*.parquet"))
+    summ = pl.scan_parquet(str(run / "summaries" / "**" / "*.parquet")).filter(pl.col("dimension").is_null())
     tokens = summ.filter(pl.col("metric") == "tokens").group_by("step").agg(
         n_tokens=pl.col("count").sum(),
         n_grad=pl.col("count").filter(pl.col("advantage_sign") != "zero").sum())
@@ -172,7 +172,7 @@ def polars_overview(run: Path):
         entropy_sum=pl.col("sum").filter(pl.col("metric") == "entropy").sum(),
         entropy_n=pl.col("count").filter(pl.col("metric") == "entropy").sum())
     blocked = summ.filter(pl.col("metric") == "blocked").group_by("step", "rule").agg(n_blocked=pl.col("count").sum())
-    rewards = pl.scan_parquet(str(run / "samples" / "*.parquet")).group_by("step").agg(
+    rewards = pl.scan_parquet(str(run / "samples" / "**" / "*.parquet")).group_by("step").agg(
         reward_mean=pl.col("reward").mean())
     steps = tokens.join(moments, on="step").join(rewards, on="step").with_columns(
         mismatch_mean=pl.col("mismatch_sum") / pl.col("mismatch_n"), bad_rate=pl.col("n_bad") / pl.col("n_tokens"),

@@ -132,8 +132,12 @@ def actor_child(shape_name: str, tokens: int, agreement: float, out: Path, route
     block = 65536
     engine, trainer = routing(np.random.default_rng(1), block, shape, agreement)
     reps = -(-tokens // block)
-    engine = np.tile(engine, (reps, 1, 1))[:tokens].reshape(responses, length, *shape[:2])
-    trainer = np.tile(trainer, (reps, 1, 1))[:tokens].reshape(responses, length, *shape[:2])
+    # Each tile's expert ids relabelled (+ the tile's index, mod experts): distinct routing in every response, so
+    # the writer does not see one response's buffer reused by another (that would keep every row's lists).
+    relabel = np.repeat(np.arange(reps, dtype=np.int16), block)[:tokens, None, None]  # (tokens, 1, 1)
+    engine = ((np.tile(engine, (reps, 1, 1))[:tokens] + relabel) % shape[2]).reshape(responses, length, *shape[:2])
+    trainer = ((np.tile(trainer, (reps, 1, 1))[:tokens] + relabel) % shape[2]).reshape(responses, length,
+                                                                                      *shape[:2])
     rng = np.random.default_rng(0)
     mu = -rng.random((responses, length), dtype=np.float32)
     data = {"token_id": rng.integers(0, 151_936, (responses, length), dtype=np.int32), "mu_logprob": mu,
@@ -149,7 +153,14 @@ def actor_child(shape_name: str, tokens: int, agreement: float, out: Path, route
         call, call_cpu = time.perf_counter() - t0, time.thread_time() - c0
         logger.close()
         whole = time.perf_counter() - t0
-    return {"case": "actor" if routed else "actor-base", "shape": shape_name, "tokens": tokens,
+    kept = None
+    if routed:
+        import pyarrow.parquet as pq
+
+        files = sorted((out / "r" / "tokens").rglob("*.parquet"))
+        kept = sum(pq.read_table(f, columns=["engine_experts"]).column(0).null_count for f in files)
+        kept = 1.0 - kept / tokens  # the share of rows whose lists were written
+    return {"case": "actor" if routed else "actor-base", "shape": shape_name, "tokens": tokens, "lists_kept": kept,
             "input_gib": (engine.nbytes * 2) / 2**30 if routed else 0.0,
             "log_step_s": call, "log_step_cpu_s": call_cpu, "write_s": whole, "cpu_s": cpu.seconds(),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -216,7 +227,8 @@ def main() -> None:
                 print(f"{shape}: a {r['tokens']:,}-token step with {what} ({r['input_gib']:.2f} GiB of lists): "
                       f"log_step {r['log_step_s']:.2f} s wall, {r['log_step_cpu_s']:.2f} s CPU on the caller; the "
                       f"whole write {r['write_s']:.1f} s (writer thread {r['cpu_s']['writer thread']:.1f} CPU s, "
-                      f"encoders {r['cpu_s']['encoders']:.1f}); peak RSS {r['peak_rss_gib']:.1f} GiB")
+                      f"encoders {r['cpu_s']['encoders']:.1f}); peak RSS {r['peak_rss_gib']:.1f} GiB"
+                      + ("" if r["lists_kept"] is None else f"; lists kept on {r['lists_kept']:.1%} of the rows"))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
