@@ -474,6 +474,22 @@ def collapse_warnings(run_ids: Sequence[str]) -> pd.DataFrame:
                                     signals=_early_signals(tuple(run_ids)))
 
 
+@cached
+def _warning_causes(ours: LogDB, firsts: tuple[tuple[str, int], ...], window: int) -> dict[str, str]:
+    from trustscope.explain.warning import warning_causes as causes_of
+
+    warned = pd.DataFrame(list(firsts), columns=["run_id", "step"]).assign(warning=True)
+    return {run_id: cause.sentence() for run_id, cause in causes_of(ours, warned, window).items()}
+
+
+def warning_causes(warnings: pd.DataFrame) -> dict[str, str]:
+    """run_id -> the clause naming what drives its collapse warning (:mod:`trustscope.explain.warning`), for the
+    runs that warn in ``warnings`` (rows of :func:`collapse_warnings`)."""
+    on = warnings[warnings["warning"].astype(bool)]
+    firsts = tuple((str(r), int(s)) for r, s in on.groupby("run_id")["step"].min().items())
+    return _warning_causes(firsts, WARNING_LINES.window) if firsts else {}
+
+
 # ------------------------------------------------------------------------------------------------ token windows
 
 

@@ -108,8 +108,13 @@ def chart(fig: go.Figure | dict, key: str, empty: str) -> None:
         st.info(empty, icon=":material/info:")
 
 
+def _md(text: str) -> str:
+    """``text`` with Markdown's markup characters escaped, for a line of ``st.markdown``."""
+    return "".join("\\" + c if c in "\\`*_[]$<>#|~" else c for c in str(text))
+
+
 def warning_badge(run_ids: list[str]) -> None:
-    """A red badge per run whose collapse early warning holds (:func:`trustscope.early_warning.warning_outcome`:
+    """A red line per run whose collapse early warning holds (:func:`trustscope.early_warning.warning_outcome`:
     the reward then collapsed, or it is still on at the last step), with the first step, why it fired and why it
     holds; a grey line per run whose warning fired but was not borne out, with the figures that say so (the
     report's ``!`` marks the same runs). In an expander when many."""
@@ -117,6 +122,8 @@ def warning_badge(run_ids: list[str]) -> None:
         return
     warnings = data.collapse_warnings(run_ids)
     firsts = early_warning.first_warnings(warnings)
+    causes = {}  # BROKEN each warning names the cause that drives it (trustscope explain)
+    firsts = {run_id: f"{text}; {causes[run_id]}" if run_id in causes else text for run_id, text in firsts.items()}
     lines, detector = data.WARNING_LINES, early_warning.DETECTOR
     how = lines.describe()
     if warnings["score"].notna().any():
@@ -133,12 +140,15 @@ def warning_badge(run_ids: list[str]) -> None:
              f":material/info: No collapse warning holds ({len(firsts)} of {len(run_ids)} runs warned, not borne out)")
     if held and len(held) < len(firsts):
         title += f" ({len(firsts) - len(held)} more warned, not borne out)"
-    where = st.expander(title, expanded=0 < len(held) <= 2) if len(firsts) > 1 else st.container()
+    # open where the few lines under it are all warnings that hold; closed under a title that counts them otherwise
+    where = (st.expander(title, expanded=0 < len(held) == len(firsts) <= 2) if len(firsts) > 1
+             else st.container())
     with where:
-        for run_id in held:
-            st.badge(f"{run_id}: {firsts[run_id]}: {outcomes[run_id][1]}", icon=":material/warning:", color="red")
+        for run_id in held:  # why it holds first, in red; then when and why it fired (a line that wraps, not cut)
+            st.markdown(f":red[:material/warning: **{_md(run_id)}**: {_md(outcomes[run_id][1])}.] "
+                        f"{_md(firsts[run_id][:1].upper() + firsts[run_id][1:])}.")
         for run_id in (r for r in firsts if r not in held):
-            st.caption(f"{run_id}: {firsts[run_id]}, {outcomes[run_id][1]}.")
+            st.caption(_md(f"{run_id}: {firsts[run_id]}, {outcomes[run_id][1]}."))
         st.caption(f"A step warns when {', or '.join(how)}. A warning holds where the reward then fell to half its "
                    "best or the warning is still on at the last step. A prompt to look, not a verdict: "
                    "docs/experiments.md counts how often each warning came before a collapse and how often it "
