@@ -19,6 +19,7 @@ each given ``--timeout`` seconds, and compares their per-step blocked counts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ import pyarrow.parquet as pq
 
 from bench import common
 from trustscope import db as tsdb
+from trustscope import runformat
 from trustscope.losses import get_loss
 from trustscope.synthetic import SyntheticConfig, generate_run
 
@@ -210,22 +212,29 @@ def write_log(logdir: Path, n_tokens: int, base_tokens: int) -> None:
     generate_run(logdir, "run0", SyntheticConfig(tokens=min(base_tokens, n_tokens), steps=BASE_STEPS,
                                                  edge_cases=False, drift=0.12))
     run = logdir / "run0"
-    base = {table: sorted((run / table).glob("*.parquet")) for table in ("tokens", "samples", "steps")}
+    base = {table: sorted((run / table).rglob("*.parquet")) for table in ("tokens", "samples", "steps")}
     copies = max(1, round(n_tokens / sum(pq.read_metadata(f).num_rows for f in base["tokens"])))
-    for table, files in base.items():
-        for f in files:
-            data = pq.read_table(f)
-            # the footer's own keys too (the flush counts, the tokens' blocked_rules list), as the logger wrote them
-            footer = {k: v for k, v in (pq.read_metadata(f).metadata or {}).items() if not k.startswith(b"ARROW:")}
-            data = data.replace_schema_metadata({**(data.schema.metadata or {}), **footer})
-            step = data.column("step")
-            for k in range(1, copies):
+    manifest = json.loads((run / runformat.MANIFEST).read_text())
+    flush, rows = int(manifest["committed_flush"]), dict(manifest["rows"])
+    for k in range(1, copies):
+        flush += 1  # each copy a committed flush of its own, as the logger numbers them
+        for table, files in base.items():
+            for f in files:
+                data = pq.read_table(f)
+                # the footer's own keys too (the flush counts, the tokens' blocked_rules list), as the logger wrote them
+                footer = {k: v for k, v in (pq.read_metadata(f).metadata or {}).items() if not k.startswith(b"ARROW:")}
+                data = data.replace_schema_metadata({**(data.schema.metadata or {}), **footer})
+                step = data.column("step")
                 shifted = data.set_column(data.schema.get_field_index("step"), "step",
                                           pc.add(step, k * BASE_STEPS).cast(step.type))
-                # no flush number: always read; the part (p00, p01: the logger's two encoders) kept in the name
-                part = f.stem.rsplit("-", 1)[-1] if "-p" in f.stem else "p00"
-                name = f"r0000-s{k * BASE_STEPS:08d}-{(k + 1) * BASE_STEPS - 1:08d}-copy{k:04d}-{part}.parquet"
-                pq.write_table(shifted, run / table / name, compression="zstd")
+                part = int(f.stem.rsplit("-p", 1)[1]) if "-p" in f.stem else None  # the encoders' parts kept
+                name = runformat.data_file_name(0, k * BASE_STEPS, (k + 1) * BASE_STEPS - 1, flush, part)
+                pq.write_table(shifted, f.parent / name, compression="zstd")  # beside its source: the rank folder
+                rows[table] += len(data)
+    manifest.update(committed_flush=flush, last_step=copies * BASE_STEPS - 1, rows=rows)
+    tmp = run / f".{runformat.MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest))
+    tmp.replace(run / runformat.MANIFEST)
     print(f"wrote {n_tokens:,} tokens ({copies} copies of the base) in {time.perf_counter() - start:.0f} s")
 
 
@@ -234,9 +243,9 @@ def bench_size(n_tokens: int, workdir: Path, repeat: int, base_tokens: int) -> l
     if not (logdir / "run0" / "run.json").exists():
         shutil.rmtree(logdir, ignore_errors=True)
         write_log(logdir, n_tokens, base_tokens)
-    files = sorted((logdir / "run0" / "tokens").glob("*.parquet"))
+    files = sorted((logdir / "run0" / "tokens").rglob("*.parquet"))
     rows = sum(pq.read_metadata(f).num_rows for f in files)
-    glob = str(logdir / "run0" / "tokens" / "*.parquet")
+    glob = str(logdir / "run0" / "tokens" / "**" / "*.parquet")
     cache = Path(tempfile.mkdtemp(prefix="ts-bench-cache-"))
     db = tsdb.connect(logdir, cache_dir=cache)
     analyses = {
@@ -294,7 +303,7 @@ def cold_pass_once(engine: str, logdir: Path, out: Path) -> None:
             db.step_summary().to_parquet(out)
         shutil.rmtree(cache, ignore_errors=True)
     else:
-        steps = polars_queries(str(logdir / "run0" / "tokens" / "*.parquet"))["cold_pass"]()[0]
+        steps = polars_queries(str(logdir / "run0" / "tokens" / "**" / "*.parquet"))["cold_pass"]()[0]
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         extra = {}
         steps.write_parquet(out)
@@ -325,6 +334,9 @@ def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: f
         answers[engine] = out
     if len(answers) == 2:
         check_same_counts(pd.read_parquet(answers["duckdb"]), pl.read_parquet(answers["polars"]))
+
+
+QUICK = ["--tokens", "200_000", "--base-tokens", "100_000", "--repeat", "1", "--workdir", "/tmp/ts_queries_quick"]
 
 
 def main() -> None:
