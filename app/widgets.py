@@ -122,7 +122,7 @@ def warning_badge(run_ids: list[str]) -> None:
         return
     warnings = data.collapse_warnings(run_ids)
     firsts = early_warning.first_warnings(warnings)
-    causes = {}  # BROKEN each warning names the cause that drives it (trustscope explain)
+    causes = data.warning_causes(warnings)  # each warning names the cause that drives it (trustscope explain)
     firsts = {run_id: f"{text}; {causes[run_id]}" if run_id in causes else text for run_id, text in firsts.items()}
     lines, detector = data.WARNING_LINES, early_warning.DETECTOR
     how = lines.describe()
