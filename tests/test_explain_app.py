@@ -78,3 +78,25 @@ def test_chart_builder_draws_only_what_is_measured(logdir):
         assert len(trace.x) == len(got["windows"])
     totals = [sum(t.y[i] for t in fig.data) for i in range(len(got["windows"]))]
     assert totals == pytest.approx([1.0] * len(totals))
+
+
+
+@pytest.mark.slow
+def test_the_warning_badge_names_the_driving_cause(monkeypatch, tmp_path):
+    """A run clean for five steps, then with stale responses, warns (the lines over 3 steps): the dashboard's
+    warning line says it is driven by staleness."""
+    from app import data
+    from trustscope.early_warning import WarningLines
+
+    write_run(tmp_path, "stale-late", InjectConfig(causes={"stale": 0.7}, steps=9, responses=8, length=16, onset=5,
+                                                   seed=3))
+    monkeypatch.setattr(data, "WARNING_LINES", WarningLines(window=3))
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))
+    at = AppTest.from_file(str(MAIN), default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("views/bad_updates.py")
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    lines = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    warned = [line for line in lines if "stale-late" in line and "ollapse warning from step 5" in line]
+    assert len(warned) == 1 and "; driven by staleness (" in warned[0], "\n".join(lines)
