@@ -23,6 +23,7 @@ Use::
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -788,5 +789,10 @@ def _json_default(v: Any) -> Any:
     return float(v) if isinstance(v, int | float) else str(v)
 
 
-# The detectors of trustscope explain's causes declare their checks (cause_*) here, after the built-in ones.
-import trustscope.explain.detect  # noqa: E402, F401
+CHECK_MODULES = ("trustscope.explain.detect",)
+"""Modules above this one that declare further checks (:func:`register_check`; trustscope explain's detectors, the
+cause_* checks), imported by name after the built-in ones: they import this module, so this one names them only
+(the layers run one way)."""
+
+for _module in CHECK_MODULES:
+    importlib.import_module(_module)
