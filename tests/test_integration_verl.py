@@ -783,6 +783,7 @@ def test_attach_logs_verls_v1_trainer_through_transfer_queue(tmp_path):
                                ray_cls_with_init=RayClassWithInitArgs(_ray_actor_class(), pi=pi))
         trainer = object.__new__(PPOTrainerSync)
         trainer.config, trainer.tokenizer, trainer.global_steps, trainer.actor_rollout_wg = cfg, None, 3, group
+        trainer.parameter_sync_step, trainer.local_trigger_step = 1, 0  # as verl's __init__ sets them: one update
         metrics: dict = {"training/off_policy/evicted_samples": 2.0, "training/num_turns/mean": 1.0}
         with tv.attach(trainer, tmp_path, run_id="v1-run") as run:
             out = trainer._update_actor(meta, metrics)
