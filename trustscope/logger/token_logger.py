@@ -145,6 +145,8 @@ class TokenLogger:
                              "declared for a mixture-of-experts model")
         from trustscope.logger.experts import check_fraction
 
+        if routing_fraction is None and routing_shape is not None and not summaries:
+            routing_fraction = 1.0  # no summaries: the routing figures are read from the token rows, so all of them
         routing_fraction = check_fraction(routing_fraction, routing_shape)  # ValueError naming it
         self.run_id = run_id or f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
         if not set(self.run_id) <= RUN_ID_OK or self.run_id.startswith("."):
