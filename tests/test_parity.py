@@ -235,12 +235,13 @@ def test_logger_refuses_bad_routing_naming_field_and_shapes(tmp_path):
     with TokenLogger(tmp_path, "moe", routing_shape=SHAPE) as logger:
         good = dict(tokens)
         logger.log_step(0, tokens=good)
-        with pytest.raises(SchemaError, match=r"tokens\['trainer_experts'\] has shape \(30, 2, 1\), the model "
-                                              r"routes \(N, 2, 2\)"):
+        with pytest.raises(SchemaError, match=r"tokens\['trainer_experts'\] has shape \(30, 2, 1\) \(token rows, "
+                                              r"MoE layers, top-k\), the run's routing_shape routes \(N, 2, 2\)"):
             logger.log_step(1, tokens=good | {"trainer_experts": good["trainer_experts"][..., :1]})
         bad = good["engine_experts"].copy()
         bad[2, 1, 0, 0] = 7
-        with pytest.raises(SchemaError, match=r"tokens\['engine_experts'\]: expert id 7 out of range \[0, 4\)"):
+        with pytest.raises(SchemaError, match=r"tokens\['engine_experts'\]: expert id 7 at sample_id \d+, pos \d+, MoE layer 0, "
+                                              r"slot 0 is out of range \[0, 4\)"):
             logger.log_step(1, tokens=good | {"engine_experts": bad})
         with pytest.raises(SchemaError, match=r"tokens\['engine_experts'\] must have shape \(B, T, L, k\)"):
             logger.log_step(1, tokens=good | {"engine_experts": bad[..., 0]})
