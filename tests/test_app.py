@@ -634,6 +634,7 @@ def test_mismatch_where_page_says_a_run_logs_the_engines_experts_alone(monkeypat
     import_run("slime", tmp_path / "dump", tmp_path / "logs", run_id="engine-only")
     at = _open(monkeypatch, tmp_path / "logs", "mismatch_where")
     _ok(at, "Where the mismatch lives")
-    assert sorted(c.key for c in _charts(at)) == ["blocked_position", "blocked_turn", "mismatch_position",
-                                                   "mismatch_turn"]
+    # slime's weight_versions give the import a policy version, so staleness is charted beside position and turn
+    assert sorted(c.key for c in _charts(at)) == ["blocked_position", "blocked_staleness", "blocked_turn",
+                                                   "mismatch_position", "mismatch_staleness", "mismatch_turn"]
     assert any("Run engine-only logs the engine's routed experts alone (115 token rows)" in i.value for i in at.info)
