@@ -646,3 +646,38 @@ def test_commit_step_commits_without_closing_and_cut_back_drops_the_later_steps(
     with pytest.raises(ResumeError, match=r"rank 0: flush \d+ holds steps 2-3, on both sides of step 2"):
         drop_steps_after(tmp_path / "c", 2)
     assert S.validate_logdir(tmp_path) == []
+
+
+def test_cut_back_first_rolls_forward_a_flush_a_killed_writer_left_half_in_place(tmp_path):
+    """A writer killed between committing a flush and renaming its files into place (the manifest's
+    ``publishing``) leaves part of the flush at its final names, part at temporary ones. A resume cut back before
+    that flush must remove all of it: recovery first rolls it forward, then the cut drops it, and the resumed
+    logger writes the later steps again (before, the half in place escaped the cut: "step 2 is not after step
+    3" at the resumed run's next step)."""
+    from trustscope.logger import drop_steps_after
+
+    tokens, mask, samples = make_step(5)
+    with TokenLogger(tmp_path, "half", flush_seconds=3600) as lg:
+        for step in range(4):
+            lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
+            if step != 2:  # steps 2 and 3 in one flush
+                lg.commit_step()
+    run = tmp_path / "half"
+    manifest = json.loads((run / S.MANIFEST).read_text())
+    late = sorted(p for p in run.rglob("*.parquet") if S.parse_data_file(p.name).first_step >= 2)
+    assert len(late) >= 2, late  # the flush of steps 2-3 in several tables
+    entries = []
+    for path in late[1:]:  # the first table's file landed, the others were still temporaries
+        tmp = path.with_name(path.name + ".tmp")
+        path.rename(tmp)
+        entries.append([str(tmp.relative_to(run)), str(path.relative_to(run)), 1])
+    entries.append([None, str(late[0].relative_to(run)), 1])
+    (run / S.MANIFEST).write_text(json.dumps({**manifest, "publishing": entries}))
+    assert drop_steps_after(run, 1, resume=True) >= len(late)
+    assert not [p for p in run.rglob("*.parquet*") if p in late or p.name.endswith(".tmp")]
+    with TokenLogger(tmp_path, "half", resume=True) as lg:
+        for step in (2, 3):
+            lg.log_step(step, tokens=tokens, mask=mask, samples=samples)
+    assert sorted(set(read(run, "tokens")["step"].to_pylist())) == [0, 1, 2, 3]
+    assert read(run, "tokens").num_rows == 4 * int(mask.sum())
+    assert S.validate_logdir(tmp_path) == []

@@ -41,6 +41,7 @@ from trustscope.runformat.layout import (
 )
 from trustscope.runformat.locks import NoLock, RunLock
 from trustscope.runformat.manifest import now, store_manifests
+from trustscope.runformat.recovery import recover_rank
 from trustscope.runformat.stores import RunStore, open_store
 
 
@@ -52,6 +53,8 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[
     ``run_dir`` is a local run folder or an ``s3://`` run prefix (``storage_options`` as for
     :class:`~trustscope.logger.TokenLogger`); ``ranks``: only these ranks (any container, e.g. a ``range``;
     default: every rank with a manifest).
+    Each rank is recovered first (:func:`~trustscope.runformat.recovery.recover_rank`: a flush a killed writer
+    committed but had not all renamed into place is rolled forward), so such a flush is cut like any other.
     A flush is removed whole, in every table, so the run keeps whole steps; a flush that holds steps on both sides
     of ``step`` is refused (a logger that commits each step, as the integrations' do, never writes one). Each
     rank's lock is held meanwhile: a rank that a live logger writes is refused (:class:`LogDirError`; object
@@ -83,7 +86,6 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[
                 if short_of(manifest, step):
                     del manifests[rank]
                     _record_short(store, run, run_id, rank, manifest, step)
-        committed = committed_files(run, fs=store.fs) if store.remote else committed_files(run)
         removed = 0
         for rank, manifest in manifests.items():
             lock = NoLock(store.url) if store.remote else RunLock(run, rank)
@@ -91,6 +93,10 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[
                 warnings.simplefilter("ignore", LogWarning)  # no lock on object storage: said at open already
                 lock.acquire(manifest.get("run_id", run_id), rank)
             try:
+                # what a killed writer left half done first (a committed flush not all renamed into place is
+                # rolled forward): cut before it, such a flush would stay half visible and escape the cut
+                recover_rank(store, run, rank, manifest)
+                committed = committed_files(run, fs=store.fs) if store.remote else committed_files(run)
                 changes, gone = cut_rank(store, run, rank, manifest, step, committed)
                 if changes is not None:
                     store.write_atomic(rank_file(run, rank), json.dumps({**manifest, **changes}, indent=2,
