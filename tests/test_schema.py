@@ -19,7 +19,9 @@ CONTRACT = {
     "tokens": ["run_id", "step", "rank", "sample_id", "prompt_id", "pos", "token_id", "mu_logprob", "old_logprob",
                "pi_logprob", "advantage", "entropy", "mu_topk_ids", "mu_topk_logprobs", "pi_topk_logprobs",
                "topk_tv", "topk_kl", "kept", "loss_rule", "blocked_rules", "policy_version", "turn", "engine_token_id",
-               "routing_agreement", "engine_experts", "trainer_experts"],
+               "routing_agreement", "engine_experts", "trainer_experts", "update_index", "rollout_rejected",
+               "is_weight", "policy_version_last", "router_experts", "routing_first_layer", "routing_replaced",
+               "routing_fault"],
     "samples": ["run_id", "step", "rank", "sample_id", "prompt_id", "prompt", "response", "reward", "advantage",
                 "length", "finish_reason"],
     "steps": ["run_id", "step", "rank", "name", "value"],
@@ -122,7 +124,7 @@ def test_ragged_topk_duplicate_keys_and_foreign_run(good_logdir):
     problems = S.validate_logdir(good_logdir)
     text = "\n".join(map(str, problems))
     assert "pi_topk_logprobs and mu_topk_ids lists differ in length on 1 row(s)" in text
-    assert "duplicate key(s) ('run_id', 'step', 'sample_id', 'pos')" in text
+    assert "duplicate key(s) ('run_id', 'step', 'sample_id', 'pos', 'update_index')" in text
     assert f"{flat / 'foreign.parquet'}: run_id 'other' in a file of run 'good'" in text
     assert f"{path.with_name('by-hand.parquet')}: read by tools that list the folder" in text
 
