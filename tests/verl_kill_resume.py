@@ -7,9 +7,11 @@ four steps uninterrupted. Used by tests/test_integration_verl.py.
     python tests/verl_kill_resume.py LOGDIR kill|resume|whole
 """
 
+import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -17,6 +19,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_integration_verl import LocalActorGroup, local_trainer, make_batch, ppo_config
 
 from trustscope.integrations import verl as tv
+
+
+def settled(run_dir: Path, step: int, timeout_s: float = 120.0) -> None:
+    """Wait until every rank's manifest commits ``step``: commits are the writer threads' (the training never waits
+    on them), so the kill lands after the checkpoint's step is on disk, the case this script stands for (a log that
+    ends before the checkpoint is a ``resume_log_short`` incident, tests/test_logger_incidents.py)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ranks = [json.loads(p.read_text()) for p in [run_dir / "run.json", *(run_dir / "ranks").glob("*.json")]]
+        except (OSError, ValueError):
+            ranks = []
+        if len(ranks) >= 2 and all((r.get("last_step") or -1) >= step for r in ranks):
+            return
+        time.sleep(0.02)
 
 
 class KilledActorGroup(LocalActorGroup):
@@ -31,6 +48,7 @@ class KilledActorGroup(LocalActorGroup):
 
         def loss_fn(**kw):
             if calls and self.step == self.kill_at:
+                settled(Path(sys.argv[1]) / "killed", self.kill_at - 1)
                 os.kill(os.getpid(), signal.SIGKILL)
             calls.append(1)
             return hook(**kw)
