@@ -75,7 +75,7 @@ def _demo_logs(tmp_path_factory) -> Path:
     return logdir
 
 
-@pytest.fixture(scope="module", params=["sample_logs", "demo"])
+@pytest.fixture(scope="module", params=["sample_logs", pytest.param("demo", marks=pytest.mark.heavy)])
 def logdir(request, tmp_path_factory) -> tuple[str, Path]:
     make = _sample_logs if request.param == "sample_logs" else _demo_logs
     return request.param, make(tmp_path_factory)

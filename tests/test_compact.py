@@ -350,6 +350,7 @@ def _timed_compaction(pristine: Path, where: Path) -> tuple[float, int]:
         os.replace, Path.unlink = real_replace, real_unlink
 
 
+@pytest.mark.heavy  # a minute and more on 2 cores: .ci/run's heavy step
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_sigkill_at_random_moments_of_a_compaction(small, tmp_path, monkeypatch):
     """50 kills, half at a random moment, half at a random rename or delete: nothing lost, nothing doubled,

@@ -559,7 +559,7 @@ def test_server_mode_topk_is_the_servers_and_clip_metric_is_trls(server_run):
             assert max(abs(a - b) for a, b in zip(mu_k, pi_k, strict=True)) < 1e-3, (step, ids)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # minutes on 2 cores: .ci/run's heavy step
 def test_a_run_killed_mid_step_resumes_from_trls_checkpoint_with_each_step_once(toy_model_dir, tmp_path):
     """SIGKILL in the middle of step 3 (the checkpoint is step 2's), then TRL's resume_from_checkpoint with
     attach(resume=True): every step's rows are there once, as many per step as in an uninterrupted run."""

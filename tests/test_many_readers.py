@@ -70,6 +70,7 @@ def test_process_tree_rss_counts_the_children():
         child.wait()
 
 
+@pytest.mark.heavy  # minutes on 2 cores: .ci/run's heavy step
 def test_sessions_at_once_read_every_page_while_a_run_logs(tmp_path):
     bench = _bench()
     logdir = _logs(tmp_path)
