@@ -21,6 +21,8 @@ import torch
 import verl
 from omegaconf import OmegaConf
 from verl import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.trainer.ppo import core_algos
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
@@ -607,35 +609,34 @@ def test_attach_adds_the_step_summaries_to_verls_step_metrics(tmp_path):
     assert {"trustscope/warning", "trustscope/warning/bad_rate_z", "trustscope/warning/mismatch_z"} <= set(metrics)
 
 
-def _ray_actor_class():
+class ToyActor(Worker):
     """A verl ``Worker`` that trains like ``ActorRolloutRefWorker.update_actor`` with the model's forward replaced.
 
     ``set_loss_fn`` (ONE_TO_ALL) and ``update_actor`` taking a TensorDict are the two worker methods the trainer
     and :func:`attach` call; the body follows ``TrainingWorker.train_mini_batch`` and the engine's
-    ``forward_backward_batch``.
+    ``forward_backward_batch``. It lives at module level, as verl's own workers do, so Ray pickles it by
+    reference: a class pickled by value would carry the driver's copy of verl's TransferQueue globals
+    (``TQ_INITIALIZED`` from an earlier test) into the worker, which then never connects its own client.
     """
+
+    def __init__(self, pi):
+        super().__init__()
+        self.pi, self.loss_fn = pi, None
+        self._register_dispatch_collect_info(mesh_name="actor", dp_rank=self.rank, is_collect=self.rank == 0)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_loss_fn(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data):
+        output = train_mini_batch(self.loss_fn, data, self.pi, self.rank, self.world_size)
+        return output if self.rank == 0 else None
+
+
+def _ray_actor_class():
+    """:class:`ToyActor` as a Ray actor class."""
     import ray
-    from verl.single_controller.base import Worker
-    from verl.single_controller.base.decorator import (
-        Dispatch,
-        make_nd_compute_dataproto_dispatch_fn,
-        register,
-    )
-
-    class ToyActor(Worker):
-        def __init__(self, pi):
-            super().__init__()
-            self.pi, self.loss_fn = pi, None
-            self._register_dispatch_collect_info(mesh_name="actor", dp_rank=self.rank, is_collect=self.rank == 0)
-
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def set_loss_fn(self, loss_fn):
-            self.loss_fn = loss_fn
-
-        @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
-        def update_actor(self, data):
-            output = train_mini_batch(self.loss_fn, data, self.pi, self.rank, self.world_size)
-            return output if self.rank == 0 else None
 
     return ray.remote(ToyActor)
 
