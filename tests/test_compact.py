@@ -623,3 +623,31 @@ def test_compact_every_is_zero_or_at_least_two(tmp_path):
             TokenLogger(tmp_path, "bad", compact_every=bad)
     with pytest.raises(ValueError, match="fanin"):
         C.plan([], full=False, fanin=1)
+
+
+def test_a_doctor_read_whose_files_a_compaction_swaps_away_lists_them_again(pristine, tmp_path, monkeypatch):
+    """The doctor's checks (and the dashboard's Explain page, which runs them) read through a cursor whose file
+    list is taken when it opens; a compaction that swaps the rank folder between that listing and the read (a live
+    run with ``compact_every``, a ``trustscope compact``) leaves the listed flush files gone. The read lists the
+    files again and answers as before; without that, the page showed "No such file or directory"."""
+    from trustscope import doctor
+    from trustscope.db import connect
+
+    run = copy_of(pristine, tmp_path / "log")
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    with connect(run.parent) as db:
+        before = doctor.measure(db, "alignment.sql")[RUN]
+        opened = db.cursor
+        swapped = []
+
+        def cursor_then_compaction(**analysis):
+            cur = opened(**analysis)
+            if not swapped:  # the first cursor's files listed, then the folder swapped under it
+                swapped.append(C.compact_logdir(run.parent, grace_s=0))
+            return cur
+
+        monkeypatch.setattr(db, "cursor", cursor_then_compaction)
+        after = doctor.measure(db, "alignment.sql")[RUN]
+    assert swapped and n_files(run) == len(S.TABLES)  # one compacted file a table: the listed ones are gone
+    assert before["n_tokens"] == after["n_tokens"] == STEPS * B * T
+    assert before.keys() == after.keys()

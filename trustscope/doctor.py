@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trustscope.db import SQL_DIR, LogDB, connect
+from trustscope.query.connection import again_if_swapped
 
 DOCTOR_SQL_DIR = SQL_DIR / "doctor"
 
@@ -89,6 +90,7 @@ within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
 
 if TYPE_CHECKING:
     import pandas as pd
+    import pyarrow as pa
 
 
 @dataclass(frozen=True)
@@ -648,12 +650,18 @@ def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_ste
             **params: float) -> dict[str, dict[str, Any]]:
     """Run ``sql/doctor/<sql>`` with bound parameters over ``run_ids`` (or all runs) from ``first_step`` on (or
     all steps); one row per run, keyed by run_id."""
-    cur = db.cursor()
-    try:
-        bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
-        table = cur.sql((DOCTOR_SQL_DIR / sql).read_text(), params=bound).to_arrow_table()
-    finally:
-        cur.close()
+    text = (DOCTOR_SQL_DIR / sql).read_text()
+    bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
+
+    def read() -> pa.Table:  # each try a fresh cursor: the files listed again
+        cur = db.cursor()
+        try:
+            return cur.sql(text, params=bound).to_arrow_table()
+        finally:
+            cur.close()
+
+    # a compaction may swap a rank folder between the cursor's listing and the read (a live run, compact_every)
+    table = again_if_swapped(read)
     return {row["run_id"]: row for row in table.to_pylist()}
 
 
