@@ -17,7 +17,7 @@ slow=0
 # server would run the venv's TRL), the vLLM colocate path (TRL 1.10 takes vLLM 0.17-0.26, the venv has 0.32), the
 # engine log-prob test (TRL 1.10 itself cannot take an unscored token's None log-prob), the two that compare with
 # the test's recordings of TRL's forwards (their keys do not match under 1.10: not yet looked into) and the
-# killed-and-resumed run (minutes; run against the venv's TRL by scripts/test.sh)
+# killed-and-resumed run (minutes; run against the venv's TRL by .ci/run's last step)
 TRL_SLOW_NOT="not server_mode and not vllm_path and not engine_logprobs and not logged_pi and not topk_forward"
 TRL_SLOW_NOT+=" and not killed_mid_step"
 
