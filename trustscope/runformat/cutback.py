@@ -86,6 +86,10 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[
                 if short_of(manifest, step):
                     del manifests[rank]
                     _record_short(store, run, run_id, rank, manifest, step)
+        def listed() -> dict[str, list[Path]]:
+            return committed_files(run, fs=store.fs) if store.remote else committed_files(run)
+
+        committed = listed()
         removed = 0
         for rank, manifest in manifests.items():
             lock = NoLock(store.url) if store.remote else RunLock(run, rank)
@@ -94,9 +98,10 @@ def drop_steps_after(run_dir: str | os.PathLike, step: int, *, ranks: Container[
                 lock.acquire(manifest.get("run_id", run_id), rank)
             try:
                 # what a killed writer left half done first (a committed flush not all renamed into place is
-                # rolled forward): cut before it, such a flush would stay half visible and escape the cut
-                recover_rank(store, run, rank, manifest)
-                committed = committed_files(run, fs=store.fs) if store.remote else committed_files(run)
+                # rolled forward): cut before it, such a flush would stay half visible and escape the cut. The
+                # run is listed again only where recovery changed something (it says what it did)
+                if recover_rank(store, run, rank, manifest):
+                    committed = listed()
                 changes, gone = cut_rank(store, run, rank, manifest, step, committed)
                 if changes is not None:
                     store.write_atomic(rank_file(run, rank), json.dumps({**manifest, **changes}, indent=2,
