@@ -34,7 +34,6 @@ from app.launch import FOCUS_ENV, LOGDIR_ENV, default_logdir
 from trustscope import db, early_warning, figures, report, runformat
 from trustscope.db import LogDB, Overview
 from trustscope.losses import list_losses
-from trustscope.query.connection import again_if_swapped
 from trustscope.rule_settings import SETTINGS_ENV, rule_params_of
 
 if TYPE_CHECKING:
@@ -680,15 +679,11 @@ def run_sql(sql: str) -> SqlResult:
 @cached
 def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
     """``column, type`` of one view (for the SQL console's column browser)."""
-    def bind() -> pd.DataFrame:  # each try a fresh cursor: files a compaction swapped away are listed again
-        cur = ours.cursor()
-        try:
-            rel = cur.view(view)
-            return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
-        finally:
-            cur.close()
+    def columns(cur: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+        rel = cur.view(view)
+        return pd.DataFrame({"column": rel.columns, "type": [str(t) for t in rel.types]})
 
-    return again_if_swapped(bind)
+    return ours.read(columns)  # read again where a compaction swapped a rank folder under the read
 
 
 # ------------------------------------------------------------------------------------------------ by dimension

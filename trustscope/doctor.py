@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trustscope.db import SQL_DIR, LogDB, connect
-from trustscope.query.connection import again_if_swapped
 
 DOCTOR_SQL_DIR = SQL_DIR / "doctor"
 
@@ -90,7 +89,6 @@ within :data:`SAME_NATS` on this share, no mismatch is measurable (warn)."""
 
 if TYPE_CHECKING:
     import pandas as pd
-    import pyarrow as pa
 
 
 @dataclass(frozen=True)
@@ -652,16 +650,8 @@ def measure(db: LogDB, sql: str, run_ids: Sequence[str] | None = None, first_ste
     all steps); one row per run, keyed by run_id."""
     text = (DOCTOR_SQL_DIR / sql).read_text()
     bound = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step, **params}
-
-    def read() -> pa.Table:  # each try a fresh cursor: the files listed again
-        cur = db.cursor()
-        try:
-            return cur.sql(text, params=bound).to_arrow_table()
-        finally:
-            cur.close()
-
-    # a compaction may swap a rank folder between the cursor's listing and the read (a live run, compact_every)
-    table = again_if_swapped(read)
+    # read again where a compaction swapped a rank folder under the read (a live run with compact_every)
+    table = db.read(lambda cur: cur.sql(text, params=bound).to_arrow_table())
     return {row["run_id"]: row for row in table.to_pylist()}
 
 

@@ -282,6 +282,21 @@ class LogDB(NamedAnalyses):
         """
         return self._cursor(None, **analysis)
 
+    def read(self, read: Callable[[duckdb.DuckDBPyConnection], _R], **analysis: float) -> _R:
+        """``read(cursor)`` on a fresh :meth:`cursor` (``analysis`` as there), closed after; run again on a new
+        cursor, its files listed again, when a file it listed went in the meantime (a compaction swapped a rank
+        folder between the listing and the read, see :func:`again_if_swapped`). The way to read through SQL of
+        one's own while a run may be compacting."""
+
+        def once() -> _R:
+            cur = self.cursor(**analysis)
+            try:
+                return read(cur)
+            finally:
+                cur.close()
+
+        return again_if_swapped(once)
+
     def _cursor(self, tokens: Sequence[Path] | None, **analysis: float) -> duckdb.DuckDBPyConnection:
         cur = self.con.cursor()
         self._prepare(cur, tokens, **analysis)
