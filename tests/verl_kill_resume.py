@@ -31,7 +31,7 @@ def settled(run_dir: Path, step: int, timeout_s: float = 120.0) -> None:
             ranks = [json.loads(p.read_text()) for p in [run_dir / "run.json", *(run_dir / "ranks").glob("*.json")]]
         except (OSError, ValueError):
             ranks = []
-        if len(ranks) >= 2 and all((r.get("last_step") or -1) >= step for r in ranks):
+        if len(ranks) >= 2 and all(r.get("last_step") is not None and r["last_step"] >= step for r in ranks):
             return
         time.sleep(0.02)
 
