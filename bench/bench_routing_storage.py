@@ -23,9 +23,9 @@ the logger's CPU a step by thread (:class:`logger_cpu.LoggerCPU`: the caller ins
 thread, the encoders) and what it adds over ``base``, scaled to a 2M-token step (linear in tokens).
 
 ``--actor-tokens N``: two more cases per shape of ``--actor-shapes``: a step of N tokens without routing (the
-baseline), then the same step with both sides' lists (int16 numpy arrays, the caller's memory: ``log_step`` copies
-them); the wall and CPU time of ``log_step`` alone (the checks and the copy, what waits on the training thread),
-and of the step's whole write.
+baseline), then the same step with both sides' lists (int16 numpy arrays, the caller's memory: ``log_step`` lends
+them to the writer thread, :class:`trustscope.logger.experts.Lent`); the wall and CPU time of ``log_step`` alone
+(the checks, what waits on the training thread), and of the step's whole write.
 ``--json`` writes every measurement.
 """
 

@@ -73,7 +73,8 @@ such as a lone surrogate) raises :class:`trustscope.runformat.errors.SchemaError
 the value; with ``strict=False`` it warns (:class:`LogWarning`) and drops the bad token rows (or the whole call when
 the problem is not in a row). Nothing already written is touched.
 
-``log_step`` copies the data (tensors go to CPU numpy), checks it and puts it on a bounded queue; a background
+``log_step`` copies the data (tensors go to CPU numpy), checks it and puts it on a bounded queue (routed-expert
+lists, the one input too large to copy, are lent instead and guarded: ``copy_routing`` below); a background
 thread turns it into Arrow and writes one file per table and flush: when a new step begins after ``flush_rows``
 token rows are buffered or ``flush_seconds`` passed (so these flushes never split a step), when idle for
 ``flush_seconds``, on :meth:`flush` and on :meth:`close`. What waits in memory is bounded (``max_buffered_rows``
@@ -122,6 +123,10 @@ on_full="block", block_timeout_s=60.0, seed=0, row_group_size=131072, fsync=True
   ``block_timeout_s`` seconds, ``None`` for no limit, then drop) or ``"drop"`` (drop its trailing whole sequences,
   with a :class:`LogWarning`). All recorded in the manifest's ``logging``; see "Bounded memory" in
   ``docs/logging.md``.
+- ``copy_routing=True``: copy routed-expert lists at the call. By default they are lent to the writer thread (no
+  copy on the caller; :class:`trustscope.logger.experts.Lent`): a lent buffer the caller changes before the writer
+  read it loses that call's routing columns, as the ``routing_buffer_changed`` incident, and routing is copied
+  from then on. :func:`trustscope.logger.experts.handoff` hands over a buffer the caller will not touch again.
 - ``write_threads``: how many files of the ``tokens`` table each flush encodes side by side, each on its own
   thread (default 2 where the process may use two cores, else 1); the row groups go to them in turn and the
   files are named ``...-f<flush>-p<part>.parquet``. The other tables are small and written as one file.

@@ -17,7 +17,7 @@ import pyarrow as pa
 from trustscope import columns as C
 from trustscope import runformat as S
 from trustscope.logger.batch import Batch
-from trustscope.logger.experts import RoutingPlan, check_fraction
+from trustscope.logger.experts import Handoff, Lent, RoutingPlan, check_fraction
 from trustscope.logger.sampling import keep_hash
 from trustscope.runformat.errors import LogWarning, SchemaError
 
@@ -164,14 +164,20 @@ class _RowChecker:
 
 def _flatten_tokens(
     tokens: Mapping[str, Any], mask: Any, either: tuple[str, ...] = MAYBE_PER_SEQUENCE,
-    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS),
+    text: frozenset[str] = frozenset(), lists: frozenset[str] = frozenset(S.TOPK_COLUMNS), lend: bool = False,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """Token columns as flat rows. Returns (columns, row -> sequence index b, row -> pos, lengths (B,)).
 
     Per-token columns become ``(N,)``, list columns (``lists``: top-K, a list per token) ``(N, K)``, per-sequence
     columns (and the ``either`` columns given ``(B,)``) are broadcast. ``text``: the string columns (kept as object
-    arrays).
+    arrays). ``lend``: padded routed-expert lists are not copied but lent (:class:`~trustscope.logger.experts.Lent`,
+    read on the writer thread). A value wrapped in :func:`~trustscope.logger.experts.handoff` is the logger's: kept
+    without a copy.
     """
+    tokens = {name: value for name, value in tokens.items()}
+    given = {name for name, value in tokens.items() if isinstance(value, Handoff)}
+    for name in given:
+        tokens[name] = tokens[name].value
     if "token_id" not in tokens:
         raise Rejected("tokens['token_id'] is required")
     if isinstance(tokens["token_id"], (list, tuple)) and (mask is None or isinstance(mask, (list, tuple))):
@@ -202,16 +208,25 @@ def _flatten_tokens(
     for name, value in tokens.items():
         arr = _to_numpy(value, f"tokens[{name!r}]", name in text)
         label = f"tokens[{name!r}]"
+        owned = name in given or _fresh(value)
         if name in lists:
             if arr.ndim != 3 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, K) = ({B}, {T}, K), got {arr.shape}")
             flat = arr.reshape(B * T, -1)
-            cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
+            cols[name] = (flat if owned else flat.copy()) if full else arr[b, t]
         elif name in ROUTING:
             if arr.ndim != 4 or arr.shape[:2] != (B, T):
                 raise Rejected(f"{label} must have shape (B, T, L, k) = ({B}, {T}, MoE layers, top-k), got {arr.shape}")
+            if lend or owned:  # read on the writer thread: no copy here, the mask's gather there
+                if full:
+                    flat = arr.reshape(B * T, *arr.shape[2:])  # (N, L, k), a view unless arr is not contiguous
+                    owned = owned or not np.may_share_memory(flat, arr)
+                    cols[name] = Lent(flat, slice(0, B * T), value, guard=not owned)
+                else:
+                    cols[name] = Lent(arr, (b, t), value, guard=not owned)
+                continue
             flat = arr.reshape(B * T, *arr.shape[2:])  # (N, L, k)
-            cols[name] = (flat if _fresh(value) else flat.copy()) if full else arr[b, t]
+            cols[name] = (flat if owned else flat.copy()) if full else arr[b, t]
         elif name in PER_SEQUENCE or (name in either and arr.ndim == 1):
             if arr.shape != (B,):
                 raise Rejected(f"{label} must have shape (B,) = ({B},), got {arr.shape}")
@@ -219,7 +234,7 @@ def _flatten_tokens(
         else:
             if arr.shape != (B, T):
                 raise Rejected(f"{label} must have shape (B, T) = ({B}, {T}), got {arr.shape}")
-            cols[name] = (arr.reshape(-1) if _fresh(value) else arr.reshape(-1).copy()) if full else arr[b, t]
+            cols[name] = (arr.reshape(-1) if owned else arr.reshape(-1).copy()) if full else arr[b, t]
     return cols, b, t, m.sum(axis=1)
 
 
@@ -340,6 +355,10 @@ class InputChecker:
         self.routing_plan = None if routing_shape is None else RoutingPlan(
             routing_shape, check_fraction(routing_fraction, routing_shape), seed)
         """What the writer thread does with the calls' expert lists (:mod:`trustscope.logger.experts`)."""
+        self.lend_routing = True
+        """Padded routed-expert lists are lent to the writer thread, not copied at the call
+        (:class:`~trustscope.logger.experts.Lent`); False (``TokenLogger(copy_routing=True)``, or once a lent buffer
+        was seen changed): copied."""
         self._disk_last_step = disk_last_step
         self._last_step: int | None = None  # last step accepted by log_step in this process
         self._step_sample_ids: set[int] = set()
@@ -371,7 +390,8 @@ class InputChecker:
         if tokens or samples:
             lengths = None
             if tokens:
-                cols, b, t, lengths = _flatten_tokens(tokens, mask, self._either, self._text, self._lists)
+                cols, b, t, lengths = _flatten_tokens(tokens, mask, self._either, self._text, self._lists,
+                                                      lend=self.lend_routing)
                 batch.n_generated = len(b)
             n_seq = len(lengths) if lengths is not None else _n_samples(samples)
             sample_ids, defaults = self._sequence_ids(step, new_step, tokens, samples, n_seq)
@@ -610,11 +630,12 @@ class InputChecker:
                                f"routing_shape routes (N, {layers}, {top_k}) of {experts} experts")
             if arr.dtype.kind not in "iu":
                 raise Rejected(f"{label} must hold integer expert ids, got dtype {arr.dtype}")
-            if arr.size and arr.dtype.kind == "i" and arr.dtype.itemsize <= 8:
-                fast = arr.view(f"u{arr.dtype.itemsize}").max() < experts  # a negative id is huge unsigned
-            else:
-                fast = not arr.size or arr.max() < experts
-            if not fast:
+            if isinstance(arr, Lent):  # the whole lent buffer (padding too) in range: it stays lent
+                if _ids_below(arr.base, experts):
+                    continue
+                rows, view = arr.rows()  # else the rows the mask keeps, read now and checked one by one
+                arr = rows.copy() if view else rows
+            if not _ids_below(arr, experts):
                 bad = (arr < 0) | (arr >= experts)  # (N, L, k)
                 if name == "engine_experts":
                     bad &= ~(arr == -1).all((1, 2))[:, None, None]  # fallback rows
@@ -643,6 +664,15 @@ class InputChecker:
         if k < 1:
             raise Rejected("tokens['mu_topk_ids'] has K = 0; leave the top-K columns out instead")
         self._k = k
+
+
+def _ids_below(arr: np.ndarray, experts: int) -> bool:
+    """Whether every id of ``arr`` is in ``[0, experts)``: one reduction (a negative id is huge unsigned)."""
+    if not arr.size:
+        return True
+    if arr.dtype.kind == "i" and arr.dtype.itemsize <= 8:
+        return bool(arr.view(f"u{arr.dtype.itemsize}").max() < experts)
+    return bool(arr.max() < experts)
 
 
 def _check_logprob(checker: InputChecker, cols: dict[str, np.ndarray], col: C.Column, check: _RowChecker,

@@ -18,6 +18,14 @@ them, over every token handed to ``log_step``, to a few small per-token columns 
 and keeps the full lists on a sampled share of the rows (:func:`default_fraction`, ``TokenLogger(routing_fraction=
 ...)``, by sample, so a kept response keeps every position) and on every row with a fault. The exact summaries
 (:func:`trustscope.logger.summaries.routing_rows`) see every token, so no figure depends on the share kept.
+
+The lists are the one input too large to copy on the caller's thread (3 GiB for a 2M-token step at Qwen3-30B-A3B's
+shape, both sides), so ``log_step`` lends them (:class:`Lent`): it keeps a reference to the caller's buffer, and the
+writer thread reads it, gathers the masked rows, derives the figures above and copies the kept share's rows. A
+buffer the caller still owns is guarded: a sample of its rows, and a torch tensor's version counter, are read
+again once the writer is through with it; a buffer changed before then (a framework that refills it) loses that
+call's routing, never silently (the ``routing_buffer_changed`` incident), and the logger copies routing at the call
+from then on.
 """
 
 from __future__ import annotations
@@ -58,6 +66,101 @@ SHIFT_POSITIONS = 32
 
 CHUNK = 1 << 13
 """Rows compared at a time (keeps the ``(rows, L, k)`` temporaries in cache)."""
+
+PROBE_ROWS = 256
+"""Token rows of a lent buffer the guard reads at the call and again after the writer's read (:class:`Lent`)."""
+
+
+class Lent:
+    """One routing column the caller lent ``log_step`` instead of a copy: ``base`` is the caller's ``(N, L, k)``
+    array (``index`` a slice of its rows) or ``(B, T, L, k)`` (``index`` the ``(b, t)`` rows the mask keeps,
+    gathered on the writer thread). ``guard``: the buffer is the caller's, which it may reuse: :meth:`changed`
+    reads :data:`PROBE_ROWS` rows again, and a torch tensor's version counter (bumped by every in-place write), and
+    says whether they differ from what they were at the call. Without it (a tensor copied off its device, a
+    :func:`handoff`) the buffer is the logger's alone.
+
+    Limit: a change to a few ids outside the probed rows of a numpy buffer goes unseen; a refilled buffer changes
+    the probed rows too."""
+
+    __slots__ = ("base", "index", "owner", "probe", "probe_at", "version")
+
+    def __init__(self, base: np.ndarray, index: slice | tuple[np.ndarray, np.ndarray], owner: object = None,
+                 guard: bool = True, _probe: tuple | None = None):
+        self.base, self.index, self.owner = base, index, owner
+        self.version = getattr(owner, "_version", None) if guard else None
+        if _probe is not None or not guard:
+            self.probe_at, self.probe = _probe if _probe is not None else (None, None)
+            return
+        n = len(self)
+        at = np.linspace(0, max(n - 1, 0), min(n, PROBE_ROWS)).astype(np.int64)  # rows of the call, spread
+        if isinstance(index, slice):
+            start, _, stride = index.indices(len(base))
+            self.probe_at = (start + at * stride,)
+        else:
+            self.probe_at = (index[0][at], index[1][at])
+        self.probe = base[self.probe_at].copy()
+
+    def __len__(self) -> int:
+        return len(range(len(self.base))[self.index]) if isinstance(self.index, slice) else len(self.index[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.base.shape[-2:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.base.dtype
+
+    ndim = 3
+
+    def __getitem__(self, key: object) -> Lent | np.ndarray:
+        """A slice of the rows stays lent (the memory budget's cut); any other index reads the rows now."""
+        if isinstance(key, slice):
+            if isinstance(self.index, slice):
+                r = range(len(self.base))[self.index][key]
+                index: slice | tuple = slice(r.start, r.stop, r.step)
+            else:
+                index = (self.index[0][key], self.index[1][key])
+            lent = Lent(self.base, index, self.owner, guard=False,
+                        _probe=(self.probe_at, self.probe) if self.probe is not None else None)
+            lent.version = self.version
+            return lent
+        return self.rows()[0][key].copy()
+
+    def rows(self) -> tuple[np.ndarray, bool]:
+        """The rows as ``(N, L, k)`` int16 and whether that is still the caller's memory (a view)."""
+        arr = self.base[self.index]  # a slice: a view; (b, t): a gather, a new buffer
+        view = np.may_share_memory(arr, self.base)
+        if arr.dtype != np.int16:
+            arr, view = arr.astype(np.int16), False
+        return arr, view
+
+    def changed(self) -> str | None:
+        """What changed in the caller's buffer since the call (None: nothing the guard sees)."""
+        if self.version is not None and getattr(self.owner, "_version", self.version) != self.version:
+            return f"the tensor was written in place (version {self.version} -> {self.owner._version})"
+        if self.probe is not None:
+            now = self.base[self.probe_at]
+            if not np.array_equal(now, self.probe):
+                rows = int(np.count_nonzero((now != self.probe).reshape(len(now), -1).any(1)))
+                return f"{rows} of {len(now)} probed rows hold other expert ids"
+        return None
+
+
+class Handoff:
+    """A value handed to ``log_step`` for good (:func:`handoff`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object):
+        self.value = value
+
+
+def handoff(value: object) -> Handoff:
+    """Wrap a ``log_step`` input the caller will not touch again (a tensor or array it built for the call):
+    the logger keeps it as it is, with no copy at the call and no guard (a buffer the caller does reuse must not
+    be handed off)."""
+    return Handoff(value)
 
 
 def default_fraction(shape: tuple[int, int, int]) -> float:
@@ -115,15 +218,24 @@ def first_differing(h: np.ndarray, k: int) -> np.ndarray:
     return np.where(short.any(1), short.argmax(1), -1).astype(np.int16)
 
 
-def derive(cols: dict[str, np.ndarray], step: int, plan: RoutingPlan) -> None:
+def derive(cols: dict[str, np.ndarray], step: int, plan: RoutingPlan) -> str | None:
     """Writer thread, over every row of a call before the ``token_fraction`` sample: fill :data:`DERIVED` from the
     lists given (agreement and first layer with the engine's and the trainer's; the replace rate with the engine's
     and the router's; faults with the engine's and the router's own pick, else the trainer's) and :data:`KEEP`.
     Rows whose engine routing is missing (all -1) get NaN agreement and replace rate (null on disk), first layer
-    -2 and the ``fallback`` fault."""
+    -2 and the ``fallback`` fault.
+
+    Lent lists (:class:`Lent`) are read here, and only the kept rows copied; returns what changed in a guarded
+    buffer by the end (then the routing columns are left out of the call), else None."""
     given = [s for s in SIDES if s in cols]
     if not given:
-        return
+        return None
+    lent = {s: cols[s] for s in given if isinstance(cols[s], Lent)}
+    views = set()
+    for s, lent_col in lent.items():
+        cols[s], view = lent_col.rows()
+        if view:
+            views.add(s)
     layers, k, _ = plan.shape
     n = len(cols[given[0]])
     engine = cols.get("engine_experts")
@@ -152,7 +264,25 @@ def derive(cols: dict[str, np.ndarray], step: int, plan: RoutingPlan) -> None:
         fault |= _reused(engine, valid, sid, cols["token_id"])
     cols["routing_fault"] = fault
     keep = keep_hash(plan.seed + 0x5EED, step, sid) < plan.fraction if plan.fraction < 1.0 else np.ones(n, bool)
-    cols[KEEP] = keep | (fault != 0)
+    cols[KEEP] = keep = keep | (fault != 0)
+    for s in views:  # the last read of the caller's memory: the rows whose lists are written, copied
+        cols[s] = _kept_rows(cols[s], keep)
+    changed = {s: why for s, lent_col in lent.items() if (why := lent_col.changed())}
+    if changed:
+        for name in (*SIDES, *DERIVED, KEEP, "_routing_layer_agreement", "_routing_layer_replaced"):
+            cols.pop(name, None)
+        return "; ".join(f"{s}: {why}" for s, why in changed.items())
+    return None
+
+
+def _kept_rows(arr: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``arr`` ``(N, L, k)`` with the ``keep`` rows copied and the others 0 (never read: their lists are null), in
+    zeroed memory the untouched rows of which cost no pages."""
+    if keep.all():
+        return arr.copy()
+    out = np.zeros(arr.shape, arr.dtype)
+    out[keep] = arr[keep]
+    return out
 
 
 def _shifted(engine: np.ndarray, own: np.ndarray, aligned: np.ndarray, valid: np.ndarray, sid: np.ndarray,

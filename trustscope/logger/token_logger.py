@@ -95,6 +95,7 @@ class TokenLogger:
         routing_shape: tuple[int, int, int] | None = None,
         routing_replay: bool = False,
         routing_fraction: float | None = None,
+        copy_routing: bool = False,
     ):
         if not 0.0 < token_fraction <= 1.0:
             raise ValueError(f"token_fraction must be in (0, 1], got {token_fraction}")
@@ -244,6 +245,8 @@ class TokenLogger:
                               budget=self._budget, decode=text_decoder(vocab, texts),
                               text_fraction=float(text_fraction), seed=int(seed),
                               extra_fields=tuple(c.field for c in extra))
+        self._checker.lend_routing = not copy_routing
+        self._writer.routing_changed = self._routing_changed
         self._incidents: dict[str, Any] = dict(self._files.manifest.get(INCIDENTS_KEY) or {}) if resume else {}
         self._incidents_due = False  # counters changed since the last call that logged them
         self._incidents_warned: set[str] = set()
@@ -378,6 +381,14 @@ class TokenLogger:
             self._incidents_warned.add(kind)
             warnings.warn(f"trustscope: {detail} (logging incident {kind}: counted in the manifest and in the "
                           f"{INCIDENT_PREFIX}{kind} scalar; trustscope validate names it)", LogWarning, stacklevel=3)
+
+    def _routing_changed(self, step: int, what: str) -> None:
+        """Writer thread: a lent routing buffer changed before it was read; routing is copied from now on."""
+        self._checker.lend_routing = False
+        self.record_incident("routing_buffer_changed", f"run {self.run_id!r} rank {self.rank} step {step}: a routed-"
+                             f"expert buffer given to log_step changed before the writer thread had read it ({what}); "
+                             f"that call's routing columns are left out, and routing is copied at the call from now "
+                             f"on (TokenLogger(copy_routing=True) copies from the start)", step)
 
     @property
     def incidents(self) -> dict[str, Any]:

@@ -306,6 +306,9 @@ class Writer:
         self.run_id, self.rank = run_id, rank
         self._decode, self.text_fraction, self.seed = decode, text_fraction, seed
         """Token ids to texts (the logger's vocab), and the share of samples whose texts are kept."""
+        self.routing_changed: Any = None
+        """``(step, what)``, called on this thread when a call's lent routing buffer changed before it was read
+        (:func:`trustscope.logger.experts.derive`); the logger records the incident."""
         self.log_topk, self.topk_precision = log_topk, topk_precision
         self.flush_rows, self.flush_seconds, self.fsync = flush_rows, flush_seconds, fsync
         self._k = topk_k
@@ -764,7 +767,9 @@ class Writer:
         """The batch's rows of every table as Arrow, all converted before any is added."""
         out = {}
         if batch.routing is not None and batch.tokens is not None:  # over every row, before the sample too
-            derive_routing(batch.tokens, batch.step, batch.routing)
+            changed = derive_routing(batch.tokens, batch.step, batch.routing)
+            if changed and self.routing_changed is not None:
+                self.routing_changed(batch.step, changed)
         if batch.summarize and batch.tokens is not None:  # over every token row, before the token_fraction sample
             batch.summaries = summarize_call(batch.tokens, self._bit_rules, step=batch.step,
                                              rules=self._summary_rules)

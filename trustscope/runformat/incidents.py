@@ -37,6 +37,10 @@ INCIDENTS: tuple[Incident, ...] = (
              "the new ranks start at the checkpoint"),
     Incident("rows_lost", "a write failed (a full disk, a store past its retries) and the flush's rows could not "
              "be committed", "lost, counted per table in the manifest's `lost` key; the rows before stay"),
+    Incident("routing_buffer_changed", "a routed-expert buffer lent to `log_step` (not copied at the call) was "
+             "changed by the caller before the writer thread had read it: a framework that refills one buffer",
+             "that call's routing columns are null, its other columns kept; later calls' routing is copied at the "
+             "call"),
     Incident("writer_stopped", "the logger's writer thread died (out of memory, a bug)",
              "every later row is counted lost; the committed ones stay"),
 )
