@@ -651,3 +651,28 @@ def test_a_doctor_read_whose_files_a_compaction_swaps_away_lists_them_again(pris
     assert swapped and n_files(run) == len(S.TABLES)  # one compacted file a table: the listed ones are gone
     assert before["n_tokens"] == after["n_tokens"] == STEPS * B * T
     assert before.keys() == after.keys()
+
+
+def test_a_contract_check_whose_files_a_compaction_swaps_away_lists_them_again(pristine, tmp_path, monkeypatch):
+    """``check_contracts`` (``trustscope validate``'s view contracts) reads through :meth:`LogDB.read` like the
+    doctor: a compaction that swaps the rank folder between its cursor's listing and the read is listed again, and
+    the check answers as before instead of raising."""
+    from trustscope.db import connect
+    from trustscope.query.contracts import check_contracts
+
+    run = copy_of(pristine, tmp_path / "log")
+    monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
+    with connect(run.parent) as db:
+        assert check_contracts(db, ["token_metrics"]) == []
+        opened = db.cursor
+        swapped = []
+
+        def cursor_then_compaction(**analysis):
+            cur = opened(**analysis)
+            if not swapped:
+                swapped.append(C.compact_logdir(run.parent, grace_s=0))
+            return cur
+
+        monkeypatch.setattr(db, "cursor", cursor_then_compaction)
+        assert check_contracts(db, ["token_metrics"]) == []
+    assert swapped and n_files(run) == len(S.TABLES)
