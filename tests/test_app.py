@@ -638,3 +638,39 @@ def test_mismatch_where_page_says_a_run_logs_the_engines_experts_alone(monkeypat
     assert sorted(c.key for c in _charts(at)) == ["blocked_position", "blocked_staleness", "blocked_turn",
                                                    "mismatch_position", "mismatch_staleness", "mismatch_turn"]
     assert any("Run engine-only logs the engine's routed experts alone (115 token rows)" in i.value for i in at.info)
+
+
+def test_mismatch_where_page_shows_routing_replays_replace_rate(monkeypatch, tmp_path):
+    """A replayed MoE run that logs the router's own pick (router_experts) gets its replace rate, overall and per
+    MoE layer in layer order, beside a run without one (not listed); the numbers are the recount from the lists."""
+    from test_routing_storage import perturbed, random_routing, step_tokens
+
+    from trustscope.logger import TokenLogger
+
+    shape = (12, 2, 8)  # 12 MoE layers: "layer 10" sorts before "layer 2" as text
+    rng = np.random.default_rng(7)
+    recount = []
+    for run, replay in (("replayed", True), ("plain", False)):
+        with TokenLogger(tmp_path / "logs", run, routing_shape=shape, routing_replay=replay,
+                         loss_rule="ppo_clip") as logger:
+            for step in range(2):
+                tokens = step_tokens(rng, 8, 16)
+                engine = random_routing(rng, (8, 16), shape)
+                if replay:  # the forward used the engine's experts; the router's own pick differs on ~10%
+                    router = perturbed(rng, engine, 0.1, shape[2])
+                    tokens |= {"engine_experts": engine, "trainer_experts": engine, "router_experts": router}
+                    recount.append((engine[..., :, None] == router[..., None, :]).any(-1))  # (B, T, L, k)
+                else:
+                    tokens |= {"engine_experts": engine, "trainer_experts": perturbed(rng, engine, 0.05, shape[2])}
+                logger.log_step(step, tokens=tokens, samples={"reward": rng.random(8)}, scalars={"loss": 0.1})
+    kept = np.concatenate(recount)  # the router's own choices the replay kept
+    at = _open(monkeypatch, tmp_path / "logs", "mismatch_where")
+    _ok(at, "Where the mismatch lives")
+    agreement, table = (d.value for d in at.dataframe if "all" in d.value.columns)  # agreement, then replace rate
+    assert agreement["run_id"].tolist() == ["plain", "replayed"]
+    assert table["run_id"].tolist() == ["replayed"]  # the run without router_experts is not listed
+    assert list(table.columns) == ["run_id", "tokens", "all", *[f"layer {i}" for i in range(shape[0])]]
+    assert table["all"].iloc[0] == pytest.approx(1 - kept.mean(), abs=1e-6)
+    for layer in range(shape[0]):
+        assert table[f"layer {layer}"].iloc[0] == pytest.approx(1 - kept[:, :, layer].mean(), abs=1e-6)
+    assert any("replace rate" in c.value for c in at.caption)

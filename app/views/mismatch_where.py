@@ -18,6 +18,19 @@ st.session_state["_mismatch_runs"] = chosen
 picked = [first, *chosen]
 
 
+def by_layer_table(exact, value: str, counts, key: str) -> None:
+    """One row per run: its token count, then ``value`` overall and per MoE layer in layer order (the
+    ``routing_agreement`` rows ``exact``), as percentages; runs without ``value`` left out."""
+    rows = exact[exact["dimension"].isin(["all", "layer"]) & exact[value].notna()]
+    order = rows.sort_values(["dimension", "bucket"], key=lambda c: c.map({"all": 0, "layer": 1}) if c.name ==
+                             "dimension" else c)["label"].drop_duplicates().tolist()
+    wide = rows.pivot_table(index="run_id", columns="label", values=value, aggfunc="first")[order]
+    wide.insert(0, "tokens", counts.reindex(wide.index))
+    st.dataframe(wide.reset_index(), hide_index=True, key=key, column_config={
+        "tokens": st.column_config.NumberColumn("tokens", format="localized"),
+        **{c: st.column_config.NumberColumn(c, format="percent") for c in wide.columns if c != "tokens"}})
+
+
 def routing_section(picked: list[str], rules: list[str]) -> None:
     """By routing agreement: the tokens whose every (layer, slot) expert choice agrees between the engine and the
     trainer against the rest, by first disagreeing layer and by position, and the rules' blocked fractions."""
@@ -31,15 +44,19 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
     st.caption("Mixture-of-experts runs: a token agrees when every expert the engine routed it to (each MoE layer's "
                "top-k) is also the trainer's choice in that layer. A run trained with routing replay should show no "
                "disagreement at all (doctor check routing_replay).")
-    shares = exact[exact["dimension"].isin(["all", "layer"])].pivot_table(index="run_id", columns="label",
-                                                                          values="agreement", aggfunc="first")
     counts = exact[exact["dimension"] == "all"].set_index("run_id")["n_tokens"]
-    shares.insert(0, "tokens", counts.reindex(shares.index))
     st.caption("Share of the engine's (layer, slot) expert choices the trainer also made, exact over every token "
                "handed to the logger (the summaries), overall and per MoE layer.")
-    st.dataframe(shares.reset_index(), hide_index=True, key="routing_exact", column_config={
-        "tokens": st.column_config.NumberColumn("tokens", format="localized"),
-        **{c: st.column_config.NumberColumn(c, format="percent") for c in shares.columns if c != "tokens"}})
+    by_layer_table(exact, "agreement", counts, "routing_exact")
+    if exact["replace_rate"].notna().any():
+        st.caption("Routing replay's replace rate: the share of the trainer router's own (layer, slot) choices the "
+                   "replay replaced by the engine's, exact over every token, overall and per MoE layer (prime-rl "
+                   "logs the same as router_replay_replace_rate; the doctor's routing_replace_rate check warns when "
+                   "it is high). Runs that log no router's own pick (router_experts) are not listed.")
+        by_layer_table(exact, "replace_rate", counts, "routing_replaced")
+    else:
+        st.caption("No run here logs the trainer router's own pick under routing replay (router_experts), so no "
+                   "replace rate: trustscope's trainer logs it with --routing-replay.")
     st.caption("|log pi/mu| over the token rows that carry both sides' experts (the rows token_fraction kept).")
     agree = routing[routing["split"] == "agreement"].copy()
     totals = agree.groupby("run_id")["n_tokens"].transform("sum")
