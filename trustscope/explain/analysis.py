@@ -156,7 +156,7 @@ def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int 
     if missing:
         raise KeyError(f"run(s) {missing} not in the log directory; runs: {sorted(manifests)}")
     params = {"run_ids": wanted, "first_step": first_step}
-    patterns = db.query("explain_patterns", **params, **asdict(thresholds))
+    patterns = db.query("explain_patterns", **params, last_step=None, **asdict(thresholds))
     totals = db.query("explain_totals", **params)
     out = []
     for run_id in wanted:

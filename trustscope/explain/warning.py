@@ -106,6 +106,7 @@ def warning_causes(db: Any, warnings: Any, window: int, thresholds: Thresholds |
     if not steps:
         return {}
     patterns = db.query("explain_patterns", run_ids=sorted(steps), first_step=None,
+                        last_step=max(steps.values()),  # the windows end at the first warning step: read no further
                         **asdict(thresholds or Thresholds()))
     out = {}
     for run_id, rows in patterns.groupby("run_id", sort=True):

@@ -9,7 +9,7 @@ with flagged as (
         *,
         not (coalesce(stale, false) or coalesce(routing, false) or coalesce(drift, false) or shift
              or coalesce(temperature, false) or coalesce(truncation, false)) as untouched
-    from explain_tokens($run_ids, $first_step, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
+    from explain_tokens($run_ids, $first_step, null, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
                         $truncation_offset)
 ),
 

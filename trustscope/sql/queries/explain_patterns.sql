@@ -4,12 +4,12 @@
 -- them), with per group the token count and the sums of |log pi - log mu| and of the k3 estimator. one row per
 -- (run, step, rank, response, pattern, bits, kept, signed): what explain allocates and bootstraps over responses.
 -- rows without bits (imports, older logs) are counted by rule through explain_rule_blocks instead.
--- $run_ids: the runs, or null for all; $first_step: the first step read, or null; the rest are the indicators'
--- thresholds.
+-- $run_ids: the runs, or null for all; $first_step / $last_step: the first and last step read, or null; the rest
+-- are the indicators' thresholds.
 with flagged as (
     select *
-    from explain_tokens($run_ids, $first_step, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
-                        $truncation_offset)
+    from explain_tokens($run_ids, $first_step, $last_step, $shift_factor, $shift_floor, $min_r2,
+                        $temperature_tolerance, $truncation_offset)
 ),
 
 final as (

@@ -7,7 +7,7 @@
 -- thresholds.
 with flagged as (
     select *
-    from explain_tokens($run_ids, $first_step, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
+    from explain_tokens($run_ids, $first_step, null, $shift_factor, $shift_floor, $min_r2, $temperature_tolerance,
                         $truncation_offset)
 ),
 

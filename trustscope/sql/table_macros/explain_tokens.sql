@@ -12,8 +12,8 @@
 --                offset above truncation_offset nats, larger than its spread inside a position: mu renormalised
 --                over a truncated support (top-k / top-p), pi over the whole vocabulary (both need the top-k lists)
 -- abs_log_ratio = |log pi - log mu|, k3 = (r - 1) - log r with r = pi / mu (the k3 estimator of kl(mu || pi)).
--- `run_ids`: the runs read, or null for all; `first_step`: the first step read, or null for all.
-create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_floor, min_r2,
+-- `run_ids`: the runs read, or null for all; `first_step` / `last_step`: the first and last step read, or null.
+create or replace macro explain_tokens(run_ids, first_step, last_step, shift_factor, shift_floor, min_r2,
                                        temperature_tolerance, truncation_offset) as table
     with source as (
         select
@@ -27,6 +27,7 @@ create or replace macro explain_tokens(run_ids, first_step, shift_factor, shift_
         from tokens
         where (run_ids::varchar[] is null or list_contains(run_ids::varchar[], run_id))
             and (first_step::bigint is null or step >= first_step::bigint)
+            and (last_step::bigint is null or step <= last_step::bigint)
     ),
 
     support as (
