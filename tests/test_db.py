@@ -230,15 +230,24 @@ def test_decoupled_rules_never_block_tokens_without_pi_old(tmp_path):
     assert counts["n"] == b * t and counts["ppo"] > 0 and counts["blocked"] == 0
 
 
-def test_one_pass_per_file_fills_every_partial_view(logdir, tmp_path):
-    """The first analysis aggregates each tokens file once for every kept aggregate: the others compute nothing."""
+def test_each_partial_view_is_aggregated_once_per_file_when_first_read(logdir, tmp_path):
+    """An analysis aggregates each tokens file for the kept aggregates it reads, and only those (a report reads the
+    clipped tokens alone: its cold pass leaves the other two views); each (file, view) is computed once, then kept
+    in memory and on disk."""
     n_files = sum(1 for _ in logdir.glob("*/tokens/**/*.parquet"))
     with tsdb.connect(logdir, cache_dir=tmp_path) as conn:
         conn.step_summary()
         assert conn.partials_computed == n_files
+        conn.kept.flush()
+        assert len(list((tmp_path / "step_partials").glob("*.parquet"))) == n_files
+        assert not list((tmp_path / "clipped_partials").glob("*.parquet"))  # not read yet: not computed
         conn.clipped_tokens()
         conn.ratio_vs_divergence()
-        assert conn.partials_computed == n_files
+        assert conn.partials_computed == 3 * n_files
+        conn.step_summary()
+        conn.clipped_tokens()
+        conn.ratio_vs_divergence()
+        assert conn.partials_computed == 3 * n_files  # nothing twice
     for view in ("step_partials", "clipped_partials", "histogram_partials"):
         assert len(list((tmp_path / view).glob("*.parquet"))) == n_files
 

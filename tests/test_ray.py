@@ -92,9 +92,12 @@ def test_ray_tasks_give_the_local_pass_rows_and_answers(logdir, local_ray, tmp_p
 
         files = _tokens_files(on_ray)
         tasks = on_ray.ray.tasks
-        assert len(files) >= 8 and on_ray.partials_computed == local.partials_computed == len(files)
-        # every file was aggregated by exactly one task, each task in a Ray worker process, not in this one
-        assert sorted(f for t in tasks for f in t.files) == sorted(files)
+        # each file aggregated once for each partial view the analyses read (every one of them)
+        assert len(files) >= 8 and on_ray.partials_computed == local.partials_computed == len(files) * len(
+            tsdb.CACHED_PARTIALS)
+        # every file was aggregated by exactly one task of each cold pass (one pass a partial view, as the analyses
+        # first read each), each task in a Ray worker process, not in this one
+        assert sorted(f for t in tasks for f in t.files) == sorted(list(files) * len(tsdb.CACHED_PARTIALS))
         assert len(tasks) >= 4 and len({t.task_id for t in tasks}) == len(tasks)
         driver = ray.get_runtime_context().get_worker_id()
         assert all(t.pid != os.getpid() and t.worker_id != driver and t.task_id for t in tasks)

@@ -70,6 +70,8 @@ class TaskSpec:
     variants: dict[str, Variant] = field(default_factory=dict)
     """Per flush (its first file's path): the driver's :func:`~trustscope.query.partials.stored_variant`, the
     ``rule_blocks`` SQL that reads the logger's bits."""
+    views: tuple[str, ...] | None = None
+    """The partial views to compute (None: every one)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def aggregate_files(spec: TaskSpec, files: Sequence[str], threads: int | None = 
                 try:
                     cur.execute("set variable trustscope_files = ?", [{**lists, "tokens": [*lists["tokens"], *batch]}])
                     cur.execute("set variable trustscope_params = ?", [spec.params])
-                    out += zip(batch, aggregate_partials(cur, batch, variant), strict=True)
+                    out += zip(batch, aggregate_partials(cur, batch, variant, spec.views), strict=True)
                 finally:
                     cur.close()
             return out
@@ -163,14 +165,15 @@ class RayAggregator:
         return [[f for flush in flushes[i:i + size] for f in flush] for i in range(0, len(flushes), size)]
 
     def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any],
-                  variants: dict[str, Variant] | None = None
+                  variants: dict[str, Variant] | None = None, views: Sequence[str] | None = None
                   ) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
         """``(file, every partial view's rows)`` for each of ``files``, as the tasks finish. A task's error is
         raised here (Ray's error is also an instance of the task's own exception class)."""
         import ray
 
         by_name = {str(f): f for f in files}
-        spec = ray.put(TaskSpec(rule_blocks, fingerprint, params, variants or {}))
+        spec = ray.put(TaskSpec(rule_blocks, fingerprint, params, variants or {},
+                                None if views is None else tuple(views)))
         pending = [self._remote.remote(spec, [str(f) for f in batch]) for batch in self.batches(files)]
         try:
             while pending:

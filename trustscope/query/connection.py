@@ -177,7 +177,8 @@ class LogDB(NamedAnalyses):
 
     @property
     def partials_computed(self) -> int:
-        """How many tokens files this connection aggregated (their kept rows found neither in memory nor on disk)."""
+        """How many (tokens file, partial view) rows this connection aggregated (found neither in memory nor on
+        disk): a file counts once for each partial view a query read."""
         return self.kept.computed
 
     @property
@@ -305,9 +306,9 @@ class LogDB(NamedAnalyses):
         return cur
 
     def refresh(self, views: Iterable[str] = ()) -> None:
-        """Pick up new runs and new files; when ``views`` read any kept aggregate, compute every partial aggregate
-        of the files not seen before (once per file, all partial views from one pass over the parts of its flush,
-        see :func:`~trustscope.query.partials.aggregate_partials`)."""
+        """Pick up new runs and new files; when ``views`` read any kept aggregate, compute the partial aggregates
+        they read of the files not seen before (once per file and view; the views wanted together from one pass
+        over the parts of its flush, see :func:`~trustscope.query.partials.aggregate_partials`)."""
         needed = caches_read(views)
         with self._lock:
             self._sync_mirrors()
@@ -316,12 +317,14 @@ class LogDB(NamedAnalyses):
             if not needed:
                 return
             files = [f for run in self.runs_dirs for f in data_files(run, "tokens") if f not in self._unreadable]
-            if self.kept.update(files, self._aggregate, self._disk_key()):
+            partials = [view for view, cache in CACHED_PARTIALS.items() if cache in needed]
+            if self.kept.update(files, self._aggregate, self._disk_key(), partials):
                 for name, table in self.kept.merged.items():
                     self.con.register(name, table)
 
-    def _aggregate(self, files: list[Path]) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
-        """``(file, every partial view's rows)`` for each of ``files``, by :attr:`aggregator`."""
+    def _aggregate(self, files: list[Path], views: Sequence[str] | None = None
+                   ) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
+        """``(file, the rows of every partial view of views)`` for each of ``files``, by :attr:`aggregator`."""
         if not files:
             return iter(())
         flushes = flush_groups(files)
@@ -329,7 +332,7 @@ class LogDB(NamedAnalyses):
         variants = {str(flush[0]): v for flush in flushes
                     if (v := self._stored_variant(flush, rule_sets, rendered)) is not None}
         return self.aggregator.aggregate(files, rule_blocks=self._rule_blocks, fingerprint=self._fingerprint,
-                                         params=self._params(), variants=variants)
+                                         params=self._params(), variants=variants, views=views)
 
     def _stored_variant(self, files: list[Path], rule_sets: dict[Path, tuple[str, dict[str, dict[str, Any]]]],
                         rendered: dict[tuple, Variant]) -> Variant | None:

@@ -1,9 +1,11 @@
 """The kept aggregates: per tokens file, every partial view's rows, computed once and kept (the cold pass).
 
 The overview and every per-step analysis merge these rows instead of reading the tokens, so they cost the same at
-100M tokens as at 1M. A file's rows are computed when it is first seen (in memory, and on disk under the cache
-folder keyed by the SQL, the parameters and the file's path, size and modification time, so a new process does not
-compute them again). The pass itself runs here (:class:`LocalAggregator`) or as Ray tasks
+100M tokens as at 1M. A file's rows of a view are computed when a query first reads that view with the file in
+the log (the views a query reads together from one pass; in memory, and on disk under the cache folder keyed by
+the SQL, the parameters and the file's path, size and modification time, so a new process does not compute them
+again): `trustscope report` reads the clipped tokens alone, so its cold pass leaves the other views to the first
+query that reads them. The pass itself runs here (:class:`LocalAggregator`) or as Ray tasks
 (:class:`trustscope.distributed.RayAggregator`), both behind :class:`Aggregator`.
 """
 
@@ -17,7 +19,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +93,10 @@ def stored_rule_bits(files: Sequence[Path], rules: Mapping[str, dict[str, Any]])
 
 
 def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str],
-                       variant: Variant | None = None) -> list[dict[str, pa.Table]]:
-    """Every partial view's rows for each of ``files``, the tokens files ``cur`` has bound (one query of
-    :func:`batch_flushes`: the parts of one flush, or flushes that read the same stored bits), from one pass.
+                       variant: Variant | None = None, views: Sequence[str] | None = None) -> list[dict[str, pa.Table]]:
+    """Every partial view's rows (or those of ``views``, partial view names) for each of ``files``, the tokens
+    files ``cur`` has bound (one query of :func:`batch_flushes`: the parts of one flush, or flushes that read the
+    same stored bits), from one pass.
 
     Materialises ``rule_blocks`` (every rule's flag, the sequence rules' windows computed once), only the columns
     the partial views read, into a temporary table of the same name; DuckDB finds the temporary table before the
@@ -108,7 +111,8 @@ def aggregate_partials(cur: duckdb.DuckDBPyConnection, files: Sequence[str],
     inputs = [quote(c) for c in cur.view("rule_blocks").columns if c in PARTIAL_WORDS or c.startswith("blocks_")]
     source, kind = ("rule_blocks", "table") if variant is None else (f"({variant.sql})", "table" if variant.windows else "view")
     cur.execute(f"create temp {kind} rule_blocks as select {', '.join(inputs)} from {source}")
-    tables = {view: split_by_file(cur.view(view).to_arrow_table(), files) for view in CACHED_PARTIALS}
+    tables = {view: split_by_file(cur.view(view).to_arrow_table(), files) for view in CACHED_PARTIALS
+              if views is None or view in views}
     return [{view: by_file[f] for view, by_file in tables.items()} for f in files]
 
 
@@ -188,10 +192,12 @@ def flush_groups(files: Sequence[Path]) -> list[list[Path]]:
 
 class Aggregator(Protocol):
     """Runs the cold pass over some tokens files: ``(file, every partial view's rows)`` for each, in any order.
-    ``variants``: per flush (its first file's path, as text), the :class:`Variant` it reads."""
+    ``variants``: per flush (its first file's path, as text), the :class:`Variant` it reads; ``views``: only these
+    partial views (None: all)."""
 
     def aggregate(self, files: Sequence[Path], *, rule_blocks: str, fingerprint: str, params: dict[str, Any],
-                  variants: dict[str, Variant]) -> Iterator[tuple[Path, dict[str, pa.Table]]]: ...
+                  variants: dict[str, Variant], views: Sequence[str] | None = None
+                  ) -> Iterator[tuple[Path, dict[str, pa.Table]]]: ...
 
 
 class LocalAggregator:
@@ -201,13 +207,13 @@ class LocalAggregator:
     def __init__(self, cursor_for: Callable[[Sequence[Path]], duckdb.DuckDBPyConnection]) -> None:
         self.cursor_for = cursor_for
 
-    def aggregate(self, files: Sequence[Path], *, variants: dict[str, Variant],
+    def aggregate(self, files: Sequence[Path], *, variants: dict[str, Variant], views: Sequence[str] | None = None,
                   **_: Any) -> Iterator[tuple[Path, dict[str, pa.Table]]]:
         flushes = flush_groups(files)
         for batch, variant in batch_flushes(flushes, [variants.get(str(f[0])) for f in flushes]):
             cur = self.cursor_for(batch)
             try:
-                yield from zip(batch, aggregate_partials(cur, [str(f) for f in batch], variant), strict=True)
+                yield from zip(batch, aggregate_partials(cur, [str(f) for f in batch], variant, views), strict=True)
             finally:
                 cur.close()
 
@@ -243,17 +249,22 @@ class KeptAggregates:
         """Kept aggregate name -> every file's rows, concatenated (what the views read)."""
         self.merged_files: list[Path] | None = None
         self.computed = 0
-        """How many tokens files were aggregated (their rows found neither in memory nor on disk)."""
+        """How many (tokens file, partial view) rows were aggregated (found neither in memory nor on disk): each
+        file counts once per view a query read."""
         self.merged_from_sources = 0
         """How many compacted files took their rows from the rows kept of the files they replaced."""
         self._stores = _Stores() if self.cache_dir is not None else None
 
-    def update(self, files: Sequence[Path], aggregate: Callable[[list[Path]], Iterator[tuple[Path, dict[str, pa.Table]]]],
-               disk_key: Callable[[Path], str]) -> bool:
-        """Bring every view's rows up to date with ``files``: drop files that are gone, read what is kept on disk,
-        ``aggregate`` the flushes of the files that still miss a view (their parts together), then merge. Returns
-        whether the merged tables changed. ``disk_key(file)``: what else the rows depend on (the SQL, the bound
-        parameters of the file's run)."""
+    def update(self, files: Sequence[Path],
+               aggregate: Callable[[list[Path], list[str]], Iterator[tuple[Path, dict[str, pa.Table]]]],
+               disk_key: Callable[[Path], str], views: Iterable[str] | None = None) -> bool:
+        """Bring the rows of ``views`` (partial view names; None: every one) up to date with ``files``: drop files
+        that are gone, read what is kept on disk, ``aggregate(files, views)`` the flushes of the files that still
+        miss one of them (their parts together), then merge. A view left out stays as it was until a query reads
+        it (a report reads one of the three: the cold pass computes that one alone). Returns whether the merged
+        tables changed. ``disk_key(file)``: what else the rows depend on (the SQL, the bound parameters of the
+        file's run)."""
+        wanted = [v for v in CACHED_PARTIALS if views is None or v in views]
         changed = False
         current = {}
         for f in files:
@@ -261,7 +272,7 @@ class KeptAggregates:
             current[f] = (st.st_size, st.st_mtime_ns)
         missing = {}
         for f, key in current.items():
-            views = [v for v, kept in self.rows.items() if not self.enabled or f not in kept or kept[f][0] != key]
+            views = [v for v in wanted if not self.enabled or f not in self.rows[v] or self.rows[v][f][0] != key]
             if views:
                 missing[f] = views
         changed = changed or bool(missing)
@@ -269,8 +280,8 @@ class KeptAggregates:
             self._read_stored(missing, current, disk_key)
         todo = []
         for f, views in missing.items():
-            if views and self._merge_sources(f, current[f], disk_key):
-                views.clear()
+            if views:
+                self._merge_sources(f, current[f], disk_key, views)
             if views:
                 todo.append(f)
         for kept in self.rows.values():  # after the merges, which read the rows of the files a compaction replaced
@@ -278,8 +289,9 @@ class KeptAggregates:
                 del kept[gone]
                 changed = True
         flushes = {flush_of(f) for f in todo}  # a flush's parts are aggregated together (see aggregate_partials)
-        for f, tables in aggregate([f for f in current if flush_of(f) in flushes]):
-            self.computed += 1
+        computing = sorted({v for f in todo for v in missing[f]}, key=list(CACHED_PARTIALS).index)
+        for f, tables in aggregate([f for f in current if flush_of(f) in flushes], computing):
+            self.computed += len(tables)
             prefix = disk_key(f) if self.cache_dir is not None else ""
             for view, table in tables.items():
                 self.rows[view][f] = (current[f], table)
@@ -320,26 +332,32 @@ class KeptAggregates:
                     self.rows[view][f] = (current[f], table)
                     missing[f].remove(view)
 
-    def _merge_sources(self, file: Path, key: StatKey, disk_key: Callable[[Path], str]) -> bool:
-        """A compacted file's rows from the rows kept of the files it replaced (its footer lists them,
+    def _merge_sources(self, file: Path, key: StatKey, disk_key: Callable[[Path], str], views: list[str]) -> None:
+        """A compacted file's rows of ``views`` from the rows kept of the files it replaced (its footer lists them,
         :data:`~trustscope.runformat.footers.SOURCES_META`), relabelled with its name: every partial view's rows
         are mergeable (counts, sums, extremes by key), so the rows of the sources, together, are the file's own.
-        False when a source's rows are not all kept here (the file is then aggregated)."""
+        Each view merged is removed from ``views``; a view whose sources' rows are not all kept here stays (the
+        file is then aggregated for it)."""
         if not self.enabled:
-            return False
+            return
         sources = compacted_sources(file)
-        if not sources or not all(file.parent / s in kept for s in sources for kept in self.rows.values()):
-            return False
+        if not sources:
+            return
         prefix = disk_key(file) if self.cache_dir is not None else ""
-        for view, kept in self.rows.items():
+        merged = False
+        for view in list(views):
+            kept = self.rows[view]
+            if not all(file.parent / s in kept for s in sources):
+                continue
             table = pa.concat_tables([kept[file.parent / s][1] for s in sources])
             column = table.schema.get_field_index("source_file")
             labels = pa.array([str(file)] * table.num_rows, type=table.schema.field(column).type)
             kept[file] = (key, table.set_column(column, "source_file", labels))
             if self._stores is not None:
                 self._stores.put(self._disk_path(prefix, view, file, key), kept[file][1])
-        self.merged_from_sources += 1
-        return True
+            views.remove(view)
+            merged = True
+        self.merged_from_sources += merged
 
     def flush(self) -> None:
         """Wait until every kept row handed to the disk is written (the connection's close, and exit, call it)."""
