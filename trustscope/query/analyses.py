@@ -100,7 +100,17 @@ class NamedAnalyses:
     def runs(self) -> pd.DataFrame:
         """One row per run: run_id, status, schema_version, n_steps, first_step, last_step, n_samples,
         n_response_tokens, mean_reward, manifest (JSON text). A run whose manifest cannot be read has status
-        ``broken`` (the reason is in :attr:`broken_runs`); the other runs are unaffected."""
+        ``broken`` (the reason is in :attr:`broken_runs`); the other runs are unaffected. Read once per state of the
+        run files (:meth:`version`): a report or a page asks several times."""
+        key = self.version()
+        memo = getattr(self, "_runs_memo", None)
+        if memo is not None and memo[0] == key:
+            return memo[1].copy()
+        df = self._runs_frame()
+        self._runs_memo = (key, df)
+        return df.copy()
+
+    def _runs_frame(self) -> pd.DataFrame:
         df = self._frame("runs", refresh=True)
         if not self.broken_runs:
             return df
