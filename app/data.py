@@ -31,7 +31,7 @@ import pyarrow as pa
 import streamlit as st
 
 from app.launch import FOCUS_ENV, LOGDIR_ENV, default_logdir
-from trustscope import db, early_warning, figures, report, runformat
+from trustscope import db, early_warning, figures, report, report_where, runformat
 from trustscope.db import LogDB, Overview
 from trustscope.losses import list_losses
 from trustscope.rule_settings import SETTINGS_ENV, rule_params_of
@@ -691,24 +691,24 @@ def view_columns(ours: LogDB, view: str) -> pd.DataFrame:
 
 @cached
 def by_routing(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """How much of the mismatch routing explains (:func:`trustscope.report.by_routing`): the ``routing_mismatch``
+    """How much of the mismatch routing explains (:func:`trustscope.report_where.by_routing`): the ``routing_mismatch``
     rows (run_id, split, bucket, label, n_tokens, n_disagree, mean_abs, mean_abs_full, mean_abs_disagree,
     abs_share), the ``routing_blocked`` rows (run_id, rule, agreement, n_blocked, n_nonzero_advantage,
     blocked_frac) and the ``routing_agreement`` rows (run_id, dimension, bucket, label, n_tokens, agreement)."""
-    return report.by_routing(ours, list(run_ids))
+    return report_where.by_routing(ours, list(run_ids))
 
 
 @cached
 def routing_sides(ours: LogDB, run_ids: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """Per mixture-of-experts run, the token rows with the engine's and with the trainer's routed experts
-    (:func:`trustscope.report.routing_sides`): what a run with one side alone shows."""
-    return report.routing_sides(ours, list(run_ids))
+    (:func:`trustscope.report_where.routing_sides`): what a run with one side alone shows."""
+    return report_where.routing_sides(ours, list(run_ids))
 
 
 @cached
 def by_dimension(ours: LogDB, run_ids: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Where the mismatch lives, exact over every step (:func:`trustscope.report.by_dimension`): the
+    """Where the mismatch lives, exact over every step (:func:`trustscope.report_where.by_dimension`): the
     ``mismatch_by_dimension`` rows (run_id, dimension, bucket, bucket_label, n_tokens, mismatch_mean, ess_frac,
     ...) and the ``blocked_by_dimension`` rows (run_id, dimension, bucket, bucket_label, rule, n_blocked,
     n_nonzero_advantage, blocked_frac)."""
-    return report.by_dimension(ours, list(run_ids))
+    return report_where.by_dimension(ours, list(run_ids))

@@ -366,14 +366,14 @@ def test_routed_experts_become_engine_experts_at_the_predicting_position(tmp_pat
             want = s["rollout_routed_experts"].numpy()[prompt - 1 + got.pos.to_numpy()]
             assert np.array_equal(np.stack(got.engine_experts.to_list()), want.reshape(len(got), -1))
     assert validate_logdir(tmp_path / "logs") == []
-    from trustscope import report
+    from trustscope import report_where
     from trustscope.db import connect
 
     with connect(tmp_path / "logs", cache=False) as db:
-        sides = report.routing_sides(db)
+        sides = report_where.routing_sides(db)
     assert sides == {"r": (len(tokens), 0)}
     assert f"Run r logs the engine's routed experts alone ({len(tokens):,} token rows)" in \
-        report.routing_absent_sentence(["r"], sides)
+        report_where.routing_absent_sentence(["r"], sides)
 
 
 def test_routed_experts_of_a_wrong_shape_or_id_are_refused_naming_the_field(tmp_path):

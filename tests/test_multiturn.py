@@ -196,7 +196,7 @@ def test_a_tool_run_logs_turns_and_engine_ids_and_passes_the_turn_checks(tmp_pat
 def test_a_run_whose_rules_never_block_still_has_its_zeros_by_turn(tmp_path):
     """The page and the report read "0 of N" for a run where no rule blocked a token (one update a step: pi is
     mu up to the engine's numerics), not a missing row (which drew "-" and gave the run another colour in the blocked panels)."""
-    from trustscope import report
+    from trustscope import report_where
     from trustscope.db import connect
     from trustscope.logger import TokenLogger
 
@@ -209,7 +209,7 @@ def test_a_run_whose_rules_never_block_still_has_its_zeros_by_turn(tmp_path):
                                           "turn": np.repeat([[0, 0, 0, 1, 1, 1]], 4, axis=0)},
                             mask=np.ones((4, 6), dtype=bool),
                             samples={"sample_id": np.arange(4), "prompt_id": np.arange(4) // 2})
-    _, blocked = report.by_dimension(connect(tmp_path))
+    _, blocked = report_where.by_dimension(connect(tmp_path))
     turns = blocked[blocked.dimension == "turn"]
     assert {"dppo_binary_tv", "ppo_clip"} <= set(turns.rule)
     assert (turns.n_blocked == 0).all() and (turns.n_nonzero_advantage == 2 * 4 * 3).all()

@@ -12,7 +12,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from trustscope import db as tsdb
-from trustscope import early_warning, report
+from trustscope import early_warning, report, report_tables, report_where
 from trustscope.cli import app
 from trustscope.synthetic import SyntheticConfig, generate_run
 
@@ -184,9 +184,10 @@ def test_terminal_report_fits_its_width_without_cutting_a_name_or_a_figure(long_
 
 
 def test_significant_digits_for_figures_of_any_size():
-    assert report.sig(2.1e-05) == "2.10e-05" and report.sig(0.00213) == "0.00213" and report.sig(0.5) == "0.500"
-    assert report.sig(0) == "0" and report.sig(None) == "-" and report.sig(float("nan")) == "-"
-    assert report.sig(1234.5, 4) == "1234" and report.sig(3.2e7) == "3.20e+07"
+    sig = report_tables.sig
+    assert sig(2.1e-05) == "2.10e-05" and sig(0.00213) == "0.00213" and sig(0.5) == "0.500"
+    assert sig(0) == "0" and sig(None) == "-" and sig(float("nan")) == "-"
+    assert sig(1234.5, 4) == "1234" and sig(3.2e7) == "3.20e+07"
 
 
 def _warned(rewards: list[float], mismatch: list[float]) -> pd.DataFrame:
@@ -317,7 +318,7 @@ def test_report_says_where_the_mismatch_lives(tmp_path):
         assert f"Where the mismatch lives: by {dimension}" in res.output
     assert "sync-single-turn logs no turn" in res.output and "sync-single-turn logs no policy_version" in res.output
     with tsdb.connect(logdir) as conn:
-        mismatch, blocked = report.by_dimension(conn, ["async-lag3"])
+        mismatch, blocked = report_where.by_dimension(conn, ["async-lag3"])
     stale = mismatch[mismatch.dimension == "staleness"].set_index("bucket")
     assert stale.index.tolist() == [0, 1, 2, 3] and stale.mismatch_mean.is_monotonic_increasing
     own = blocked[(blocked.dimension == "staleness") & (blocked.rule == "dppo_binary_tv")].set_index("bucket")
@@ -342,7 +343,7 @@ def test_a_run_logged_in_full_without_summaries_is_split_by_its_token_rows_exact
     write_async_run(logdir, "full-rows", lag=3, seed=5, summaries=False)
     write_async_run(logdir, "sampled-rows", lag=3, seed=5, summaries=False, token_fraction=0.5)
     with tsdb.connect(logdir, cache=False) as conn:
-        mismatch, blocked = report.by_dimension(conn)
+        mismatch, blocked = report_where.by_dimension(conn)
     keys = ["dimension", "bucket"]
     ours = mismatch[mismatch.run_id == "summarised"].drop(columns="run_id").set_index(keys).sort_index()
     rows = mismatch[mismatch.run_id == "full-rows"].drop(columns="run_id").set_index(keys).sort_index()
@@ -358,7 +359,7 @@ def test_a_run_logged_in_full_without_summaries_is_split_by_its_token_rows_exact
     assert len(shared) == len(summarised) and summarised["n_blocked"].sum() > 0
     assert (summarised.loc[shared, ["n_blocked", "n_nonzero_advantage"]]
             == from_rows.loc[shared, ["n_blocked", "n_nonzero_advantage"]]).all().all()
-    assert report.lacking(mismatch, "position", ["summarised", "full-rows", "sampled-rows"]) == ["sampled-rows"]
+    assert report_where.lacking(mismatch, "position", ["summarised", "full-rows", "sampled-rows"]) == ["sampled-rows"]
     from trustscope.query.catalogue import view_text
 
     assert all(f"({d.sql})::bigint as bucket" in view_text("token_dimensions") for d in DIMENSIONS)

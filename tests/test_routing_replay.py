@@ -136,7 +136,7 @@ def test_agreement_of_the_replayed_forward_is_full():
 def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     """The routing_mismatch and routing_blocked queries (the page's section, the report's lines) against numpy on
     the same tokens: |log pi/mu| by agreement, by first differing layer and by position, blocks by agreement."""
-    from trustscope import report
+    from trustscope import report_where
     from trustscope.columns import position_bucket
     from trustscope.db import connect
     from trustscope.logger import TokenLogger
@@ -163,7 +163,7 @@ def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     d = np.abs(pi.astype(np.float64) - mu.astype(np.float64)).reshape(-1)
     pos = np.tile(np.arange(t), b)
     with connect(tmp_path, cache=False) as db:
-        mismatch, blocked, exact = report.by_routing(db, ["moe"])
+        mismatch, blocked, exact = report_where.by_routing(db, ["moe"])
         rows = db.sql("select sample_id, pos, blocks_ppo_clip from rule_blocks order by sample_id, pos").to_pandas()
     assert not full.all() and full.any()
     agree = mismatch[mismatch["split"] == "agreement"].set_index("bucket")
@@ -188,7 +188,7 @@ def test_routing_analysis_equals_a_recount_from_every_token(tmp_path):
     whole = exact[exact["dimension"] == "all"]
     assert whole["n_tokens"].iloc[0] == full.size and whole["agreement"].iloc[0] == pytest.approx(per_layer.mean())
     np.testing.assert_allclose(exact[exact["dimension"] == "layer"]["agreement"], per_layer.mean(0), rtol=1e-6)
-    lines = report.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"}, exact)
+    lines = report_where.routing_lines(mismatch, blocked, ["moe", "dense"], {"moe": "ppo_clip"}, exact)
     assert lines[0].startswith(f"moe: {per_layer.mean():.2%} of (layer, slot) expert choices agree")
     assert lines[1].startswith(f"  token rows: {(~full).sum()} of {full.size} routed tokens")
     assert any(line.strip().startswith("ppo_clip blocks") for line in lines)

@@ -59,7 +59,7 @@ def test_every_routing_figure_is_exact_at_any_fraction(tmp_path):
     summaries' agreement (overall, by layer, by position), |log pi/mu| by agreement, by first differing layer and
     by position, and the rules' blocks by agreement, against numpy on the full lists and against the same run
     logged in full without summaries (the token-row path old logs take)."""
-    from trustscope import report
+    from trustscope import report_where
     from trustscope.columns import position_bucket
     from trustscope.db import connect
 
@@ -90,8 +90,8 @@ def test_every_routing_figure_is_exact_at_any_fraction(tmp_path):
     assert full.any() and not full.all()
 
     with connect(tmp_path, cache=False) as db:
-        mismatch, blocked, exact = report.by_routing(db)
-        by_dim, _by_dim_blocked = report.by_dimension(db)
+        mismatch, blocked, exact = report_where.by_routing(db)
+        by_dim, _by_dim_blocked = report_where.by_dimension(db)
         lists = db.sql("select run_id, count(*) as n, count(engine_experts) as n_lists, "
                        "count(routing_first_layer) as n_first from tokens group by run_id").to_pandas()
     lists = lists.set_index("run_id")
@@ -102,7 +102,7 @@ def test_every_routing_figure_is_exact_at_any_fraction(tmp_path):
     mine = exact[exact["run_id"] == "sampled"]
     whole = mine[mine["dimension"] == "all"]
     assert mine["replace_rate"].isna().all()  # no router's own pick logged: no replace rate
-    assert not any("routing replay replaced" in line for line in report.routing_lines(
+    assert not any("routing replay replaced" in line for line in report_where.routing_lines(
         mismatch, blocked, ["sampled"], {"sampled": "ppo_clip"}, exact))
     assert whole["n_tokens"].iloc[0] == full.size and whole["agreement"].iloc[0] == pytest.approx(per_layer.mean())
     np.testing.assert_allclose(mine[mine["dimension"] == "layer"]["agreement"], per_layer.mean(0), rtol=1e-6)
@@ -169,7 +169,7 @@ def test_replay_health_names_shifted_reused_and_missing_buffers(tmp_path):
     name them; the replace rate by layer and step equals a recount from the router's own pick; a clean run
     passes every check; the trackers' step scalars carry the figures."""
     from trustscope import doctor as D
-    from trustscope import report, trackers
+    from trustscope import report_where, trackers
     from trustscope.db import connect
 
     rng = np.random.default_rng(1)
@@ -183,7 +183,7 @@ def test_replay_health_names_shifted_reused_and_missing_buffers(tmp_path):
         rows = db.sql("select step, sample_id, pos, routing_fault, engine_experts, routing_replaced from tokens "
                       "where run_id = 'corrupted' order by step, sample_id, pos").to_pandas()
         summaries = db.sql("select * from summaries where run_id = 'corrupted'").to_pandas()
-        mismatch, blocked, exact = report.by_routing(db)
+        mismatch, blocked, exact = report_where.by_routing(db)
     want = np.concatenate([f.reshape(-1) for _, f in corrupted])
     np.testing.assert_array_equal(rows["routing_fault"].to_numpy(), want)
     missing = (want & FAULTS["fallback"]) != 0
@@ -205,7 +205,7 @@ def test_replay_health_names_shifted_reused_and_missing_buffers(tmp_path):
     assert mine.loc["all", "replace_rate"] == pytest.approx(rate, rel=1e-6)  # the report's and the page's figure
     for layer in range(SHAPE[0]):
         assert mine.loc[f"layer {layer}", "replace_rate"] == pytest.approx(1 - kept[ok][:, layer].mean(), rel=1e-6)
-    lines = report.routing_lines(mismatch, blocked, ["corrupted"], {"corrupted": "ppo_clip"}, exact)
+    lines = report_where.routing_lines(mismatch, blocked, ["corrupted"], {"corrupted": "ppo_clip"}, exact)
     assert sum(line.startswith(f"  routing replay replaced {rate:.2%} of the router's own choices; by layer: 0: ")
                for line in lines) == 1, lines
     step_rates = summaries[(summaries["metric"] == "routing_replaced") & summaries["dimension"].isna()]

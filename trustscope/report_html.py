@@ -13,16 +13,8 @@ from rich.console import Console
 
 from trustscope.db import LogDB, Overview
 from trustscope.early_warning import WarningLines
-from trustscope.report import (
-    _dimension_part,
-    absent_sentence,
-    by_dimension,
-    kept_gather,
-    lacking,
-    render,
-    run_table,
-    source_caption,
-)
+from trustscope.report import _dimension_part, kept_gather, render, run_table, source_caption
+from trustscope.report_where import absent_sentence, by_dimension, lacking
 
 
 def _group_colours(table: pd.DataFrame) -> dict[str, str]:

@@ -4,7 +4,7 @@ mixture-of-experts runs, |log pi/mu| and each rule's blocked fraction by routing
 import streamlit as st
 
 from app import data, widgets
-from trustscope import figures, report
+from trustscope import figures, report_where
 from trustscope.columns import DIMENSIONS
 
 st.title("Where the mismatch lives")
@@ -38,7 +38,7 @@ def routing_section(picked: list[str], rules: list[str]) -> None:
     routing, routed_blocked, exact = data.by_routing(tuple(picked))
     absent = [r for r in picked if r not in set(routing["run_id"])]
     if absent:
-        st.info(report.routing_absent_sentence(absent, data.routing_sides(tuple(absent))), icon=":material/info:")
+        st.info(report_where.routing_absent_sentence(absent, data.routing_sides(tuple(absent))), icon=":material/info:")
     if routing.empty:
         return
     st.caption("Mixture-of-experts runs: a token agrees when every expert the engine routed it to (each MoE layer's "
@@ -93,7 +93,7 @@ st.caption("Exact over every token the trainer handed to the logger, every step 
            "its token rows). ESS is the importance weights' effective sample size "
            "(sum w)^2 / sum w^2 over the bucket's tokens; a fraction always comes with its counts.")
 if mismatch.empty:
-    st.info(report.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger, "
+    st.info(report_where.absent_sentence("position", picked) + " Runs logged with this version of trustscope's logger, "
             "or with every token kept, have position buckets; weight versions and turns need `policy_version` and "
             "`turn` per token.",
             icon=":material/info:")
@@ -104,9 +104,9 @@ tabs = st.tabs([f"By {d.name}" for d in DIMENSIONS])
 for tab, dim in zip(tabs, DIMENSIONS, strict=True):
     with tab:
         rows = mismatch[mismatch["dimension"] == dim.name]
-        absent = report.lacking(mismatch, dim.name, picked)
+        absent = report_where.lacking(mismatch, dim.name, picked)
         if absent:
-            st.info(report.absent_sentence(dim.name, absent), icon=":material/info:")
+            st.info(report_where.absent_sentence(dim.name, absent), icon=":material/info:")
         if rows.empty:
             continue
         st.caption(f"{dim.doc[0].upper()}{dim.doc[1:]}.")

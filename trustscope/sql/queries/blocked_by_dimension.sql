@@ -1,10 +1,10 @@
 -- the page "where the mismatch lives" and the report: per run, summary dimension, bucket and rule, over the steps
 -- [$first_step, $last_step] (null: every step) taken together: the tokens the rule blocks among those that carry
 -- gradient (a != 0), and their fraction, exact from the summaries' dimension rows (the sums of
--- summary_dimension_blocked's per-step rows, summed here in one pass: every rule of the run at every bucket, 0
--- where it blocked nothing). $run_ids: the runs, or null for all. a run logged in full without dimension rows (an
--- import) gets the same rows from its token rows: blocked_by_dimension_tokens, which trustscope.report.by_dimension
--- runs for the runs this one leaves out.
+-- summary_dimension_blocked's per-step rows, summed here in one pass: every rule of the run at every bucket, 0 where it
+-- blocked nothing). $run_ids: the runs, or null for all. a run logged in full without dimension rows (an import) gets
+-- the same rows from its token rows: blocked_by_dimension_tokens, which trustscope.report_where.by_dimension runs for
+-- the runs this one leaves out.
 with summ as (
     select run_id, step, metric, rule, advantage_sign, dimension, bucket, count
     from read_parquet(getvariable('trustscope_files').summaries, union_by_name = true)

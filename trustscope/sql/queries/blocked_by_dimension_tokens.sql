@@ -1,8 +1,7 @@
--- blocked_by_dimension's rows from the token rows (token_dimensions), for the runs logged in full whose summaries
--- hold no dimension rows (imports, logs written before the dimensions): every rule of the counterfactual at the
--- parameters bound. trustscope.report.by_dimension runs it for the runs blocked_by_dimension leaves out, so a log
--- whose summaries cover every run never binds the token rows' rule scores. $run_ids, $first_step, $last_step as
--- there.
+-- blocked_by_dimension's rows from the token rows (token_dimensions), for the runs logged in full whose summaries hold
+-- no dimension rows (imports, logs written before the dimensions): every rule of the counterfactual at the parameters
+-- bound. trustscope.report_where.by_dimension runs it for the runs blocked_by_dimension leaves out, so a log whose
+-- summaries cover every run never binds the token rows' rule scores. $run_ids, $first_step, $last_step as there.
 with from_tokens as (
     unpivot (
         select run_id, step, dimension, bucket, bucket_label, n_nonzero_advantage, columns('^n_blocked__.*$')

@@ -1,9 +1,9 @@
 -- the page "where the mismatch lives" and the report: per run, summary dimension and bucket, over the steps
 -- [$first_step, $last_step] (null: every step) taken together: tokens, mismatch mean, ess_frac from the merged
--- importance-weight sums, bad negative-update rate. $run_ids: the runs, or null for all. a run logged in full
--- without the summaries' dimension rows (an import) gets the same rows from its token rows: the same query over
--- token_dimensions (mismatch_by_dimension_tokens), which trustscope.report.by_dimension runs for the runs this one
--- leaves out.
+-- importance-weight sums, bad negative-update rate. $run_ids: the runs, or null for all. a run logged in full without
+-- the summaries' dimension rows (an import) gets the same rows from its token rows: the same query over
+-- token_dimensions (mismatch_by_dimension_tokens), which trustscope.report_where.by_dimension runs for the runs this
+-- one leaves out.
 with dimension_rows as (
     select run_id, step, dimension, bucket, bucket_label, n_tokens, n_nonzero_advantage, sum_abs_prob_diff,
         mismatch_max, w_sum, w_sum_sq, n_bad_negative

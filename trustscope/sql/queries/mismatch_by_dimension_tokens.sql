@@ -1,6 +1,6 @@
--- mismatch_by_dimension's rows from the token rows (token_dimensions), for the runs logged in full whose summaries
--- hold no dimension rows (imports, logs written before the dimensions). trustscope.report.by_dimension runs it for
--- the runs mismatch_by_dimension leaves out. $run_ids, $first_step, $last_step as there.
+-- mismatch_by_dimension's rows from the token rows (token_dimensions), for the runs logged in full whose summaries hold
+-- no dimension rows (imports, logs written before the dimensions). trustscope.report_where.by_dimension runs it for the
+-- runs mismatch_by_dimension leaves out. $run_ids, $first_step, $last_step as there.
 with dimension_rows as (
     select run_id, step, dimension, bucket, bucket_label, n_tokens, n_nonzero_advantage, sum_abs_prob_diff,
         mismatch_max, w_sum, w_sum_sq, n_bad_negative
