@@ -663,12 +663,8 @@ def measure_all(db: LogDB, keys: Sequence[tuple[str, tuple]], run_ids: Sequence[
     again where a compaction swapped a rank folder under it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    base = {"run_ids": None if run_ids is None else list(run_ids), "first_step": first_step}
-
     def one(key: tuple[str, tuple]) -> dict[str, dict[str, Any]]:
-        text = (DOCTOR_SQL_DIR / key[0]).read_text()
-        table = db.read(lambda cur: cur.sql(text, params={**base, **dict(key[1])}).to_arrow_table())
-        return {row["run_id"]: row for row in table.to_pylist()}
+        return measure(db, key[0], run_ids, first_step, **dict(key[1]))
 
     with ThreadPoolExecutor(max(1, min(MEASURE_THREADS, len(keys))), thread_name_prefix="trustscope-doctor") as pool:
         return dict(zip(keys, pool.map(one, keys), strict=True))

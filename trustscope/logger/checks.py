@@ -174,10 +174,8 @@ def _flatten_tokens(
     read on the writer thread). A value wrapped in :func:`~trustscope.logger.experts.handoff` is the logger's: kept
     without a copy.
     """
-    tokens = {name: value for name, value in tokens.items()}
     given = {name for name, value in tokens.items() if isinstance(value, Handoff)}
-    for name in given:
-        tokens[name] = tokens[name].value
+    tokens = {name: value.value if name in given else value for name, value in tokens.items()}
     if "token_id" not in tokens:
         raise Rejected("tokens['token_id'] is required")
     if isinstance(tokens["token_id"], (list, tuple)) and (mask is None or isinstance(mask, (list, tuple))):

@@ -85,11 +85,12 @@ class Lent:
     __slots__ = ("base", "index", "owner", "probe", "probe_at", "version")
 
     def __init__(self, base: np.ndarray, index: slice | tuple[np.ndarray, np.ndarray], owner: object = None,
-                 guard: bool = True, _probe: tuple | None = None):
+                 guard: bool = True):
         self.base, self.index, self.owner = base, index, owner
         self.version = getattr(owner, "_version", None) if guard else None
-        if _probe is not None or not guard:
-            self.probe_at, self.probe = _probe if _probe is not None else (None, None)
+        self.probe_at: tuple | None = None
+        self.probe: np.ndarray | None = None
+        if not guard:
             return
         n = len(self)
         at = np.linspace(0, max(n - 1, 0), min(n, PROBE_ROWS)).astype(np.int64)  # rows of the call, spread
@@ -121,9 +122,8 @@ class Lent:
                 index: slice | tuple = slice(r.start, r.stop, r.step)
             else:
                 index = (self.index[0][key], self.index[1][key])
-            lent = Lent(self.base, index, self.owner, guard=False,
-                        _probe=(self.probe_at, self.probe) if self.probe is not None else None)
-            lent.version = self.version
+            lent = Lent(self.base, index, self.owner, guard=False)  # the same buffer: the call's guard
+            lent.version, lent.probe_at, lent.probe = self.version, self.probe_at, self.probe
             return lent
         return self.rows()[0][key].copy()
 
