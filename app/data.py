@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,26 @@ def resolve_logdir(argv: Sequence[str]) -> Path | str:
     return path
 
 
+_outside = threading.local()
+"""The log directory :func:`outside_session` set on this thread (``logdir``), read in place of a session's."""
+
+
+@contextlib.contextmanager
+def outside_session(logdir: str) -> Iterator[None]:
+    """On this thread, every :func:`cached` read is of ``logdir`` at the rule parameters the dashboard was started
+    with (``--rule``): what a session opening a page reads before its parameter panel is touched, so that a read
+    made here (:func:`prepare`, in the server's start) fills the very cache entry the page then hits."""
+    _outside.logdir = logdir
+    try:
+        yield
+    finally:
+        del _outside.logdir
+
+
 def current_logdir() -> str:
+    outside = getattr(_outside, "logdir", None)
+    if outside is not None:
+        return outside
     if "logdir" not in st.session_state:
         resolve_logdir([])
     return st.session_state["logdir"]
@@ -188,7 +208,9 @@ def launch_rule_params() -> dict[str, dict]:
 
 def rule_params() -> dict[str, dict]:
     """The rule parameters the pages evaluate rules at: ``--rule``'s, with the parameter panel's on top
-    (:func:`app.widgets.rule_panel`, kept in the session)."""
+    (:func:`app.widgets.rule_panel`, kept in the session); outside a session (:func:`outside_session`) ``--rule``'s."""
+    if getattr(_outside, "logdir", None) is not None:
+        return launch_rule_params()
     return {**launch_rule_params(), **st.session_state.get(RULE_PARAMS_KEY, {})}
 
 
@@ -253,32 +275,38 @@ def figure(builder: Callable[P, go.Figure], *args: P.args, **kwargs: P.kwargs) -
     return _figure(builder, args, kwargs)
 
 
-def prepare(logdir: str | Path) -> list[str]:
-    """Compute, outside any session, what the first page (Runs) reads when it opens with its default comparison,
-    into the same caches the page then hits: the run table, the overview, and the default runs' accuracy scalars
-    and early-warning signals, at the rule parameters the dashboard was started with (``--rule``). The server
-    calls it while it starts (``app/serve.py``), so the first page reads what is ready instead of computing it
-    after the browser asked. Returns the names of what it prepared; a log directory that cannot be read is left
-    for the page to report (nothing raised)."""
+def prepare(logdir: str | Path, then: Sequence[tuple[str, Callable[[list[str]], object]]] = ()) -> list[str]:
+    """Compute, outside any session (:func:`outside_session`), what the first page (Runs) reads when it opens with
+    its default comparison, into the same caches the page then hits: the run table, the overview, the default
+    runs' accuracy scalars and early-warning signals, their collapse warnings with each warning's cause, then each
+    of ``then``'s ``(name, read(run_ids))`` over the same runs (the server passes the Doctor section's), at the
+    rule parameters the dashboard was started with (``--rule``). The server calls it while it starts
+    (``app/serve.py``), so the first page reads what is ready instead of computing it after the browser asked.
+    Returns the names of what it prepared; a log directory that cannot be read is left for the page to report
+    (nothing raised)."""
     chosen = str(logdir) if runformat.is_remote(str(logdir)) else str(Path(logdir).expanduser().resolve())
-    rules = json.dumps(launch_rule_params(), sort_keys=True)
-    done = []
-    try:
-        handle = _connect(chosen, rules)
-        current = handle.version()
-        _versions[chosen] = (time.monotonic(), current)
-        table = runs.store(chosen, current, rules)  # type: ignore[attr-defined]
-        done.append("runs")
-        overview.store(chosen, current, rules)  # type: ignore[attr-defined]
-        done.append("overview")
-        if len(table):
-            picked = default_comparison(table, "group")
-            members = tuple(table.loc[table["group"].isin(picked), "run_id"])
-            _step_scalars.store(chosen, current, rules, members)  # type: ignore[attr-defined]
-            _early_signals.store(chosen, current, rules, members)  # type: ignore[attr-defined]
+    done: list[str] = []
+    with outside_session(chosen):
+        try:
+            version(chosen, fresh=True)
+            table = runs()
+            done.append("runs")
+            overview()
+            done.append("overview")
+            if not len(table):
+                return done
+            members = table.loc[table["group"].isin(default_comparison(table, "group")), "run_id"].tolist()
+            _step_scalars(tuple(members))
+            _early_signals(tuple(members))
             done.append("default comparison")
-    except Exception:  # the page reads the same and reports what went wrong where the user sees it
-        return done
+            warning_causes(collapse_warnings(members))
+            done.append("collapse warning")
+            for name, read in then:
+                read(members)
+                done.append(name)
+        except Exception:  # the page reads the same and reports what went wrong where the user sees it
+            return done
+    return done
     return done
 
 

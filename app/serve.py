@@ -49,8 +49,9 @@ def preload(modules: tuple[str, ...] = PRELOAD, logdir: str | None = None) -> th
         if logdir is not None:
             try:
                 from app import data
+                from app.sections import doctor
 
-                data.prepare(logdir)
+                data.prepare(logdir, then=(("doctor", doctor.panel_of),))
             except Exception:  # the page computes it and reports what went wrong
                 pass
 

@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.bench_dashboard --no-demo --pages runs,rules
     .venv/bin/python -m bench.bench_dashboard --app /tmp/before/app/main.py     # another checkout's dashboard
     .venv/bin/python -m bench.bench_dashboard --no-demo --browser-cache        # a returning browser
+    .venv/bin/python -m bench.bench_dashboard --no-demo --pages runs --settle 10   # opened 10 s after the start
 
 For each log directory and each page of :data:`app.pages.PAGES`:
   cold     a fresh ``trustscope dashboard`` server with a new, empty ``TRUSTSCOPE_CACHE`` (a log never opened
@@ -20,7 +21,9 @@ with the same flags and timed the same way: what Streamlit's frontend alone cost
 the part of every first render no page can remove. With ``--browser-cache`` every server of the command listens on
 one port and the pages open in one persistent browser profile visited once before (Streamlit's hashed scripts in
 the browser's HTTP cache, as for anyone who opened the dashboard before): **cold** is then a new server with a new
-``TRUSTSCOPE_CACHE`` on a log never opened, met by a returning browser.
+``TRUSTSCOPE_CACHE`` on a log never opened, met by a returning browser. With ``--settle S`` the first request waits
+S seconds after the health check answers (a user who opens the printed link a few seconds after the server
+prints it): what the server prepares while it starts (``app/serve.py``) is then ready, or not, by the request.
 "Drawn" is: the page's script run over, the page's ready selector shown (:attr:`app.pages.Page.ready`) and every
 plotly chart laid out by plotly.js in the browser. The server's own start (to its health check answering) is
 reported apart. Needs Debian's chromium (``/usr/bin/chromium``) and playwright (``setup.sh --test``).
@@ -95,7 +98,7 @@ class Server:
     the command to its health check answering."""
 
     def __init__(self, logdir: Path, main: Path | None = None, port: int | None = None,
-                 script: Path | None = None) -> None:
+                 script: Path | None = None, settle: float = 0.0) -> None:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cache = tempfile.mkdtemp(prefix="bench-dashboard-cache-")
@@ -119,6 +122,7 @@ class Server:
             except OSError:
                 time.sleep(0.05)
         self.started = time.monotonic() - start
+        time.sleep(settle)
 
     def cpu_seconds(self) -> float:
         """User and system CPU seconds the server process has used so far (its threads included): a figure the
@@ -195,13 +199,13 @@ st.write("A bare Streamlit page: what the frontend costs before any page of the 
 """
 
 
-def floor(browser, repeat: int, port: int | None) -> list[float]:
+def floor(browser, repeat: int, port: int | None, settle: float = 0.0) -> list[float]:
     """The bare page's cold first render (wall, server and browser CPU seconds), medians over ``repeat`` servers."""
     script = Path(tempfile.mkdtemp(prefix="bench-dashboard-floor-")) / "floor.py"
     script.write_text(FLOOR_APP)
     runs = []
     for _ in range(repeat):
-        server = Server(script.parent, port=port, script=script)
+        server = Server(script.parent, port=port, script=script, settle=settle)
         try:
             cpu, seen = server.cpu_seconds(), browser_cpu_seconds()
             tab, wall = open_page(browser, server.url, FLOOR)
@@ -213,13 +217,13 @@ def floor(browser, repeat: int, port: int | None) -> list[float]:
 
 
 def bench_logdir(browser, logdir: Path, pages: list[Page], repeat: int, main: Path | None = None,
-                 port: int | None = None) -> tuple[float, dict[str, list[float]]]:
+                 port: int | None = None, settle: float = 0.0) -> tuple[float, dict[str, list[float]]]:
     """Per page, the medians over ``repeat`` fresh servers of :func:`visit`'s figures; and the median start."""
     started, results = [], {}
     for page in pages:
         runs = []
         for _ in range(repeat):
-            server = Server(logdir, main, port)
+            server = Server(logdir, main, port, settle=settle)
             try:
                 started.append(server.started)
                 runs.append(visit(browser, server, page, PAGES[-1] if page is PAGES[0] else PAGES[0]))
@@ -253,6 +257,8 @@ def main() -> None:
     parser.add_argument("--app", type=Path, help="another checkout's app/main.py to serve (a before/after)")
     parser.add_argument("--browser-cache", action="store_true",
                         help="one port and one browser profile visited before: a returning browser")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds between the server answering and the first request (default 0)")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -273,12 +279,12 @@ def main() -> None:
                 server.close()
         else:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        wall, server_cpu, browser_cpu = floor(browser, args.repeat, port)
+        wall, server_cpu, browser_cpu = floor(browser, args.repeat, port, args.settle)
         print(f"floor (a bare Streamlit page, cold): {wall:.2f} s, server {server_cpu:.2f} / browser "
               f"{browser_cpu:.2f} CPU s", flush=True)
         for logdir in logdirs:
             print(f"\n{logdir}\n  {'page':<22}" + "".join(f"{c:>{len(c) + 2}}" for c in COLUMNS), flush=True)
-            started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app, port)
+            started, results = bench_logdir(browser, logdir, pages, args.repeat, args.app, port, args.settle)
             slow = [f"{title} {kind} {t:.2f} s" for title, times in results.items()
                     for kind, t in (("cold", times[0]), ("warm", times[3])) if t >= LIMIT[kind]]
             print(f"  server start (to healthy): {started:.2f} s; over the {LIMIT['cold']:g} s cold / "

@@ -412,22 +412,32 @@ def test_a_folders_newest_run_trained_apart_from_the_others_comes_first(monkeypa
 
 def test_the_server_prepares_what_the_first_page_reads(monkeypatch, logdir, tmp_path):
     """``app/serve.py`` computes the Runs page's reads while the server starts (:func:`app.data.prepare`): the page
-    then opens from those caches, without computing the run table or the overview again."""
+    then opens from those caches, without computing the run table, the overview, the collapse warning's cause or
+    the Doctor section again."""
     from app import serve
+    from app.sections import doctor
     from trustscope import report
+    from trustscope.explain import warning
 
     monkeypatch.setenv("TRUSTSCOPE_CACHE", str(tmp_path / "cache"))
     assert serve.served_logdir(["serve.py", "run", "app/main.py", "--", "--logdir", str(logdir)]) == str(logdir)
-    data.runs.clear()
-    data.overview.clear()
-    assert data.prepare(logdir) == ["runs", "overview", "default comparison"]
+    for read in (data.runs, data.overview, data._warning_causes, doctor.panel):
+        read.clear()
+    serve.preload((), str(logdir)).join(timeout=300)  # the server's own preparation, as it starts
 
     def computed_again(*args, **kwargs):
-        raise AssertionError("the Runs page computed the run table again")
+        raise AssertionError("the Runs page computed what the server prepared")
 
     monkeypatch.setattr(report, "run_table", computed_again)
+    monkeypatch.setattr(warning, "warning_causes", computed_again)
+    monkeypatch.setattr(doctor, "doctor_panel", computed_again)
     at = _open(monkeypatch, logdir)
     _ok(at, "Runs")
+    assert data.prepare(logdir, then=(("doctor", doctor.panel_of),)) == [  # each read the cache's, named
+        "runs", "overview", "default comparison", "collapse warning", "doctor"]
+    doctor.panel.clear()  # the same page with the Doctor section not prepared computes it (and here, fails)
+    at = _open(monkeypatch, logdir)
+    assert any("computed what the server prepared" in e.message for e in at.exception)
     assert data.prepare(tmp_path / "missing") == []  # nothing to read: left for the page to say
 
 

@@ -48,6 +48,12 @@ def panel(ours: LogDB, by_first: tuple[tuple[int, tuple[str, ...]], ...]) -> pd.
             .drop(columns="_order").reset_index(drop=True))
 
 
+def panel_of(run_ids: Sequence[str]) -> pd.DataFrame:
+    """:func:`panel` over each run's window of last steps (:func:`windows`): what the section shows for
+    ``run_ids``, and what the server prepares for the default comparison (:func:`app.data.prepare`)."""
+    return panel(tuple((first, tuple(ids)) for first, ids in windows(run_ids).items()))
+
+
 def counts_line(table: pd.DataFrame) -> str:
     """``"2 fail, 0 warn, 36 ok, 12 skipped"``: every verdict's count, failures first."""
     counts = table["verdict"].value_counts()
@@ -58,7 +64,7 @@ def doctor_section(run_ids: Sequence[str]) -> None:
     """Failures and warnings of every check on ``run_ids`` with the likely cause; the rest as counts, the whole
     table folded beneath them."""
     st.subheader("Doctor")
-    table = panel(tuple((first, tuple(ids)) for first, ids in windows(run_ids).items()))
+    table = panel_of(run_ids)
     firsts = sorted(set(table["from_step"]))
     since = f"from step {firsts[0]} on" if len(firsts) == 1 else "over each run's last steps"
     st.caption(f"Contract checks on the logs themselves, {since} (`trustscope doctor LOGDIR` reads every step and "
