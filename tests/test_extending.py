@@ -60,8 +60,8 @@ def test_every_recipe_parses_and_every_name_it_imports_exists():
 
 
 CALLED = {
-    "register_loss": "trustscope.losses", "SqlMask": "trustscope.losses", "Param": "trustscope.losses",
-    "Threshold": "trustscope.losses", "delta_threshold": "trustscope.losses",
+    "register_loss": "trustscope.losses", "SqlMask": "trustscope.masks.family", "Param": "trustscope.losses",
+    "Threshold": "trustscope.masks.family", "delta_threshold": "trustscope.masks.family",
     "register_importer": "trustscope.importers.base", "ImportedRun": "trustscope.importers.base",
     "register_check": "trustscope.doctor", "Judgement": "trustscope.doctor",
     "register_family": "trustscope.train.worlds", "Family": "trustscope.train.worlds",
@@ -100,8 +100,8 @@ def test_every_keyword_the_importer_recipe_names_is_a_parameter_of_register_impo
 
 
 def test_every_mask_family_has_the_four_pieces_of_the_recipe():
-    from trustscope.losses import get_loss, list_losses
-    from trustscope.query.catalogue import MACRO_DIR
+    from trustscope.losses import BUILTIN_RULES, get_loss, list_losses
+    from trustscope.masks import FAMILIES, FAMILY_DIR
 
     families = {}
     for rule in map(get_loss, list_losses()):
@@ -109,14 +109,18 @@ def test_every_mask_family_has_the_four_pieces_of_the_recipe():
             families.setdefault(rule.sql.family, []).append(rule)
     assert len(families) >= 5
     for family, rules in families.items():
-        assert (MACRO_DIR / f"{family}_blocks.sql").is_file(), family  # the SQL mask
+        assert family in FAMILIES, family  # its module: the torch mask and score beside the SQL
+        assert (FAMILY_DIR / f"{family}_blocks.sql").is_file(), family  # the SQL mask
         for rule in rules:
             if family != "none":
                 assert rule.mask is not None or rule.loss is not None, rule.name  # the torch side
+            if rule.name in BUILTIN_RULES and rule.mask is not None:
+                assert rule.mask.__module__ == f"trustscope.masks.{family}", rule.name  # beside its SQL
             threshold = rule.sql.threshold
             if threshold is not None:
                 assert callable(threshold.score), rule.name  # the score function
-                assert (MACRO_DIR / f"{family}_score.sql").is_file(), family  # the SQL score
+                assert (FAMILY_DIR / f"{family}_score.sql").is_file(), family  # the SQL score
+                assert threshold.score.__module__ == f"trustscope.masks.{family}", rule.name  # in one place
 
 
 def test_the_column_and_dimension_recipes_declare_what_the_registry_takes():

@@ -12,6 +12,7 @@ import torch
 from trustscope import divergence as D
 from trustscope import losses as L
 from trustscope.losses import LossOutput, PolicyBatch, get_loss, list_losses, register_loss
+from trustscope.masks import family
 
 RULES = sorted(n for n in L.BUILTIN_RULES if not get_loss(n).sql.sequence and get_loss(n).weight is L.weight_is)
 """Token-level hard-mask rules: a token's mask reads only that token; the weight is the (capped) pi/mu."""
@@ -103,9 +104,9 @@ def test_thresholds_are_strict():
     up = torch.tensor([0.0, -1.0, 0.0, -1.0], dtype=torch.float64)
     down = torch.tensor([-1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
     div = torch.tensor([0.15, 0.15, 0.150001, 0.150001], dtype=torch.float64)
-    assert L.dppo_keep(div, up, down, adv, 0.15).tolist() == [True, True, False, False]
+    assert family.dppo_keep(div, up, down, adv, 0.15).tolist() == [True, True, False, False]
     r = torch.tensor([1.28, 0.8, 1.2800001, 0.7999999], dtype=torch.float64)
-    assert L.ppo_keep(r, adv, 0.2, 0.28).tolist() == [True, True, False, False]
+    assert family.ppo_keep(r, adv, 0.2, 0.28).tolist() == [True, True, False, False]
     # Mask-delta is inclusive: mu - pi >= delta (PAPER.md).
     assert not get_loss("minimal_negative_mask")(batch_of([0.25], [0.75], [-1.0])).keep.item()
     assert get_loss("minimal_negative_mask")(batch_of([0.25], [0.75], [1.0])).keep.item()
@@ -135,7 +136,7 @@ def test_dppo_with_ratio_distance_is_ppo():
     def dppo_ratio(batch: PolicyBatch, delta: float) -> LossOutput:
         """DPPO gated on |r - 1|."""
         r = D.ratio(batch.pi_logprob.detach(), batch.mu_logprob)
-        keep = L.dppo_keep((r - 1).abs(), batch.pi_logprob.detach(), batch.mu_logprob, batch.advantages, delta)
+        keep = family.dppo_keep((r - 1).abs(), batch.pi_logprob.detach(), batch.mu_logprob, batch.advantages, delta)
         return L.policy_loss(batch, keep, L.is_weight(batch.pi_logprob, batch.mu_logprob))
 
     try:
@@ -810,9 +811,9 @@ def test_the_catalogue_names_what_the_torch_side_has():
 
     assert tuple(PolicyBatch.__dataclass_fields__) == L.POLICY_BATCH_FIELDS
     terms = {n for n, v in vars(MaskTerms).items() if isinstance(v, functools.cached_property)} - {"valid"}
-    assert terms <= L.SQL_COLUMNS, sorted(terms - L.SQL_COLUMNS)
-    assert set(L.DIVERGENCES) == {"binary_tv", "binary_kl", "topk_tv", "topk_kl"}
-    assert all(hasattr(MaskTerms, term) for pair in L.DIVERGENCES.values() for term in pair)
+    assert terms <= family.SQL_COLUMNS, sorted(terms - family.SQL_COLUMNS)
+    assert set(family.DIVERGENCES) == {"binary_tv", "binary_kl", "topk_tv", "topk_kl"}
+    assert all(hasattr(MaskTerms, term) for pair in family.DIVERGENCES.values() for term in pair)
 
 
 def test_every_term_a_mask_family_reads_is_computed_by_rule_blocks():
@@ -824,4 +825,4 @@ def test_every_term_a_mask_family_reads_is_computed_by_rule_blocks():
 
     text = "".join((VIEW_DIR / f"{v}.sql").read_text() for v in ("rule_blocks", "token_metrics_core"))
     computed = set(re.findall(r"\bas ([a-z_][a-z0-9_]*)", text)) | set(re.findall(r"[a-z_][a-z0-9_]*", text))
-    assert computed >= L.SQL_COLUMNS, sorted(L.SQL_COLUMNS - computed)
+    assert computed >= family.SQL_COLUMNS, sorted(family.SQL_COLUMNS - computed)

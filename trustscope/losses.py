@@ -41,10 +41,29 @@ import dataclasses
 import importlib
 import inspect
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+# The mask families (:mod:`trustscope.masks`: each family's torch mask, score, SQL declaration and SQL macros in
+# one place) and the built-in rules' pieces from them; a user's rule of the same kind names one of these.
+from trustscope.masks.cppo import CPPO_PREFIX, mask_cppo
+from trustscope.masks.dppo import DPPO_MU, DPPO_OLD, mask_dppo, mask_dppo_decoupled
+from trustscope.masks.drpo import DRPO_PENALTY, mask_drpo, weight_drpo
+from trustscope.masks.family import (
+    DIVERGENCES,
+    IDENTIFIER,
+    SqlMask,
+    Threshold,
+    is_number,
+)
+from trustscope.masks.lowprob_relax import LOWPROB_RELAX, mask_ppo_lowprob_relax
+from trustscope.masks.negative_mask import NEGATIVE_MASK, mask_minimal_negative
+from trustscope.masks.none import NO_MASK, mask_pg_is
+from trustscope.masks.ratio_band import RATIO_BAND, mask_ratio_band
+from trustscope.masks.ratio_clip import RATIO_CLIP_MU, RATIO_CLIP_OLD, mask_minirl, mask_ppo_clip
+from trustscope.masks.seq_geo_band import SEQ_GEO_BAND, mask_geo_band
+from trustscope.masks.seq_ratio_clip import SEQ_RATIO_CLIP, mask_gspo, weight_gspo
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -68,235 +87,6 @@ def __getattr__(name: str) -> Any:
     if name in POLICY_NAMES:
         return getattr(importlib.import_module("trustscope.policy"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*")
-
-SQL_COLUMNS = frozenset({
-    "ratio", "old_ratio", "log_ratio", "mu_prob", "pi_prob", "old_prob", "mu_logprob", "pi_logprob", "old_logprob",
-    "binary_tv", "binary_kl", "topk_tv", "topk_kl", "old_binary_tv", "old_binary_kl", "advantage", "pos",
-    "seq_log_ratio", "seq_pos", "seq_len", "seq_p90_binary_tv", "prefix_binary_tv", "prefix_pos_binary_tv",
-})
-"""Columns the SQL view ``rule_blocks`` hands to the mask macros (``old_*``: anchored on pi_old). The ``seq_*`` and
-``prefix_*`` columns are the response's context, computed once over the window ``(run_id, step, rank,
-sample_id)``: the mean log-ratio, the length, the P90 of binary TV, and the sums of binary TV (and of pos times it)
-over the tokens before this one."""
-
-
-ScoreFn = Callable[..., "Tensor"]
-"""``score(terms: MaskTerms, **params) -> (B, T)`` float: see :class:`Threshold`."""
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """A mask family's scalar threshold: the one number that moves how much the rule blocks.
-
-    The threshold is ``param``; the parameters of ``scaled`` (``param`` first) move together on one scale ``u``
-    (``u = 1`` at the parameters the rule is evaluated at, its *base*): ``"linear"`` ones become ``base * u``,
-    ``"power"`` ones ``base ** u`` (the two bounds of a ratio band keep their log-ratio proportion, so a band
-    symmetric in log stays so). Every other parameter stays at the base. ``score(terms, **base params)`` gives
-    each token the scale at which it starts to be blocked: the rule at scale ``u`` blocks a token exactly when
-    ``score > u`` (``score >= u`` when ``inclusive``); NaN where it blocks the token at no scale, ``inf`` where at
-    every scale (dual-clip's block, which no scale moves). The SQL macro ``<family>_score`` in
-    ``trustscope/sql/macros/`` computes the same score, with the arguments of ``<family>_blocks``. A larger
-    scale blocks fewer tokens.
-    """
-
-    param: str
-    scaled: tuple[tuple[str, str], ...]
-    score: ScoreFn
-    inclusive: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.scaled or self.scaled[0][0] != self.param:
-            raise ValueError(f"Threshold({self.param!r}).scaled must start with its own parameter")
-        bad = [kind for _, kind in self.scaled if kind not in ("linear", "power")]
-        if bad:
-            raise ValueError(f"Threshold({self.param!r}).scaled kinds {bad} must be 'linear' or 'power'")
-
-    def scalable(self, base: Mapping[str, Any]) -> str | None:
-        """Why the scale is undefined at ``base`` (a linear parameter at 0, a power one at 1), or None."""
-        for name, kind in self.scaled:
-            value = base.get(name)
-            if not _is_number(value) or not math.isfinite(value):
-                return f"{name}={value!r} is not a finite number"
-            if kind == "linear" and value == 0:
-                return f"{name}=0 cannot be scaled"
-            if kind == "power" and (value <= 0 or value == 1):
-                return f"{name}={value!r} cannot be scaled in log (it must be > 0 and != 1)"
-        return None
-
-    def scale_of(self, value: float, base: Mapping[str, Any]) -> float:
-        """The scale ``u`` at which the threshold parameter equals ``value``."""
-        kind, b = dict(self.scaled)[self.param], float(base[self.param])
-        return value / b if kind == "linear" else math.log(value) / math.log(b)
-
-    def at(self, u: float, base: Mapping[str, Any]) -> dict[str, Any]:
-        """The parameters at scale ``u``: ``base`` with the scaled parameters moved."""
-        out = dict(base)
-        for name, kind in self.scaled:
-            out[name] = float(base[name]) * u if kind == "linear" else float(base[name]) ** u
-        return out
-
-
-def _harmful(t: MaskTerms, anchor_logprob: Tensor) -> Tensor:
-    """DPPO's direction test: pi moved past the anchor the way A pushes (A = 0 in the negative branch)."""
-    return ((t.advantage > 0) & (t.pi_logprob > anchor_logprob)) | ((t.advantage <= 0) & (t.pi_logprob < anchor_logprob))
-
-
-def score_dppo(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
-    """DPPO anchored on mu: D / delta where pi moved the harmful way."""
-    return (divergence_term(t, divergence) / delta).where(_harmful(t, t.mu_logprob), math.nan)
-
-
-def score_dppo_old(t: MaskTerms, divergence: str, delta: float, **_: Any) -> Tensor:
-    """DPPO anchored on pi_old: D(pi_old, pi) / delta where pi moved the harmful way from pi_old."""
-    return (divergence_term(t, divergence, "old") / delta).where(_harmful(t, t.old_logprob), math.nan)
-
-
-def _clip_score(t: MaskTerms, r: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's clip on ``r`` as a scale: (r - 1) / eps_high for A > 0, (1 - r) / eps_low for A <= 0."""
-    return ((r - 1) / eps_high).where(t.advantage > 0, (1 - r) / eps_low)
-
-
-def score_ratio_clip(t: MaskTerms, eps_low: float, eps_high: float, dual_clip: float | None = None,
-                     **_: Any) -> Tensor:
-    """PPO's clip on r = pi/mu; dual-clip's block (A <= 0, r > c) is at every scale."""
-    score = _clip_score(t, t.ratio, eps_low, eps_high)
-    if dual_clip is not None:
-        score = score.where(~((t.advantage <= 0) & (t.ratio > dual_clip)), math.inf)
-    return score
-
-
-def score_ratio_clip_old(t: MaskTerms, eps_low: float, eps_high: float, **_: Any) -> Tensor:
-    """PPO's clip on pi/pi_old."""
-    return _clip_score(t, t.old_ratio, eps_low, eps_high)
-
-
-def score_lowprob_relax(t: MaskTerms, eps_low: float, eps_high: float, alpha_low: float, alpha_high: float,
-                        **_: Any) -> Tensor:
-    """PPO's clip on r = pi/mu, each side only where mu >= that side's alpha."""
-    side = ((t.advantage > 0) & (t.mu_prob >= alpha_high)) | ((t.advantage <= 0) & (t.mu_prob >= alpha_low))
-    return _clip_score(t, t.ratio, eps_low, eps_high).where(side, math.nan)
-
-
-def _band_score(log_r: Tensor, low: float, high: float) -> Tensor:
-    """A band [low, high] of ratios (low < 1 < high), both bounds scaled in log: max(log r / log high, log r /
-    log low)."""
-    return (log_r / math.log(high)).maximum(log_r / math.log(low))
-
-
-def score_ratio_band(t: MaskTerms, low: float, high: float, **_: Any) -> Tensor:
-    """The token's ratio band."""
-    return _band_score(t.ratio.log(), low, high)
-
-
-def score_seq_geo_band(t: MaskTerms, low: float, high: float, **_: Any) -> Tensor:
-    """The response's geometric-mean ratio band."""
-    return _band_score(t.seq_log_ratio, low, high)
-
-
-def score_seq_ratio_clip(t: MaskTerms, eps_low: float, eps_high: float, **_: Any) -> Tensor:
-    """PPO's clip on the sequence ratio s (GSPO)."""
-    return _clip_score(t, t.seq_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO).exp(), eps_low, eps_high)
-
-
-def score_negative_mask(t: MaskTerms, delta: float, **_: Any) -> Tensor:
-    """Mask-delta: (mu - pi) / delta on A <= 0 tokens."""
-    return ((t.mu_prob - t.pi_prob) / delta).where(t.advantage <= 0, math.nan)
-
-
-def score_drpo(t: MaskTerms, delta: float, **_: Any) -> Tensor:
-    """DRPO: sign(A) (pi - mu) / delta (sign(A) = -1 for A <= 0)."""
-    shift = t.pi_prob - t.mu_prob
-    return (shift / delta).where(t.advantage > 0, -shift / delta)
-
-
-def score_cppo(t: MaskTerms, delta: float, w_min: float, delta_b: float, **_: Any) -> Tensor:
-    """CPPO: z = w D against min(delta, delta + b W - S) = delta + min(0, b W - S), so the scale is
-    (z - min(0, b W - S)) / delta where pi moved the harmful way (``w_min`` and ``delta_b`` stay)."""
-    valid = t.valid
-    div = t.binary_tv  # (B, T)
-    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T)
-    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1)
-    w = (w_min + (1 - w_min) * (last - pos) / last.clamp_min(1)).where(valid, 0.0)  # (B, T)
-    z = (w * div).where(valid, 0.0)  # (B, T)
-    spent, weight = z.cumsum(-1) - z, w.cumsum(-1) - w
-    budget = div.where(valid, math.nan).nanquantile(0.9, dim=-1, keepdim=True).clamp(min=delta_b, max=2 * delta_b)
-    slack = (budget * weight - spent).clamp(max=0)  # (B, T) min(0, b W - S)
-    return ((z - slack) / delta).where(_harmful(t, t.mu_logprob), math.nan)
-
-
-def delta_threshold(score: ScoreFn, inclusive: bool = False) -> Threshold:
-    """The threshold of a family gated on one ``delta``."""
-    return Threshold("delta", (("delta", "linear"),), score, inclusive)
-
-
-def clip_threshold(score: ScoreFn) -> Threshold:
-    """PPO-style clips: eps_high is the threshold, eps_low keeps its proportion to it."""
-    return Threshold("eps_high", (("eps_high", "linear"), ("eps_low", "linear")), score)
-
-
-def band_threshold(score: ScoreFn) -> Threshold:
-    """Ratio bands: ``low`` is the threshold, ``high`` keeps its log-ratio proportion to it."""
-    return Threshold("low", (("low", "power"), ("high", "power")), score)
-
-
-@dataclass(frozen=True)
-class SqlMask:
-    """How the SQL views evaluate a rule's mask as a "would block" flag: the rule's mask family and its inputs.
-
-    The family is one macro, ``<family>_blocks`` in ``trustscope/sql/macros/<family>_blocks.sql``, shared by every
-    rule of the family. ``trustscope.db`` calls it per rule with ``columns`` (names from :data:`SQL_COLUMNS`, in
-    order; None passes SQL null) and then ``params`` (the rule's parameter names, in order, bound per run from the
-    run's manifest or the defaults; None passes null). ``sequence``: the mask reads the whole response, through
-    the context columns ``rule_blocks`` computes over ``(run_id, step, rank, sample_id)`` windows.
-    ``threshold``: the family's scalar threshold (:class:`Threshold`), or None where it has none.
-    """
-
-    family: str
-    columns: tuple[str | None, ...] = ()
-    params: tuple[str | None, ...] = ()
-    sequence: bool = False
-    threshold: Threshold | None = None
-
-    def __post_init__(self) -> None:
-        if not _IDENTIFIER.fullmatch(self.family):
-            raise ValueError(f"SqlMask.family={self.family!r} must match {_IDENTIFIER.pattern}")
-        unknown = [c for c in self.columns if c is not None and c not in SQL_COLUMNS]
-        if unknown:
-            raise ValueError(f"SqlMask({self.family!r}).columns name unknown column(s) {unknown}; "
-                             f"known: {sorted(SQL_COLUMNS)}")
-        bad = [n for n in self.params if n is not None and not _IDENTIFIER.fullmatch(n)]
-        if bad:
-            raise ValueError(f"SqlMask({self.family!r}).params {bad} must match {_IDENTIFIER.pattern}")
-
-
-# The mask families of the built-in rules; a user's rule of the same kind names one of these.
-NO_MASK = SqlMask("none")
-RATIO_CLIP_MU = SqlMask("ratio_clip", ("ratio", "advantage"), ("eps_low", "eps_high", "dual_clip"),
-                        threshold=clip_threshold(score_ratio_clip))
-RATIO_CLIP_OLD = SqlMask("ratio_clip", ("old_ratio", "advantage"), ("eps_low", "eps_high", None),
-                         threshold=clip_threshold(score_ratio_clip_old))
-DPPO_MU = SqlMask("dppo", ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "pi_logprob", "mu_logprob", "advantage"),
-                  ("divergence", "delta"), threshold=delta_threshold(score_dppo))
-DPPO_OLD = SqlMask("dppo", ("old_binary_tv", "old_binary_kl", None, None, "pi_logprob", "old_logprob", "advantage"),
-                   ("divergence", "delta"), threshold=delta_threshold(score_dppo_old))
-LOWPROB_RELAX = SqlMask("lowprob_relax", ("ratio", "mu_prob", "advantage"),
-                        ("eps_low", "eps_high", "alpha_low", "alpha_high"),
-                        threshold=clip_threshold(score_lowprob_relax))
-NEGATIVE_MASK = SqlMask("negative_mask", ("mu_prob", "pi_prob", "advantage"), ("delta",),
-                        threshold=delta_threshold(score_negative_mask, inclusive=True))
-RATIO_BAND = SqlMask("ratio_band", ("ratio",), ("low", "high"), threshold=band_threshold(score_ratio_band))
-SEQ_RATIO_CLIP = SqlMask("seq_ratio_clip", ("seq_log_ratio", "advantage"), ("eps_low", "eps_high"), sequence=True,
-                         threshold=clip_threshold(score_seq_ratio_clip))
-SEQ_GEO_BAND = SqlMask("seq_geo_band", ("seq_log_ratio",), ("low", "high"), sequence=True,
-                       threshold=band_threshold(score_seq_geo_band))
-CPPO_PREFIX = SqlMask("cppo", ("seq_pos", "seq_len", "binary_tv", "seq_p90_binary_tv", "prefix_binary_tv",
-                               "prefix_pos_binary_tv", "pi_logprob", "mu_logprob", "advantage"),
-                      ("delta", "w_min", "delta_b"), sequence=True, threshold=delta_threshold(score_cppo))
-DRPO_PENALTY = SqlMask("drpo", ("pi_prob", "mu_prob", "advantage"), ("delta",),
-                       threshold=delta_threshold(score_drpo, inclusive=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +119,7 @@ class Param:
         if self.low is None and self.high is None:
             if self.above is not None:
                 return f"> {self.above}" + (" or None" if self.optional else "")
-            return "any value" if not _is_number(self.default) else "any number"
+            return "any value" if not is_number(self.default) else "any number"
         low = "-inf" if self.low is None else f"{self.low:g}"
         high = "inf" if self.high is None else f"{self.high:g}"
         text = f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high_open or self.high is None else ']'}"
@@ -351,20 +141,16 @@ class Param:
             if value not in self.choices:
                 raise bad(f"is not one of {sorted(self.choices)}")
             return
-        if not _is_number(self.default) and self.low is None and self.high is None and self.above is None:
+        if not is_number(self.default) and self.low is None and self.high is None and self.above is None:
             return  # a plain value of a user's rule: nothing declared to check
-        if not _is_number(value) or math.isnan(value):
+        if not is_number(value) or math.isnan(value):
             raise ValueError(f"loss rule {rule!r}: {name}={value!r} must be a number")
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             raise bad(f"must be {'>' if self.low_open else '>='} {self.low}")
         if self.high is not None and (value >= self.high if self.high_open else value > self.high):
             raise bad(f"must be {'<' if self.high_open else '<='} {self.high}")
-        if self.above is not None and _is_number(params.get(self.above)) and value <= params[self.above]:
+        if self.above is not None and is_number(params.get(self.above)) and value <= params[self.above]:
             raise ValueError(f"loss rule {rule!r}: {name}={value!r} must be > {self.above}={params[self.above]!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 DELTA_TV = 0.15
@@ -373,16 +159,6 @@ EPS_LOW = 0.2
 EPS_HIGH = 0.28
 TIS_CAP = 2.0
 NO_CAP = math.inf
-GSPO_MAX_LOG_RATIO = 10.0
-
-DIVERGENCES: dict[str, tuple[str, str]] = {
-    "binary_tv": ("binary_tv", "old_binary_tv"),
-    "binary_kl": ("binary_kl", "old_binary_kl"),
-    "topk_tv": ("topk_tv", "topk_tv"),
-    "topk_kl": ("topk_kl", "topk_kl"),
-}
-"""The divergences a DPPO rule can gate on: the :class:`~trustscope.policy.MaskTerms` term anchored on mu, and on
-pi_old (top-K divergences have mu's lists only, so they stay anchored on mu)."""
 
 
 def eps_low(default: float = EPS_LOW) -> Param:
@@ -559,8 +335,8 @@ def _takes(rule: str, fn: Callable[..., Any], params: Mapping[str, Any], role: s
 
 def _add(rule: LossRule) -> LossRule:
     """Check ``rule`` whole and enter it in the registry."""
-    if not _IDENTIFIER.fullmatch(rule.name):
-        raise ValueError(f"loss rule name {rule.name!r} must match {_IDENTIFIER.pattern} (it names a SQL column)")
+    if not IDENTIFIER.fullmatch(rule.name):
+        raise ValueError(f"loss rule name {rule.name!r} must match {IDENTIFIER.pattern} (it names a SQL column)")
     if rule.name in _REGISTRY:
         raise ValueError(f"loss rule {rule.name!r} is already registered")
     if rule.gate not in _GATES:
@@ -646,32 +422,8 @@ def weight_is(t: MaskTerms, is_cap: float = NO_CAP) -> Tensor:
     return t.ratio.clamp(max=is_cap) if math.isfinite(is_cap) else t.ratio
 
 
-def ppo_keep(r: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's mask on a ratio ``r``: block A > 0 with r > 1 + eps_high, and A <= 0 with r < 1 - eps_low (A = 0
-    takes the negative branch, as in DPPO)."""
-    block = ((adv > 0) & (r > 1 + eps_high)) | ((adv <= 0) & (r < 1 - eps_low))
-    return ~block
-
-
-def dppo_keep(div: Tensor, pi_logprob: Tensor, anchor_logprob: Tensor, adv: Tensor, delta: float) -> Tensor:
-    """DPPO's mask: block only where D > delta and pi already moved the way the advantage pushes.
-
-    Block A > 0 with pi > anchor, and A <= 0 with pi < anchor (A = 0 falls in the negative branch).
-    """
-    up = pi_logprob > anchor_logprob
-    down = pi_logprob < anchor_logprob
-    over = div > delta
-    block = over & (((adv > 0) & up) | ((adv <= 0) & down))
-    return ~block
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the rules: each a mask M(terms, params) -> (B, T) bool keep and a weight, declared once
-
-
-def mask_pg_is(t: MaskTerms) -> Tensor:
-    """No trust region: every token kept."""
-    return t.valid.new_ones(t.valid.shape)
 
 
 pg_is = register_loss("pg_is", sql=NO_MASK, mask=mask_pg_is, is_cap=is_cap(NO_CAP),
@@ -683,18 +435,6 @@ token_tis = register_loss(
     doc="Token-level TIS (verl rollout correction, rollout_is='token', threshold 2): no mask, weight min(pi/mu, C).")
 
 
-def mask_ppo_clip(t: MaskTerms, eps_low: float, eps_high: float, dual_clip: float | None) -> Tensor:
-    """PPO's clip on r = pi/mu, and dual-clip's block of A <= 0 with r > c.
-
-    ``dual_clip`` (c > 1): dual-clip PPO also blocks negative-advantage tokens with r > c (its objective is the
-    constant c * A there, so they carry no gradient). None turns it off.
-    """
-    keep = ppo_keep(t.ratio, t.advantage, eps_low, eps_high)  # (B, T)
-    if dual_clip is not None:
-        keep = keep & ~((t.advantage <= 0) & (t.ratio > dual_clip))
-    return keep
-
-
 ppo_clip = register_loss(
     "ppo_clip", sql=RATIO_CLIP_MU, mask=mask_ppo_clip, eps_low=eps_low(), eps_high=eps_high(),
     dual_clip=Param(None, low=1, low_open=True, optional=True, why="must be > 1 (or None to turn dual-clip off)"),
@@ -704,27 +444,11 @@ grpo = register_loss("grpo", like=ppo_clip, eps_high=EPS_LOW,
                      doc="GRPO: the symmetric PPO ratio clip on r = pi/mu (eps 0.2 / 0.2).")
 
 
-def mask_minirl(t: MaskTerms, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's clip on pi/pi_old."""
-    return ppo_keep(t.old_ratio, t.advantage, eps_low, eps_high)
-
-
 minirl = register_loss("minirl", sql=RATIO_CLIP_OLD, mask=mask_minirl, needs=("old_logprob",), eps_low=eps_low(),
                        eps_high=eps_high(), is_cap=is_cap(),
                        doc="MiniRL (decoupled PPO): the clip mask on pi/pi_old (recomputed), IS weight pi/mu.")
 minirl_tis = register_loss("minirl_tis", like=minirl, is_cap=TIS_CAP,
                            doc="MiniRL-TIS: MiniRL with the IS weight truncated at C.")
-
-
-def divergence_term(t: MaskTerms, name: str, anchor: str = "mu") -> Tensor:
-    """The divergence ``name`` (:data:`DIVERGENCES`) between ``anchor`` ('mu' or 'old') and pi, from the terms."""
-    return getattr(t, DIVERGENCES[name][anchor == "old"])
-
-
-def mask_dppo(t: MaskTerms, divergence: str, delta: float) -> Tensor:
-    """DPPO's mask on D(mu, pi) with mu as the anchor: block a token only when D(mu, pi) > delta and pi moved past
-    mu the way A pushes."""
-    return dppo_keep(divergence_term(t, divergence), t.pi_logprob, t.mu_logprob, t.advantage, delta)
 
 
 dppo = register_loss("dppo_binary_tv", sql=DPPO_MU, mask=mask_dppo, divergence=divergence("binary_tv"),
@@ -737,11 +461,6 @@ register_loss("dppo_topk_kl", like=dppo, needs=("mu_topk_logprobs", "pi_topk_log
               delta=DELTA_KL, doc="DPPO gated on top-K KL > delta.")
 
 
-def mask_dppo_decoupled(t: MaskTerms, divergence: str, delta: float) -> Tensor:
-    """DPPO's mask with the divergence and the anchor taken against pi_old."""
-    return dppo_keep(divergence_term(t, divergence, "old"), t.pi_logprob, t.old_logprob, t.advantage, delta)
-
-
 dppo_decoupled = register_loss(
     "dppo_decoupled", sql=DPPO_OLD, mask=mask_dppo_decoupled, needs=("old_logprob",),
     divergence=Param("binary_kl", choices=("binary_tv", "binary_kl"),
@@ -750,37 +469,14 @@ dppo_decoupled = register_loss(
     doc="DPPO decoupled (ablation): the DPPO mask anchored on the recomputed pi_old instead of mu; weight pi/mu.")
 
 
-def mask_ppo_lowprob_relax(t: MaskTerms, eps_low: float, eps_high: float, alpha_low: float,
-                           alpha_high: float) -> Tensor:
-    """PPO's clip on r = pi/mu, each side only where mu >= that side's alpha."""
-    adv, r, mu = t.advantage, t.ratio, t.mu_prob
-    block = ((adv > 0) & (r > 1 + eps_high) & (mu >= alpha_high)) | ((adv <= 0) & (r < 1 - eps_low) & (mu >= alpha_low))
-    return ~block
-
-
 ppo_lowprob_relax = register_loss("ppo_lowprob_relax", sql=LOWPROB_RELAX, mask=mask_ppo_lowprob_relax, eps_low=eps_low(),
               eps_high=eps_high(), alpha_low=probability(0.1), alpha_high=probability(0.1),
               doc="PPO clip that never clips a side for tokens with mu < alpha (alpha per side; 0 turns a side's "
                   "relief off).")
 
 
-def mask_minimal_negative(t: MaskTerms, delta: float) -> Tensor:
-    """Block A <= 0 where mu - pi >= delta."""
-    return ~((t.advantage <= 0) & (t.mu_prob - t.pi_prob >= delta))
-
-
 minimal_negative_mask = register_loss("minimal_negative_mask", sql=NEGATIVE_MASK, mask=mask_minimal_negative, delta=delta(0.5),
               doc="Mask-delta: block only negative-advantage tokens that pi pushed down from mu by at least delta.")
-
-
-def mask_ratio_band(t: MaskTerms, low: float, high: float) -> Tensor:
-    """Keep low <= r <= high, r = pi/mu.
-
-    Token-level masked IS (MIS) source: verl ``verl/trainer/ppo/rollout_corr_helper.py``,
-    ``compute_rollout_rejection_mask`` with ``rollout_rs="token_k1"`` and a ``"lower_upper"`` threshold (here on
-    r = pi/mu; the weight stays pi/mu on the kept tokens, bypass mode).
-    """
-    return (t.ratio >= low) & (t.ratio <= high)
 
 
 token_mis = register_loss(
@@ -791,43 +487,10 @@ register_loss("icepop", like=token_mis, low=0.5, high=5.0,
                   "arXiv 2510.18855, IcePop; INTELLECT-3 report, arXiv 2512.16144, eq. 1).")
 
 
-def _gspo_ratio(t: MaskTerms) -> Tensor:
-    """GSPO's sequence ratio s = exp(mean_t log(pi/mu)), the mean clamped at 10 first: ``(B, T)``."""
-    return t.seq_log_ratio.clamp(max=GSPO_MAX_LOG_RATIO).exp()
-
-
-def mask_gspo(t: MaskTerms, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's clip on the sequence ratio s: a whole response is kept or blocked together.
-
-    Source: Zheng et al., Group Sequence Policy Optimization (arXiv 2507.18071), eq. 5-7 (s_i, the length-normalised
-    sequence ratio); defaults eps 3e-4 / 4e-4 from its section 5.1. Reference implementation: verl
-    ``verl/trainer/ppo/core_algos.py``, ``compute_policy_loss_gspo`` (the mean log-ratio clamped at 10 before exp).
-    Anchored on mu here (the rollout policy, as the rest of trustscope). A whole response is blocked together:
-    A > 0 with s > 1 + eps_high, A <= 0 with s < 1 - eps_low.
-    """
-    return ppo_keep(_gspo_ratio(t), t.advantage, eps_low, eps_high)
-
-
-def weight_gspo(t: MaskTerms) -> Tensor:
-    """GSPO's weight: the sequence ratio s on every token of the response."""
-    return _gspo_ratio(t)
-
-
 gspo = register_loss("gspo", sql=SEQ_RATIO_CLIP, mask=mask_gspo, weight=weight_gspo, eps_low=eps_low(3e-4),
               eps_high=eps_high(4e-4),
               doc="GSPO: PPO's clip on the sequence ratio s = exp(mean_t log(pi/mu)), weight s on every token of "
                   "the response.")
-
-
-def mask_geo_band(t: MaskTerms, low: float, high: float) -> Tensor:
-    """Keep a response while its geometric-mean ratio exp(mean_t log(pi/mu)) stays in [low, high].
-
-    Source: verl ``verl/trainer/ppo/rollout_corr_helper.py``, ``compute_rollout_rejection_mask`` option
-    ``seq_mean_k1`` (preset ``RolloutCorrectionConfig.decoupled_geo_rs``, bounds ``"0.999_1.001"``); verl bounds
-    the mean of log(mu/pi), here its reciprocal, the geometric mean of r = pi/mu. Weight pi/mu per token.
-    """
-    g = t.seq_log_ratio.exp()  # (B, T)
-    return (g >= low) & (g <= high)
 
 
 geo_mask = register_loss("geo_mask", sql=SEQ_GEO_BAND, mask=mask_geo_band, **ratio_band(0.999, 1.001),
@@ -835,69 +498,10 @@ geo_mask = register_loss("geo_mask", sql=SEQ_GEO_BAND, mask=mask_geo_band, **rat
                   "[low, high].")
 
 
-def mask_cppo(t: MaskTerms, delta: float, w_min: float, delta_b: float) -> Tensor:
-    """CPPO's mask: the position-weighted binary TV against a threshold with the response's prefix budget.
-
-    Source: Mao, Zhou, Tao et al., Beyond Uniform Token-Level Trust Region in LLM Reinforcement Learning (CPPO,
-    arXiv 2606.10968), mask Eq. 8-11 and the dynamic budget Eq. 22; reference implementation: Tencent-Hunyuan UniRL
-    ``unirl/algorithms/cppo.py``, ``_cppo_mask`` (as its ``CPPO/README.md`` states it), which ships the binary-TV
-    variant, as here: D = |pi - mu|. For a response of L tokens, position s = 0 .. L-1: w_s = w_min + (1 - w_min)
-    (L - 1 - s) / max(L - 1, 1), Z_s = w_s D_s, prefix sums S = sum_{j<s} Z_j and W = sum_{j<s} w_j, the
-    response's budget b = clamp(P90(D), delta_b, 2 delta_b), threshold c_s = min(delta, delta + b W - S). A token
-    is blocked when pi moved the way A pushes (DPPO's direction test, A = 0 in the negative branch) and Z_s > c_s.
-    Defaults: the paper's dense-model delta 0.15, w_min 0.8, delta_b 0.02.
-    """
-    valid = t.valid
-    div = t.binary_tv  # (B, T)
-    pos = (valid.cumsum(-1) - 1).clamp_min(0).to(div.dtype)  # (B, T) position among the valid tokens
-    last = (valid.sum(-1, keepdim=True) - 1).to(div.dtype)  # (B, 1) L - 1
-    w = (w_min + (1 - w_min) * (last - pos) / last.clamp_min(1)).where(valid, 0.0)  # (B, T)
-    z = (w * div).where(valid, 0.0)  # (B, T)
-    spent = z.cumsum(-1) - z  # (B, T) S: weighted divergence of the prefix before the token
-    weight = w.cumsum(-1) - w  # (B, T) W
-    p90 = div.where(valid, math.nan).nanquantile(0.9, dim=-1, keepdim=True)  # (B, 1)
-    budget = p90.clamp(min=delta_b, max=2 * delta_b)
-    threshold = (delta + budget * weight - spent).clamp(max=delta)  # (B, T) min(delta, delta + b W - S)
-    adv, pi_lp, mu_lp = t.advantage, t.pi_logprob, t.mu_logprob
-    harmful = ((adv > 0) & (pi_lp > mu_lp)) | ((adv <= 0) & (pi_lp < mu_lp))
-    return ~(harmful & (z > threshold))
-
-
 cppo = register_loss("cppo", sql=CPPO_PREFIX, mask=mask_cppo, delta=delta(DELTA_TV),
               w_min=Param(0.8, low=0, low_open=True, high=1, why="must be in (0, 1]: the last position's weight"),
               delta_b=Param(0.02, low=0, why="must be >= 0 (the prefix budget's floor)"),
               doc="CPPO: DPPO's mask with a position-weighted threshold and a cumulative prefix budget.")
-
-
-def _drpo_gain(t: MaskTerms, delta: float) -> Tensor:
-    """DRPO's gradient scale g = 1 - sign(A) (pi - mu) / delta, sign(A) = -1 for A <= 0: ``(B, T)``."""
-    shift = t.pi_prob - t.mu_prob  # (B, T)
-    sign = (t.advantage > 0).to(shift.dtype) * 2 - 1  # (B, T) +1 for A > 0, -1 for A <= 0
-    return 1 - sign * shift / delta
-
-
-def mask_drpo(t: MaskTerms, delta: float) -> Tensor:
-    """What DRPO 'blocks': where its penalty cancelled or reversed the push, g <= 0.
-
-    Source: Yao, Zhou, Qi et al., Rethinking the Divergence Regularization in LLM RL (DRPO, arXiv 2606.09821),
-    objective Eq. 8 and weight Table 1: L = r A - |A| mu (r - 1)^2 / (2 delta); reference implementation:
-    Tencent-Hunyuan UniRL ``unirl/algorithms/drpo.py``, ``_drpo_loss``. Its gradient is the policy gradient scaled
-    by g = 1 - sign(A) (pi - mu) / delta: g = 1 on the anchor, 0 on the DPPO boundary in the harmful direction,
-    negative (corrective) beyond it, above 1 when pi moved back toward mu; bounded by 1 +- 1/delta since
-    |pi - mu| <= 1 (sign(A) = -1 for A <= 0). Implemented as w = (pi/mu) * g on every valid token. The default
-    delta is DPPO's binary-TV threshold, the geometry DRPO keeps (UniRL's 4B recipe sets its epsilon to 12.5,
-    where g stays within 1 +- 0.08 and nothing ever counts as blocked).
-
-    No hard mask gates the loss. What "blocked" means for DRPO, here and in the SQL views: the penalty has
-    cancelled or reversed the push, g <= 0, i.e. A > 0 with pi - mu >= delta or A <= 0 with mu - pi >= delta.
-    ``keep`` reports g > 0; blocked tokens still get their (corrective) gradient.
-    """
-    return _drpo_gain(t, delta) > 0
-
-
-def weight_drpo(t: MaskTerms, delta: float) -> Tensor:
-    """DRPO's weight on every valid token: pi/mu times its gradient scale g."""
-    return t.ratio * _drpo_gain(t, delta)
 
 
 drpo = register_loss("drpo", sql=DRPO_PENALTY, mask=mask_drpo, weight=weight_drpo, gate="valid",

@@ -27,9 +27,12 @@ import pyarrow.parquet as pq
 from trustscope import runformat
 from trustscope.columns import builtin_token_columns_sql, dimension_buckets_sql, dimension_columns_sql
 from trustscope.losses import LossRule, get_loss, list_losses
+from trustscope.masks import FAMILY_DIR
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 MACRO_DIR = SQL_DIR / "macros"
+"""One scalar macro per file: divergences, buckets, parameters. The mask families' macros are beside their modules
+(:data:`trustscope.masks.FAMILY_DIR`); :func:`macro_files` lists both."""
 VIEW_DIR = SQL_DIR / "views"
 TABLE_MACRO_DIR = SQL_DIR / "table_macros"
 """Table macros over the views (``create macro <name>(...) as table``), each in ``<name>.sql``: the rows several
@@ -91,8 +94,13 @@ def view_text(view: str) -> str:
             .replace(DIMENSION_BUCKETS_MARKER, dimension_buckets_sql()))
 
 
+def macro_files() -> list[Path]:
+    """Every scalar macro's file: :data:`MACRO_DIR`'s and the mask families' (:data:`FAMILY_DIR`), by name."""
+    return sorted([*MACRO_DIR.glob("*.sql"), *FAMILY_DIR.glob("*.sql")], key=lambda p: p.name)
+
+
 SQL_FINGERPRINT = hashlib.sha256(
-    b"".join(p.read_bytes() for p in sorted([*MACRO_DIR.glob("*.sql"), *VIEW_DIR.glob("*.sql"),
+    b"".join(p.read_bytes() for p in sorted([*macro_files(), *VIEW_DIR.glob("*.sql"),
                                              *TABLE_MACRO_DIR.glob("*.sql")]))
     + builtin_token_columns_sql().encode() + dimension_buckets_sql().encode()
 ).hexdigest()
@@ -152,12 +160,12 @@ column, read through ``columns('^blocks_...')``) are the ones the cold pass mate
 def sql_rules() -> list[LossRule]:
     """The registered rules that declare a SQL mask family (the ones the views can show), sorted by name.
 
-    Raises ValueError naming the rule when its family has no macro file ``sql/macros/<family>_blocks.sql``."""
+    Raises ValueError naming the rule when its family has no macro file ``masks/<family>_blocks.sql``."""
     rules = [get_loss(name) for name in list_losses() if get_loss(name).sql is not None]
     for rule in rules:
-        if not (MACRO_DIR / f"{rule.sql.family}_blocks.sql").is_file():
+        if not (FAMILY_DIR / f"{rule.sql.family}_blocks.sql").is_file():
             raise ValueError(f"loss rule {rule.name!r}: sql family {rule.sql.family!r} has no macro "
-                             f"{MACRO_DIR / (rule.sql.family + '_blocks.sql')}")
+                             f"{FAMILY_DIR / (rule.sql.family + '_blocks.sql')}")
     return rules
 
 
@@ -207,9 +215,9 @@ def score_columns_sql() -> str:
         mask = rule.sql
         if mask.threshold is None:
             continue
-        if not (MACRO_DIR / f"{mask.family}_score.sql").is_file():
+        if not (FAMILY_DIR / f"{mask.family}_score.sql").is_file():
             raise ValueError(f"loss rule {rule.name!r}: sql family {mask.family!r} declares a threshold but has no "
-                             f"macro {MACRO_DIR / (mask.family + '_score.sql')}")
+                             f"macro {FAMILY_DIR / (mask.family + '_score.sql')}")
         args = ["null" if c is None else quote(c) for c in mask.columns]
         args += ["null" if p is None else f"rule_values().{quote(rule.name)}.{quote(p)}[rule_set]"
                  for p in mask.params]
@@ -235,8 +243,9 @@ def write_empty_files(folder: Path) -> dict[str, list[str]]:
 
 
 def load_macros(con: duckdb.DuckDBPyConnection) -> None:
-    """Every macro of ``sql/macros``; a macro that names one not loaded yet waits for it."""
-    pending = {p.stem: p.read_text() for p in sorted(MACRO_DIR.glob("*.sql"))}
+    """Every scalar macro (:func:`macro_files`); a macro that names one not loaded yet waits for it."""
+    files = {p.stem: p for p in macro_files()}
+    pending = {name: path.read_text() for name, path in files.items()}
     while pending:
         errors, loaded = {}, 0
         for name, text in list(pending.items()):
@@ -249,7 +258,7 @@ def load_macros(con: duckdb.DuckDBPyConnection) -> None:
             loaded += 1
         if errors and not loaded:
             name, err = next(iter(errors.items()))
-            raise RuntimeError(f"cannot load macro {name!r} from {MACRO_DIR / (name + '.sql')}: {err}")
+            raise RuntimeError(f"cannot load macro {name!r} from {files[name]}: {err}")
 
 
 def install(con: duckdb.DuckDBPyConnection, rule_blocks: str, views: Iterable[str] = VIEWS,

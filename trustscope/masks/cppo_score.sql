@@ -1,4 +1,4 @@
--- the scale at which mask family cppo starts to block a token (losses.score_cppo): cppo_blocks compares z = w d
+-- the scale at which mask family cppo starts to block a token (masks.cppo.score_cppo): cppo_blocks compares z = w d
 -- with min(delta, delta + b w_prev - s) = delta + min(0, b w_prev - s), so the scale is (z - min(0, b w_prev - s))
 -- / delta where pi moved the way a pushes (w_min and delta_b stay). same terms as cppo_blocks.
 create or replace macro cppo_score(pos, seq_len, binary_tv, seq_p90_binary_tv, prefix_binary_tv,

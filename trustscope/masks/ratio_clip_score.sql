@@ -1,4 +1,4 @@
--- the scale at which mask family ratio_clip starts to block a token (losses.score_ratio_clip): (r - 1) / eps_high
+-- the scale at which mask family ratio_clip starts to block a token (masks.ratio_clip.score_ratio_clip): (r - 1) / eps_high
 -- for a > 0, (1 - r) / eps_low for a <= 0 (eps_low keeps its proportion to eps_high); dual-clip's block (a <= 0,
 -- r > c) at every scale (inf). blocked at scale u: score > u.
 create or replace macro ratio_clip_score(r, advantage, eps_low, eps_high, dual_clip) as

@@ -1,4 +1,4 @@
--- the scale at which mask family ratio_band starts to block a token (losses.score_ratio_band): with both bounds
+-- the scale at which mask family ratio_band starts to block a token (masks.ratio_band.score_ratio_band): with both bounds
 -- scaled in log (low ** u, high ** u), max(ln r / ln high, ln r / ln low). blocked at scale u: score > u.
 create or replace macro ratio_band_score(r, low, high) as
     case

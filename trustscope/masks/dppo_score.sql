@@ -1,4 +1,4 @@
--- the scale at which mask family dppo starts to block a token (losses.Threshold, losses.score_dppo): d / delta where
+-- the scale at which mask family dppo starts to block a token (masks.family.Threshold, masks.dppo.score_dppo): d / delta where
 -- pi moved past the anchor the way the advantage pushes, else null (never blocked). blocked at scale u: score > u.
 create or replace macro dppo_score(binary_tv, binary_kl, topk_tv, topk_kl, pi_logprob, anchor_logprob, advantage,
                                    divergence, delta) as
