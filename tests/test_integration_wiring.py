@@ -69,7 +69,7 @@ def _attach_calls(path: Path) -> tuple[set[str], set[str]]:
     return attrs, plain
 
 
-@pytest.mark.parametrize("module", ["trustscope/integrations/trl.py", "trustscope/integrations/verl/attach.py"])
+@pytest.mark.parametrize("module", ["trustscope/integrations/trl/attach.py", "trustscope/integrations/verl/attach.py"])
 def test_each_attach_builds_its_chain_through_the_wiring(module):
     attrs, plain = _attach_calls(ROOT / module)
     assert {"check", "build"} <= attrs, f"{module}'s attach does not build the warning chain through WarningWiring"

@@ -13,7 +13,9 @@ trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
 import torch  # noqa: E402
 
-from trustscope.integrations.trl import _ENGINE_IDS, _TOPK_IDS, Attachment, _Hooks, _segments, engine_rows  # noqa: E402
+from trustscope.integrations.trl import Attachment, engine_rows  # noqa: E402
+from trustscope.integrations.trl.engine import _segments  # noqa: E402
+from trustscope.integrations.trl.hooks import _ENGINE_IDS, _TOPK_IDS, _Hooks  # noqa: E402
 from trustscope.train.toy import toy_tokenizer  # noqa: E402
 
 K = 3
