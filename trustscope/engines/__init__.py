@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trustscope.engines.base import DTYPES, LOGPROB_FLOOR, Engine, Rollout, RolloutTensors
+from trustscope.engines.base import DTYPES, LOGPROB_FLOOR, LOGPROBS_MODES, Engine, Rollout, RolloutTensors
 
 ENGINES = ("vllm", "hf")
 
-__all__ = ["DTYPES", "ENGINES", "LOGPROB_FLOOR", "Engine", "Rollout", "RolloutTensors", "make_engine"]
+__all__ = ["DTYPES", "ENGINES", "LOGPROBS_MODES", "LOGPROB_FLOOR", "Engine", "Rollout", "RolloutTensors", "make_engine"]
 
 
 def make_engine(name: str, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, **kw: Any) -> Engine:

@@ -32,6 +32,12 @@ finite floor, so ``0 * log 0`` terms downstream stay 0 instead of NaN. ``exp(-1e
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Parameter dtypes of the trainer and the engines, by the name a config gives them."""
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+"""What an engine reports as mu (vLLM's ``logprobs_mode`` names): ``processed_logprobs``, the distribution the
+sampler drew from (after temperature, top-k and top-p: the default, and what the trainer's pi is compared with);
+``raw_logprobs``, the model's untempered, untruncated softmax (vLLM's own default), which differs from what was
+sampled wherever ``temperature != 1`` or a truncation is on: the sampling-processor mismatch ``trustscope
+explain`` detects, available here so that a run can carry it on purpose."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ def finalize_topk(
 
 
 def check_sampling_args(
-    prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int, vocab_size: int
+    prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int, vocab_size: int,
+    top_k: int = 0,
 ) -> None:
     """Raise ``ValueError`` naming the field and the value for arguments no engine can honour."""
     if not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
@@ -190,9 +197,12 @@ def check_sampling_args(
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(topk, int) or not 1 <= topk <= vocab_size:
         raise ValueError(f"topk must be an integer in [1, vocab size {vocab_size}], got {topk!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be an integer in [0, vocab size {vocab_size}] (0: no top-k truncation), "
+                         f"got {top_k!r}")
 
 
-def warn_if_biased(temperature: float, top_p: float) -> None:
+def warn_if_biased(temperature: float, top_p: float, top_k: int = 0) -> None:
     """Warn when the sampled distribution is not the model's own softmax, so ``pi / mu`` needs care.
 
     mu is reported as the distribution actually sampled from (after temperature and top-p). With
@@ -200,6 +210,13 @@ def warn_if_biased(temperature: float, top_p: float) -> None:
     With ``top_p < 1`` the truncated, renormalised mu cannot be reproduced by the trainer's full softmax at all:
     every kept token's ratio is biased by the nucleus mass (``pi / mu <= nucleus mass``).
     """
+    if top_k > 0:
+        warnings.warn(
+            f"top_k={top_k}: mu is renormalised over the {top_k} likeliest tokens; the trainer's full-softmax pi is "
+            f"not comparable to it unless it applies the same truncation (keep_sampling_mask).",
+            UserWarning,
+            stacklevel=3,
+        )
     if top_p < 1.0:
         warnings.warn(
             f"top_p={top_p} < 1: mu is the renormalised nucleus distribution; the trainer's full-softmax pi is not "
@@ -226,9 +243,13 @@ class Engine(ABC):
 
     name: str = ""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0,
+                 logprobs_mode: str = "processed_logprobs") -> None:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.model_dir = str(model_dir)
         self.dtype = dtype
         self.seed = seed
@@ -248,21 +269,23 @@ class Engine(ABC):
         top_p: float = 1.0,
         topk: int = 20,
         seed: int | None = None,
+        top_k: int = 0,
     ) -> Rollout:
         """Sample ``n`` responses per prompt; return them with mu's logprobs and top-K (see :class:`Rollout`).
 
         Reproducible for a given ``seed``; ``seed=None`` draws the next seed from the engine's seeded stream.
         Arguments are checked here, once for every engine; a biased sampler (``top_p < 1``, ``temperature != 1``)
-        is warned about.
+        is warned about. ``top_k``: sample from the ``top_k`` likeliest tokens only (0: off; ``topk`` is the number
+        of mu's log-probs returned per position).
         """
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size)
-        warn_if_biased(temperature, top_p)
-        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
-        return self._sample(list(prompts), n, max_tokens, temperature, top_p, topk, self.next_seed(seed))
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, topk, self.vocab_size, top_k)
+        warn_if_biased(temperature, top_p, top_k)
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk, "top_k": top_k}
+        return self._sample(list(prompts), n, max_tokens, temperature, top_p, topk, self.next_seed(seed), top_k=top_k)
 
     @abstractmethod
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
-                seed: int) -> Rollout:
+                seed: int, *, top_k: int = 0) -> Rollout:
         """The engine's own sampling, on checked arguments and a resolved seed."""
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
@@ -278,6 +301,7 @@ class Engine(ABC):
         topk: int = 20,
         seed: int | None = None,
         stop_token_ids: list[int] | tuple[int, ...] = (),
+        top_k: int = 0,
     ) -> Rollout:
         """Continue each token-id sequence ``prompt_ids[i]`` by at most ``max_tokens[i]`` new tokens (one sample each).
 
@@ -295,14 +319,14 @@ class Engine(ABC):
                 raise ValueError(f"extend: sequence {i} must be a non-empty list of token ids in [0, {self.vocab_size})")
             if not isinstance(m, int) or m < 1:
                 raise ValueError(f"extend: max_tokens[{i}] must be an integer >= 1, got {m!r}")
-        check_sampling_args(["ids"], 1, 1, temperature, top_p, topk, self.vocab_size)
-        warn_if_biased(temperature, top_p)
-        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk}
+        check_sampling_args(["ids"], 1, 1, temperature, top_p, topk, self.vocab_size, top_k)
+        warn_if_biased(temperature, top_p, top_k)
+        self._last = {"temperature": temperature, "top_p": top_p, "topk": topk, "top_k": top_k}
         return self._extend([list(ids) for ids in prompt_ids], list(max_tokens), temperature, top_p, topk,
-                            self.next_seed(seed), stop_token_ids=list(stop_token_ids))
+                            self.next_seed(seed), stop_token_ids=list(stop_token_ids), top_k=top_k)
 
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None, *, top_k: int = 0) -> Rollout:
         """The engine's own continuation of token-id sequences (see :meth:`extend`)."""
         raise NotImplementedError(f"engine {self.name!r} cannot continue token-id sequences (partial rollouts); "
                                   f"use engine vllm or hf")
@@ -318,10 +342,10 @@ class Engine(ABC):
             "engine": self.name,
             "model_dir": self.model_dir,
             "dtype": self.dtype,
-            "logprobs_mode": "processed_logprobs",
+            "logprobs_mode": self.logprobs_mode,
             "temperature": self._last.get("temperature"),
             "top_p": self._last.get("top_p"),
-            "top_k": 0,
+            "top_k": self._last.get("top_k", 0),
             "topk_logprobs": self._last.get("topk"),
             "seed": self.seed,
         }

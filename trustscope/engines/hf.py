@@ -52,8 +52,9 @@ class HFEngine(Engine):
         num_threads: int | None = 1,
         device: str | None = None,
         routing: bool | str = False,
+        logprobs_mode: str = "processed_logprobs",
     ) -> None:
-        super().__init__(model_dir, dtype, seed)
+        super().__init__(model_dir, dtype, seed, logprobs_mode)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,9 +112,15 @@ class HFEngine(Engine):
             if torch.get_num_threads() != previous:
                 torch.set_num_threads(previous)
 
+    def _reported(self, out: Any) -> tuple[torch.Tensor, ...]:
+        """Per generated position, the ``(B, V)`` scores mu is the softmax of: the processed scores the sampler
+        drew from (temperature, top-k, top-p applied), or with ``logprobs_mode="raw_logprobs"`` the model's raw
+        logits."""
+        return out.logits if self.logprobs_mode == "raw_logprobs" else out.scores
+
     @torch.no_grad()
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
-                seed: int) -> Rollout:
+                seed: int, *, top_k: int = 0) -> Rollout:
         """Sample with ``model.generate``; see :meth:`Engine.generate`."""
         enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(self.device)
         p = enc["input_ids"].shape[1]
@@ -121,14 +128,15 @@ class HFEngine(Engine):
         with self._threads(), torch.random.fork_rng(devices=devices), self._routed():
             torch.manual_seed(seed)
             out = self.model.generate(
-                **enc, do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0,
-                max_new_tokens=max_tokens, num_return_sequences=n, output_scores=True, return_dict_in_generate=True,
+                **enc, do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                max_new_tokens=max_tokens, num_return_sequences=n, output_scores=True, output_logits=True,
+                return_dict_in_generate=True,
                 pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
             )
         gen = out.sequences[:, p:]  # (B, T), B = len(prompts) * n, grouped by prompt
         sampled_steps, ids_steps, lps_steps = [], [], []
-        for t, scores in enumerate(out.scores):  # one (B, V) step at a time: never a (B, T, V) copy
-            step_lp = scores.float().log_softmax(-1)  # (B, V) of the sampled distribution
+        for t, scores in enumerate(self._reported(out)):  # one (B, V) step at a time: never a (B, T, V) copy
+            step_lp = scores.float().log_softmax(-1)  # (B, V) of the distribution reported as mu
             sampled_steps.append(step_lp.gather(-1, gen[:, t, None])[:, 0])
             lps_t, ids_t = step_lp.topk(topk, dim=-1)  # (B, K), sorted descending
             ids_steps.append(ids_t)
@@ -162,7 +170,7 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None, *, top_k: int = 0) -> Rollout:
         """Continue token-id sequences with ``model.generate`` (left-padded ids, no text); see :meth:`Engine.extend`.
         Every row samples ``max(max_tokens)`` steps; row i keeps its first ``max_tokens[i]`` (up to its EOS)."""
         b, p = len(prompt_ids), max(len(ids) for ids in prompt_ids)
@@ -178,11 +186,12 @@ class HFEngine(Engine):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), do_sample=True,
-                temperature=float(temperature), top_p=float(top_p), top_k=0, max_new_tokens=max(max_tokens),
-                output_scores=True, return_dict_in_generate=True, pad_token_id=pad, eos_token_id=ends,
+                temperature=float(temperature), top_p=float(top_p), top_k=top_k, max_new_tokens=max(max_tokens),
+                output_scores=True, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
+                eos_token_id=ends,
             )
         gen = out.sequences[:, p:]  # (B, T)
-        scores = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1)  # (B, T, V) sampled distribution
+        scores = torch.stack([s.float().log_softmax(-1) for s in self._reported(out)], 1)  # (B, T, V) mu
         sampled_lp = scores.gather(-1, gen[..., None])[..., 0]  # (B, T)
         lps, ids = scores.topk(topk, dim=-1)  # (B, T, K)
         ids, lps = finalize_topk(ids, lps, gen, sampled_lp)

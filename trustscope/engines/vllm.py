@@ -162,8 +162,9 @@ class VLLMEngine(Engine):
         gpu_memory_utilization: float = 0.3,
         llm_kwargs: dict[str, Any] | None = None,
         routing: bool | str = False,
+        logprobs_mode: str = LOGPROBS_MODE,
     ) -> None:
-        super().__init__(model_dir, dtype, seed)
+        super().__init__(model_dir, dtype, seed, logprobs_mode)
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
@@ -179,7 +180,7 @@ class VLLMEngine(Engine):
             "seed": seed,
             "max_model_len": max_model_len,
             "max_logprobs": max_logprobs,
-            "logprobs_mode": LOGPROBS_MODE,
+            "logprobs_mode": self.logprobs_mode,
             "generation_config": "vllm",  # sampling defaults from our arguments, never the model's config
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
         }
@@ -206,14 +207,14 @@ class VLLMEngine(Engine):
         self.routing = self._routing_capture(required=routing == "required") if routing else None
 
     def _sample(self, prompts: list[str], n: int, max_tokens: int, temperature: float, top_p: float, topk: int,
-                seed: int) -> Rollout:
+                seed: int, *, top_k: int = 0) -> Rollout:
         """Sample with vLLM; see :meth:`Engine.generate`. ``topk`` may not exceed ``max_logprobs``."""
         from vllm import SamplingParams
 
         if topk > self.max_logprobs:
             raise ValueError(f"topk={topk} exceeds max_logprobs={self.max_logprobs}; start the engine with more")
         params = [
-            SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=0, seed=s,
+            SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=s,
                            logprobs=topk, detokenize=False, flat_logprobs=True)
             for s in request_seeds(seed, len(prompts))
         ]
@@ -249,7 +250,7 @@ class VLLMEngine(Engine):
         )
 
     def _extend(self, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float, top_p: float,
-                topk: int, seed: int, stop_token_ids: list[int] | None = None) -> Rollout:
+                topk: int, seed: int, stop_token_ids: list[int] | None = None, *, top_k: int = 0) -> Rollout:
         """Continue token-id sequences with vLLM (``TokensPrompt``: no text, no re-tokenization); see
         :meth:`Engine.extend`. The prefix is prefilled with the weights the engine holds now (the cache is reset at
         every sync), so a chunk's tokens are sampled wholly under one version."""
@@ -258,7 +259,7 @@ class VLLMEngine(Engine):
 
         if topk > self.max_logprobs:
             raise ValueError(f"topk={topk} exceeds max_logprobs={self.max_logprobs}; start the engine with more")
-        params = [SamplingParams(n=1, max_tokens=m, temperature=temperature, top_p=top_p, top_k=0, seed=s,
+        params = [SamplingParams(n=1, max_tokens=m, temperature=temperature, top_p=top_p, top_k=top_k, seed=s,
                                  logprobs=topk, detokenize=False, flat_logprobs=True,
                                  stop_token_ids=list(stop_token_ids or ()))
                   for m, s in zip(max_tokens, request_seeds(seed, len(prompt_ids)), strict=True)]
@@ -344,7 +345,6 @@ class VLLMEngine(Engine):
         import vllm
 
         return super().sampling_info() | {
-            "logprobs_mode": LOGPROBS_MODE,
             "vllm_version": vllm.__version__,
             "device": "cpu" if self.on_cpu else "gpu",
             "in_process": self.in_process,

@@ -93,11 +93,16 @@ class Scope:
     causes: list[Share]
     rules: dict[str, dict[str, Any]] = field(default_factory=dict)
     """rule -> {"blocked": exact count, "blocked_logged": n, "causes": [Share]}."""
+    measured: dict[str, float] | None = None
+    """The trainer's measured attribution over the scope's steps (:func:`measured_shares`), where it logged one:
+    cause -> share of the recomputed mismatch, ``unexplained`` among them; None where it logged none."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"first_step": self.first_step, "last_step": self.last_step, "tokens": self.tokens,
                 "tokens_logged": self.tokens_logged, "mismatch": self.mismatch, "kl_k3": self.kl_k3,
-                "mean_abs_prob_diff": self.mean_abs_prob_diff, "causes": [c.as_dict() for c in self.causes],
+                "mean_abs_prob_diff": self.mean_abs_prob_diff, "measured": self.measured,
+                "causes": [{**c.as_dict(), **({"measured": self.measured.get(c.source)} if self.measured else {})}
+                           for c in self.causes],
                 "rules": {r: {**v, "causes": [c.as_dict() for c in v["causes"]]} for r, v in self.rules.items()}}
 
 
@@ -158,6 +163,7 @@ def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int 
     params = {"run_ids": wanted, "first_step": first_step}
     patterns = db.query("explain_patterns", **params, last_step=None, **asdict(thresholds))
     totals = db.query("explain_totals", **params)
+    measured = db.query("explain_measured", **params)
     out = []
     for run_id in wanted:
         rows = patterns[patterns["run_id"] == run_id]
@@ -170,8 +176,13 @@ def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int 
         else:  # no bits to read (an import, an older log): every rule evaluated in SQL
             rule_rows = db.query("explain_rule_blocks", **{**params, "run_ids": [run_id]}, **asdict(thresholds))
             sources = {col[len("blocks_"):]: "rule_blocks" for col in rule_rows.columns if col.startswith("blocks_")}
-        out.append(_explain_run(run_id, loss_rule, rows, rule_rows, sources, totals[totals["run_id"] == run_id],
-                                window, windows, replicates, seed))
+        run = _explain_run(run_id, loss_rule, rows, rule_rows, sources, totals[totals["run_id"] == run_id],
+                           window, windows, replicates, seed)
+        mine = measured[measured["run_id"] == run_id]
+        for scope in (run.run, *run.windows):
+            scope.measured = measured_shares(mine[(mine["step"] >= scope.first_step)
+                                                  & (mine["step"] <= scope.last_step)])
+        out.append(run)
     return Explanation(out, thresholds, replicates)
 
 
@@ -183,6 +194,31 @@ RULE_SOURCES = {
     "rule_blocks": "rule_blocks (every rule evaluated in SQL at the connection's parameters)",
 }
 """Where a rule's blocked tokens are read from, per rule in the JSON (``from``)."""
+
+
+MEASURED_CAUSES = {"temperature": "temperature", "truncation": "truncation", "staleness": "staleness",
+                   "routing": "routing", "numerics": UNEXPLAINED, "unexplained": UNEXPLAINED}
+"""The trainer's measured causes (:data:`trustscope.train.attribution.CAUSES`) -> the cause they are compared
+with: the inferred ``unexplained`` holds numerics (the engine's dtype) and whatever no recompute removes."""
+
+
+def measured_shares(rows: Any) -> dict[str, float] | None:
+    """The measured shares over some steps (rows of the ``explain_measured`` query: run_id, step, name, value),
+    each step weighted by its recomputed mismatch times its tokens (the nats it allocates), mapped onto the
+    inferred causes (:data:`MEASURED_CAUSES`); None where no step logged one."""
+    if rows is None or rows.empty:
+        return None
+    wide = rows.pivot_table(index="step", columns="name", values="value", aggfunc="mean")
+    if "mismatch" not in wide or "tokens" not in wide:
+        return None
+    nats = (wide["mismatch"] * wide["tokens"]).fillna(0.0)
+    if float(nats.sum()) <= 0:
+        return None
+    out: dict[str, float] = {}
+    for name, target in MEASURED_CAUSES.items():
+        if name in wide:
+            out[target] = out.get(target, 0.0) + float((wide[name].fillna(0.0) * nats).sum() / nats.sum())
+    return out
 
 
 def _bit_rules(db: Any, run_id: str) -> dict[str, int] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trustscope.explain.analysis import INTERVAL, METHOD, Explanation, RunExplanation, Scope, Share
@@ -19,17 +19,22 @@ def _pct(x: float) -> str:
     return f"{100 * x:5.1f}%"
 
 
-def share_lines(shares: Sequence[Share], unit: str, indent: str = "  ") -> list[str]:
-    """One line per cause: title, share, interval, the tokens it touches and its amount; a cause that cannot be
+def share_lines(shares: Sequence[Share], unit: str, indent: str = "  ",
+                measured: Mapping[str, float] | None = None) -> list[str]:
+    """One line per cause: title, share, interval, the tokens it touches and its amount, and with ``measured``
+    (the trainer's recompute, :attr:`Scope.measured`) the measured share beside them; a cause that cannot be
     measured says what it needs instead of a number."""
-    lines = [f"{indent}{'cause':<34}{'share':>7}  {'95% interval':<15}{'tokens':>9}  {unit}"]
+    head = f"{indent}{'cause':<34}{'share':>7}  {'95% interval':<15}{'tokens':>9}  {unit}"
+    lines = [head + (f"  {'measured':>8}" if measured else "")]
     for s in shares:
         if not s.measurable:
             lines.append(f"{indent}{title(s.source):<34}{s.note}")
             continue
         interval = f"[{100 * s.low:.1f}, {100 * s.high:.1f}]"
-        lines.append(f"{indent}{title(s.source):<34}{_pct(s.share):>7}  {interval:<15}{s.tokens:>9,}  "
-                     f"{s.amount:,.4g}")
+        line = f"{indent}{title(s.source):<34}{_pct(s.share):>7}  {interval:<15}{s.tokens:>9,}  {s.amount:,.4g}"
+        if measured:
+            line = f"{line:<{len(head)}}  {_pct(measured.get(s.source, 0.0)):>8}"
+        lines.append(line)
     return lines
 
 
@@ -49,7 +54,10 @@ def run_lines(r: RunExplanation, rules: Sequence[str] | None = None) -> list[str
     """A run's explanation: the totals, the mismatch's causes, each asked-for rule's blocked tokens by cause (default:
     the run's own rule), and a line per window with its two largest shares."""
     lines = [f"run {r.run_id}", *_scope_head(r.run), "  where the mismatch comes from:",
-             *share_lines(r.run.causes, "nats", "    ")]
+             *share_lines(r.run.causes, "nats", "    ", r.run.measured)]
+    if r.run.measured:
+        lines.append("    measured: pi recomputed by the trainer with each cause removed (train --explain-tokens; "
+                     "numerics in unexplained)")
     wanted = list(rules) if rules else [r.loss_rule] if r.loss_rule else []
     for rule in wanted:
         got = r.run.rules.get(rule)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trustscope.engines import DTYPES, ENGINES
+from trustscope.engines import DTYPES, ENGINES, LOGPROBS_MODES
 from trustscope.losses import AGGREGATIONS, get_loss
 from trustscope.train.tasks import get_task
 
@@ -77,6 +77,17 @@ class TrainConfig:
     """Sampling temperature of the rollouts (> 0; the trainer divides its logits by it too)."""
     top_p: float = 1.0
     """Nucleus sampling of the rollouts, in (0, 1]."""
+    top_k: int = 0
+    """Top-k sampling of the rollouts: draw from the ``top_k`` likeliest tokens only; 0 off."""
+    logprobs_mode: str = "processed_logprobs"
+    """What the engine reports as mu: ``processed_logprobs`` (the distribution it sampled from, after temperature,
+    top-k and top-p: what pi is comparable with) or ``raw_logprobs`` (the untempered, untruncated softmax, vLLM's
+    own default: with ``temperature != 1`` or a truncation on, a sampling-processor mismatch on purpose)."""
+    keep_sampling_mask: bool = False
+    """With ``top_p < 1`` or ``top_k > 0``: the trainer applies the sampler's truncation to its own logits (the
+    nucleus / top-k of its tempered distribution, the sampled token always kept) and renormalises, so pi covers
+    the support mu was drawn from (DeepSeek-V3.2's keep-sampling mask; the support is the trainer's own, which can
+    differ from the engine's at the edge)."""
     topk: int = 20
     """K: how many of mu's top tokens the engine reports per position (top-K divergences, the token log)."""
     policy_lag: int = 0
@@ -99,6 +110,12 @@ class TrainConfig:
     ``async/dropped_groups``). -1: no bound. Recorded in the run manifest for ``trustscope doctor``."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the engine class, e.g. ``{"gpu_memory_utilization": 0.3}`` for vLLM on a GPU."""
+    explain_tokens: int = 0
+    """Measured attribution of the mismatch (``trustscope explain``'s check): 0 off. n > 0: each step, responses
+    holding at least n tokens are drawn and pi at their tokens is recomputed with each known cause the run has
+    removed, in every combination (the sampler's temperature and truncation as the engine applied them, the
+    weights that sampled each token, the engine's dtype, the engine's routing); the Shapley shares of the
+    mismatch mean |log pi - log mu| go into the step's scalars ``explain/measured/*`` (docs/explain.md)."""
     log_routing: bool = True
     """Mixture-of-experts models: log each token's experts on both sides (the engine's from vLLM's router capture
     point, or with ``hf`` from the engine copy's router hooks during ``generate``; the trainer's from its routers)
@@ -274,6 +291,12 @@ def _validate(c: TrainConfig) -> None:
         raise _fail("temperature", c.temperature, "set temperature > 0 (rollouts must sample)")
     if not 0 < c.top_p <= 1:
         raise _fail("top_p", c.top_p, "set top_p in (0, 1]")
+    at_least("top_k", 0)
+    at_least("explain_tokens", 0)
+    choice("logprobs_mode", LOGPROBS_MODES)
+    if c.keep_sampling_mask and c.top_p == 1 and c.top_k == 0:
+        raise _fail("keep_sampling_mask", c.keep_sampling_mask, "the sampler truncates nothing: set top_p < 1 or "
+                    "top_k > 0, or keep_sampling_mask=false")
     if not (math.isfinite(c.lr) and c.lr > 0):
         raise _fail("lr", c.lr, "set lr to a positive number, e.g. 1e-5")
     if len(c.adam_betas) != 2 or not all(0 <= b < 1 for b in c.adam_betas):

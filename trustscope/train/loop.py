@@ -70,12 +70,14 @@ from trustscope.logger import NullLogger, TokenLogger
 from trustscope.losses import PolicyBatch, aggregate, get_loss
 from trustscope.trackers import RunReporting, parse_report_to
 from trustscope.train import moe
+from trustscope.train.attribution import Attribution
 from trustscope.train.checkpoints import Start, restore, save_checkpoint, snapshot, with_weights
 from trustscope.train.config import TrainConfig, check_world, staleness_bound
 from trustscope.train.models import portable, resolve_device, resolve_model
 from trustscope.train.multiturn import evaluate_tool, turn_summary
 from trustscope.train.ranks import Ranks, aggregate_weight, join_ranks, local_rows, reduce_metrics
 from trustscope.train.rollouts import PartialRollouts, StepRollouts, rollout_stream, step_seed
+from trustscope.train.sampling import keep_support
 from trustscope.train.tasks import Task, get_task
 
 
@@ -105,20 +107,30 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 
 def policy_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], response_ids: torch.Tensor,
-                   topk_ids: torch.Tensor | None, rows: torch.Tensor, temperature: float) -> Capture:
+                   topk_ids: torch.Tensor | None, rows: torch.Tensor, temperature: float,
+                   truncation: tuple[float, int] | None = None) -> Capture:
     """pi at the sampled tokens (differentiable), at mu's top-K ids, and its entropy, for batch rows ``rows``.
 
     ``inputs`` hold prompt (left-padded) + response (right-padded) of width P + T; only the last T + 1 logit
     columns are computed, the first of which predicts response token 0. Logits are divided by the sampling
-    temperature, because mu is the tempered distribution the engine drew from.
+    temperature, because mu is the tempered distribution the engine drew from. ``truncation`` (``(top_p,
+    top_k)``, the keep-sampling mask): pi renormalised over the sampler's support (:mod:`trustscope.train.sampling`).
     """
     t = response_ids.shape[1]
     logits = model(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
                    position_ids=inputs["position_ids"][rows], logits_to_keep=t + 1).logits  # (b, T + 1, V)
     if temperature != 1.0:
         logits = logits / temperature
-    return capture(logits, response_ids[rows], response_start=1,
-                   mu_topk_ids=None if topk_ids is None else topk_ids[rows])
+    topk = None if topk_ids is None else topk_ids[rows]
+    if truncation is not None:
+        return capture(keep_support(logits[:, :t], response_ids[rows], *truncation), response_ids[rows],
+                       mu_topk_ids=topk)
+    return capture(logits, response_ids[rows], response_start=1, mu_topk_ids=topk)
+
+
+def truncation(cfg: TrainConfig) -> tuple[float, int] | None:
+    """``(top_p, top_k)`` when the trainer applies the sampler's support to its logits (``keep_sampling_mask``)."""
+    return (cfg.top_p, cfg.top_k) if cfg.keep_sampling_mask else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,7 +218,8 @@ def step_inputs(batch: StepRollouts, cfg: TrainConfig, model: torch.nn.Module, p
     if cfg.recompute_old:
         rows = torch.arange(mask.shape[0], device=device)
         with torch.no_grad(), moe.routed(x.routing, rows):
-            x.old_lp = policy_forward(model, inputs, x.response_ids, None, rows, cfg.temperature).logprob
+            x.old_lp = policy_forward(model, inputs, x.response_ids, None, rows, cfg.temperature,
+                                      truncation(cfg)).logprob
     return x
 
 
@@ -250,7 +263,7 @@ def update_policy(model: torch.nn.Module, optimizer: Any, rule: Any, cfg: TrainC
     for idx, weight, total in zip(plan, weights.tolist(), totals.tolist(), strict=True):
         rows = idx if len(idx) else torch.zeros(1, dtype=torch.long, device=x.mask.device)
         with moe.routed(x.routing, rows, len(idx)):
-            cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, rows, cfg.temperature)
+            cap = policy_forward(model, x.inputs, x.response_ids, x.topk_ids, rows, cfg.temperature, truncation(cfg))
         pb = PolicyBatch(pi_logprob=cap.logprob, mu_logprob=x.mu_lp[rows], advantages=x.adv[rows],
                          mask=x.mask[rows], old_logprob=None if x.old_lp is None else x.old_lp[rows],
                          mu_topk_logprobs=x.mu_topk_lp[rows], pi_topk_logprobs=cap.topk_logprobs)
@@ -383,6 +396,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         snapshot(model) if keep_engine_copy else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scalars: dict[str, float] = {}
+    attribution = Attribution(cfg, model, routing, start.step) if cfg.explain_tokens and ranks.main else None
 
     with contextlib.ExitStack() as running:  # closes the logger (finished or crashed), the engine, the group
         if joined:
@@ -390,7 +404,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
         engine = stream = partial = None
         if ranks.main:  # the one engine: it samples every step's whole batch
             engine = running.enter_context(make_engine(cfg.engine, str(start.weights_dir), dtype=cfg.engine_dtype,
-                                                       seed=cfg.seed, **cfg.engine_options,
+                                                       seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
+                                                       **cfg.engine_options,
                                                        **moe.engine_kwargs(routing, cfg)))
             if start.engine_state is not None:  # the engine was lagging behind the trainer at the checkpoint
                 engine.update_weights(with_weights(start.weights_dir, cfg, start.engine_state))
@@ -413,6 +428,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             mine = ranks.share(batch)
             t_rollout = time.perf_counter() - t0
             x = step_inputs(mine, cfg, model, pad_id, device, replay)
+            measured = ({} if attribution is None else
+                        attribution.measure(step, model, x, token_versions(mine, x.mask)))  # before the update
 
             t1 = time.perf_counter()
             up = update_policy(trained, optimizer, rule, cfg, step, x, ranks)
@@ -424,6 +441,8 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             if synced and engine is not None:
                 engine.update_weights(model)
                 engine_copy = snapshot(model) if keep_engine_copy else None
+                if attribution is not None:
+                    attribution.synced(step + 1, model)
                 if partial is not None:  # responses in flight continue under the new version
                     partial.state.version = step + 1
             t_sync = time.perf_counter() - t2
@@ -439,7 +458,7 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict[str, float]], None] | N
             totals = step_totals(x, up, ranks)
             if batch is not None:
                 scalars = {**step_scalars(batch, totals, up, step, scheduler.get_last_lr()[0], times), **evals,
-                           **moe.step_scalars(x.routing)}
+                           **moe.step_scalars(x.routing), **measured}
             log_step(logger, step, mine, x, up, scalars if ranks.main else None)
             if reporting is not None:
                 reporting.step(step, scalars)
@@ -461,7 +480,8 @@ def _make_logger(cfg: TrainConfig, model_dir: Path | str, engine: Any, tokenizer
     if not cfg.log_tokens:
         return NullLogger()
     sampling = None if engine is None else {**engine.sampling_info(), "temperature": cfg.temperature,
-                                             "top_p": cfg.top_p, "topk_logprobs": cfg.topk}
+                                             "top_p": cfg.top_p, "top_k": cfg.top_k, "topk_logprobs": cfg.topk,
+                                             "keep_sampling_mask": cfg.keep_sampling_mask}
     if sampling and sampling.get("model_dir"):
         sampling["model_dir"] = portable(sampling["model_dir"])
     model_info = {"name": portable(cfg.model), "path": portable(model_dir),

@@ -101,7 +101,7 @@ def next_turn(traj: Trajectory, turn_ids: list[int], turn: int, task: Task, toke
 
 
 def tool_rollout(engine: Any, task: Task, problems: list[Problem], *, n: int, max_tokens: int, temperature: float,
-                 top_p: float, topk: int, seed: int) -> Rollout:
+                 top_p: float, topk: int, seed: int, top_k: int = 0) -> Rollout:
     """``n`` multi-turn trajectories per problem (grouped by problem, as :meth:`Engine.generate`'s samples are):
     up to ``task.tool.max_calls + 1`` rounds of :meth:`~trustscope.engines.base.Engine.extend` over the
     trajectories still going, the tool's replies spliced in between. Returns a :class:`Rollout` whose
@@ -121,7 +121,8 @@ def tool_rollout(engine: Any, task: Task, problems: list[Problem], *, n: int, ma
             break
         out = engine.extend([trajs[i].prompt_ids + trajs[i].ids for i in active],
                             [max_tokens - len(trajs[i].ids) for i in active], temperature=temperature, top_p=top_p,
-                            topk=topk, seed=seeds[turn], stop_token_ids=[stop_id] if turn < task.tool.max_calls else [])
+                            topk=topk, seed=seeds[turn], stop_token_ids=[stop_id] if turn < task.tool.max_calls else [],
+                            **({"top_k": top_k} if top_k else {}))
         sampling = out.sampling
         still = []
         for j, i in enumerate(active):

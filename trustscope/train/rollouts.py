@@ -40,6 +40,12 @@ class StepRollouts:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler's own scalars (async/*)
 
 
+def top_k_of(cfg: TrainConfig) -> dict[str, int]:
+    """The ``top_k`` keyword of an engine call: none when off, so an engine written before top-k sampling (a
+    stand-in with the older signature) is called as before."""
+    return {"top_k": cfg.top_k} if cfg.top_k else {}
+
+
 def step_seed(seed: int, step: int, salt: int) -> int:
     """A 31-bit seed for one purpose (``salt``) at one step: no RNG state to checkpoint, resumes are exact."""
     return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0] >> 1)
@@ -55,11 +61,11 @@ def sample_batch(engine: Any, task: Task, cfg: TrainConfig, step: int, now: int)
     if task.tool is not None:  # multi-turn: the model calls the task's tool, the environment answers
         rollout = tool_rollout(engine, task, problems, n=cfg.group_size, max_tokens=cfg.max_tokens,
                                temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
-                               seed=step_seed(cfg.seed, step, 2))
+                               seed=step_seed(cfg.seed, step, 2), **top_k_of(cfg))
     else:
         rollout = engine.generate([p.prompt for p in problems], n=cfg.group_size, max_tokens=cfg.max_tokens,
                                   temperature=cfg.temperature, top_p=cfg.top_p, topk=cfg.topk,
-                                  seed=step_seed(cfg.seed, step, 2))
+                                  seed=step_seed(cfg.seed, step, 2), **top_k_of(cfg))
     per_sample = [problems[i] for i in rollout.prompt_index]
     rewards = task.score(per_sample, rollout.texts, rollout.finish_reasons)
     return StepRollouts(now - now % cfg.sync_every, problems, rollout, torch.tensor(rewards, dtype=torch.float32))
@@ -147,7 +153,8 @@ class PartialRollouts:
             return
         budgets = [min(cfg.async_chunk_tokens, cfg.max_tokens - len(r.ids)) for r in live]
         out = self.engine.extend([r.prompt_ids + r.ids for r in live], budgets, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, topk=cfg.topk, seed=step_seed(cfg.seed, st.calls, 102))
+                                 top_p=cfg.top_p, topk=cfg.topk, seed=step_seed(cfg.seed, st.calls, 102),
+                                 **top_k_of(cfg))
         for i, r in enumerate(live):
             r.ids += out.response_ids[i]
             r.mu += out.mu_logprobs[i]
