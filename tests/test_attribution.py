@@ -101,6 +101,11 @@ def test_a_run_with_one_cause_has_the_mismatch_measured_on_that_cause(tmp_path, 
     assert all(scalars[c] == 0.0 for c in others), scalars  # a cause the run does not have is never allocated
     total = sum(scalars[c] for c in (*others, cause)) + scalars["unexplained"]
     assert total == pytest.approx(1.0, abs=1e-9)
+    # trustscope explain's inferred share agrees with the measured one on a single cause (numerics: unexplained)
+    run = explain(tmp_path, cause, replicates=0).runs[0]
+    inferred = {c.source: c.share for c in run.run.causes}
+    same = "unexplained" if cause == "numerics" else cause
+    assert inferred[same] == pytest.approx(run.run.measured[same], abs=0.1), (inferred, run.run.measured)
 
 
 def test_explain_shows_the_measured_shares_beside_the_inferred(tmp_path):

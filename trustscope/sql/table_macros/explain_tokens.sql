@@ -10,7 +10,11 @@
 --                one slope s = 1 / T) fits with r^2 >= min_r2 and |log s| > log(1 + temperature_tolerance)
 --   truncation:  over the same lists the slope is within that tolerance of 1 and log mu - log pi is a constant
 --                offset above truncation_offset nats, larger than its spread inside a position: mu renormalised
---                over a truncated support (top-k / top-p), pi over the whole vocabulary (both need the top-k lists)
+--                over a truncated support (top-k / top-p), pi over the whole vocabulary (both need the top-k lists);
+--                or the response's mu lists hold ids at the -inf stand-in (ids the engine's truncation left out,
+--                which it could not sample) and log mu sits above log pi on the rest by more than its spread (and
+--                1e-4 nats): then no slope is needed (a one-token nucleus has none) and a support too small for
+--                the offset to reach truncation_offset (top-k of a confident model) is still seen
 -- abs_log_ratio = |log pi - log mu|, k3 = (r - 1) - log r with r = pi / mu (the k3 estimator of kl(mu || pi)).
 -- `run_ids`: the runs read, or null for all; `first_step` / `last_step`: the first and last step read, or null.
 create or replace macro explain_tokens(run_ids, first_step, last_step, shift_factor, shift_floor, min_r2,
@@ -88,7 +92,7 @@ create or replace macro explain_tokens(run_ids, first_step, last_step, shift_fac
             sum(cxy) / nullif(sum(cxx), 0) as fit_slope,
             sum(cxy) * sum(cxy) / nullif(sum(cxx) * sum(cyy), 0) as fit_r2,
             sum(sy - sx) / nullif(sum(k), 0) as fit_offset,
-            sqrt(sum(cdd) / nullif(sum(k - 1), 0)) as fit_spread,
+            sqrt(greatest(sum(cdd), 0) / nullif(sum(k - 1), 0)) as fit_spread,  -- null: one entry a position
             avg(mu_mass) as response_mu_mass,
             avg(pi_mass) as response_pi_mass,
             sum(n_outside) as response_outside,
@@ -128,8 +132,9 @@ create or replace macro explain_tokens(run_ids, first_step, last_step, shift_fac
                      and abs(ln(greatest(fit_slope, 1e-9))) > ln(1 + temperature_tolerance), false) end
                 as temperature,
             case when k is not null then coalesce(
-                     abs(ln(greatest(fit_slope, 1e-9))) <= ln(1 + temperature_tolerance)
-                     and fit_offset > truncation_offset and fit_offset > fit_spread
+                     ((abs(ln(greatest(fit_slope, 1e-9))) <= ln(1 + temperature_tolerance)
+                       and fit_offset > truncation_offset and fit_offset > fit_spread)
+                      or (response_outside > 0 and fit_offset > greatest(coalesce(fit_spread, 0), 1e-4)))
                      and response_mu_mass > response_pi_mass, false) end as truncation,
             1 / fit_slope as fit_temperature, fit_r2, fit_offset, fit_spread, response_mu_mass, response_pi_mass,
             response_outside,
