@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,24 @@ def test_vllm_reports_raw_logprobs_and_samples_within_top_k(toy_model_dir):
         assert np.allclose(lp.gather(-1, torch.tensor(ids)[:, None])[:, 0].numpy(), mu, atol=2e-3)
         ranks = (lp > lp.gather(-1, torch.tensor(ids)[:, None])).sum(-1)  # likelier tokens than the drawn one
         assert (ranks < 2).all()  # top_k=2: every draw is one of the two likeliest
+
+
+def test_the_report_and_the_explain_page_show_the_measured_shares(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+    from trustscope.explain.render import report_lines
+
+    _train(tmp_path, "lagged", policy_lag=2, lr=1e-4)
+    lines = report_lines(explain(tmp_path, replicates=0))
+    assert any(line.startswith("  measured by the trainer: staleness") for line in lines), lines
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"), default_timeout=60)
+    at.run()
+    at.switch_page("views/explain.py")
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    table = at.dataframe[0].value
+    measured = dict(zip(table["cause"], table["measured by the trainer"], strict=True))
+    assert measured["staleness"] > 0.75 and measured["temperature mismatch"] == 0.0
+    assert any("measured by the trainer" in c.value for c in at.caption)

@@ -28,17 +28,24 @@ def detectors(ours: LogDB, run_id: str) -> pd.DataFrame:
     return pd.DataFrame([{"check": f.check, "verdict": f.verdict, "summary": f.summary} for f in found])
 
 
+MEASURED = "measured by the trainer"
+"""The column of the trainer's measured share (``train --explain-tokens``), where the run logged one."""
+
+
 def share_table(causes: list[dict], unit: str, key: str) -> None:
-    """One row per cause: the share with its interval and token count; a cause that cannot be measured says what
-    it needs instead of a number."""
+    """One row per cause: the share with its interval and token count, and the trainer's measured share beside it
+    where the run logged one; a cause that cannot be measured says what it needs instead of a number."""
+    measured = any("measured" in c for c in causes)
     rows = [{"cause": render.title(c["source"]),
              "share": f"{c['share']:.1%} [{c['interval'][0]:.1%}, {c['interval'][1]:.1%}]" if c["measurable"]
              else c["note"],
              "tokens touched": c["tokens"] if c["measurable"] else None,
-             unit: c["amount"] if c["measurable"] else None} for c in causes]
+             unit: c["amount"] if c["measurable"] else None,
+             **({MEASURED: c.get("measured") or 0.0} if measured else {})} for c in causes]
     st.dataframe(pd.DataFrame(rows), hide_index=True, key=key, column_config={
         "tokens touched": st.column_config.NumberColumn("tokens touched", format="localized"),
-        unit: st.column_config.NumberColumn(unit, format="%.4g")})
+        unit: st.column_config.NumberColumn(unit, format="%.4g"),
+        MEASURED: st.column_config.NumberColumn(MEASURED, format="percent")})
 
 
 st.title("Explain the mismatch")
@@ -58,6 +65,11 @@ st.caption(f"Steps {got['first_step']}-{got['last_step']}. {METHOD}; {INTERVAL}.
            "every token where the run has summaries; the allocation reads the logged token rows (docs/explain.md).")
 st.header("Where the mismatch comes from")
 share_table(got["causes"], "nats", "explain_mismatch")
+if got.get("measured"):
+    st.caption(f"{MEASURED}: the share of the mismatch that recomputing pi without the cause took away, Shapley "
+               "shares over every combination (trustscope train --explain-tokens, on a sample of each step's tokens; "
+               "the engine's dtype counts as unexplained). Where it and the inferred share differ, the measured one "
+               "is the check (docs/explain.md).")
 widgets.chart(shares_by_window(got["windows"]), "explain_windows",
               "No window has a logged token: nothing to split.")
 rules = sorted(got["rules"])

@@ -106,6 +106,9 @@ def report_lines(e: Explanation, shown: int = 3) -> list[str]:
         ranked = sorted((c for c in r.run.causes if c.measurable and c.share > 0), key=lambda c: -c.share)[:shown]
         lines.append(f"{r.run_id}: {r.run.mismatch:.4g} nats; "
                      + ", ".join(f"{title(c.source)} {100 * c.share:.0f}% ({c.tokens:,} tok)" for c in ranked))
+        if r.run.measured:
+            top = sorted(((v, k) for k, v in r.run.measured.items() if v > 0), reverse=True)[:shown]
+            lines.append("  measured by the trainer: " + ", ".join(f"{title(k)} {100 * v:.0f}%" for v, k in top))
         absent = [f"{title(c.source)} ({c.note.removeprefix('not measurable: ')})" for c in r.run.causes
                   if not c.measurable]
         if absent:
