@@ -246,7 +246,7 @@ def demo_logdir(path: Path | None, steps: int) -> Path:
     return path
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", type=Path, default=ROOT / "sample_logs")
     parser.add_argument("--demo", type=Path, help="a demo run's log directory (trained there when missing)")
@@ -280,6 +280,7 @@ def main() -> None:
         else:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         wall, server_cpu, browser_cpu = floor(browser, args.repeat, port, args.settle)
+        figures: dict = {"floor": {"cold_s": wall, "server_cpu_s": server_cpu, "browser_cpu_s": browser_cpu}}
         print(f"floor (a bare Streamlit page, cold): {wall:.2f} s, server {server_cpu:.2f} / browser "
               f"{browser_cpu:.2f} CPU s", flush=True)
         for logdir in logdirs:
@@ -289,8 +290,13 @@ def main() -> None:
                     for kind, t in (("cold", times[0]), ("warm", times[3])) if t >= LIMIT[kind]]
             print(f"  server start (to healthy): {started:.2f} s; over the {LIMIT['cold']:g} s cold / "
                   f"{LIMIT['warm']:g} s warm budget: {', '.join(slow) or 'none'}")
+            keys = ("cold_s", "cold_server_cpu_s", "cold_browser_cpu_s", "menu_s", "menu_server_cpu_s",
+                    "menu_browser_cpu_s", "new_tab_s", "new_tab_server_cpu_s", "new_tab_browser_cpu_s")
+            figures[str(logdir)] = {"server_start_s": started, **{
+                title: dict(zip(keys, map(float, times), strict=True)) for title, times in results.items()}}
         browser.close()
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    return figures
 
 
 if __name__ == "__main__":

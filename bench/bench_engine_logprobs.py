@@ -45,7 +45,7 @@ def build_model(path: Path, args: argparse.Namespace) -> None:
     Qwen3ForCausalLM(cfg).save_pretrained(path)
 
 
-def main() -> None:
+def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--k", type=int, nargs="+", default=[0, 1, 5, 20], help="log-probs asked per token")
     p.add_argument("--prompts", type=int, default=16)
@@ -107,15 +107,18 @@ def main() -> None:
           f"tokens, median of {args.repeats} (engine start {start_s:.1f} s)")
     print(f"{'logprobs':>9} {'tokens/s':>10} {'x none':>7} {'range':>16}")
     summary = []
+    figures: dict = {"engine_start_s": start_s}
     for k in settings:
         med = statistics.median(rates[str(k)])
         lo, hi = min(rates[str(k)]) / base, max(rates[str(k)]) / base
         summary.append({"logprobs": k, "tokens_per_s": med, "ratio": med / base, "range": [lo, hi]})
         print(f"{k!s:>9} {med:10.1f} {med / base:7.3f} {lo:7.3f} .. {hi:5.3f}")
+        figures[f"logprobs={k}"] = {"tokens_per_s": med, "x_none": med / base, "x_none_min": lo, "x_none_max": hi}
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: (str(v) if isinstance(v, Path) else v)
                                                       for k, v in vars(args).items()},
                                          "start_s": start_s, "summary": summary, "rates": rates}, indent=1))
+    return figures
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def random_toy_copy(model_dir) -> str:
     return out
 
 
-def main() -> None:
+def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
@@ -102,6 +102,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return {row["engine"]: {k: v for k, v in row.items() if k != "engine"} for row in rows}
 
 
 if __name__ == "__main__":

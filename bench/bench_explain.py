@@ -88,7 +88,7 @@ def time_once(logdir: Path, what: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=100_000_000)
     parser.add_argument("--fraction", type=float, default=0.01, help="token_fraction: the share of responses kept")
@@ -110,6 +110,8 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(logdir, ignore_errors=True)
+    return {"tokens": got["tokens"], "logged_rows": got["logged"], "largest_share": got["top"], "scan_s": med["scan"],
+            "explain_s": med["explain"], "x_scan": med["explain"] / med["scan"]}
 
 
 if __name__ == "__main__":

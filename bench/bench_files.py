@@ -152,7 +152,7 @@ def n_files(logdir: Path) -> int:
     return sum(len(f) for run in runformat.run_dirs(logdir) for f in runformat.committed_files(run).values())
 
 
-def side_by_side(steps: int, repeat: int, work: Path) -> None:
+def side_by_side(steps: int, repeat: int, work: Path) -> dict:
     from trustscope.runformat.maintenance import compact_logdir
 
     log_run(work / "warm-up", 2, 1, 0)  # torch and the rule masks imported before any log is timed
@@ -176,10 +176,16 @@ def side_by_side(steps: int, repeat: int, work: Path) -> None:
     base = times["every_50"]
     columns = ["connect", "overview", "first_pass", "warm_overview", "warm_step_summary"]
     print(f"{'log':<16} {'files':>6} {'write s':>8} " + " ".join(f"{c:>18}" for c in columns))
+    figures: dict = {"token_rows": rows["tokens"], "mb_per_log": size / 1e6, "compaction_s": compaction_s}
     for name, t in times.items():
         cells = [f"{t[c]:7.3f} (x{t[c] / base[c]:5.2f})" for c in columns]
         print(f"{name:<16} {n_files(logs[name]):>6} {written.get(name, float('nan')):8.2f} " + " ".join(
             f"{c:>18}" for c in cells))
+        figures[name] = {"files": n_files(logs[name]), **{f"{c}_s": t[c] for c in columns},
+                         **{f"{c}_x_every_50": t[c] / base[c] for c in columns}}
+        if name in written:
+            figures[name]["write_s"] = written[name]
+    return figures
 
 
 # ------------------------------------------------------------------------------------------------ at scale
@@ -275,7 +281,7 @@ def build_at_scale(logdir: Path, ranks: int, steps: int) -> float:
     return time.perf_counter() - started
 
 
-def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float) -> None:
+def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float) -> dict:
     import importlib.util
 
     from trustscope.runformat.maintenance import compact_logdir
@@ -303,14 +309,22 @@ def at_scale(ranks: int, steps: int, repeat: int, work: Path, raw_timeout: float
           f"polars' import, {scan['import']:.2f} s, apart): trustscope {rate(packed['first_pass'])} (every kept "
           f"aggregate of every rule); polars, the same three questions over every rule {rate(scan['first_pass'])}; "
           f"polars, one per-step aggregate of three columns {rate(scan['scan'])}")
+    figures: dict = {"files": files, "build_s": built, "compaction_s": compaction_s, "files_compacted": n_files(work),
+                     "token_rows": token_rows, "trustscope_first_pass_s": packed["first_pass"],
+                     "polars": {"import_s": scan["import"], "first_pass_s": scan["first_pass"],
+                                "one_aggregate_s": scan["scan"]}}
     if raw is None:
         print(f"per-step files   connect + overview did not finish in {raw_timeout:.0f} s")
+        figures["per-step files"] = f"connect + overview did not finish in {raw_timeout:.0f} s"
     for name, t in (("per-step files", raw), ("compacted", packed)):
         if t is None:
             continue
         print(f"{name:<16} connect {t['connect']:.2f} s, overview cold {t['overview']:.2f} s, "
               f"warm {t['warm_overview']:.3f} s" + (f", first pass {t['first_pass']:.2f} s"
                                                     if name == "compacted" else ""))
+        figures[name] = {"connect_s": t["connect"], "overview_cold_s": t["overview"],
+                         "overview_warm_s": t["warm_overview"]}
+    return figures
 
 
 # ------------------------------------------------------------------------------------------------ Delta Lake
@@ -334,7 +348,7 @@ def duckdb_read_s(files: list[str], repeat: int) -> float:
     return statistics.median(times)
 
 
-def table_format(steps: int, repeat: int, work: Path) -> None:
+def table_format(steps: int, repeat: int, work: Path) -> dict:
     """The same per-step flushes written and compacted by trustscope and by Delta Lake (``pip install deltalake``,
     not a dependency), then read by DuckDB: write rate, compaction time, files, bytes and read time after."""
     from deltalake import DeltaTable, WriterProperties, write_deltalake
@@ -395,9 +409,10 @@ def table_format(steps: int, repeat: int, work: Path) -> None:
         print(f"{name:<12} {f['write_s']:8.2f} {steps / f['write_s']:9.1f} {f['compact_s']:9.2f} "
               f"{f['read_before_s']:11.3f} {f['read_after_s']:10.3f} {f['list_s']:7.4f} {f['files_after']:>5} "
               f"{f['bytes_after'] / 1e6:6.1f}")
+    return figures
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--ranks", type=int, default=64)
@@ -413,15 +428,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         if args.scale:
-            at_scale(args.ranks, args.steps, args.repeat, work, args.raw_timeout)
+            figures = at_scale(args.ranks, args.steps, args.repeat, work, args.raw_timeout)
         elif args.table_format:
-            table_format(args.steps, args.repeat, work)
+            figures = table_format(args.steps, args.repeat, work)
         else:
-            side_by_side(args.steps, args.repeat, work)
+            figures = side_by_side(args.steps, args.repeat, work)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"load average: {os.getloadavg()[0]:.1f}")
+    return figures
 
 
 if __name__ == "__main__":

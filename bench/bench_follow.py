@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.bench_follow                          # ~1M trained tokens, 8 steps x 2 ranks
     .venv/bin/python -m bench.bench_follow --tokens 200000          # a quick run
 
-The export is ``bench_importers.py``'s (the test suite's ``PrimeRLExporter``, weight-stream layout). Reported:
+The export is ``bench_importers.py``'s (``bench/prime_rl_export.py``'s ``PrimeRLExporter``, weight-stream
+layout). Reported:
 
 - *catch-up*: the follower started on the finished export (every step ``STABLE``) until it is idle, against
   ``import_run`` of the same export: the cost of reading and committing step by step (one ``TokenLogger`` flush
@@ -65,7 +66,7 @@ def lag(src: Path, work: Path, poll_s: float, gap_s: float) -> list[float]:
     return [committed_at[s] - stable_at[s] for s in steps]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--poll", type=float, default=0.5)
@@ -82,6 +83,9 @@ def main() -> None:
         lags = lag(src, work, args.poll, args.gap)
         print(f"lag (poll {args.poll} s, settle 0): median {statistics.median(lags):.2f} s, max {max(lags):.2f} s "
               f"over {len(lags)} steps, load {os.getloadavg()[0]:.1f}")
+        return {"trained_tokens": trained,
+                "catch_up": {"one_shot_s": one, "follow_s": followed, "steps": steps, "x_one_shot": followed / one},
+                "lag": {"median_s": statistics.median(lags), "max_s": max(lags), "steps": len(lags)}}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

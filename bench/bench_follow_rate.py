@@ -4,10 +4,10 @@ before the next one is written?
     .venv/bin/python -m bench.bench_follow_rate                               # 3 steps of ~2M tokens, one a minute
     .venv/bin/python -m bench.bench_follow_rate --tokens 500000 --every 20    # a quick run
 
-One step of a prime-rl token export (``bench_importers.py``'s generator: the test suite's ``PrimeRLExporter``,
-weight-stream layout, 2 ranks) of about ``--tokens`` trained tokens is generated once. A writer thread then
-publishes it ``--steps`` times as steps 0, 1, ... of a live export, one every ``--every`` seconds, as prime-rl's
-trainer does: each rank's file written into ``token_exports/step_<N>/`` (the records' step rewritten), then
+One step of a prime-rl token export (``bench_importers.py``'s generator: ``bench/prime_rl_export.py``'s
+``PrimeRLExporter``, weight-stream layout, 2 ranks) of about ``--tokens`` trained tokens is generated once. A writer
+thread then publishes it ``--steps`` times as steps 0, 1, ... of a live export, one every ``--every`` seconds, as
+prime-rl's trainer does: each rank's file written into ``token_exports/step_<N>/`` (the records' step rewritten), then
 ``STABLE`` touched. The follower is the command a user runs, in its own process with the defaults (``--poll 2
 --settle 2``): ``trustscope import --follow prime-rl SRC LOGDIR --stop-after-idle ...``. Reported per step: the
 lag from ``STABLE`` to the follower's line saying the step is committed, and whether that came before the next
@@ -49,7 +49,7 @@ def publish(template: Path, live: Path, steps: int, every: float, stable_at: dic
         (step_dir / "STABLE").touch()
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2_000_000, help="trained tokens a step (about)")
     parser.add_argument("--steps", type=int, default=3)
@@ -97,20 +97,28 @@ def main() -> None:
         print(f"\nfollower (poll 2 s, settle 2 s) on {args.steps} steps of {trained:,} tokens, one every "
               f"{args.every:.0f} s (load average now {os.getloadavg()[0]:.1f}):")
         lags = []
+        figures: dict = {"trained_tokens_a_step": trained, "json_mb_a_step": size / 1e6, "steps": {}}
         for step in range(args.steps):
             if step not in committed_at:
                 print(f"  step {step}: NOT committed")
+                figures["steps"][str(step)] = "not committed"
                 continue
             lag = committed_at[step] - stable_at[step]
             lags.append(lag)
             before = step + 1 not in stable_at or committed_at[step] < stable_at[step + 1]
             print(f"  step {step}: committed {lag:.1f} s after STABLE "
                   f"({'before' if before else 'AFTER'} the next step)")
+            figures["steps"][str(step)] = {"lag_s": lag, "before_next": before}
         if lags:
             print(f"  lag median {statistics.median(lags):.1f} s, max {max(lags):.1f} s; every step committed "
                   f"before the next: {len(lags) == args.steps and max(lags) < args.every}")
+            figures["lag"] = {"median_s": statistics.median(lags), "max_s": max(lags),
+                              "every_step_before_the_next": len(lags) == args.steps and max(lags) < args.every}
         print(f"  follower: exit {os.waitstatus_to_exitcode(status)}, CPU {usage.ru_utime + usage.ru_stime:.1f} s, "
               f"peak RSS {peak[0] / 2**20:.0f} MB")
+        figures["follower"] = {"exit": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime,
+                               "peak_rss_mb": peak[0] / 2**20}
+        return figures
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

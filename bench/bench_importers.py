@@ -8,9 +8,10 @@
 ``99d4cb0`` is the code the import throughput target is a multiple of (whole-source reads with orjson, padded
 ``log_step`` calls); ``--also DIR ...`` adds other packages (e.g. another branch's) as variants of their own.
 
-The export is written by the test suite's ``PrimeRLExporter`` (``tests/test_importers_prime_rl.py``, the layout of
-prime-rl's ``TokenExporter``: packed micro-batches, one compact JSON line per sequence, weight-stream layout) over
-8 steps x 2 ranks, completions of 256-768 tokens after 64-token prompts.
+The export is written by ``bench/prime_rl_export.py``'s ``PrimeRLExporter`` (a copy of the test suite's in
+``tests/test_importers_prime_rl.py``, the layout of prime-rl's ``TokenExporter``: packed micro-batches, one compact
+JSON line per sequence, weight-stream layout) over 8 steps x 2 ranks, completions of 256-768 tokens after 64-token
+prompts.
 
 Every import runs in a fresh process (``python -c``, the code under test first on ``PYTHONPATH``): with
 ``--baseline DIR`` (a directory holding another ``trustscope`` package, e.g. main's) each round imports the same
@@ -42,8 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_importers_prime_rl import PrimeRLExporter, make_rollouts, pack
+from bench.prime_rl_export import PrimeRLExporter, make_rollouts, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, RANKS = 8, 2
@@ -186,7 +186,7 @@ def run_one(code_dir: Path, src: Path, out: Path, kwargs: dict, keep: bool = Fal
     return {**report, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": peak[0] / 2**20}
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1_000_000, help="trained tokens in the export (about)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps in the export")
@@ -235,6 +235,7 @@ def main() -> None:
         print(f"\nmedians of {args.repeat} round(s) (load average now {os.getloadavg()[0]:.1f}):")
         base = base_cpu = None
         import_cpu: dict[str, float] = {}
+        figures: dict = {"export_mb": size / 1e6}
         for name, _, _ in variants:
             rs = results[name]
             rate = statistics.median(r["rows"] / r["import_s"] for r in rs)
@@ -247,6 +248,11 @@ def main() -> None:
                   f"{cpu:.2f} s (x{base_cpu / cpu:.2f}; in import_run {import_cpu[name] * 1e6:.2f} us a row)  peak RSS "
                   f"{statistics.median(r['hwm_mb'] for r in rs):.0f} MB (workers included, sampled: "
                   f"{statistics.median(r['peak_mb'] for r in rs):.0f} MB)")
+            figures[name] = {"rows": rs[-1]["rows"], "rows_per_s": rate, "x_first_rows_per_s": rate / base,
+                             "wall_s": wall, "cpu_s": cpu, "x_first_cpu": base_cpu / cpu,
+                             "import_cpu_us_per_row": import_cpu[name] * 1e6,
+                             "peak_rss_mb": statistics.median(r["hwm_mb"] for r in rs),
+                             "peak_tree_pss_mb": statistics.median(r["peak_mb"] for r in rs)}
         if args.floor:
             rows = results[variants[-1][0]][-1]["rows"]
             run_one(ROOT, src, out_root / "floor", {"workers": 1}, keep=True)
@@ -260,15 +266,19 @@ def main() -> None:
                 r = stages[which]
                 print(f"  {what:66s} cpu {r['cpu_s']:.2f} s ({r['cpu_s'] / rows * 1e6:.2f} us a row)  wall "
                       f"{r['wall_s']:.2f} s")
+            figures["floor"] = {which: {"cpu_s": r["cpu_s"], "cpu_us_per_row": r["cpu_s"] / rows * 1e6,
+                                        "wall_s": r["wall_s"]} for which, r in stages.items()}
             least = min(stages["duckdb"]["cpu_s"], stages["parse"]["cpu_s"]) + stages["parquet"]["cpu_s"]
             bound = (f"; against the baseline's {import_cpu['baseline'] * 1e6:.2f} CPU us a row in import_run (one "
                      f"core), x{import_cpu['baseline'] * rows / (least / 2):.2f} at most" if args.baseline else "")
             print(f"  floor: the cheaper parse to arrays (DuckDB's, this code's) plus the encode, {least / rows * 1e6:.2f} CPU us a row: "
                   f"{least / 2 / rows * 1e6:.2f} us of wall a row on 2 idle cores, nothing else done{bound}")
+            figures["floor"]["least_cpu_us_per_row"] = least / rows * 1e6
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if out_root != work:
             shutil.rmtree(out_root, ignore_errors=True)
+    return figures
 
 
 if __name__ == "__main__":

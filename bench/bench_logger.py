@@ -171,7 +171,7 @@ def float16_cost(steps: list[dict]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=10_000_000, help="token rows per variant")
     ap.add_argument("--batch", type=int, default=64, help="B: sequences per step")
@@ -219,9 +219,12 @@ def main() -> None:
                     best[name] = (seconds, size, best.get(name, (0, 0, cpu))[2])
                 best[name] = (*best[name][:2], min(best[name][2], cpu))
         results = {}
+        figures: dict = {"rows": rows, "best": {}, "vs_polars": {}, "logger_cpu_s_per_m_rows": {}, "encoding_alone": {}}
         print(f"best of {args.repeat} (CPU: all threads of this process):")
         for name, (seconds, size, cpu) in best.items():
             results[name] = (rows / seconds, size / rows, rows / cpu)
+            figures["best"][name] = {"rows_per_s": rows / seconds, "bytes_per_row": size / rows,
+                                     "rows_per_cpu_s": rows / cpu}
             print(f"{name:28s} {rows / seconds / 1e6:6.3f} M rows/s  {size / rows:7.1f} bytes/row  "
                   f"{rows / cpu / 1e6:6.3f} M rows per CPU-second")
         base_speed, base_size, _ = results["polars"]
@@ -232,20 +235,29 @@ def main() -> None:
             print(f"{name:28s} vs polars: throughput x{statistics.median(paired):.2f} (median of {len(paired)} "
                   f"paired repeats, range x{min(paired):.2f}-x{max(paired):.2f}; best-of x{speed / base_speed:.2f}), "
                   f"per CPU-second x{statistics.median(paired_cpu):.2f}, size x{size / base_size:.2f}")
+            figures["vs_polars"][name] = {"x_throughput": statistics.median(paired), "x_throughput_min": min(paired),
+                                          "x_throughput_max": max(paired), "x_throughput_best_of": speed / base_speed,
+                                          "x_per_cpu_s": statistics.median(paired_cpu), "x_size": size / base_size}
         print(f"TokenLogger's CPU by thread, s per M rows (median of {args.repeat}):")
         for role in sorted({r for by_role in roles for r in by_role}):
             per_m = statistics.median(by_role.get(role, 0.0) for by_role in roles) / rows * 1e6
             print(f"  {role:14s} {per_m:5.2f}")
-        print(f"  {'polars, whole':14s} {statistics.median(c for _, c in runs['polars']) / rows * 1e6:5.2f}")
+            figures["logger_cpu_s_per_m_rows"][role] = per_m
+        polars_cpu = statistics.median(c for _, c in runs["polars"]) / rows * 1e6
+        print(f"  {'polars, whole':14s} {polars_cpu:5.2f}")
+        figures["logger_cpu_s_per_m_rows"]["polars, whole"] = polars_cpu
         print("encoding alone, one step's table into memory (CPU s per M rows, bytes/row, best of 3):")
         for name, (cpu, size) in encode_only(steps).items():
             print(f"  {name:30s} {cpu:5.2f}  {size:6.1f}")
+            figures["encoding_alone"][name] = {"cpu_s_per_m_rows": cpu, "bytes_per_row": size}
         cost = float16_cost(steps)
         print("float16 top-K: TV/KL recomputed from the stored lists vs float32 "
               f"(mean TV {cost['tv_mean']:.2e}, mean KL {cost['kl_mean']:.2e})")
         for name in ("tv", "kl"):
             print(f"  {name}: abs error mean {cost[f'{name}_abs_err_mean']:.2e}, p99 {cost[f'{name}_abs_err_p99']:.2e}, "
                   f"max {cost[f'{name}_abs_err_max']:.2e}")
+        figures["float16_topk"] = cost
+        return figures
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -75,7 +75,7 @@ def child(args: argparse.Namespace) -> None:
                       "log_step_s": in_log, "total_s": total}))
 
 
-def main() -> None:
+def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         child(args)
-        return
+        return {}
     rows = args.steps * args.batch * args.tokens
     print(f"{args.steps} steps of {args.batch} x {args.tokens} tokens, K = {args.k} ({rows:,} token rows); a step "
           f"logged every {args.step_ms:g} ms, each flush file stored {args.store_s:g} s late; bound "
@@ -103,9 +103,13 @@ def main() -> None:
     for variant, r in out.items():
         print(f"| {variant} | {r['peak_over_base_mb']:.0f} | {r['peak_rows']:,} | {r['dropped_rows']:,} | "
               f"{r['log_step_s']:.2f} | {r['total_s']:.2f} |")
+    figures: dict = {variant: {key: r[key] for key in ("peak_over_base_mb", "peak_rows", "dropped_rows", "log_step_s",
+                                                       "total_s")} for variant, r in out.items()}
     for variant in ("block", "drop"):
         ratio = out["unbounded"]["peak_over_base_mb"] / max(out[variant]["peak_over_base_mb"], 1e-9)
         print(f"unbounded / {variant} peak over base: x{ratio:.1f}")
+        figures[variant]["x_unbounded_peak"] = ratio
+    return figures
 
 
 if __name__ == "__main__":

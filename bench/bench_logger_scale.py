@@ -99,7 +99,7 @@ def child(case: str, responses: int, length: int, steps: int, out: Path) -> dict
     return result
 
 
-def main() -> None:
+def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--responses", type=int, default=512)
     p.add_argument("--length", type=int, default=4096)
@@ -111,7 +111,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.responses, args.length, args.steps, args.out)))
-        return
+        return {}
     results = []
     for case in args.cases:
         tmp = Path(tempfile.mkdtemp(prefix="bench_logger_scale."))
@@ -131,7 +131,9 @@ def main() -> None:
     print(f"{'case':<12} {'build s':>8} {'wait s med/max':>15} {'% build':>8} {'writer s':>9} {'caller':>7} "
           f"{'writer':>7} {'encoders':>9} {'B/row':>7} {'MB/step':>8} {'RSS GiB':>8} {'added':>6}")
     bases = {r["k"]: r for r in results if r["token_fraction"] is None}
+    figures: dict = {"tokens_per_step": n}
     for r in results:
+        figures[r["case"]] = {"build_s": r["build_s"], "peak_rss_gib": r["peak_rss_gib"]}
         if r["token_fraction"] is None:
             print(f"{r['case']:<12} {r['build_s']:8.2f} {'':>15} {'':>8} {'':>9} {'':>7} {'':>7} {'':>9} {'':>7} "
                   f"{'':>8} {r['peak_rss_gib']:8.2f}")
@@ -144,9 +146,17 @@ def main() -> None:
               f"{r['writer_wall_median_s']:9.2f} {cpu['caller']:7.2f} {cpu['writer thread']:7.2f} "
               f"{cpu['encoders']:9.2f} {r['bytes_per_logged_row']:7.1f} {r['run_bytes_per_step'] / 1e6:8.1f} "
               f"{r['peak_rss_gib']:8.2f} {added}")
+        figures[r["case"]].update({
+            "wait_median_s": r["wait_median_s"], "wait_max_s": r["wait_max_s"],
+            "writer_wall_median_s": r["writer_wall_median_s"], "logger_cpu_s_per_step": cpu,
+            "bytes_per_logged_row": r["bytes_per_logged_row"], "run_mb_per_step": r["run_bytes_per_step"] / 1e6})
+        if base is not None:
+            figures[r["case"]].update({"wait_over_build": r["wait_median_s"] / base["build_s"],
+                                       "added_rss_gib": r["peak_rss_gib"] - base["peak_rss_gib"]})
     if args.json:
         args.json.write_text(json.dumps({"responses": args.responses, "length": args.length, "steps": args.steps,
                                          "load_average": os.getloadavg(), "results": results}, indent=2))
+    return figures
 
 
 if __name__ == "__main__":

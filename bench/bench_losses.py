@@ -94,7 +94,7 @@ def mb(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:9.1f}"
 
 
-def bench_divergences(n: int, v: int, k: int, repeat: int) -> None:
+def bench_divergences(n: int, v: int, k: int, repeat: int) -> dict:
     g = torch.Generator().manual_seed(0)
     mu_logits = (3 * torch.randn(n, v, generator=g)).bfloat16()  # (N, V) what an engine would have to ship
     pi_logits = (mu_logits.float() + 0.1 * torch.randn(n, v, generator=g)).bfloat16()  # (N, V)
@@ -128,11 +128,15 @@ def bench_divergences(n: int, v: int, k: int, repeat: int) -> None:
         t = median_time(fn, repeat)
         rows.append((name, t, in_bytes, peak_rss_growth(fn)))
     base = rows[-1][1]
+    figures = {}
     for name, t, in_bytes, peak in rows:
         print(f"{name:<16}{t * 1e3:10.3f}{t / base:10.1f}{mb(in_bytes):>11}{mb(peak):>14}")
+        figures[name] = {"time_s": t, "x_binary": t / base, "inputs_mb": in_bytes / 2**20,
+                         "peak_rss_growth_mb": peak / 2**20}
+    return figures
 
 
-def bench_losses(n: int, v: int, k: int, repeat: int) -> None:
+def bench_losses(n: int, v: int, k: int, repeat: int) -> dict:
     g = torch.Generator().manual_seed(1)
     b, t = 16, n // 16
     logits = torch.randn(b, t, v, generator=g)  # (B, T, V)
@@ -185,16 +189,20 @@ def bench_losses(n: int, v: int, k: int, repeat: int) -> None:
     names = ["ppo_clip", *DPPO_RULES]
     whole, whole_x = interleaved({name: step(name) for name in names}, repeat)
     alone, alone_x = interleaved({name: rule_only(name) for name in names}, repeat * 4)
+    figures = {}
     for name in names:
         peak = peak_rss_growth(step(name))
         print(f"{name:<16}{whole[name] * 1e3:10.1f}{whole_x[name]:12.3f}"
               f"{alone[name] * 1e3:10.2f}{alone_x[name]:12.2f}{mb(peak):>14}")
+        figures[name] = {"step_s": whole[name], "step_x_ppo_clip": whole_x[name], "rule_s": alone[name],
+                         "rule_x_ppo_clip": alone_x[name], "peak_rss_growth_mb": peak / 2**20}
+    return figures
 
 
 QUICK = ["--tokens", "1024", "--vocab", "32768", "--loss-vocab", "8192", "--repeat", "1"]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
@@ -208,10 +216,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for v in args.vocab:
-        bench_divergences(args.tokens, v, args.k, args.repeat)
-    for v in args.loss_vocab:
-        bench_losses(args.tokens, v, args.k, args.repeat)
+    return {"divergences": {f"N={args.tokens} V={v}": bench_divergences(args.tokens, v, args.k, args.repeat)
+                            for v in args.vocab},
+            "losses": {f"N={args.tokens} V={v}": bench_losses(args.tokens, v, args.k, args.repeat)
+                       for v in args.loss_vocab}}
 
 
 if __name__ == "__main__":

@@ -476,7 +476,7 @@ def print_phase(name: str, phase: Phase) -> None:
         print(f"  FAILED {failure}")
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", type=Path, default=DEFAULT_LOGDIR)
     parser.add_argument("--reuse", action="store_true", help="read --logdir as it is (write no synthetic runs)")
@@ -499,7 +499,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.write_live is not None:  # the writer subprocess
         write_live(args.write_live, LIVE_RUN, args.live_tokens, args.live_interval, args.live_steps)
-        return
+        return {}
     for name in ("sessions", "walks", "live_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -550,6 +550,9 @@ def main() -> None:
     print(f"written {args.json}")
     if failures:
         sys.exit(1)
+    return {"live_steps_committed": live_steps, "failures": failures, "x_one_reader": ratios,
+            **{name: {"wall_s": p.wall_s, "per_page": p.per_page(), "memory_mib": p.memory,
+                      "cache_data_mib": sum(p.cache_data.values()) / MB} for name, p in phases.items()}}
 
 
 if __name__ == "__main__":

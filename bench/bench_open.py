@@ -103,7 +103,7 @@ def connects(sides: list[tuple[Path, Path]], repeat: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, required=True, help="the checkout to compare with")
     parser.add_argument("--steps", type=int, default=300)
@@ -115,9 +115,14 @@ def main() -> None:
         before["connect_s"], after["connect_s"] = connects([(args.baseline, Path(tmp) / "before"),
                                                             (ROOT, Path(tmp) / "after")], args.repeat)
     print(f"{'':28s} {'baseline':>12s} {'this checkout':>14s} {'ratio':>7s}")
+    figures = {}
     for key in before:
         ratio = f"x{after[key] / before[key]:.2f}" if key.endswith("_s") and before[key] else ""
         print(f"{key:28s} {before[key]:>12.4g} {after[key]:>14.4g} {ratio:>7s}")
+        figures[key] = {"baseline": before[key], "this checkout": after[key]}
+        if ratio:
+            figures[key]["x_baseline"] = after[key] / before[key]
+    return figures
 
 
 if __name__ == "__main__":

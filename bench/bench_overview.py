@@ -232,7 +232,7 @@ def time_once(logdir: Path, repeat: int, rows: bool) -> dict:
 QUICK = ["--tokens", "2000000", "--tokens-per-step", "500000", "--repeat", "1", "--cold-runs", "1"]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=10_000_000, help="token rows of the log")
     parser.add_argument("--tokens-per-step", type=int, default=1_000_000)
@@ -247,7 +247,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.time_once:
         print(json.dumps(time_once(args.time_once, args.repeat, args.rows_baseline)))
-        return
+        return {}
 
     logdir = (args.dir or Path(tempfile.mkdtemp(prefix="bench-overview-"))) / "logs"
     try:
@@ -278,6 +278,8 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(logdir.parent if args.dir is None else logdir, ignore_errors=True)
+    return {"log": built, "cold_runs": len(runs), **med,
+            **({"rows_cold_s": runs[0]["rows_cold_s"]} if "rows_cold_s" in runs[0] else {})}
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def child_command(args: argparse.Namespace, case: str, tokens: int) -> list[str]
     return cmd + (["--no-backward"] if args.no_backward else [])
 
 
-def main() -> None:
+def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096], help="response lengths (batch 1)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b")
@@ -174,7 +174,7 @@ def main() -> None:
         p.error("--cases must include trl, the baseline the ratios are against")
     if args.child:
         print(json.dumps(measure(args, args.child, args.tokens[0])))
-        return
+        return {}
 
     rows = []
     for tokens in args.tokens:
@@ -195,6 +195,7 @@ def main() -> None:
     mem = "peak_gpu_gib" if args.device.startswith("cuda") else "peak_rss_gib"
     keys = ("pass_s", "pass_cpu_s", "capture_s", "capture_cpu_s", mem)
     summary = []
+    figures: dict = {}
     print(f"\n{args.preset} x {args.layers} layer(s), V = {args.vocab:,}, K = {args.k}, {args.dtype} on {args.device}, "
           f"{'forward only' if args.no_backward else 'forward + backward'}, median of {args.repeats}")
     print(f"{'tokens':>7} {'case':<13} {'wall s':>8} {'x trl':>6} {'CPU s':>8} {'x trl':>6} {'capture s':>10} "
@@ -211,6 +212,8 @@ def main() -> None:
                     "capture_cpu_share": m["capture_cpu_s"] / base["pass_cpu_s"], "peak_gib": m[mem],
                     "memory_ratio": m[mem] / base[mem], "memory_added_gib": m[mem] - base[mem]}
             summary.append(line)
+            figures.setdefault(f"{tokens} tokens", {})[c] = {k: v for k, v in line.items()
+                                                             if k not in ("tokens", "case")}
             print(f"{tokens:>7} {c:<13} {m['pass_s']:8.2f} {line['wall_ratio']:6.3f} {m['pass_cpu_s']:8.2f} "
                   f"{line['cpu_ratio']:6.3f} {m['capture_s']:10.3f} {100 * line['capture_share']:7.2f}% "
                   f"{100 * line['capture_cpu_share']:6.2f}% "
@@ -219,6 +222,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"settings": {k: (str(v) if isinstance(v, Path) else v)
                                                       for k, v in vars(args).items() if k != "child"},
                                          "memory": mem, "summary": summary, "runs": rows}, indent=1))
+    return figures
 
 
 if __name__ == "__main__":

@@ -312,34 +312,39 @@ def cold_pass_once(engine: str, logdir: Path, out: Path) -> None:
                       "peak_rss_mb": round(rss), **extra}), flush=True)
 
 
-def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: float) -> None:
+def bench_cold_only(n_tokens: int, workdir: Path, base_tokens: int, timeout_s: float) -> dict:
     """The first pass alone, DuckDB and polars each in a new process (peak memory apart), polars given
-    ``timeout_s``; their per-step blocked counts compared when both answer."""
+    ``timeout_s``; their per-step blocked counts compared when both answer. Each engine's figures (the line its
+    process printed)."""
     import subprocess
 
     logdir = workdir / f"logs_{n_tokens}"
     if not (logdir / "run0" / "run.json").exists():
         shutil.rmtree(logdir, ignore_errors=True)
         write_log(logdir, n_tokens, base_tokens)
-    answers = {}
+    answers, figures = {}, {}
     for engine in ("duckdb", "polars"):
         out = workdir / f"cold_{engine}_{n_tokens}.parquet"
         out.unlink(missing_ok=True)
         try:
-            subprocess.run([*common.module_cmd(__spec__), "--cold-once", engine, str(logdir), str(out)], check=True,
-                           timeout=timeout_s)
+            done = subprocess.run([*common.module_cmd(__spec__), "--cold-once", engine, str(logdir), str(out)],
+                                  check=True, timeout=timeout_s, stdout=subprocess.PIPE, text=True)
         except subprocess.TimeoutExpired:
             print(f"{engine}: no answer within {timeout_s:.0f} s (killed)", flush=True)
+            figures[engine] = f"no answer within {timeout_s:.0f} s"
             continue
+        print(done.stdout, end="", flush=True)
+        figures[engine] = json.loads(done.stdout.strip().splitlines()[-1])
         answers[engine] = out
     if len(answers) == 2:
         check_same_counts(pd.read_parquet(answers["duckdb"]), pl.read_parquet(answers["polars"]))
+    return figures
 
 
 QUICK = ["--tokens", "200_000", "--base-tokens", "100_000", "--repeat", "1", "--workdir", "/tmp/ts_queries_quick"]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=lambda s: int(s.replace("_", "")), action="append")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ts_queries")
@@ -352,21 +357,30 @@ def main() -> None:
     args = parser.parse_args()
     if args.cold_once:
         cold_pass_once(args.cold_once[0], Path(args.cold_once[1]), Path(args.cold_once[2]))
-        return
+        return {}
     sizes = args.tokens or [10_000_000]
     print(f"cpus: {os.cpu_count()}, load average: {os.getloadavg()}")
+    figures: dict = {}
     if args.cold_only:
         for n in sizes:
             print(f"{n:,} tokens:", flush=True)
-            bench_cold_only(n, args.workdir, args.base_tokens, args.timeout)
+            figures[f"{n} tokens"] = bench_cold_only(n, args.workdir, args.base_tokens, args.timeout)
         print(f"load average after: {os.getloadavg()}")
-        return
-    table = pd.DataFrame([r for n in sizes for r in bench_size(n, args.workdir, args.repeat, args.base_tokens)])
+        return figures
+    by_size = {n: bench_size(n, args.workdir, args.repeat, args.base_tokens) for n in sizes}
+    table = pd.DataFrame([r for rows in by_size.values() for r in rows])
     table["warm_vs_polars"] = table.polars_s / table.duckdb_warm_s
     table["cold_vs_polars"] = table.polars_s / table.duckdb_cold_s
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.round(3).to_string(index=False))
     print(f"load average after: {os.getloadavg()}")
+    for n, rows in by_size.items():
+        figures[f"{n} tokens"] = {r["analysis"]: {k: v for k, v in r.items() if k != "analysis"} for r in rows}
+        for r in figures[f"{n} tokens"].values():
+            if "polars_s" in r:
+                r["warm_vs_polars"] = r["polars_s"] / r["duckdb_warm_s"]
+                r["cold_vs_polars"] = r["polars_s"] / r["duckdb_cold_s"]
+    return figures
 
 
 if __name__ == "__main__":

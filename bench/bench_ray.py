@@ -51,7 +51,7 @@ def cold_pass(logdir: Path, **connect: object) -> tuple[float, object, tsdb.LogD
         db.close()
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=400_000)
     parser.add_argument("--files", type=int, default=16)
@@ -92,6 +92,9 @@ def main() -> None:
     print(f"median of {args.repeats}: local {statistics.median(local):.2f} s, Ray ({args.cpus} CPUs, warm) "
           f"{statistics.median(on_ray):.2f} s, task time inside workers {statistics.median(inside):.2f} s; "
           f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
+    return {"tokens_files": n_files, "first_pass_local_s": first_local, "ray_start_s": ray_start,
+            "first_pass_ray_s": first_ray, "local_median_s": statistics.median(local),
+            "ray_warm_median_s": statistics.median(on_ray), "inside_workers_median_s": statistics.median(inside)}
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def child(world: str, hooks: str, steps: int, topk: int, logdir: Path) -> dict:
             if (logdir / cfg.run_id).exists() else 0}
 
 
-def main() -> None:
+def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--topk", type=int, default=8, help="K of the topk and on runs (the demo's 8)")
@@ -116,7 +116,7 @@ def main() -> None:
         p.error(f"--steps must be >= 2 (a step-to-step wall needs two steps), got {args.steps}")
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.topk, args.logdir)))
-        return
+        return {}
     from trustscope.train.models import resolve_model
 
     for world in args.worlds:  # build (or find) both worlds first: no run pays a build
@@ -143,12 +143,17 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'V':>7} {'hooks':<5} {'process s':>9} {'CPU s':>7} {'step s':>7} {'step CPU':>8} {'rollout':>8} {'update':>7} {'sync':>6} "
           f"{'other':>6} {'RSS GiB':>8} {'log MB':>7}")
+    figures: dict = {}
     for r in results:
         q = r["parts_s"]
         print(f"{int(r['world']):>7,} {r['hooks']:<5} {r['process_wall_s']:9.1f} {r['process_cpu_s']:7.1f} "
               f"{r['step_wall_s']:7.2f} {r['step_cpu_s']:8.2f} "
               f"{q['rollout']:8.2f} {q['train']:7.2f} {q['sync']:6.2f} {q['other']:6.2f} {r['peak_rss_gib']:8.2f} "
               f"{r['run_bytes'] / 1e6:7.1f}")
+        figures[f"V={r['world']} hooks {r['hooks']}"] = {
+            "process_wall_s": r["process_wall_s"], "process_cpu_s": r["process_cpu_s"], "step_wall_s": r["step_wall_s"],
+            "step_cpu_s": r["step_cpu_s"], "step_parts_s": q, "peak_rss_gib": r["peak_rss_gib"],
+            "log_mb": r["run_bytes"] / 1e6}
     by = {(r["world"], r["hooks"]): r for r in results}
 
     def split(a: tuple[str, str], b: tuple[str, str], what: str) -> None:
@@ -158,6 +163,9 @@ def main() -> None:
                   f"({y['process_wall_s'] - x['process_wall_s']:+.1f} s), step x{y['step_wall_s'] / x['step_wall_s']:.2f} "
                   f"({y['step_wall_s'] - x['step_wall_s']:+.2f} s), step CPU x{y['step_cpu_s'] / x['step_cpu_s']:.2f} "
                   f"({y['step_cpu_s'] - x['step_cpu_s']:+.2f} s), RSS {y['peak_rss_gib'] - x['peak_rss_gib']:+.2f} GiB")
+            figures[what] = {key: {"x": y[key] / x[key], "added": y[key] - x[key]}
+                             for key in ("process_wall_s", "step_wall_s", "step_cpu_s")}
+            figures[what]["peak_rss_gib"] = {"added": y["peak_rss_gib"] - x["peak_rss_gib"]}
 
     split(("78", "on"), ("151936", "on"), "V = 151,936 against 78, hooks on")
     split(("78", "off"), ("151936", "off"), "the model's part: V, hooks off")
@@ -168,6 +176,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "topk": args.topk, "load_average": os.getloadavg(),
                                          "results": results}, indent=2))
+    return figures
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def run_child(args: list[str]) -> dict:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--responses", type=int, default=64)
@@ -196,8 +196,9 @@ def main() -> None:
         else:
             case, shape = args.child[:2]
             print(json.dumps(child(case, shape, args.responses, args.length, args.agreement, args.out)))
-        return
+        return {}
     results = []
+    figures: dict = {}
     common = ["--responses", str(args.responses), "--length", str(args.length), "--agreement", str(args.agreement)]
     print(f"{args.responses} x {args.length} tokens a step, {args.agreement:.0%} of (layer, slot) choices agree; "
           f"CPU scaled to a {STEP_TOKENS:,}-token step")
@@ -218,6 +219,11 @@ def main() -> None:
             print(f"{shape:6} {case:15} {share:>8} {r['bytes_per_row']:7.1f} {added:7.1f} "
                   f"{100 * added / base[0]:6.1f} {cpu['caller']:9.2f} {cpu['writer thread']:9.2f} "
                   f"{cpu['encoders']:9.2f} {total - base[1]:7.2f}")
+            figures[f"{shape} {case}"] = {"bytes_per_row": r["bytes_per_row"], "added_bytes_per_row": added,
+                                          "added_share": added / base[0], "cpu_s_a_step": cpu,
+                                          "added_cpu_s_a_step": total - base[1]}
+            if r["routing_fraction"] is not None:
+                figures[f"{shape} {case}"]["routing_fraction"] = r["routing_fraction"]
     if args.actor_tokens:
         for shape in args.actor_shapes:
             for kind in ("base", "routed"):  # the same step without routing first: the baseline
@@ -229,8 +235,15 @@ def main() -> None:
                       f"whole write {r['write_s']:.1f} s (writer thread {r['cpu_s']['writer thread']:.1f} CPU s, "
                       f"encoders {r['cpu_s']['encoders']:.1f}); peak RSS {r['peak_rss_gib']:.1f} GiB"
                       + ("" if r["lists_kept"] is None else f"; lists kept on {r['lists_kept']:.1%} of the rows"))
+                figures[f"{shape} actor {kind}"] = {
+                    "tokens": r["tokens"], "input_gib": r["input_gib"], "log_step_s": r["log_step_s"],
+                    "log_step_cpu_s": r["log_step_cpu_s"], "write_s": r["write_s"], "cpu_s": r["cpu_s"],
+                    "peak_rss_gib": r["peak_rss_gib"]}
+                if r["lists_kept"] is not None:
+                    figures[f"{shape} actor {kind}"]["lists_kept"] = r["lists_kept"]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    return figures
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def run(path: Path, settings: list[str] | None, repeats: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout without threshold histograms")
     parser.add_argument("--repeats", type=int, default=5)
@@ -73,10 +73,13 @@ def main() -> None:
     cases += [("every rule at its defaults, threshold histograms", ROOT, []),
               ("and three rule settings", ROOT, ["geo_mask@0.99", "geo_mask@0.9", "ppo_clip:eps_low=0.1,eps_high=0.1"])]
     first = None
+    figures = {}
     for label, path, settings in cases:
         seconds = run(path, settings, args.repeats)
         first = first or seconds
         print(f"{label}: {seconds:.3f} CPU s a call of 65,536 tokens, x{seconds / first:.2f}")
+        figures[label] = {"cpu_s": seconds, "x_first": seconds / first}
+    return figures
 
 
 if __name__ == "__main__":

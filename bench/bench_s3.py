@@ -55,7 +55,7 @@ def log(logdir, run_id: str, steps: list[dict]) -> tuple[float, float]:
 QUICK = ["--steps", "4", "--batch", "16", "--tokens", "128", "--repeat", "1"]
 
 
-def main() -> None:
+def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=64)
@@ -101,9 +101,12 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
         server.stop()
     print(f"{rows:,} token rows in {args.steps} flushes, K = {args.k}; medians of {args.repeat} repeat(s)")
+    figures = {name: statistics.median(values) for name, values in results.items()}
     for name, values in results.items():
         print(f"  {name:<28} {statistics.median(values):8.3f}   (all: {', '.join(f'{v:.3f}' for v in values)})")
-    print(f"  s3 / local logging time     {statistics.median(results['s3 log s']) / statistics.median(results['local log s']):8.2f}x")
+    figures["x_s3_over_local_log"] = figures["s3 log s"] / figures["local log s"]
+    print(f"  s3 / local logging time     {figures['x_s3_over_local_log']:8.2f}x")
+    return figures
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _median_s(fn, repeat: int) -> float:
 QUICK = ["--repeat", "1"]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--logdir", type=Path, default=Path(__file__).resolve().parent.parent / "sample_logs")
     parser.add_argument("--memory", type=float, default=1e9, help="memory limit of user SQL in bytes")
@@ -59,9 +59,12 @@ def main() -> None:
         plain = _median_s(direct, args.repeat)
         print(f"tokens group-by: sandbox {sandboxed * 1e3:.0f} ms, analyses' connection {plain * 1e3:.0f} ms, "
               f"x{sandboxed / plain:.2f}")
-        print(f"select 1 in a warm worker: {_median_s(lambda: conn.sql('select 1'), args.repeat) * 1e3:.0f} ms")
+        warm = _median_s(lambda: conn.sql("select 1"), args.repeat)
+        print(f"select 1 in a warm worker: {warm * 1e3:.0f} ms")
+        figures: dict = {"first_query_s": first, "select_1_warm_s": warm,
+                         "group_by": {"sandbox_s": sandboxed, "direct_s": plain, "x_direct": sandboxed / plain}}
         print("| query | limit | stopped by | wall s | peak worker RSS MiB |")
-        for q, timeout in [*LIMIT_QUERIES, (MEMORY_QUERY, 60.0)]:
+        for i, (q, timeout) in enumerate([*LIMIT_QUERIES, (MEMORY_QUERY, 60.0)], 1):
             conn.sql("select 1")
             start = time.perf_counter()
             try:
@@ -72,6 +75,9 @@ def main() -> None:
             wall = time.perf_counter() - start
             rss = conn._resources.sandbox.peak_rss / 2**20
             print(f"| `{q}` | {timeout:g} s, {args.memory / 2**20:.0f} MiB | {how} | {wall:.2f} | {rss:.0f} |")
+            figures[f"limit query {i}"] = {"query": q, "timeout_s": timeout, "stopped_by": how, "wall_s": wall,
+                                           "peak_worker_rss_mib": rss}
+    return figures
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, mode: str, turns: bool) -> dict:
 QUICK = ["--B", "16", "--tokens", "256", "--repeat", "1"]
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--B", type=int, default=64, help="responses in the step")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per response (T)")
@@ -117,8 +117,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return
+        return {}
     print(f"one step: B = {args.B} x T = {args.tokens} = {args.B * args.tokens:,} tokens, K = {args.k}")
+    figures = {}
     for turns in (True, False):
         label = "async multi-turn (position, turn, staleness)" if turns else "sync single-turn (position only)"
         ratios, pairs = [], []
@@ -137,6 +138,11 @@ def main() -> None:
         dims_cpu = [p["dims"]["cpu_s"] for p in pairs]
         print(f"  summaries CPU s a step: {statistics.median(base_cpu):.3f} without, {statistics.median(dims_cpu):.3f}"
               f" with; ratio per pair {', '.join(f'{r:.2f}' for r in ratios)}; median x{statistics.median(ratios):.2f}")
+        figures[label] = {"base_rows": d["base_rows"], "rows": d["rows"], "rows_per_dimension": d["per_dimension"],
+                          "base_bytes": d["base_bytes"], "bytes": d["bytes"],
+                          "cpu_s_without": statistics.median(base_cpu), "cpu_s_with": statistics.median(dims_cpu),
+                          "x_cpu": statistics.median(ratios)}
+    return figures
 
 
 if __name__ == "__main__":

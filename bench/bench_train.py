@@ -125,7 +125,7 @@ def row(name: str, r: dict[str, float]) -> str:
             f"| {r['tokens_per_step'] / r['step_s']:.0f} | {r['log_call_s'] * 1e3:.1f} |")
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
@@ -146,6 +146,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}", flush=True)
     lines = ["| configuration | step wall ms (median) | step CPU ms (median) | steps/s | tokens/s | in log_step ms |",
              "|---|---|---|---|---|---|"]
+    figures: dict = {}
     for engine in args.engines:
         results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for _ in range(args.repeats):
@@ -164,6 +165,11 @@ def main() -> None:
         lines.append(f"| the logger's own CPU, engine {engine} (its threads, per step) | "
                      + " | ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f} ms" for k, v in own.items())
                      + f" | total {sum(own.values()) / off['cpu_s'] * 100:.1f}% of a logging-off step's CPU | |")
+        figures[f"engine {engine}"] = {
+            "logging off": off, "logging on": on,
+            "overhead": {"wall": on["step_s"] / off["step_s"] - 1, "cpu": on["cpu_s"] / off["cpu_s"] - 1,
+                         "log_step_share_of_step": on["log_call_s"] / on["step_s"]},
+            "logger_cpu_s_per_step": own, "logger_cpu_share_of_off_step": sum(own.values()) / off["cpu_s"]}
         if engine == "hf":
             hf_off = off
     if not args.no_trl:
@@ -171,12 +177,17 @@ def main() -> None:
             trl = bench_trl(model_dir, args.steps, args.warmup, work / "trl")
             print("trl", trl, flush=True)
             lines.append(row("TRL GRPOTrainer (transformers generate)", trl))
+            figures["trl"] = trl
             if "hf" in args.engines:
                 lines.append(f"| TRL / trustscope (hf, logging off) | {trl['step_s'] / hf_off['step_s']:.1f}x | "
                              f"{trl['cpu_s'] / hf_off['cpu_s']:.1f}x | | | |")
+                figures["trl_over_hf_off"] = {"wall": trl["step_s"] / hf_off["step_s"],
+                                              "cpu": trl["cpu_s"] / hf_off["cpu_s"]}
         except Exception as exc:  # report exactly why TRL could not run here
             lines.append(f"| TRL GRPOTrainer | failed: {type(exc).__name__}: {exc} | | | | |")
+            figures["trl"] = f"failed: {type(exc).__name__}: {exc}"
     print("\n".join(lines))
+    return figures
 
 
 if __name__ == "__main__":

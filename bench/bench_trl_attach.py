@@ -110,7 +110,7 @@ def time_attach_code(in_attach: list[tuple[float, float]]) -> None:
         setattr(integration.Attachment, name, timed(getattr(integration.Attachment, name)))
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
@@ -169,6 +169,17 @@ def main() -> None:
           f"{code_cpu / step_cpu * 100:.1f}% of a plain step's CPU | |")
     print(f"| the logger's threads (writer, encoders), CPU ms per step | | {writer * 1e3:.2f} | "
           f"{writer / step_cpu * 100:.1f}% of a plain step's CPU | |")
+    return {
+        "step_wall_s": {"plain": step, "attached": statistics.median(r["step_s"] for r in attached),
+                        "x_plain": statistics.median(ratios_wall), "x_plain_min": min(ratios_wall),
+                        "x_plain_max": max(ratios_wall)},
+        "step_cpu_s": {"plain": step_cpu, "attached": statistics.median(r["cpu_s"] for r in attached),
+                       "x_plain": statistics.median(ratios_cpu), "x_plain_min": min(ratios_cpu),
+                       "x_plain_max": max(ratios_cpu)},
+        "attach_code_s_per_step": {"wall": code, "cpu": code_cpu, "share_of_plain_step_wall": code / step,
+                                   "share_of_plain_step_cpu": code_cpu / step_cpu},
+        "logger_threads_cpu_s_per_step": {"cpu": writer, "share_of_plain_step_cpu": writer / step_cpu},
+    }
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def run(model_dir: Path, topk: int, steps: int, tokens: int, completions: int) -
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def main() -> None:
+def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topk", type=int, nargs="+", default=[0, 20])
     p.add_argument("--steps", type=int, default=2)
@@ -96,7 +96,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         print(json.dumps(run(Path(args.child[0]), int(args.child[1]), args.steps, args.tokens, args.completions)))
-        return
+        return {}
     if 0 not in args.topk:
         p.error("--topk must include 0, the baseline")
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,12 +115,17 @@ def main() -> None:
     print(f"\nTRL GRPO, transformers path, Qwen3-0.6B shapes x {args.layers} layers, V = {VOCAB:,}, "
           f"{args.completions} completions x {args.tokens} tokens, {args.steps} steps")
     print(f"{'topk':>5} {'step s':>8} {'x topk=0':>9} {'peak RSS GiB':>13} {'x topk=0':>9}")
+    figures = {}
     for r in rows:
         print(f"{r['topk']:>5} {r['step_s']:8.1f} {r['step_s'] / base['step_s']:9.3f} {r['peak_rss_gib']:13.2f} "
               f"{r['peak_rss_gib'] / base['peak_rss_gib']:9.3f}")
+        figures[f"topk={r['topk']}"] = {"step_s": r["step_s"], "step_x_topk0": r["step_s"] / base["step_s"],
+                                        "peak_rss_gib": r["peak_rss_gib"],
+                                        "peak_rss_x_topk0": r["peak_rss_gib"] / base["peak_rss_gib"]}
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "runs": rows},
                                         indent=1))
+    return figures
 
 
 if __name__ == "__main__":

@@ -24,24 +24,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
 
-import torch  # noqa: E402
-from test_integration_verl import actor_config, make_batch, model_output  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
-
-from trustscope.integrations import verl as tv  # noqa: E402
-from trustscope.logger import TokenLogger  # noqa: E402
+from bench.verl_batches import actor_config, make_batch, model_output
+from trustscope.integrations import verl as tv
+from trustscope.logger import TokenLogger
 
 
 def one_step(batch, pi, loss_fn, micro: int) -> float:
@@ -58,7 +54,7 @@ def one_step(batch, pi, loss_fn, micro: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=1024)
@@ -87,16 +83,22 @@ def main() -> None:
             for name, fn in cases.items():
                 times[name].append(one_step(batch, pi, fn, args.micro))
         micro_batches = args.batch // args.micro
+        figures: dict = {"valid_tokens": n_tokens}
         for name, values in times.items():
             t = statistics.median(values)
             print(f"{name:<22}{t * 1e3:>12.1f}{t * 1e3 / micro_batches:>18.2f}{n_tokens / t / 1e6:>12.2f}")
+            figures[name] = {"step_s": t, "micro_batch_s": t / micro_batches, "tokens_per_s": n_tokens / t}
         hook.close()
         added = (statistics.median(times["+ actor hook"]) - statistics.median(times["verl dppo_tv"])) / micro_batches
         print(f"added on the actor's thread by the rule and the hook: {added * 1e3:.2f} ms per micro-batch")
+        figures["added_s_per_micro_batch"] = added
         if args.model:
             fb = model_forward_backward(args.micro, args.tokens + 16, max(3, args.repeats // 3))
             print(f"Qwen3-shaped model, forward + backward of one micro-batch ({args.micro} x {args.tokens + 16} "
                   f"tokens): {fb * 1e3:.0f} ms; the rule and the hook add {100 * added / fb:.2f} % of it")
+            figures["model_forward_backward_s"] = fb
+            figures["added_share_of_model"] = added / fb
+        return figures
 
 
 def model_forward_backward(batch: int, length: int, repeats: int) -> float:

@@ -3,6 +3,7 @@ refuses what it cannot run naming it; docs/performance.md's generated figures ar
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -95,3 +96,45 @@ def test_the_performance_page_shows_the_stored_results():
     assert found == runner.figures_markdown(), "docs/performance.md differs from bench/results/: run " \
         ".venv/bin/python -m bench docs --write and commit the result"
     assert found.count("#### ") == len(list(runner.RESULTS.glob("*.json"))) > 0
+
+
+
+def _own_returns(function: ast.FunctionDef) -> list[ast.Return]:
+    """The return statements of ``function`` itself, not of the functions, lambdas and classes defined in it."""
+    found, todo = [], list(function.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Return):
+            found.append(node)
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _changes_sys_path(tree: ast.Module) -> bool:
+    """Whether the module names ``sys.path`` (to insert into it, append to it or replace it)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            return True
+    return False
+
+
+def test_every_benchmark_returns_its_figures_and_leaves_sys_path_alone():
+    """Read from the sources, nothing run: each bench_*.py's main() returns a value on every return (its figures,
+    which the runner stores and docs/performance.md shows), and no module under bench/ changes ``sys.path`` (a
+    helper a benchmark needs lives in bench/, not in tests/)."""
+    without_figures, touching_sys_path = [], []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if _changes_sys_path(tree):
+            touching_sys_path.append(path.name)
+        if not path.stem.startswith(runner.PREFIX):
+            continue
+        [main] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        returns = _own_returns(main)
+        if not returns or any(r.value is None for r in returns):
+            without_figures.append(path.stem)
+    assert not without_figures, f"main() returns no figures (on some path at least) in: {', '.join(without_figures)}"
+    assert not touching_sys_path, f"sys.path changed in: {', '.join(touching_sys_path)}"
