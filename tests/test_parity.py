@@ -279,3 +279,84 @@ def test_vllm_weight_sync_moe(moe_model_dir):
     finally:
         engine.close()
         reference.close()
+
+
+def test_positions_for_the_full_comparison_are_spread_and_start_at_the_first_token():
+    from trustscope.parity import spread_positions
+
+    assert spread_positions(16, 4, 0) == frozenset()
+    assert spread_positions(16, 4, 64) == frozenset(range(16))  # room for every position
+    kept = spread_positions(4096, 2, 256)
+    assert 0 in kept and len(kept) * 2 <= 256 and max(kept) < 4096
+    assert sorted(kept)[1] - sorted(kept)[0] == 32  # evenly: one position in 32
+
+
+def test_the_full_distributions_are_compared_at_the_same_histories(toy_model_dir, tmp_path):
+    """The transformers engine at float32 against the trainer at float32: the whole distributions agree to float
+    precision and the kept rows score the sampled token exactly as mu; a bfloat16 engine moves them (TV and KL > 0);
+    the figures reach the report and the logged run's manifest; full_positions=0 says it skipped."""
+    import json
+
+    from trustscope.parity import format_summary, log_parity, run_parity, summary
+
+    prompts = ["1+2=", "3+4=", "5+1="]
+    same = summary(run_parity(toy_model_dir, prompts, engine="hf", n=2, max_tokens=6, full_positions=64))
+    f = same["full_distribution"]
+    assert f["positions"] == same["tokens"] and f["sampled_gap_max"] < 1e-5  # every token kept: 6 x 6 <= 64
+    assert f["tv_max"] < 1e-5 and abs(f["kl_mean"]) < 1e-8
+    assert f["first_token"]["positions"] == 6
+    result = run_parity(toy_model_dir, prompts, engine="hf", engine_dtype="bfloat16", n=2, max_tokens=6,
+                        full_positions=64)
+    moved = summary(result)["full_distribution"]
+    assert moved["tv_mean"] > 100 * f["tv_mean"] and moved["kl_mean"] > 0 and moved["sampled_gap_max"] < 1e-5
+    text = format_summary(summary(result), [], [])
+    assert "full distributions at" in text and "TV mean" in text
+    run_id = log_parity(result, tmp_path, "parity-bf16")
+    stored = json.loads((tmp_path / run_id / "run.json").read_text())["config"]["parity"]["full_distribution"]
+    assert stored["tv_mean"] == pytest.approx(moved["tv_mean"])
+    off = summary(run_parity(toy_model_dir, prompts, engine="hf", n=1, max_tokens=4, full_positions=0))
+    assert off["full_distribution"] == {"skipped": "full_positions=0"}
+
+
+def test_the_engine_context_comes_from_the_prompts_and_the_model(toy_model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from trustscope.parity import ParityInputError, context_length
+
+    config, tokenizer = AutoConfig.from_pretrained(toy_model_dir), AutoTokenizer.from_pretrained(toy_model_dir)
+    assert context_length(config, tokenizer, ["1+2="], 16) == 64  # a floor of 64
+    limit = config.max_position_embeddings
+    assert context_length(config, tokenizer, ["1+2="], limit - 10) == limit - 10 + len(tokenizer("1+2=")["input_ids"])
+    with pytest.raises(ParityInputError, match="max_position_embeddings"):
+        context_length(config, tokenizer, ["1+2="], limit)
+
+
+@pytest.mark.slow
+def test_vllm_logits_are_read_at_the_positions_it_sampled(toy_model_dir):
+    """vLLM's own compute_logits, read one request at a time: each kept row scores the sampled token as vLLM's
+    reported mu does (a row one call off would not), and at float32 the whole distribution is the trainer's."""
+    from trustscope.parity import run_parity, summary
+
+    s = summary(run_parity(toy_model_dir, ["1+2=", "3+4=", "5+1="], engine="vllm", n=2, max_tokens=6,
+                           full_positions=64))
+    f = s["full_distribution"]
+    assert f["positions"] == s["tokens"] and f["sampled_gap_max"] < 1e-4
+    assert f["tv_max"] < 1e-4
+
+
+def test_explain_reads_the_numerics_floor_parity_measured(toy_model_dir, tmp_path):
+    """A parity run logged beside a training run: ``trustscope explain`` names its floor (the sampled tokens' mean
+    |log pi - log mu|, the whole distributions' TV and KL) in its text and JSON."""
+    from trustscope.explain.analysis import explain
+    from trustscope.explain.render import text, to_json
+    from trustscope.parity import log_parity, run_parity
+
+    result = run_parity(toy_model_dir, ["1+2=", "3+4="], engine="hf", engine_dtype="bfloat16", n=2, max_tokens=6,
+                        full_positions=32)
+    log_parity(result, tmp_path, "floor")
+    e = explain(tmp_path, replicates=0)
+    [par] = e.parity
+    assert par["run_id"] == "floor" and par["engine_dtype"] == "bfloat16" and par["full_tv_mean"] > 0
+    assert par["mean_abs_log_ratio"] == pytest.approx(float(np.abs(result.diff).mean()))
+    assert "numerics floor (trustscope parity, run floor" in text(e)
+    assert '"full_tv_mean"' in to_json(e)

@@ -190,6 +190,14 @@ def parity(
     max_tokens: int = typer.Option(16, help="Response tokens at most."),
     max_prompts: int = typer.Option(32, help="Use the first this many prompts."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    full_positions: int = typer.Option(256, help="Generated positions (spread over the responses, the first token "
+                                       "always) where the engine's and the trainer's whole distributions are "
+                                       "compared (TV and KL over the vocabulary); 0: not."),
+    attn_implementation: str | None = typer.Option(None, help="The trainer forward's attention implementation "
+                                                   "(transformers' attn_implementation: eager, sdpa, "
+                                                   "flash_attention_2, ...), as the run trains with it."),
+    max_model_len: int | None = typer.Option(None, help="The vLLM engine's context (default: the longest prompt "
+                                             "plus --max-tokens, within the model's max_position_embeddings)."),
     band: list[str] = typer.Option([], "--band", help="TOL=SHARE: at least SHARE of the tokens have |log pi - log "
                                    "mu| <= TOL (e.g. 1e-2=0.99); first:TOL=SHARE counts the first generated token "
                                    "only. Repeatable; a broken band exits 1."),
@@ -199,8 +207,9 @@ def parity(
     json_out: Path | None = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
 ) -> None:
     """Generate with the rollout engine, score the same tokens with the trainer's forward, and report the log-prob
-    differences: shares within 1e-3 / 1e-2 / 0.1, by position, the first token apart, the largest with their text
-    and, on a mixture-of-experts model, by routing agreement. Exit 1 when a --band is broken, 2 on bad input."""
+    differences: shares within 1e-3 / 1e-2 / 0.1, by position, the first token apart, the largest with their text,
+    the whole distributions' TV and KL at up to --full-positions positions and, on a mixture-of-experts model, by
+    routing agreement. Exit 1 when a --band is broken, 2 on bad input."""
     import json
 
     from trustscope.parity import (
@@ -230,7 +239,8 @@ def parity(
                 raise ParityInputError(f"--model {model}: no such directory, nor a toy preset ({sorted(worlds())})")
             model_dir = str(world.build())  # cached, or copied from a build shipped with trustscope
         result = run_parity(model_dir, texts, engine=engine, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
-                            n=n, max_tokens=max_tokens, seed=seed)
+                            n=n, max_tokens=max_tokens, seed=seed, full_positions=full_positions,
+                            attn_implementation=attn_implementation, max_model_len=max_model_len)
     except ParityInputError as exc:
         typer.echo(f"trustscope parity: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -125,10 +125,29 @@ class Explanation:
     runs: list[RunExplanation]
     thresholds: Thresholds
     replicates: int
+    parity: list[dict[str, Any]] = field(default_factory=list)
+    """The numerics floor measured by ``trustscope parity`` runs in the same log directory (:func:`parity_runs`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": METHOD, "interval": INTERVAL, "replicates": self.replicates,
-                "thresholds": asdict(self.thresholds), "runs": [r.as_dict() for r in self.runs]}
+                "thresholds": asdict(self.thresholds), "parity": self.parity,
+                "runs": [r.as_dict() for r in self.runs]}
+
+
+def parity_runs(manifests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each ``trustscope parity`` run of the log directory measured (its manifest's ``config.parity``): the
+    engine and trainer settings, the sampled tokens' mean |log pi - log mu| and the full distributions' TV and KL,
+    the numerics floor the ``unexplained`` share is read against."""
+    out = []
+    for run_id, manifest in sorted(manifests.items()):
+        parity = (manifest.get("config") or {}).get("parity")
+        if isinstance(parity, dict):
+            full = parity.get("full_distribution") or {}
+            out.append({"run_id": run_id, **{k: parity.get(k) for k in (
+                "engine", "engine_dtype", "trainer_dtype", "attn_implementation", "tokens", "mean_abs_log_ratio")},
+                "full_tv_mean": full.get("tv_mean"), "full_kl_mean": full.get("kl_mean"),
+                "full_positions": full.get("positions"), "full_skipped": full.get("skipped")})
+    return out
 
 
 def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int | None = None,
@@ -183,7 +202,7 @@ def explain(db: Any, run_ids: Iterable[str] | str | None = None, *, window: int 
             scope.measured = measured_shares(mine[(mine["step"] >= scope.first_step)
                                                   & (mine["step"] <= scope.last_step)])
         out.append(run)
-    return Explanation(out, thresholds, replicates)
+    return Explanation(out, thresholds, replicates, parity_runs(manifests))
 
 
 KEYS = ["step", "rank", "sample_id"]

@@ -78,9 +78,23 @@ def text(e: Explanation, rules: Sequence[str] | None = None) -> str:
     lines = []
     for r in e.runs:
         lines += [*run_lines(r, rules), ""]
+    for par in e.parity:  # the numerics floor, measured before the run by trustscope parity
+        lines.append(parity_line(par))
     lines += [f"method: {METHOD}.", f"interval: {INTERVAL}, {e.replicates} replicates.",
               "docs/explain.md says what each cause's indicator reads and where it falls short."]
     return "\n".join(lines)
+
+
+def parity_line(par: dict) -> str:
+    """One ``trustscope parity`` run's numerics floor, for the text: where the run's engine and trainer settings
+    match, the ``unexplained`` share is read against it."""
+    mean = par.get("mean_abs_log_ratio")
+    full = (f"; whole distributions at {par['full_positions']:,} positions: TV mean {par['full_tv_mean']:.3g}, "
+            f"KL mean {par['full_kl_mean']:.3g}" if par.get("full_tv_mean") is not None else "")
+    return (f"numerics floor (trustscope parity, run {par['run_id']}: engine {par.get('engine')} "
+            f"{par.get('engine_dtype')} against the trainer's {par.get('trainer_dtype')} forward): mean |log pi - "
+            f"log mu| {mean:.3g} nats" if mean is not None else f"numerics floor (trustscope parity, run "
+            f"{par['run_id']})") + full + "; unexplained is read against it where the settings match."
 
 
 def to_json(e: Explanation) -> str:
