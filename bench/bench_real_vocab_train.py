@@ -51,7 +51,18 @@ common.one_thread()
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORLDS = {"78": "toy-v2", "151936": "toy-v2-152k"}
+WORLDS = {"78": "toy-v2", "151936": "toy-v2-152k", "moe-78": "toy-moe", "moe-151936": "toy-moe-152k"}
+"""The worlds by label: the dense pair (the default) and the mixture-of-experts pair (``--worlds moe-78
+moe-151936``: ``toy-moe`` and its widening, both sides' experts logged on every token with the hooks on)."""
+DEFAULT_WORLDS = ("78", "151936")
+TASKS = {"toy-moe": "add1", "toy-moe-152k": "add1"}
+"""A world's task where it is not the demo's (the MoE worlds are warm-started on one-digit addition)."""
+
+
+def label(world: str) -> str:
+    """``V = 151,936`` or ``MoE V = 78``."""
+    moe, v = world.startswith("moe-"), world.removeprefix("moe-")
+    return f"{'MoE ' if moe else ''}V = {int(v):,}"
 HOOKS = ("off", "topk", "on")
 BATCH = dict(prompts_per_step=8, group_size=8, mini_batches=4, lr=1e-4, warmup_steps=0, lr_schedule="constant")
 """The demo's batch and schedule when docs/performance.md's figures were measured (the demo now trains 16 x 16,
@@ -64,7 +75,8 @@ def config(world: str, hooks: str, steps: int, topk: int, logdir: Path):
     from trustscope.train.config import TrainConfig
 
     setting = {**DEMO_SETTING, **BATCH, "model": WORLDS[world], "steps": steps, "eval_every": 0, "logdir": str(logdir),
-               "run_id": f"v{world}-{hooks}", "topk": 1 if hooks == "off" else topk, "log_tokens": hooks == "on"}
+               "run_id": f"v{world}-{hooks}", "topk": 1 if hooks == "off" else topk, "log_tokens": hooks == "on",
+               **({"task": TASKS[WORLDS[world]]} if WORLDS[world] in TASKS else {})}
     return TrainConfig(**setting)
 
 
@@ -106,7 +118,7 @@ def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--topk", type=int, default=8, help="K of the topk and on runs (the demo's 8)")
-    p.add_argument("--worlds", nargs="+", choices=list(WORLDS), default=list(WORLDS))
+    p.add_argument("--worlds", nargs="+", choices=list(WORLDS), default=list(DEFAULT_WORLDS))
     p.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS))
     p.add_argument("--json", type=Path, help="write every measurement here")
     p.add_argument("--child", nargs=2, metavar=("WORLD", "HOOKS"), help=argparse.SUPPRESS)
@@ -138,19 +150,19 @@ def main() -> dict:
             result = json.loads(done.stdout.strip().splitlines()[-1])
             result["process_wall_s"] = wall
             results.append(result)
-            print(f"  V={world} {hooks}: {wall:.0f} s", file=sys.stderr)
+            print(f"  {label(world)} {hooks}: {wall:.0f} s", file=sys.stderr)
     print(f"{args.steps} steps of the demo's setting, K = {args.topk}, fresh processes; load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'V':>7} {'hooks':<5} {'process s':>9} {'CPU s':>7} {'step s':>7} {'step CPU':>8} {'rollout':>8} {'update':>7} {'sync':>6} "
+    print(f"{'world':>14} {'hooks':<5} {'process s':>9} {'CPU s':>7} {'step s':>7} {'step CPU':>8} {'rollout':>8} {'update':>7} {'sync':>6} "
           f"{'other':>6} {'RSS GiB':>8} {'log MB':>7}")
     figures: dict = {}
     for r in results:
         q = r["parts_s"]
-        print(f"{int(r['world']):>7,} {r['hooks']:<5} {r['process_wall_s']:9.1f} {r['process_cpu_s']:7.1f} "
+        print(f"{label(r['world']):>14} {r['hooks']:<5} {r['process_wall_s']:9.1f} {r['process_cpu_s']:7.1f} "
               f"{r['step_wall_s']:7.2f} {r['step_cpu_s']:8.2f} "
               f"{q['rollout']:8.2f} {q['train']:7.2f} {q['sync']:6.2f} {q['other']:6.2f} {r['peak_rss_gib']:8.2f} "
               f"{r['run_bytes'] / 1e6:7.1f}")
-        figures[f"V={r['world']} hooks {r['hooks']}"] = {
+        figures[f"{label(r['world'])} hooks {r['hooks']}"] = {
             "process_wall_s": r["process_wall_s"], "process_cpu_s": r["process_cpu_s"], "step_wall_s": r["step_wall_s"],
             "step_cpu_s": r["step_cpu_s"], "step_parts_s": q, "peak_rss_gib": r["peak_rss_gib"],
             "log_mb": r["run_bytes"] / 1e6}
@@ -167,12 +179,13 @@ def main() -> dict:
                              for key in ("process_wall_s", "step_wall_s", "step_cpu_s")}
             figures[what]["peak_rss_gib"] = {"added": y["peak_rss_gib"] - x["peak_rss_gib"]}
 
-    split(("78", "on"), ("151936", "on"), "V = 151,936 against 78, hooks on")
-    split(("78", "off"), ("151936", "off"), "the model's part: V, hooks off")
+    for prefix, kind in (("", ""), ("moe-", "MoE ")):
+        split((f"{prefix}78", "on"), (f"{prefix}151936", "on"), f"{kind}V = 151,936 against 78, hooks on")
+        split((f"{prefix}78", "off"), (f"{prefix}151936", "off"), f"the {kind}model's part: V, hooks off")
     for world in args.worlds:
-        split((world, "off"), (world, "topk"), f"top-K at V = {int(world):,}")
-        split((world, "topk"), (world, "on"), f"the token log at V = {int(world):,}")
-        split((world, "off"), (world, "on"), f"trustscope's part at V = {int(world):,}")
+        split((world, "off"), (world, "topk"), f"top-K at {label(world)}")
+        split((world, "topk"), (world, "on"), f"the token log at {label(world)}")
+        split((world, "off"), (world, "on"), f"trustscope's part at {label(world)}")
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "topk": args.topk, "load_average": os.getloadavg(),
                                          "results": results}, indent=2))

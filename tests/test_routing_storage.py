@@ -267,3 +267,19 @@ def test_bad_routing_is_refused_naming_field_row_and_shapes(tmp_path):
         logger.log_step(0, tokens=tokens | {"engine_experts": engine})  # nothing logged before is lost
     info = json.loads((tmp_path / "bad" / "run.json").read_text())
     assert info["routing_fraction"] == pytest.approx(default_fraction(SHAPE))
+
+
+def test_short_responses_of_a_small_model_whose_experts_match_by_chance_are_not_a_reused_buffer():
+    """Two two-token answers of a four-expert, top-2, two-layer model (10.3 bits of routing each) routed alike
+    after other first tokens: a coincidence, not flagged; the same responses at ten tokens (52 bits) are."""
+    from trustscope.logger.experts import REUSED_MIN_BITS, _reused
+
+    bits = 2 * np.log2(6)  # two layers, C(4, 2) choices each
+    assert bits < REUSED_MIN_BITS < 10 * bits
+    one = np.asarray([[[0, 1], [2, 3]]], np.int16)  # (1, L, k)
+    for length, flagged in ((2, False), (10, True)):
+        engine = np.concatenate([np.repeat(one, length, 0)] * 2)  # two responses, the same experts throughout
+        sid = np.repeat([0, 1], length)
+        token_id = np.concatenate([np.arange(length), np.arange(length) + 100])  # their tokens differ
+        out = _reused(engine, np.ones(2 * length, bool), sid, token_id, bits)
+        assert bool(out.any()) == flagged, length

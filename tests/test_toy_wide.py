@@ -124,3 +124,50 @@ def test_real_vocabulary_world_trains_logs_and_every_reader_opens_it(tmp_path, m
         assert not at.exception, (page.title, [e.message for e in at.exception])
         assert not at.error, (page.title, [e.value for e in at.error])
         assert [t.value for t in at.title] == [page.title]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # production shape: the MoE world at V = 151,936 built and trained through vLLM
+def test_the_moe_world_at_a_real_vocabulary_trains_with_routing_logged_and_every_reader_opens_it(tmp_path,
+                                                                                                monkeypatch):
+    """``trustscope train --model toy-moe-152k`` through vLLM at bf16: both sides' experts logged on every token at
+    V = 151,936, the routing checks pass (none fails on a healthy run), and report, validate and every dashboard
+    page open the log."""
+    from streamlit.testing.v1 import AppTest
+    from typer.testing import CliRunner
+
+    from app.launch import LOGDIR_ENV
+    from app.pages import PAGES
+    from trustscope.cli import app
+    from trustscope.db import connect
+    from trustscope.doctor import diagnose
+
+    cache = Path(os.environ.get(paths.CACHE_ENV, "") or paths.cache_root())
+    monkeypatch.setenv(paths.CACHE_ENV, str(cache))
+    logdir = tmp_path / "runs"
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", "--model", "toy-moe-152k", "--task", "add1", "--steps", "2",
+                                 "--prompts-per-step", "8", "--group-size", "4", "--engine-dtype", "bfloat16",
+                                 "--threads", "1", "--eval-every", "0", "--logdir", str(logdir), "--run-id", "moe"])
+    assert result.exit_code == 0, result.output
+    run = json.loads((logdir / "moe" / "run.json").read_text())
+    assert run["tokenizer"]["vocab_size"] == 151_936 and run["routing_shape"] == [2, 2, 4]
+    with connect(logdir, cache=False) as db:
+        counts = db.sql("select count(*) as n, count(engine_experts) as engine, count(trainer_experts) as trainer, "
+                        "count(routing_agreement) as agreement from tokens").to_pandas().iloc[0]
+        found = {f.check: f for f in diagnose(db)["moe"]}
+    assert counts["n"] > 0 and counts["engine"] == counts["trainer"] == counts["agreement"] == counts["n"]
+    routing = {name: f.verdict for name, f in found.items() if name.startswith("routing")}
+    assert routing and "fail" not in routing.values(), routing
+    for command, says in ((["report", str(logdir)], "moe"), (["validate", str(logdir)], "ok: 1 run(s)")):
+        out = runner.invoke(app, command)
+        assert out.exit_code == 0 and says in out.output, (command, out.output)
+    monkeypatch.setenv(LOGDIR_ENV, str(logdir))
+    at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=120)
+    at.run()
+    for page in PAGES:
+        if not page.default:
+            at.switch_page(page.script)
+            at.run()
+        assert not at.exception, (page.title, [e.message for e in at.exception])
+        assert [t.value for t in at.title] == [page.title]

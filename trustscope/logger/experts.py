@@ -57,6 +57,12 @@ another response's of the call whose tokens differ before the last (a replay buf
 LIST_BYTES = 16.0
 """Bytes a token the default share of full expert lists costs on average (both sides, at the ids' entropy)."""
 
+REUSED_MIN_BITS = 32.0
+"""A response's engine routing is compared with the others' for ``reused`` only when it holds at least this many
+bits of choice (its rows x MoE layers x log2(C(experts, top-k))): below that, two responses' lists can match by
+chance (a one-token answer of a four-expert, top-2, two-layer model holds 5.2 bits), which is not a reused
+buffer."""
+
 SHIFT_MIN = 0.5
 """A response is ``shifted`` when its engine experts share at least this share of the router's own choices one
 position away, and more than at their own position (unrelated routings share about ``k / experts``)."""
@@ -261,7 +267,7 @@ def derive(cols: dict[str, np.ndarray], step: int, plan: RoutingPlan) -> str | N
         if own is not None:
             fault |= _shifted(engine, router if router is not None else trainer, found[own], valid, sid,
                               cols["pos"])
-        fault |= _reused(engine, valid, sid, cols["token_id"])
+        fault |= _reused(engine, valid, sid, cols["token_id"], layers * math.log2(math.comb(plan.shape[2], k)))
     cols["routing_fault"] = fault
     keep = keep_hash(plan.seed + 0x5EED, step, sid) < plan.fraction if plan.fraction < 1.0 else np.ones(n, bool)
     cols[KEEP] = keep = keep | (fault != 0)
@@ -311,16 +317,18 @@ def _shifted(engine: np.ndarray, own: np.ndarray, aligned: np.ndarray, valid: np
     return out
 
 
-def _reused(engine: np.ndarray, valid: np.ndarray, sid: np.ndarray, token_id: np.ndarray) -> np.ndarray:
+def _reused(engine: np.ndarray, valid: np.ndarray, sid: np.ndarray, token_id: np.ndarray,
+            bits_per_row: float = math.inf) -> np.ndarray:
     """``(N,)`` int8: the ``reused`` bit on every row of a response whose engine experts (every valid row) equal
     another response's while their tokens before the last differ (routing at a position depends on the tokens up to
-    it, so equal prefixes route alike and are not flagged)."""
+    it, so equal prefixes route alike and are not flagged). Only responses whose routing holds
+    :data:`REUSED_MIN_BITS` (``bits_per_row`` a valid row) are compared: shorter ones can match by chance."""
     out = np.zeros(len(sid), np.int8)
     bounds = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1], True])  # responses are contiguous runs of rows
     seen: dict[bytes, list[tuple[bytes, int, int]]] = {}
     for lo, hi in itertools.pairwise(bounds):
         rows = engine[lo:hi][valid[lo:hi]]
-        if not len(rows):
+        if not len(rows) or len(rows) * bits_per_row < REUSED_MIN_BITS:
             continue
         key = hashlib.blake2b(np.ascontiguousarray(rows).tobytes(), digest_size=16).digest()
         prefix = hashlib.blake2b(np.ascontiguousarray(token_id[lo: hi - 1]).tobytes(), digest_size=16).digest()

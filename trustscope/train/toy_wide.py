@@ -1,4 +1,5 @@
-"""The toy world at a real vocabulary: a dense toy world (``toy-v2``) widened to V = 151,936, Qwen's vocabulary size.
+"""The toy world at a real vocabulary: a toy world (dense ``toy-v2``, or the mixture-of-experts ``toy-moe``) widened to
+V = 151,936, Qwen's vocabulary size.
 
 The widened model keeps every trained row of its base (the 78 tokens of the character tokenizer) and adds a long
 tail of 151,858 tokens the sampler can reach: their LM-head rows (the widened head is untied) are random around a direction the trained hidden states point away from, set so that the tail holds a set mean
@@ -56,7 +57,8 @@ class WideToyConfig:
     """A base toy world and how it is widened; its hash (with the base's key and this module's source) is the key."""
 
     base: str = "toy-v2"
-    """The dense toy world whose trained rows are kept (a name of :data:`trustscope.train.toy.TOY_PRESETS`)."""
+    """The toy world whose trained rows are kept: a dense one (:data:`trustscope.train.toy.TOY_PRESETS`) or a
+    mixture-of-experts one (:data:`trustscope.train.toy_moe.MOE_PRESETS`: its routers and experts kept whole)."""
     task: str = "addcol2"
     """The task the base is warm-started on and the tail's mass is measured on (its eval split)."""
     vocab_size: int = 151_936
@@ -67,8 +69,8 @@ class WideToyConfig:
     """Seed of the tail's rows."""
 
     def __post_init__(self) -> None:
-        if self.base not in toy.TOY_PRESETS:
-            raise ValueError(f"base must be one of {', '.join(toy.TOY_PRESETS)}, got {self.base!r}")
+        if self.base not in base_presets():
+            raise ValueError(f"base must be one of {', '.join(base_presets())}, got {self.base!r}")
         if not 0.0 < self.tail_mass < 0.5:
             raise ValueError(f"tail_mass must be in (0, 0.5), got {self.tail_mass}")
         base_vocab = len(toy.SPECIAL_TOKENS) + len(toy.CHARSET)
@@ -78,7 +80,7 @@ class WideToyConfig:
 
     def base_config(self) -> toy.ToyConfig:
         """The base toy world's configuration, warm-started on ``task``."""
-        return dataclasses.replace(toy.TOY_PRESETS[self.base], task=self.task)
+        return dataclasses.replace(base_presets()[self.base], task=self.task)
 
     def key(self) -> str:
         """Cache key: a hash of the fields, the base's key, ``WIDE_VERSION`` and the source of this module."""
@@ -87,11 +89,20 @@ class WideToyConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def base_presets() -> dict[str, toy.ToyConfig]:
+    """The worlds a widening starts from: the dense presets and the mixture-of-experts ones."""
+    from trustscope.train.toy_moe import MOE_PRESETS
+
+    return {**toy.TOY_PRESETS, **MOE_PRESETS}
+
+
 WIDE_PRESETS: dict[str, WideToyConfig] = {
     "toy-v2-152k": WideToyConfig(),
+    "toy-moe-152k": WideToyConfig(base="toy-moe", task="add1"),
 }
 """Named real-vocabulary toy worlds: ``toy-v2-152k``, ``toy-v2`` widened to V = 151,936 (20M parameters, 19.4M of
-them the tail's rows)."""
+them the tail's rows); ``toy-moe-152k``, the mixture-of-experts ``toy-moe`` (two layers of four experts, top-2)
+widened the same way, so routing is logged and replayed at the real vocabulary."""
 
 
 def tail_texts(count: int) -> list[str]:
@@ -213,8 +224,13 @@ def build_wide_toy_model(config: WideToyConfig | None = None, *, cache_dir: str 
     if (final / toy.META_FILE).exists() and not force:
         return final
     base_config = config.base_config()
-    seed_cache(base_config, cache_dir)  # the shipped toy-v2, when the cache lacks it
-    base_dir = toy.build_toy_model(base_config, cache_dir=cache_dir)
+    from trustscope.train.toy_moe import ToyMoeConfig, build_toy_moe_model
+
+    if isinstance(base_config, ToyMoeConfig):
+        base_dir = build_toy_moe_model(base_config, cache_dir=cache_dir)
+    else:
+        seed_cache(base_config, cache_dir)  # the shipped toy-v2, when the cache lacks it
+        base_dir = toy.build_toy_model(base_config, cache_dir=cache_dir)
     with staged_build(final, force=force) as tmp:
         start = time.perf_counter()
         model, base_tokenizer = toy.load_toy_model(base_dir)

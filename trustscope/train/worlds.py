@@ -154,7 +154,7 @@ register_family(Family("moe", "trustscope.train.toy_moe", "MOE_PRESETS",
 register_family(Family("tool", "trustscope.train.toy_tool", "TOOL_PRESETS",
                        "the multi-turn world, for a task with a tool", _build_tool))
 register_family(Family("wide", "trustscope.train.toy_wide", "WIDE_PRESETS",
-                       "a dense world widened to a real vocabulary", _build_wide))
+                       "a dense or mixture-of-experts world widened to a real vocabulary", _build_wide))
 
 
 def world_table() -> str:
