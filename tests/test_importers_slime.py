@@ -377,8 +377,8 @@ def test_routed_experts_become_engine_experts_at_the_predicting_position(tmp_pat
 
 
 def test_routed_experts_of_a_wrong_shape_or_id_are_refused_naming_the_field(tmp_path):
-    from trustscope.importers.base import write_run
     from trustscope.importers.slime import read
+    from trustscope.importers.writer import write_run
 
     written = routed_dump(tmp_path / "dump")
     samples = written[0][0]

@@ -26,12 +26,10 @@ from trustscope.importers.base import (
     combine,
     format_for,
     name_unknown,
-    read_steps,
     register_importer,
-    write_run,
-    write_steps,
 )
 from trustscope.importers.follow import follow as _follow  # (the package keeps .follow, the module)
+from trustscope.importers.writer import read_steps, write_run, write_steps
 
 __all__ = ["IMPORTERS", "ImportFormatError", "ImportUsageError", "checked_options", "follow_run", "format_for",
            "import_run", "load_vocab", "read_source", "register_importer"]
@@ -66,11 +64,11 @@ def import_run(fmt: str, src: str | Path, logdir: str | Path, *, run_id: str | N
     ``tokenizer``: a local Hugging Face tokenizer directory (the run's own), loaded without network access, whose
     token texts become the run's vocab table. Nothing is written unless every file parses and checks; the run
     appears by one rename at the end. ``token_fraction`` < 1: the token rows of that share of sequences, with the
-    exact summaries over every token (:func:`~trustscope.importers.base.write_steps`).
+    exact summaries over every token (:func:`~trustscope.importers.writer.write_steps`).
 
     A format that lists its steps (prime-rl, NeMo-RL) is read step by step on ``workers`` processes (default
-    :func:`~trustscope.importers.base.default_workers`; 1: in this process) while this one writes, a few steps in
-    memory at a time (:func:`~trustscope.importers.base.read_steps`); the others are read whole, then written.
+    :func:`~trustscope.importers.writer.default_workers`; 1: in this process) while this one writes, a few steps in
+    memory at a time (:func:`~trustscope.importers.writer.read_steps`); the others are read whole, then written.
     """
     vocab = load_vocab(tokenizer)
     importer = format_for(fmt)

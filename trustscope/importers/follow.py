@@ -39,15 +39,12 @@ from trustscope.importers.base import (
     ImportFormatError,
     Listing,
     SourceGone,
-    check_routing,
     check_values,
     checked_options,
     format_for,
-    log_step,
     name_unknown,
-    routing_shape,
-    unscored,
 )
+from trustscope.importers.writer import check_routing, log_step, routing_shape, unscored
 
 __all__ = ["FollowResult", "SourceGone", "follow", "followed_formats"]
 

@@ -474,7 +474,7 @@ def _describe(run: ImportedRun, stats: Stats) -> ImportedRun:
 
 
 def combine(so_far: ImportedRun, step: ImportedRun) -> ImportedRun:
-    """The description of a source read step by step (:func:`~trustscope.importers.base.write_steps`): the
+    """The description of a source read step by step (:func:`~trustscope.importers.writer.write_steps`): the
     steps' layouts and trace versions must agree (refused naming both places, as in one read)."""
     a, b = so_far.stats, step.stats
     layouts = SameThroughout(MIXED_LAYOUTS, "{} layout".format)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,9 +13,6 @@ from torch import Tensor
 from trustscope.capture import fused_head_forward
 from trustscope.integrations.trl.engine import EngineCall, split_engine_logprobs
 from trustscope.integrations.trl.versions import TESTED_TRL, TRLVersionError
-
-if TYPE_CHECKING:
-    from trustscope.integrations.trl.attach import Attachment
 
 # Keys attach adds to TRL's batch dict; TRL shuffles and splits them with the rest (they are (B, ...) tensors).
 _SAMPLE_ID, _PROMPT_ID, _REWARD = "trustscope_sample_id", "trustscope_prompt_id", "trustscope_reward"
@@ -93,7 +90,7 @@ class _Hooks:
     loss forward's log-probs and entropy, then logs the micro-batch.
     """
 
-    def __init__(self, attachment: Attachment):
+    def __init__(self, attachment: Any):  # the Attachment (attach.py) that owns these wrappers
         self.a = attachment
         self.installed: list[tuple[Any, str]] = []
         self._rewards: Tensor | None = None
