@@ -684,3 +684,19 @@ def test_mismatch_where_page_shows_routing_replays_replace_rate(monkeypatch, tmp
     for layer in range(shape[0]):
         assert table[f"layer {layer}"].iloc[0] == pytest.approx(1 - kept[:, :, layer].mean(), abs=1e-6)
     assert any("replace rate" in c.value for c in at.caption)
+
+
+def test_no_page_script_shows_a_stray_string():
+    """Streamlit's magic writes every bare expression of a page script to the page: a docstring-like string under a
+    module-level name (``X = ...`` then ``\"\"\"what X is\"\"\"``) would appear above the page's title. Only the
+    module docstring may stand alone."""
+    import ast
+
+    views = Path(__file__).resolve().parent.parent / "app" / "views"
+    stray = []
+    for path in sorted(views.glob("*.py")):
+        body = ast.parse(path.read_text()).body
+        for node in body[1:]:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                stray.append(f"{path.name}:{node.lineno}")
+    assert not stray, f"bare strings a page would show: {stray}"

@@ -28,8 +28,7 @@ def detectors(ours: LogDB, run_id: str) -> pd.DataFrame:
     return pd.DataFrame([{"check": f.check, "verdict": f.verdict, "summary": f.summary} for f in found])
 
 
-MEASURED = "measured by the trainer"
-"""The column of the trainer's measured share (``train --explain-tokens``), where the run logged one."""
+MEASURED = "measured by the trainer"  # the column of the trainer's share (train --explain-tokens), where logged
 
 
 def share_table(causes: list[dict], unit: str, key: str) -> None:
@@ -41,7 +40,7 @@ def share_table(causes: list[dict], unit: str, key: str) -> None:
              else c["note"],
              "tokens touched": c["tokens"] if c["measurable"] else None,
              unit: c["amount"] if c["measurable"] else None,
-             **({MEASURED: c.get("measured") or 0.0} if measured else {})} for c in causes]
+             **({MEASURED: c.get("measured")} if measured else {})} for c in causes]  # None: not one it measures
     st.dataframe(pd.DataFrame(rows), hide_index=True, key=key, column_config={
         "tokens touched": st.column_config.NumberColumn("tokens touched", format="localized"),
         unit: st.column_config.NumberColumn(unit, format="%.4g"),
