@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
+
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.attribution")
 
 from trustscope.train.sampling import keep_support
 

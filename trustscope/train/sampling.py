@@ -10,7 +10,12 @@ support's edge), always keeping the sampled token.
 
 from __future__ import annotations
 
-import torch
+from trustscope.extras import missing
+
+try:
+    import torch
+except ModuleNotFoundError as exc:  # a reader's install: the [train] extra brings torch
+    missing(exc, "trustscope.train.sampling")
 
 MASKED = -1.0e9
 """The logit a token outside the support gets: ``exp`` of it is 0 in float32, and ``0 * MASKED`` stays 0 in the
