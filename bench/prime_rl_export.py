@@ -1,8 +1,7 @@
 """A prime-rl token export for the importer benchmarks, written as prime-rl's ``TokenExporter`` writes it.
 
-A copy of the weight-stream layout of ``PrimeRLExporter``, ``make_rollouts`` and ``pack`` in
-``tests/test_importers_prime_rl.py`` (the test suite keeps its own, with every layout), here so that a benchmark
-imports nothing from tests/. ``PrimeRLExporter`` follows ``src/prime_rl/trainer/rl/token_export.py``
+The one writer of such exports: the importer benchmarks and the importer tests (``tests/test_importers_prime_rl.py``,
+the follow tests) both write through it. ``PrimeRLExporter`` follows ``src/prime_rl/trainer/rl/token_export.py``
 (PrimeIntellect-ai/prime-rl): packed micro-batches ``(1, L)``, columns through ``tolist()`` with non-finite floats
 as ``null``, absent tensors as lists of ``null``, trailing padding (``env_names == ""`` and no loss mask) trimmed,
 one compact JSON line per sequence with a loss-mask token, ``STABLE`` touched per finished step. The trainer's
@@ -91,21 +90,24 @@ def pack(rollouts: list[Rollout], pad_to: int) -> tuple[dict, dict, list[int]]:
     return micro_batch, model_output, lengths
 
 
-def _floats(x: torch.Tensor, n: int) -> list:
+def _floats(x: torch.Tensor | None, n: int) -> list:
+    if x is None:
+        return [None] * n
     return [v if math.isfinite(v) else None for v in x.detach().to(torch.float32).reshape(-1).tolist()]
 
 
-def _bools(x: torch.Tensor) -> list:
-    return [bool(v) for v in x.reshape(-1).tolist()]
+def _bools(x: torch.Tensor | None, n: int) -> list:
+    return [None] * n if x is None else [bool(v) for v in x.reshape(-1).tolist()]
 
 
 class PrimeRLExporter:
-    """Writes ``token_exports/step_N/rank_R.jsonl`` as prime-rl's TokenExporter does (weight-stream layout, DPPO
-    masks on)."""
+    """Writes ``token_exports/step_N/rank_R.jsonl`` as prime-rl's TokenExporter does (``layout`` picks the version)."""
 
-    def __init__(self, output_dir: Path, rank: int):
-        self.root = output_dir / "token_exports"
-        self.rank = rank
+    def __init__(self, output_dir: Path, rank: int, layout: str = "weight-stream", dppo: bool = True,
+                 run_id: str | None = None):
+        # the loss-channel layout (prime-rl's loss-channel branch) writes a named run under <run_id>/token_exports
+        self.root = (output_dir if run_id is None else output_dir / run_id) / "token_exports"
+        self.rank, self.layout, self.dppo, self.run_id = rank, layout, dppo, run_id
         self.counts: dict[int, int] = {}
         self.opened: set[int] = set()
 
@@ -115,23 +117,34 @@ class PrimeRLExporter:
         log_ratio = trainer - inference
         ratio = torch.exp(log_ratio)
         delta = torch.exp(trainer) - torch.exp(inference)
-        pos, neg = mb["advantages"] > 0, mb["advantages"] < 0
-        inv_high, inv_low = delta > DPPO_HIGH, delta < -DPPO_LOW
-        masked = mb["loss_mask"] & torch.where(pos, inv_high, inv_low)
-        high, low = mb["loss_mask"] & pos & inv_high, mb["loss_mask"] & neg & inv_low
-        return {
+        masked = high = low = None
+        if self.dppo:
+            pos, neg = mb["advantages"] > 0, mb["advantages"] < 0
+            inv_high, inv_low = delta > DPPO_HIGH, delta < -DPPO_LOW
+            masked = mb["loss_mask"] & torch.where(pos, inv_high, inv_low)
+            high, low = mb["loss_mask"] & pos & inv_high, mb["loss_mask"] & neg & inv_low
+        cols = {
             "token_ids": [int(v) for v in mb["input_ids"].reshape(-1).tolist()],
             "position_ids": [int(v) for v in mb["position_ids"].reshape(-1).tolist()],
-            "loss_mask": _bools(mb["loss_mask"]),
+            "loss_mask": _bools(mb["loss_mask"], n),
             "advantages": _floats(mb["advantages"], n),
+        }
+        if self.layout == "loss-channel":  # one "rl" channel: its values are the advantages, its mask the loss mask
+            cols["losses"] = [{"rl": {"advantage": a, "mask": m}}
+                              for a, m in zip(cols["advantages"], cols["loss_mask"], strict=True)]
+        if self.layout in ("training-mode", "loss-channel"):
+            cols["rewards"] = _floats(mb["rewards"], n)
+        cols.update({
             "inference_logprobs": _floats(inference, n), "trainer_logprobs": _floats(trainer, n),
             "entropy": _floats(out["entropy"], n), "mismatch_kl": _floats(ratio - log_ratio - 1, n),
             "log_importance_ratio": _floats(log_ratio, n), "importance_ratio": _floats(ratio, n),
-            "prob_delta": _floats(delta, n), "is_masked": _bools(masked), "is_masked_high": _bools(high),
-            "is_masked_low": _bools(low),
-            "rl_weights": [None] * n, "ce_weights": [None] * n, "ref_kl_weights": [None] * n,
-            "env_names": list(mb["env_names"]),
-        }
+            "prob_delta": _floats(delta, n), "is_masked": _bools(masked, n), "is_masked_high": _bools(high, n),
+            "is_masked_low": _bools(low, n),
+        })
+        if self.layout == "weight-stream":
+            cols.update(rl_weights=[None] * n, ce_weights=[None] * n, ref_kl_weights=[None] * n)
+        cols["env_names"] = list(mb["env_names"])
+        return cols
 
     def export(self, step: int, micro_step: int, mb: dict, out: dict, lengths: list[int]) -> None:
         cols = self.columns(mb, out)
@@ -145,6 +158,13 @@ class PrimeRLExporter:
                 record = {"schema_version": 1, "step": step, "rank": self.rank, "micro_step": micro_step,
                           "micro_sequence_idx": idx, "export_sequence_idx": self.counts.get(step, 0),
                           "env_name": next((e for e in cols["env_names"][start:end] if e), None)}
+                if self.layout == "loss-channel":
+                    record = {"schema_version": 1, "step": step, "export_step": step, "rank": self.rank,
+                              "micro_step": micro_step, "micro_sequence_idx": idx,
+                              "export_sequence_idx": self.counts.get(step, 0), "run_id": self.run_id,
+                              "env_name": record["env_name"]}
+                if self.layout == "training-mode":
+                    record["training_mode"] = "rl"
                 record.update({k: list(v[start:end]) for k, v in cols.items() if k != "env_names"})
                 step_dir = self.root / f"step_{step}"
                 step_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """verl's actor inputs for ``bench_verl.py``: a driver batch, the engine's model output and an actor config.
 
-Copies of ``make_batch``, ``model_output`` and ``actor_config`` in ``tests/test_integration_verl.py`` (the test
-suite keeps its own), here so that a benchmark imports nothing from tests/.
+The one place they are written: ``bench_verl.py`` and the verl integration tests (``tests/test_integration_verl.py``
+and the tests that import from it) build their actor inputs with them.
 """
 
 from __future__ import annotations
