@@ -80,11 +80,8 @@ def test_the_trainer_knows_the_preset():
 def test_real_vocabulary_world_trains_logs_and_every_reader_opens_it(tmp_path, monkeypatch):
     """``trustscope train --model toy-v2-152k`` through vLLM with top-20, then report, doctor, validate, sql and
     every dashboard page on the log."""
-    from streamlit.testing.v1 import AppTest
     from typer.testing import CliRunner
 
-    from app.launch import LOGDIR_ENV
-    from app.pages import PAGES
     from trustscope.cli import app
 
     cache = Path(os.environ.get(paths.CACHE_ENV, "") or paths.cache_root())
@@ -114,16 +111,7 @@ def test_real_vocabulary_world_trains_logs_and_every_reader_opens_it(tmp_path, m
         assert out.exit_code == 0, (command, out.output)
         assert says in out.output, (command, out.output)
 
-    monkeypatch.setenv(LOGDIR_ENV, str(logdir))
-    at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=120)
-    at.run()
-    for page in PAGES:
-        if not page.default:
-            at.switch_page(page.script)
-            at.run()
-        assert not at.exception, (page.title, [e.message for e in at.exception])
-        assert not at.error, (page.title, [e.value for e in at.error])
-        assert [t.value for t in at.title] == [page.title]
+    every_page_opens(logdir, monkeypatch)
 
 
 @pytest.mark.slow
@@ -133,11 +121,8 @@ def test_the_moe_world_at_a_real_vocabulary_trains_with_routing_logged_and_every
     """``trustscope train --model toy-moe-152k`` through vLLM at bf16: both sides' experts logged on every token at
     V = 151,936, the routing checks pass (none fails on a healthy run), and report, validate and every dashboard
     page open the log."""
-    from streamlit.testing.v1 import AppTest
     from typer.testing import CliRunner
 
-    from app.launch import LOGDIR_ENV
-    from app.pages import PAGES
     from trustscope.cli import app
     from trustscope.db import connect
     from trustscope.doctor import diagnose
@@ -162,6 +147,16 @@ def test_the_moe_world_at_a_real_vocabulary_trains_with_routing_logged_and_every
     for command, says in ((["report", str(logdir)], "moe"), (["validate", str(logdir)], "ok: 1 run(s)")):
         out = runner.invoke(app, command)
         assert out.exit_code == 0 and says in out.output, (command, out.output)
+    every_page_opens(logdir, monkeypatch)
+
+
+def every_page_opens(logdir: Path, monkeypatch) -> None:
+    """Every dashboard page on ``logdir`` under Streamlit's AppTest: no exception, no error, its own title."""
+    from streamlit.testing.v1 import AppTest
+
+    from app.launch import LOGDIR_ENV
+    from app.pages import PAGES
+
     monkeypatch.setenv(LOGDIR_ENV, str(logdir))
     at = AppTest.from_file(str(ROOT / "app" / "main.py"), default_timeout=120)
     at.run()
@@ -170,4 +165,5 @@ def test_the_moe_world_at_a_real_vocabulary_trains_with_routing_logged_and_every
             at.switch_page(page.script)
             at.run()
         assert not at.exception, (page.title, [e.message for e in at.exception])
+        assert not at.error, (page.title, [e.value for e in at.error])
         assert [t.value for t in at.title] == [page.title]
