@@ -133,8 +133,9 @@ class Attribution:
         if not len(rows):
             return {}
         mask = x.mask[rows].bool()  # (b, T)
-        ver = torch.as_tensor(versions[rows.cpu().numpy()], device=mask.device)  # (b, T)
-        active = self.active(step, versions[rows.cpu().numpy()][mask.cpu().numpy()], x)
+        drawn = versions[rows.cpu().numpy()]  # (b, T) each drawn token's sampling version
+        ver = torch.as_tensor(drawn, device=mask.device)
+        active = self.active(step, drawn[mask.cpu().numpy()], x)
         current = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         logits: dict[tuple[bool, bool, bool], torch.Tensor] = {}
 
